@@ -1,0 +1,296 @@
+"""Recipe configuration: Megatron-style sections plus the ``odyssey:`` section.
+
+Structured omegaconf configs (one dataclass per component) merged in this order:
+schema defaults, the shipped model spec named by ``model.spec``, the recipe YAML, then
+command-line dotlist overrides. ``OmegaConf.to_object`` builds the dataclasses so each
+``__post_init__`` validates its own fields; cross-section checks live on ``RecipeConfig``.
+Every problem becomes a ``ConfigError`` naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from odyssey_megatron.specs import DEVICE_SPECS, MODEL_SPECS
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "ModelConfig",
+    "OdysseyConfig",
+    "ParallelConfig",
+    "RecipeConfig",
+    "TrainingConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; ``str()`` is the one line to print."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+
+
+def _require(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(key, problem)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value > 0, f"{section}.{name}", f"must be > 0, got {value}")
+
+
+def _one_of(key: str, value: str, allowed: Sequence[str]) -> None:
+    _require(value in allowed, key, f"must be one of {', '.join(allowed)}; got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Transformer architecture, in Megatron-Core's names (Llama-style: RoPE, SwiGLU, RMSNorm)."""
+
+    spec: Optional[str] = None
+    """A shipped architecture (llama2-7b, llama2-13b, llama2-70b) that fills the fields below;
+    fields given in the recipe or on the command line still win."""
+    num_layers: int = 32
+    """Transformer layers (embedding and output head come on top)."""
+    hidden_size: int = 4096
+    ffn_hidden_size: int = 11008
+    num_attention_heads: int = 32
+    num_query_groups: int = 32
+    """Key/value heads (grouped-query attention); equal to num_attention_heads for MHA."""
+    vocab_size: int = 32000
+    seq_length: int = 4096
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection (Llama-2 does not)."""
+    params_dtype: str = "bf16"
+    """Compute dtype of parameters and activations: bf16, fp16 or fp32."""
+
+    def __post_init__(self) -> None:
+        if self.spec is not None:
+            _one_of("model.spec", self.spec, sorted(MODEL_SPECS))
+        _positive(
+            "model", self, "num_layers", "hidden_size", "ffn_hidden_size",
+            "num_attention_heads", "num_query_groups", "vocab_size", "seq_length",
+        )
+        _one_of("model.params_dtype", self.params_dtype, ["bf16", "fp16", "fp32"])
+        _require(
+            self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+            f"must be divisible by model.num_attention_heads ({self.num_attention_heads}); got {self.hidden_size}",
+        )
+        _require(
+            self.num_attention_heads % self.num_query_groups == 0, "model.num_query_groups",
+            f"must divide model.num_attention_heads ({self.num_attention_heads}); got {self.num_query_groups}",
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.params_dtype == "fp32" else 2
+
+
+@dataclass
+class ParallelConfig:
+    """The initial (failure-free) layout; Odyssey changes DP and PP after failures, never TP."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    world_size: Optional[int] = None
+    """If given, must equal TP * PP * DP (a guard against a mistyped layout)."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+        if self.world_size is not None:
+            _require(
+                self.world_size == self.num_ranks, "parallel.world_size",
+                "must equal tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size = "
+                f"{self.num_ranks}; got {self.world_size}",
+            )
+
+    @property
+    def num_ranks(self) -> int:
+        """TP * PP * DP: the ranks the recipe launches."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+
+@dataclass
+class TrainingConfig:
+    """Batch and step settings, as Megatron's training arguments."""
+
+    global_batch_size: int = 16
+    micro_batch_size: int = 1
+    train_iters: int = 100
+    lr: float = 3.0e-4
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _positive("training", self, "global_batch_size", "micro_batch_size", "train_iters", "lr")
+        _require(
+            self.global_batch_size % self.micro_batch_size == 0, "training.global_batch_size",
+            f"must be divisible by training.micro_batch_size ({self.micro_batch_size}); got {self.global_batch_size}",
+        )
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per global batch, summed over all pipelines."""
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass
+class ClusterConfig:
+    """The hardware the recipe runs on."""
+
+    device: str = "ascend-910b"
+    """A shipped device spec: ascend-910b, a100-80gb, h100-80gb or cpu."""
+    devices_per_node: int = 8
+    """Accelerators per machine; a node failure takes all of them."""
+
+    def __post_init__(self) -> None:
+        _one_of("cluster.device", self.device, sorted(DEVICE_SPECS))
+        _positive("cluster", self, "devices_per_node")
+
+
+@dataclass
+class OdysseyConfig:
+    """How Odyssey decides after a failure (paper 001, section IV)."""
+
+    policy: str = "auto"
+    """auto (Eq. 8 picks), reroute (ReCycle-style only) or reparallelize (dynamic parallelism only)."""
+    device_mtbf_hours: float = 10.0
+    """Mean time between failures of one device; 10 h is the paper's 10%/h failure rate.
+    The expected time to the next failure is this divided by the surviving devices."""
+    learn_failure_rate: bool = True
+    """Update the failure rate from failures observed during the run (gamma-exponential posterior)."""
+    dp_search_radius: int = 2
+    """Candidate DP degrees lie within this distance of the current one (Algorithm 1's R_dp)."""
+    pp_search_radius: int = 1
+    """Candidate pipeline lengths lie within this distance of an even split (Algorithm 1's R_pp)."""
+    max_layer_splits: int = 256
+    """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
+    memory_budget_gib: Optional[float] = None
+    """Usable memory per device for the OOM filter; default: device memory minus reserved."""
+    reroute_restart_s: float = 1.0
+    """Time to rebuild process groups and resume after a reroute decision."""
+    reparallelize_restart_s: float = 8.0
+    """Time to rebuild groups, models and optimizers after a reparallelize decision (transfers excluded)."""
+    storage_bandwidth_gb_s: float = 2.0
+    """Read bandwidth (GB/s per device) for layers that no survivor holds and come from a checkpoint."""
+
+    def __post_init__(self) -> None:
+        _one_of("odyssey.policy", self.policy, ["auto", "reroute", "reparallelize"])
+        _positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
+        for name in ("dp_search_radius", "pp_search_radius"):
+            value = getattr(self, name)
+            _require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
+        for name in ("reroute_restart_s", "reparallelize_restart_s"):
+            value = getattr(self, name)
+            _require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
+        if self.memory_budget_gib is not None:
+            _require(self.memory_budget_gib > 0, "odyssey.memory_budget_gib", f"must be > 0, got {self.memory_budget_gib}")
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe: what to train, on what, and how Odyssey recovers."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    odyssey: OdysseyConfig = field(default_factory=OdysseyConfig)
+
+    def __post_init__(self) -> None:
+        par, model, train = self.parallel, self.model, self.training
+        _require(
+            model.num_layers >= par.pipeline_model_parallel_size, "parallel.pipeline_model_parallel_size",
+            f"must be <= model.num_layers ({model.num_layers}); got {par.pipeline_model_parallel_size}",
+        )
+        tp = par.tensor_model_parallel_size
+        _require(
+            model.num_query_groups % tp == 0, "parallel.tensor_model_parallel_size",
+            f"must divide model.num_query_groups ({model.num_query_groups}); got {tp}",
+        )
+        _require(
+            self.cluster.devices_per_node % tp == 0 or tp % self.cluster.devices_per_node == 0,
+            "parallel.tensor_model_parallel_size",
+            f"must divide or be a multiple of cluster.devices_per_node ({self.cluster.devices_per_node}); got {tp}",
+        )
+        per_step = train.micro_batch_size * par.data_parallel_size
+        _require(
+            train.global_batch_size % per_step == 0, "training.global_batch_size",
+            f"must be divisible by training.micro_batch_size * parallel.data_parallel_size ({per_step}); "
+            f"got {train.global_batch_size}",
+        )
+
+
+def _known_keys(schema: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in schema.items():
+        path = f"{prefix}{key}"
+        keys.extend(_known_keys(value, f"{path}.") if isinstance(value, DictConfig) else [path])
+    return keys
+
+
+def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
+    """Turn omegaconf's multi-line error into one line naming the key and what is allowed."""
+    key = getattr(exc, "full_key", None) or "config"
+    message = str(exc).splitlines()[0]
+    if "not in struct" in message or "Key '" in message and "not in" in message:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        section = OmegaConf.select(schema, parent) if parent else schema
+        allowed = sorted(section.keys()) if isinstance(section, DictConfig) else []
+        return ConfigError(key, f"unknown key; allowed here: {', '.join(map(str, allowed))}")
+    if "Value '" in message or "could not be converted" in message or "Invalid type" in message:
+        field_type = None
+        parent_path, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(schema, parent_path) if parent_path else schema
+        if isinstance(node, DictConfig):
+            field_type = next((f.type for f in fields(node._metadata.object_type) if f.name == leaf), None)
+        expected = getattr(field_type, "__name__", None) or str(field_type).replace("typing.", "")
+        return ConfigError(key, f"{message.rstrip('.')}; expected {expected}")
+    return ConfigError(key, message)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Load and validate a recipe; raises ConfigError with a one-line explanation."""
+    schema = OmegaConf.structured(RecipeConfig)
+    try:
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError("--config", f"no such file: {path}")
+            recipe = OmegaConf.load(path)
+            if not isinstance(recipe, DictConfig):
+                raise ConfigError("--config", f"{path} must hold a mapping of sections, not a list")
+        else:
+            recipe = OmegaConf.create()
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(item, "an override must look like section.key=value")
+        cli = OmegaConf.from_dotlist(list(overrides))
+        spec_name = OmegaConf.select(cli, "model.spec") or OmegaConf.select(recipe, "model.spec")
+        layers = [schema]
+        if spec_name is not None:
+            if spec_name not in MODEL_SPECS:
+                raise ConfigError("model.spec", f"must be one of {', '.join(sorted(MODEL_SPECS))}; got {spec_name!r}")
+            layers.append(OmegaConf.create({"model": MODEL_SPECS[spec_name]}))
+        merged = OmegaConf.merge(*layers, recipe, cli)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        raise _explain(exc, schema) from None
+
+
+def to_yaml(config: RecipeConfig) -> str:
+    """The resolved recipe, for logs and W&B run configs."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

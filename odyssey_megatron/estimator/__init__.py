@@ -1,0 +1,70 @@
+"""Estimator: step time, peak memory and transition time of an ExecutionPlan.
+
+Step time = pipeline time from the op-list programme (Eq. 10-11) + DP gradient sync in
+coloured rounds. Peak memory per stage follows Eq. 14 on the real op lists. The closed
+forms (Eq. 9, 12-14) live in ``closed_form`` for textbook checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.communication import sync_time
+from odyssey_megatron.estimator.memory import peak_memory
+from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, simulate_pipelines
+from odyssey_megatron.estimator.transition import transfer_time
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.schedules.ops import compile_schedule
+
+__all__ = ["PlanEstimate", "ScheduleDeadlock", "estimate_plan", "transfer_time"]
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    pipeline_time_s: float
+    sync_time_s: float
+    peak_memory_bytes: tuple[tuple[Optional[int], ...], ...]
+    """Per pipeline, per stage; None for a failed stage (its peers carry its memory)."""
+    memory_budget_bytes: int
+    samples_per_step: int
+    tokens_per_sample: int
+
+    @property
+    def step_time_s(self) -> float:
+        return self.pipeline_time_s + self.sync_time_s
+
+    @property
+    def max_peak_memory_bytes(self) -> int:
+        return max((m for stage in self.peak_memory_bytes for m in stage if m is not None), default=0)
+
+    @property
+    def fits_memory(self) -> bool:
+        return self.max_peak_memory_bytes <= self.memory_budget_bytes
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_step / self.step_time_s if self.step_time_s > 0 else float("inf")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.tokens_per_sample
+
+
+def estimate_plan(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None) -> PlanEstimate:
+    """Estimate one step of ``plan``; raises ScheduleDeadlock if its op lists cannot run."""
+    schedule = compile_schedule(plan)
+    timing = simulate_pipelines(plan, profile, cluster, schedule=schedule)
+    peaks = peak_memory(plan, profile, schedule)
+    return PlanEstimate(
+        pipeline_time_s=timing.makespan_s,
+        sync_time_s=sync_time(plan, profile, cluster),
+        peak_memory_bytes=tuple(
+            tuple(peaks.get(s.worker) if s.worker is not None else None for s in p.stages) for p in plan.pipelines
+        ),
+        memory_budget_bytes=profile.memory_budget_bytes,
+        samples_per_step=plan.num_micro_batches * profile.samples_per_micro_batch,
+        tokens_per_sample=profile.tokens_per_sample,
+    )

@@ -1,0 +1,44 @@
+"""Peak memory per stage (paper 001, Eq. 14), from the op lists that actually run.
+
+Static memory is the held blocks' weights, gradients and optimizer state. Dynamic
+memory is the activations of micro-batches whose forward ran and backward has not:
+1F1B keeps N_pp - i of them on stage i, a rerouting peer may keep more. Counting
+in-flight micro-batches on the op list gives Eq. 14 for plain pipelines and the right
+answer for rerouted ones.
+"""
+
+from __future__ import annotations
+
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.schedules.ops import FORWARD, Op
+
+
+def max_in_flight(ops: list[Op]) -> int:
+    """Most micro-batches holding activations at once on one worker."""
+    live = peak = 0
+    for op in ops:
+        live += 1 if op.kind == FORWARD else -1
+        peak = max(peak, live)
+    return peak
+
+
+def stage_activation_bytes(profile: ModelProfile, start: int, end: int, *, first: bool, last: bool) -> int:
+    blocks = profile.stage_blocks(start, end, first=first, last=last)
+    if last and profile.tie_embeddings and not first:
+        blocks.remove("embedding")  # the tied copy is only used through the output block
+    return sum(profile.block(b).activation_bytes for b in blocks)
+
+
+def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: dict[int, list[Op]]) -> dict[int, int]:
+    """Peak bytes per live stage owner."""
+    peaks: dict[int, int] = {}
+    for pi, si, stage in plan.stage_positions():
+        if stage.worker is None:
+            continue
+        last = si == plan.pipelines[pi].num_stages - 1
+        start, end = stage.layers
+        static = sum(profile.block(b).static_bytes for b in profile.stage_blocks(start, end, first=si == 0, last=last))
+        activation = stage_activation_bytes(profile, start, end, first=si == 0, last=last)
+        peaks[stage.worker] = static + max_in_flight(schedule.get(stage.worker, [])) * activation
+    return peaks

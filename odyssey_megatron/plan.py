@@ -1,0 +1,214 @@
+"""ExecutionPlan: what every rank runs, as plain data with a JSON round trip.
+
+A plan lists pipelines; each pipeline lists stages (a worker and a layer range
+[start, end)) and the global micro-batch ids it trains each step. A stage whose worker
+is ``None`` has failed and its micro-batches are *rerouted*: ``reroutes`` names, per
+micro-batch, the worker of a same-stage peer in another pipeline that runs it. DP
+gradient sync is described by ``sync_units`` (blocks held by the same set of workers)
+grouped into ``comm_rounds``; ``transfers`` move weights and optimizer state before the
+plan starts. The controller publishes plans as JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional
+
+from odyssey_megatron.profile import Block, ModelProfile
+
+POLICIES = ("initial", "reroute", "reparallelize")
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: who runs it and which transformer layers it holds."""
+
+    worker: Optional[int]
+    layers: tuple[int, int]
+    """[start, end) in model order; the first stage also holds the embedding, the last the output head."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    stages: tuple[StagePlan, ...]
+    micro_batches: tuple[int, ...]
+    """Global micro-batch ids this pipeline consumes each step, in execution order."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        return tuple(s.num_layers for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """Micro-batches of a failed stage that a same-stage peer runs instead."""
+
+    pipeline: int
+    stage: int
+    worker: int
+    micro_batches: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SyncUnit:
+    """Blocks held by exactly the same set of workers: one DP all-reduce."""
+
+    blocks: tuple[Block, ...]
+    workers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Move one block's weights and optimizer state (one TP shard) between ranks.
+
+    ``layer`` is a transformer layer index, "embedding" or "output". ``src`` is None when
+    no survivor holds the block: the shard is read from the last checkpoint instead.
+    """
+
+    layer: Block
+    src: Optional[int]
+    dst: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    generation: int
+    policy: str
+    num_layers: int
+    tensor_parallel_size: int
+    pipelines: tuple[PipelinePlan, ...]
+    reroutes: tuple[Reroute, ...] = ()
+    sync_units: tuple[SyncUnit, ...] = ()
+    comm_rounds: tuple[tuple[int, ...], ...] = ()
+    """Indices into sync_units; units in one round touch disjoint workers and run concurrently."""
+    transfers: tuple[Transfer, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+    # -- derived views ---------------------------------------------------------------
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        """Live workers that own a stage, in pipeline order."""
+        return tuple(s.worker for p in self.pipelines for s in p.stages if s.worker is not None)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return sum(len(p.micro_batches) for p in self.pipelines)
+
+    def stage_positions(self) -> Iterator[tuple[int, int, StagePlan]]:
+        for pi, pipeline in enumerate(self.pipelines):
+            for si, stage in enumerate(pipeline.stages):
+                yield pi, si, stage
+
+    def blocks_of_stage(self, pipeline: int, stage: int, profile: ModelProfile) -> list[Block]:
+        p = self.pipelines[pipeline]
+        start, end = p.stages[stage].layers
+        return profile.stage_blocks(start, end, first=stage == 0, last=stage == p.num_stages - 1)
+
+    def holdings(self, profile: ModelProfile) -> dict[int, list[Block]]:
+        """Blocks each live stage owner holds (rerouting peers hold their own stage only)."""
+        return {
+            stage.worker: self.blocks_of_stage(pi, si, profile)
+            for pi, si, stage in self.stage_positions()
+            if stage.worker is not None
+        }
+
+    def executor(self, pipeline: int, stage: int, micro_batch: int) -> int:
+        """The worker that runs ``micro_batch`` of ``pipeline`` at ``stage``."""
+        owner = self.pipelines[pipeline].stages[stage].worker
+        if owner is not None:
+            return owner
+        for r in self.reroutes:
+            if r.pipeline == pipeline and r.stage == stage and micro_batch in r.micro_batches:
+                return r.worker
+        raise KeyError(f"no worker runs micro-batch {micro_batch} of pipeline {pipeline} stage {stage}")
+
+    def ranks(self, worker: int) -> list[int]:
+        tp = self.tensor_parallel_size
+        return list(range(worker * tp, (worker + 1) * tp))
+
+    # -- JSON ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format_version"] = PLAN_FORMAT_VERSION
+        for pipeline in data["pipelines"]:
+            for stage in pipeline["stages"]:
+                stage["ranks"] = [] if stage["worker"] is None else self.ranks(stage["worker"])
+        data["comm_rounds"] = [list(r) for r in self.comm_rounds]
+        return data
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ExecutionPlan":
+        version = data.get("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format_version {version} is not supported (this build reads {PLAN_FORMAT_VERSION})")
+        return cls(
+            generation=data["generation"],
+            policy=data["policy"],
+            num_layers=data["num_layers"],
+            tensor_parallel_size=data["tensor_parallel_size"],
+            pipelines=tuple(
+                PipelinePlan(
+                    stages=tuple(StagePlan(s["worker"], tuple(s["layers"])) for s in p["stages"]),
+                    micro_batches=tuple(p["micro_batches"]),
+                )
+                for p in data["pipelines"]
+            ),
+            reroutes=tuple(
+                Reroute(r["pipeline"], r["stage"], r["worker"], tuple(r["micro_batches"])) for r in data["reroutes"]
+            ),
+            sync_units=tuple(SyncUnit(tuple(u["blocks"]), tuple(u["workers"])) for u in data["sync_units"]),
+            comm_rounds=tuple(tuple(r) for r in data["comm_rounds"]),
+            transfers=tuple(Transfer(t["layer"], t["src"], t["dst"], t["bytes"]) for t in data["transfers"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExecutionPlan":
+        return cls.from_dict(json.loads(text))
+
+
+def validate_plan(plan: ExecutionPlan, *, num_micro_batches: int) -> None:
+    """Raise ValueError unless the plan trains every layer once per pipeline and every
+    micro-batch exactly once per step, with no worker owning two stages."""
+    owners = [w for w in plan.workers]
+    if len(owners) != len(set(owners)):
+        raise ValueError("a worker owns more than one stage")
+    for pi, pipeline in enumerate(plan.pipelines):
+        if not pipeline.stages:
+            raise ValueError(f"pipeline {pi} has no stages")
+        expected = 0
+        for stage in pipeline.stages:
+            start, end = stage.layers
+            if start != expected or end <= start:
+                raise ValueError(f"pipeline {pi} layers are not a contiguous cover: {pipeline.layer_counts}")
+            expected = end
+        if expected != plan.num_layers:
+            raise ValueError(f"pipeline {pi} covers {expected} of {plan.num_layers} layers")
+        if not pipeline.micro_batches:
+            raise ValueError(f"pipeline {pi} is idle (no micro-batches)")
+    ids = sorted(m for p in plan.pipelines for m in p.micro_batches)
+    if ids != list(range(num_micro_batches)):
+        raise ValueError(f"micro-batch ids are not exactly 0..{num_micro_batches - 1} once each")
+    for pi, si, stage in plan.stage_positions():
+        if stage.worker is None:
+            covered = sorted(m for r in plan.reroutes if (r.pipeline, r.stage) == (pi, si) for m in r.micro_batches)
+            if covered != sorted(plan.pipelines[pi].micro_batches):
+                raise ValueError(f"failed stage {si} of pipeline {pi} has micro-batches nobody reroutes")

@@ -1,0 +1,126 @@
+"""The decision: reroute or reparallelize, whichever scores best under Eq. 8."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import OdysseyConfig
+from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.planner.policy import FailureRateModel, policy_score
+from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
+from odyssey_megatron.planner.reroute import reroute_plan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.restorer import with_sync
+
+PLACED_LAYOUTS = 3
+"""Fastest layouts that get a Kuhn-Munkres placement, so transition cost can still change the winner."""
+
+
+class UnrecoverableFailure(RuntimeError):
+    """No plan can continue on the survivors; the message says why."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    policy: str
+    plan: ExecutionPlan
+    estimate: PlanEstimate
+    transition_s: float
+    score: float
+    """Eq. 8: samples/s times the effective-time ratio."""
+    layout: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    chosen: Candidate
+    alternatives: tuple[Candidate, ...]
+    """Other placed candidates, best score first."""
+    candidates_considered: int
+    """Strategies estimated (plus the reroute plan)."""
+    search_time_s: float
+    expected_interval_s: float
+    note: str = ""
+
+
+def _layout_of(plan: ExecutionPlan) -> str:
+    return describe_layout([p.layer_counts for p in plan.pipelines])
+
+
+def decide(
+    *,
+    current: ExecutionPlan,
+    cluster: ClusterState,
+    profile: ModelProfile,
+    settings: OdysseyConfig,
+    failure_model: FailureRateModel,
+) -> Decision:
+    """Pick the successor of ``current`` on ``cluster``'s survivors; raises UnrecoverableFailure."""
+    started = time.perf_counter()
+    failed = cluster.failed_workers
+    interval = failure_model.expected_interval_s(cluster.alive_devices)
+    if not failed & set(current.workers):
+        estimate = estimate_plan(current, profile, cluster)
+        unchanged = Candidate(current.policy, current, estimate, 0.0, estimate.samples_per_s, _layout_of(current))
+        return Decision(unchanged, (), 0, time.perf_counter() - started, interval, "no stage owner failed")
+
+    drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float]] = []  # policy, plan, estimate, transfer seconds
+    considered = 0
+    notes = []
+    want_reroute = settings.policy in ("auto", "reroute")
+    want_reparallelize = settings.policy in ("auto", "reparallelize")
+
+    if want_reroute:
+        considered += 1
+        rerouted = reroute_plan(current, failed_workers=failed, profile=profile)
+        if rerouted is None:
+            notes.append("reroute impossible: a stage lost every replica")
+        else:
+            rerouted = with_sync(rerouted, profile)
+            try:
+                estimate = estimate_plan(rerouted, profile, cluster)
+            except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
+                notes.append(f"reroute schedule deadlocks: {exc}")
+            else:
+                if estimate.fits_memory:
+                    drafts.append(("reroute", rerouted, estimate, 0.0))
+                else:
+                    notes.append("reroute exceeds the memory budget on a peer")
+
+    if want_reparallelize or not drafts:
+        if not want_reparallelize:
+            notes.append("falling back to reparallelize")
+        search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
+        layouts = search.layouts(
+            num_workers=len(cluster.alive_workers),
+            num_micro_batches=current.num_micro_batches,
+            current_dp=len(current.pipelines),
+            dp_radius=settings.dp_search_radius,
+            pp_radius=settings.pp_search_radius,
+        )
+        considered += len(layouts)
+        for layout in layouts[:PLACED_LAYOUTS]:
+            plan = place_layout(layout, current=current, cluster=cluster, profile=profile)
+            moving = transfer_time(
+                plan.transfers, profile=profile, cluster=cluster,
+                storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
+            )
+            drafts.append(("reparallelize", plan, estimate_plan(plan, profile, cluster), moving))
+        if not layouts:
+            notes.append("no reparallelized layout fits the memory budget")
+
+    if not drafts:
+        raise UnrecoverableFailure("; ".join(notes) or "no candidate plan")
+    search_s = time.perf_counter() - started
+    restart = {"reroute": settings.reroute_restart_s, "reparallelize": settings.reparallelize_restart_s}
+    candidates = []
+    for policy, plan, estimate, moving in drafts:
+        transition = search_s + moving + restart[policy]
+        score = policy_score(samples_per_s=estimate.samples_per_s, transition_s=transition, interval_s=interval)
+        candidates.append(Candidate(policy, plan, estimate, transition, score, _layout_of(plan)))
+    candidates.sort(key=lambda c: (-c.score, c.policy != "reroute"))
+    chosen, *others = candidates
+    return Decision(chosen, tuple(others), considered, search_s, interval, "; ".join(notes))

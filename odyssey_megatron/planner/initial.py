@@ -1,0 +1,48 @@
+"""The failure-free plan: Megatron's symmetric DP x PP layout."""
+
+from __future__ import annotations
+
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.planner.batch import assign_micro_batch_ids
+from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.restorer import with_sync
+
+
+def initial_plan(
+    *,
+    data_parallel_size: int,
+    pipeline_parallel_size: int,
+    tensor_parallel_size: int,
+    num_micro_batches: int,
+    profile: ModelProfile,
+    max_layer_splits: int,
+) -> ExecutionPlan:
+    """Stage s of pipeline d runs on worker s * DP + d (Megatron's tp-dp-pp rank order);
+    raises ValueError if no layer split fits the memory budget."""
+    per_pipeline, rest = divmod(num_micro_batches, data_parallel_size)
+    if rest:
+        raise ValueError(f"{num_micro_batches} micro-batches do not split over {data_parallel_size} pipelines")
+    best = SplitSearch(profile, limit=max_layer_splits).best(pipeline_parallel_size, per_pipeline)
+    if best is None:
+        raise ValueError(
+            f"no split of {profile.num_layers} layers over {pipeline_parallel_size} stages fits "
+            f"the memory budget of {profile.memory_budget_bytes / 2**30:.1f} GiB per device"
+        )
+    ranges = stage_ranges(best[0])
+    ids = assign_micro_batch_ids([per_pipeline] * data_parallel_size)
+    pipelines = tuple(
+        PipelinePlan(
+            stages=tuple(StagePlan(s * data_parallel_size + d, layers) for s, layers in enumerate(ranges)),
+            micro_batches=ids[d],
+        )
+        for d in range(data_parallel_size)
+    )
+    plan = ExecutionPlan(
+        generation=0,
+        policy="initial",
+        num_layers=profile.num_layers,
+        tensor_parallel_size=tensor_parallel_size,
+        pipelines=pipelines,
+    )
+    return with_sync(plan, profile)

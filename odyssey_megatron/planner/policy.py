@@ -1,0 +1,50 @@
+"""The policy objective (paper 001, Eq. 8) and the failure-rate model it needs.
+
+    score = B / t_step  *  t_next / (t_transition + t_next)
+
+where t_transition + t_next is the time until the next failure. That interval is
+1 / (rate per device * surviving devices); the rate starts from the configured MTBF and,
+if asked, learns from failures seen so far (gamma prior worth one failure, exponential
+likelihood), so a cluster that fails more often than configured favours cheap transitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SECONDS_PER_HOUR = 3600.0
+
+
+def policy_score(*, samples_per_s: float, transition_s: float, interval_s: float) -> float:
+    """Eq. 8: throughput times the effective-time ratio of the interval to the next failure."""
+    effective = max(0.0, interval_s - transition_s) / interval_s
+    return samples_per_s * effective
+
+
+@dataclass
+class FailureRateModel:
+    """Per-device failure rate: prior from the MTBF, posterior mean from observations."""
+
+    device_mtbf_hours: float
+    learn: bool = True
+    prior_failures: float = 1.0
+    observed_failures: int = 0
+    observed_device_hours: float = 0.0
+
+    def observe(self, *, failures: int, device_hours: float) -> None:
+        """Record ``failures`` seen over ``device_hours`` of exposure (devices x hours)."""
+        if failures < 0 or device_hours < 0:
+            raise ValueError("failures and device_hours must be >= 0")
+        self.observed_failures += failures
+        self.observed_device_hours += device_hours
+
+    @property
+    def rate_per_device_hour(self) -> float:
+        prior_hours = self.prior_failures * self.device_mtbf_hours
+        if not self.learn:
+            return 1.0 / self.device_mtbf_hours
+        return (self.prior_failures + self.observed_failures) / (prior_hours + self.observed_device_hours)
+
+    def expected_interval_s(self, alive_devices: int) -> float:
+        """Expected seconds until the next failure among ``alive_devices``."""
+        return SECONDS_PER_HOUR / (self.rate_per_device_hour * max(alive_devices, 1))

@@ -1,0 +1,159 @@
+"""Dynamic-parallelism plans: Algorithm 1 of paper 001 over asymmetric pipelines.
+
+For each candidate strategy (pipeline lengths over the survivors): distribute the batch,
+pick each length's best layer split, estimate step time as the slowest pipeline plus DP
+sync in coloured rounds. The best few strategies are then placed on real workers by the
+restorer's Kuhn-Munkres assignment, which also yields their weight transfers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.communication import allreduce_time
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
+from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
+from odyssey_megatron.planner.strategies import parallel_strategies
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.restorer import color_rounds, plan_weight_transfer, sync_units, with_sync
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A strategy with its batch and layer distribution, before workers are chosen."""
+
+    splits: tuple[tuple[int, ...], ...]
+    """Layer counts per stage, one entry per pipeline."""
+    micro_batches: tuple[int, ...]
+    est_step_time_s: float
+
+
+class ReparallelizeSearch:
+    """Algorithm 1 for one decision (the split and sync-round caches live as long as it)."""
+
+    def __init__(self, profile: ModelProfile, *, max_layer_splits: int):
+        self.profile = profile
+        self.splits = SplitSearch(profile, limit=max_layer_splits)
+        self._sync_cache: dict[tuple, float] = {}
+
+    def layouts(
+        self,
+        *,
+        num_workers: int,
+        num_micro_batches: int,
+        current_dp: int,
+        dp_radius: int,
+        pp_radius: int,
+    ) -> list[Layout]:
+        """Every feasible candidate layout, fastest first."""
+        strategies = parallel_strategies(
+            num_workers=num_workers,
+            current_dp=current_dp,
+            dp_radius=dp_radius,
+            pp_radius=pp_radius,
+            max_stages=self.profile.num_layers,
+        )
+        layouts = []
+        for strategy in strategies:
+            if len(strategy) > num_micro_batches:
+                continue
+            layout = self._layout(strategy, num_micro_batches)
+            if layout is not None:
+                layouts.append(layout)
+        layouts.sort(key=lambda l: (l.est_step_time_s, len(l.splits)))
+        return layouts
+
+    def _layout(self, strategy: tuple[int, ...], num_micro_batches: int) -> Layout | None:
+        shares = distribute_batch(num_micro_batches, strategy)
+        busiest = Counter()
+        for length, share in zip(strategy, shares):
+            busiest[length] = max(busiest[length], share)
+        split_of = {}
+        for length, share in busiest.items():
+            best = self.splits.best(length, share)
+            if best is None:
+                return None
+            split_of[length] = best[0]
+        splits = tuple(split_of[length] for length in strategy)
+        pipeline_time = max(self.splits.pipeline_cost(split, share)[0] for split, share in zip(splits, shares))
+        return Layout(splits, tuple(shares), pipeline_time + self._sync_time(splits))
+
+    def _sync_time(self, splits: tuple[tuple[int, ...], ...]) -> float:
+        """DP sync of a layout, from one representative pipeline per distinct split (two when
+        it repeats), so conflicts and rounds match the full plan at a fraction of the cost."""
+        counts = Counter(splits)
+        key = tuple(sorted(counts.items()))
+        if key not in self._sync_cache:
+            pipelines, owner_split, worker = [], {}, 0
+            for split, count in key:
+                for _ in range(min(count, 2)):
+                    stages = []
+                    for layers in stage_ranges(split):
+                        stages.append(StagePlan(worker, layers))
+                        owner_split[worker] = split
+                        worker += 1
+                    pipelines.append(PipelinePlan(tuple(stages), (0,)))
+            sample = ExecutionPlan(0, "reparallelize", self.profile.num_layers, 1, tuple(pipelines))
+            units = sync_units(sample, self.profile)
+            total = 0.0
+            for round_ in color_rounds(units):
+                slowest = 0.0
+                for index in round_:
+                    unit = units[index]
+                    group = sum(counts[s] for s in {owner_split[w] for w in unit.workers})
+                    num_bytes = sum(self.profile.block(b).grad_bytes for b in unit.blocks)
+                    slowest = max(slowest, allreduce_time(
+                        num_bytes,
+                        group_size=group,
+                        bandwidth=self.profile.inter_node_bandwidth,
+                        latency_s=self.profile.link_latency_s,
+                    ))
+                total += slowest
+            self._sync_cache[key] = total
+        return self._sync_cache[key]
+
+
+def place_layout(
+    layout: Layout,
+    *,
+    current: ExecutionPlan,
+    cluster: ClusterState,
+    profile: ModelProfile,
+) -> ExecutionPlan:
+    """Put ``layout`` on the survivors with the least weight movement (Kuhn-Munkres)."""
+    failed = cluster.failed_workers
+    holdings = {w: [] for w in cluster.alive_workers}
+    for worker, blocks in current.holdings(profile).items():
+        if worker not in failed:
+            holdings[worker] = blocks
+    slots, ranges = [], []
+    for split in layout.splits:
+        stage_layers = stage_ranges(split)
+        ranges.append(stage_layers)
+        for si, (start, end) in enumerate(stage_layers):
+            slots.append(profile.stage_blocks(start, end, first=si == 0, last=si == len(split) - 1))
+    transfer = plan_weight_transfer(holdings=holdings, slots=slots, profile=profile, cluster=cluster)
+    workers = iter(transfer.assignment)
+    pipelines = tuple(
+        PipelinePlan(tuple(StagePlan(next(workers), layers) for layers in stage_layers), ids)
+        for stage_layers, ids in zip(ranges, assign_micro_batch_ids(layout.micro_batches))
+    )
+    plan = ExecutionPlan(
+        generation=current.generation + 1,
+        policy="reparallelize",
+        num_layers=current.num_layers,
+        tensor_parallel_size=current.tensor_parallel_size,
+        pipelines=pipelines,
+        transfers=transfer.transfers,
+    )
+    return with_sync(plan, profile)
+
+
+def describe_layout(splits: Sequence[tuple[int, ...]]) -> str:
+    """'[4,4]x2 + [3,3,2]' style summary for logs."""
+    counts = Counter(splits)
+    return " + ".join(f"[{','.join(map(str, s))}]x{n}" for s, n in sorted(counts.items(), key=lambda kv: -len(kv[0])))

@@ -1,0 +1,42 @@
+"""Candidate DP/PP strategies over the surviving workers (paper 001, Algorithm 1 lines 1-7).
+
+A strategy is the multiset of pipeline lengths: ``(4, 4, 3)`` is three pipelines of
+4, 4 and 3 stages over 11 workers. DP degrees stay within a radius of the current one
+and pipeline lengths within a radius of the even split (Algorithm 1's R_dp and R_pp).
+Strategies mix at most two pipeline lengths: a third shape adds DP sync units and rounds
+and another layer split without balancing load any better, and leaving it out keeps the
+search linear in the DP range (8,000 partitions of 1,023 workers become ~40).
+"""
+
+from __future__ import annotations
+
+
+def two_length_partitions(total: int, parts: int, low: int, high: int) -> list[tuple[int, ...]]:
+    """Non-increasing tuples of ``parts`` lengths in [low, high], at most two distinct,
+    summing to ``total``."""
+    found = []
+    for short in range(max(low, 1), high + 1):
+        if short * parts == total:
+            found.append((short,) * parts)
+        for long in range(short + 1, high + 1):
+            count_long, rest = divmod(total - short * parts, long - short)
+            if rest == 0 and 0 < count_long < parts:
+                found.append((long,) * count_long + (short,) * (parts - count_long))
+    return sorted(found, reverse=True)
+
+
+def parallel_strategies(
+    *,
+    num_workers: int,
+    current_dp: int,
+    dp_radius: int,
+    pp_radius: int,
+    max_stages: int,
+) -> list[tuple[int, ...]]:
+    """All strategies using exactly ``num_workers`` workers within the search ranges."""
+    strategies = []
+    for dp in range(max(1, current_dp - dp_radius), min(num_workers, current_dp + dp_radius) + 1):
+        low = max(1, num_workers // dp - pp_radius)
+        high = min(max_stages, -(-num_workers // dp) + pp_radius)
+        strategies.extend(two_length_partitions(num_workers, dp, low, high))
+    return strategies

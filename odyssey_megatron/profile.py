@@ -1,0 +1,227 @@
+"""Model profile: what each block of the model costs in time and memory on one rank.
+
+A *block* is a unit of parameters that moves and syncs as a whole: transformer layer
+``i`` (an int), the input ``"embedding"`` and the ``"output"`` head (final norm, output
+projection and loss). Profiles come from measurement (the profiler) or from model
+dimensions and a device spec (``analytic_profile``). Everything is per rank: with TP > 1
+a block's bytes and time are one tensor-parallel shard's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from odyssey_megatron.specs.devices import DeviceSpec
+
+Block = Union[int, str]
+EMBEDDING = "embedding"
+OUTPUT = "output"
+
+# Megatron mixed precision with a distributed-optimizer-free Adam: fp32 main grads,
+# fp32 master weights plus two fp32 moments.
+GRAD_BYTES_PER_PARAM = 4
+OPTIMIZER_BYTES_PER_PARAM = 12
+
+
+def block_sort_key(block: Block) -> tuple[int, int]:
+    """Model order: embedding, layers 0..L-1, output."""
+    if block == EMBEDDING:
+        return (0, 0)
+    if block == OUTPUT:
+        return (2, 0)
+    return (1, int(block))
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Time per micro-batch and memory of one block on one rank."""
+
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """Activations one micro-batch keeps alive from this block's forward to its backward."""
+
+    @property
+    def static_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """What must move when the block changes owner: weights and optimizer state."""
+        return self.param_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-block costs plus the links and sizes the estimator needs."""
+
+    layers: tuple[BlockCost, ...]
+    embedding: BlockCost
+    output: BlockCost
+    tie_embeddings: bool
+    p2p_bytes: int
+    """Bytes of the activation (or its gradient) sent between adjacent stages per micro-batch."""
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    link_latency_s: float
+    memory_budget_bytes: int
+    """Usable memory per device."""
+    samples_per_micro_batch: int
+    tokens_per_sample: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def block(self, block: Block) -> BlockCost:
+        if block == EMBEDDING:
+            return self.embedding
+        if block == OUTPUT:
+            return self.output
+        return self.layers[block]
+
+    def stage_blocks(self, start: int, end: int, *, first: bool, last: bool) -> list[Block]:
+        """Blocks held by a stage owning layers [start, end) at the given pipeline position."""
+        blocks: list[Block] = []
+        if first or (last and self.tie_embeddings):
+            blocks.append(EMBEDDING)
+        blocks.extend(range(start, end))
+        if last:
+            blocks.append(OUTPUT)
+        return blocks
+
+    def stage_compute(self, start: int, end: int, *, first: bool, last: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch on a stage; a tied copy of the
+        embedding on the last stage costs no compute there (the output block carries it)."""
+        blocks = list(range(start, end))
+        if first:
+            blocks.insert(0, EMBEDDING)
+        if last:
+            blocks.append(OUTPUT)
+        return (
+            sum(self.block(b).forward_s for b in blocks),
+            sum(self.block(b).backward_s for b in blocks),
+        )
+
+    def bandwidth(self, same_node: bool) -> float:
+        return self.intra_node_bandwidth if same_node else self.inter_node_bandwidth
+
+
+def analytic_profile(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    vocab_size: int,
+    seq_length: int,
+    tie_embeddings: bool,
+    dtype_bytes: int,
+    micro_batch_size: int,
+    tensor_parallel_size: int,
+    device: DeviceSpec,
+    memory_budget_bytes: int | None = None,
+) -> ModelProfile:
+    """Costs from model dimensions and a device spec (Llama: SwiGLU MLP, RMSNorm, no biases).
+
+    Compute is matmul FLOPs at the device's MFU (backward = 2x forward); a TP > 1 layer
+    adds two activation all-reduces per pass. Activation memory follows Korthikanti et al.
+    (2022) with flash attention and no recomputation, adapted to the SwiGLU MLP.
+    """
+    h, f, s, b, t = hidden_size, ffn_hidden_size, seq_length, micro_batch_size, tensor_parallel_size
+    kv = h // num_attention_heads * num_query_groups
+    flops_rate = device.peak_flops * device.mfu
+    tokens = b * s
+
+    layer_params = (2 * h * h + 2 * h * kv + 3 * h * f) // t + 2 * h
+    attention_flops = 4 * tokens * s * h // t  # QK^T and AV, causal mask not discounted
+    layer_forward_flops = 2 * tokens * (layer_params - 2 * h) + attention_flops
+    tp_comm_s = 0.0
+    if t > 1:
+        message = tokens * h * dtype_bytes
+        tp_comm_s = 2 * (2 * (t - 1) / t * message / device.intra_node_bandwidth + device.link_latency_s)
+    layer_forward_s = layer_forward_flops / flops_rate + tp_comm_s
+    # Saved tensors per token, in elements: 2 norm inputs (2h), QKV input (h), Q/K/V (h + 2kv)/t,
+    # attention output (h/t), out-proj input counted there, MLP input (h), gate+up (2f/t),
+    # SwiGLU output (f/t), residual adds kept by autograd are views.
+    saved_elements = 2 * h + h + (h + 2 * kv) // t + h // t + h + 3 * f // t
+    layer = BlockCost(
+        forward_s=layer_forward_s,
+        backward_s=2 * layer_forward_s,
+        param_bytes=layer_params * dtype_bytes,
+        grad_bytes=layer_params * GRAD_BYTES_PER_PARAM,
+        optimizer_bytes=layer_params * OPTIMIZER_BYTES_PER_PARAM,
+        activation_bytes=tokens * saved_elements * dtype_bytes,
+    )
+    vocab_params = vocab_size * h // t
+    embedding = BlockCost(
+        forward_s=tokens * h * dtype_bytes / 1e12,  # a gather: memory bound and tiny
+        backward_s=2 * tokens * h * dtype_bytes / 1e12,
+        param_bytes=vocab_params * dtype_bytes,
+        grad_bytes=vocab_params * GRAD_BYTES_PER_PARAM,
+        optimizer_bytes=vocab_params * OPTIMIZER_BYTES_PER_PARAM,
+        activation_bytes=0,
+    )
+    head_params = (0 if tie_embeddings else vocab_params) + h
+    head_forward_s = 2 * tokens * vocab_params / flops_rate
+    output = BlockCost(
+        forward_s=head_forward_s,
+        backward_s=2 * head_forward_s,
+        param_bytes=head_params * dtype_bytes,
+        grad_bytes=head_params * GRAD_BYTES_PER_PARAM,
+        optimizer_bytes=head_params * OPTIMIZER_BYTES_PER_PARAM,
+        # norm input, head input, fp32 logits for the loss
+        activation_bytes=tokens * (2 * h * dtype_bytes + vocab_size // t * 4),
+    )
+    budget = memory_budget_bytes if memory_budget_bytes is not None else device.memory_bytes - device.reserved_bytes
+    return ModelProfile(
+        layers=(layer,) * num_layers,
+        embedding=embedding,
+        output=output,
+        tie_embeddings=tie_embeddings,
+        p2p_bytes=tokens * h * dtype_bytes,
+        intra_node_bandwidth=device.intra_node_bandwidth,
+        inter_node_bandwidth=device.inter_node_bandwidth,
+        link_latency_s=device.link_latency_s,
+        memory_budget_bytes=budget,
+        samples_per_micro_batch=b,
+        tokens_per_sample=s,
+    )
+
+
+def uniform_profile(
+    *,
+    num_layers: int,
+    forward_s: float = 1.0,
+    backward_s: float = 2.0,
+    layer_state_bytes: int = 1,
+    activation_bytes: int = 0,
+    memory_budget_bytes: int = 1 << 62,
+    bandwidth: float = float("inf"),
+) -> ModelProfile:
+    """A textbook profile: identical layers, free embedding/head, free links.
+
+    The paper's closed forms (Eq. 9, 12-14) assume exactly this; worked examples and
+    property tests use it. ``layer_state_bytes`` counts as parameter bytes so one
+    transferred layer costs that much.
+    """
+    layer = BlockCost(forward_s, backward_s, layer_state_bytes, 0, 0, activation_bytes)
+    free = BlockCost(0.0, 0.0, 0, 0, 0, 0)
+    return ModelProfile(
+        layers=(layer,) * num_layers,
+        embedding=free,
+        output=free,
+        tie_embeddings=False,
+        p2p_bytes=0,
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=bandwidth,
+        link_latency_s=0.0,
+        memory_budget_bytes=memory_budget_bytes,
+        samples_per_micro_batch=1,
+        tokens_per_sample=1,
+    )

@@ -1,0 +1,175 @@
+"""Estimator: the op-list programme against the paper's closed forms, memory, comm, transfers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import asymmetric_plan, symmetric_plan
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.estimator.closed_form import reroute_step_time, stage_peak_memory, symmetric_step_time
+from odyssey_megatron.estimator.communication import allreduce_time
+from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, simulate_pipelines
+from odyssey_megatron.estimator.transition import transfer_time
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, Transfer, validate_plan
+from odyssey_megatron.planner.reroute import reroute_plan
+from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.schedules import compile_schedule
+
+
+def test_eq9_worked_value():
+    # 4 stages, 8 micro-batches, T_f = 1, T_b = 2: (4 + 8 - 1) * 3
+    assert symmetric_step_time(num_stages=4, num_micro_batches=8, forward_s=1, backward_s=2) == 33
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pp=st.integers(1, 6),
+    layers_per_stage=st.integers(1, 3),
+    dp=st.integers(1, 3),
+    micro_batches=st.integers(1, 12),
+    forward=st.floats(0.1, 5),
+    backward=st.floats(0.1, 10),
+)
+def test_programme_equals_eq9_on_symmetric_pipelines(pp, layers_per_stage, dp, micro_batches, forward, backward):
+    profile = uniform_profile(num_layers=pp * layers_per_stage, forward_s=forward, backward_s=backward)
+    plan = symmetric_plan(dp=dp, pp=pp, num_layers=pp * layers_per_stage, micro_batches_per_pipeline=micro_batches)
+    expected = symmetric_step_time(
+        num_stages=pp,
+        num_micro_batches=micro_batches,
+        forward_s=forward * layers_per_stage,
+        backward_s=backward * layers_per_stage,
+    )
+    assert simulate_pipelines(plan, profile).makespan_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_eq12_and_eq13_worked_values():
+    # Eq. 12: one failure, DP = 4, N_m = 6 -> 6 / 3 = 2 extra micro-batch slots.
+    one = reroute_step_time(
+        num_stages=4, num_micro_batches=6, data_parallel_size=4, failed_per_stage=[0, 1, 0, 0], forward_s=1, backward_s=2
+    )
+    assert one == (4 + 6 - 1 + 2) * 3
+    # Eq. 13: failures in two stages add up: 6*1/3 + 6*2/2.
+    two = reroute_step_time(
+        num_stages=4, num_micro_batches=6, data_parallel_size=4, failed_per_stage=[1, 0, 2, 0], forward_s=1, backward_s=2
+    )
+    assert two == (4 + 6 - 1 + 2 + 6) * 3
+    assert reroute_step_time(
+        num_stages=2, num_micro_batches=6, data_parallel_size=2, failed_per_stage=[2, 0], forward_s=1, backward_s=2
+    ) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dp=st.integers(2, 4),
+    pp=st.integers(1, 4),
+    micro_batches=st.integers(1, 8),
+    data=st.data(),
+)
+def test_rerouted_plans_run_and_cost_between_eq9_and_eq13(dp, pp, micro_batches, data):
+    """Every rerouted schedule is deadlock-free, trains each micro-batch once, is no faster
+    than the failure-free pipeline and no slower than Eq. 13's serial extra work."""
+    profile = uniform_profile(num_layers=pp, forward_s=1.0, backward_s=2.0)
+    plan = symmetric_plan(dp=dp, pp=pp, num_layers=pp, micro_batches_per_pipeline=micro_batches)
+    failed_per_stage = [data.draw(st.integers(0, dp - 1)) for _ in range(pp)]
+    failed = set()
+    for stage, count in enumerate(failed_per_stage):
+        failed |= {stage * dp + d for d in data.draw(st.permutations(range(dp)))[:count]}
+    rerouted = reroute_plan(plan, failed_workers=failed, profile=profile)
+    validate_plan(rerouted, num_micro_batches=dp * micro_batches)
+    time_s = simulate_pipelines(rerouted, profile).makespan_s
+    eq9 = symmetric_step_time(num_stages=pp, num_micro_batches=micro_batches, forward_s=1, backward_s=2)
+    eq13 = reroute_step_time(
+        num_stages=pp, num_micro_batches=micro_batches, data_parallel_size=dp,
+        failed_per_stage=failed_per_stage, forward_s=1, backward_s=2,
+    )
+    assert eq9 - 1e-9 <= time_s
+    # Work is split in whole micro-batches, so a peer may get ceil(N_m F / (N_dp - F)).
+    ceil_extra = sum(-(-micro_batches * f // (dp - f)) for f in failed_per_stage if f)
+    assert time_s <= (pp + micro_batches - 1 + ceil_extra) * 3 + 1e-9
+    assert eq13 is not None
+
+
+@settings(max_examples=50, deadline=None)
+@given(pp=st.integers(1, 6), layers_per_stage=st.integers(1, 3), micro_batches=st.integers(1, 10))
+def test_peak_memory_equals_eq14_on_symmetric_pipelines(pp, layers_per_stage, micro_batches):
+    layers = pp * layers_per_stage
+    profile = uniform_profile(num_layers=layers, layer_state_bytes=100, activation_bytes=7)
+    plan = symmetric_plan(dp=1, pp=pp, num_layers=layers, micro_batches_per_pipeline=micro_batches)
+    peaks = estimate_plan(plan, profile).peak_memory_bytes[0]
+    for stage in range(pp):
+        in_flight_stages = min(pp, stage + micro_batches)  # fewer micro-batches than stages cap it
+        expected = stage_peak_memory(
+            stage=stage, num_stages=in_flight_stages, num_layers=layers_per_stage,
+            param_bytes=100, optimizer_bytes=0, grad_bytes=0, activation_bytes=7,
+        )
+        assert peaks[stage] == expected
+
+
+def test_rerouting_peer_holds_more_activations():
+    profile = uniform_profile(num_layers=4, activation_bytes=1)
+    plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4)
+    rerouted = reroute_plan(plan, failed_workers={1}, profile=profile)  # stage 0 of pipeline 1
+    before = estimate_plan(plan, profile).peak_memory_bytes
+    after = estimate_plan(rerouted, profile).peak_memory_bytes
+    assert after[1][0] is None
+    assert after[0][0] >= before[0][0]
+
+
+def test_out_of_order_ops_are_reported_as_deadlock():
+    profile = uniform_profile(num_layers=2)
+    plan = symmetric_plan(dp=1, pp=2, num_layers=2, micro_batches_per_pipeline=2)
+    schedule = compile_schedule(plan)
+    schedule[0] = list(reversed(schedule[0]))  # backwards before forwards
+    with pytest.raises(ScheduleDeadlock):
+        simulate_pipelines(plan, profile, schedule=schedule)
+
+
+def test_asymmetric_pipelines_take_the_slowest():
+    """Eq. 10: step time is the slowest pipeline's."""
+    profile = uniform_profile(num_layers=6, forward_s=1, backward_s=1)
+    plan = asymmetric_plan([(3, 3), (2, 2, 2)], [4, 4])
+    timing = simulate_pipelines(plan, profile)
+    assert timing.makespan_s == max(timing.pipeline_end_s)
+    assert timing.pipeline_end_s[0] == symmetric_step_time(num_stages=2, num_micro_batches=4, forward_s=3, backward_s=3)
+    assert timing.pipeline_end_s[1] == symmetric_step_time(num_stages=3, num_micro_batches=4, forward_s=2, backward_s=2)
+
+
+def test_asymmetric_layout_pays_extra_sync_rounds():
+    profile = uniform_profile(num_layers=8, bandwidth=1.0)
+    profile = profile.__class__(**{**profile.__dict__, "layers": tuple(
+        l.__class__(**{**l.__dict__, "grad_bytes": 10}) for l in profile.layers)})
+    symmetric = with_sync(symmetric_plan(dp=2, pp=4, num_layers=8, micro_batches_per_pipeline=2), profile)
+    asymmetric = with_sync(asymmetric_plan([(2, 2, 2, 2), (3, 2, 3)], [2, 2]), profile)
+    sym, asym = estimate_plan(symmetric, profile), estimate_plan(asymmetric, profile)
+    # symmetric: 1 round of 2-layer units: 2 * (2-1)/2 * 20 bytes / 1 B/s = 20 s
+    assert sym.sync_time_s == pytest.approx(20.0)
+    assert len(asymmetric.comm_rounds) == 2
+    assert asym.sync_time_s > sym.sync_time_s
+
+
+def test_allreduce_time_ring_formula():
+    assert allreduce_time(100, group_size=1, bandwidth=10, latency_s=1) == 0
+    assert allreduce_time(100, group_size=4, bandwidth=10, latency_s=0.5) == pytest.approx(2 * 3 / 4 * 10 + 6 * 0.5)
+
+
+def test_transfer_time_is_set_by_the_busiest_link():
+    profile = uniform_profile(num_layers=4, bandwidth=10.0)
+    cluster = ClusterState(world_size=4, devices_per_node=4)
+    transfers = [Transfer(0, 0, 1, 100), Transfer(1, 0, 2, 100), Transfer(2, 3, 2, 50), Transfer(3, None, 1, 40)]
+    # rank 0 sends 200 B at 10 B/s = 20 s; rank 2 receives 150 B = 15 s; rank 1 reads 40 B from storage at 4 B/s
+    assert transfer_time(transfers, profile=profile, cluster=cluster, storage_bandwidth=4.0) == pytest.approx(20.0)
+
+
+def test_plan_json_round_trip():
+    profile = uniform_profile(num_layers=4)
+    plan = with_sync(reroute_plan(symmetric_plan(dp=3, pp=2, num_layers=4, micro_batches_per_pipeline=3),
+                                  failed_workers={4}, profile=profile), profile)
+    plan = plan.__class__(**{**plan.__dict__, "transfers": (Transfer("embedding", 1, 2, 5), Transfer(3, None, 0, 7))})
+    again = ExecutionPlan.from_json(plan.to_json())
+    assert again == plan
+    stage = plan.to_dict()["pipelines"][1]["stages"][1]
+    assert stage["worker"] is None and stage["ranks"] == []

@@ -1,0 +1,188 @@
+"""Planner: batch and layer distribution, strategies, rerouting, Eq. 8 policy choice."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import symmetric_plan
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import OdysseyConfig, load_config
+from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.plan import validate_plan
+from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, distribute_batch, reroute_plan
+from odyssey_megatron.planner.layers import SplitSearch, layer_splits
+from odyssey_megatron.planner.policy import policy_score
+from odyssey_megatron.planner.strategies import parallel_strategies, two_length_partitions
+from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.restorer import with_sync
+
+
+def test_distribute_batch_worked_examples():
+    assert distribute_batch(16, [3, 2, 2]) == [7, 5, 4]  # 6.86, 4.57, 4.57 -> 6,4,4 then +1,+1 largest first
+    assert distribute_batch(8, [2, 2, 2, 1]) == [3, 2, 2, 1]
+    assert distribute_batch(3, [5, 1, 1]) == [1, 1, 1]  # nobody idle, even the small pipelines
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 10), min_size=1, max_size=12), extra=st.integers(0, 100))
+def test_distribute_batch_properties(sizes, extra):
+    total = len(sizes) + extra
+    shares = distribute_batch(total, sizes)
+    assert sum(shares) == total
+    assert min(shares) >= 1
+    ideal = [total * s / sum(sizes) for s in sizes]
+    if min(ideal) >= 1:
+        assert all(abs(share - i) < 1 + 1e-9 for share, i in zip(shares, ideal))
+
+
+@settings(max_examples=100, deadline=None)
+@given(total=st.integers(1, 40), parts=st.integers(1, 8), low=st.integers(1, 6), width=st.integers(0, 4))
+def test_two_length_partitions_match_brute_force(total, parts, low, width):
+    high = low + width
+    brute = {
+        tuple(sorted(c, reverse=True))
+        for c in itertools.combinations_with_replacement(range(low, high + 1), parts)
+        if sum(c) == total and len(set(c)) <= 2
+    }
+    assert set(two_length_partitions(total, parts, low, high)) == brute
+
+
+def test_strategies_for_the_paper_8_card_case():
+    # DP=4 x PP=2 loses one card: 7 survivors; the paper's choice [2, 2, 3] is a candidate.
+    strategies = parallel_strategies(num_workers=7, current_dp=4, dp_radius=2, pp_radius=1, max_stages=32)
+    assert (3, 2, 2) in strategies
+    assert all(sum(s) == 7 for s in strategies)
+
+
+def test_fig3_layer_splits_and_what_decides_between_them():
+    """9 layers over 4 stages: the remainder layer can go to any stage. On uniform layers
+    1F1B runs fastest with it first (the last stage's F+B is on every micro-batch's
+    critical path), but the first stage holds N_pp micro-batches of activations (Eq. 14),
+    so under memory pressure the extra layer must move towards the end."""
+    assert layer_splits(9, 4, limit=256) == [(3, 2, 2, 2), (2, 3, 2, 2), (2, 2, 3, 2), (2, 2, 2, 3)]
+    free = SplitSearch(uniform_profile(num_layers=9), limit=256)
+    assert [free.pipeline_cost(s, 6)[0] for s in layer_splits(9, 4, limit=256)] == [63, 66, 69, 72]
+    assert free.best(4, 6)[0] == (3, 2, 2, 2)
+    tight = uniform_profile(num_layers=9, layer_state_bytes=10, activation_bytes=10)
+    # Peaks: [3,2,2,2] 3*10 + 4*3*10 = 150 at stage 0; [2,3,2,2] 30 + 3*30 = 120 at stage 1;
+    # [2,2,3,2] and [2,2,2,3] both 2*10 + 4*2*10 = 100 at stage 0; the faster of those wins.
+    assert SplitSearch(replace(tight, memory_budget_bytes=100), limit=256).best(4, 6) == ((2, 2, 3, 2), 69, 100)
+
+
+def test_layer_split_returns_none_when_nothing_fits():
+    profile = uniform_profile(num_layers=9, layer_state_bytes=10, activation_bytes=10)
+    assert SplitSearch(replace(profile, memory_budget_bytes=99), limit=256).best(4, 8) is None
+
+
+def test_reroute_spreads_evenly_over_peers():
+    profile = uniform_profile(num_layers=2)
+    plan = symmetric_plan(dp=4, pp=2, num_layers=2, micro_batches_per_pipeline=6)
+    rerouted = reroute_plan(plan, failed_workers={5}, profile=profile)  # stage 1 of pipeline 1
+    validate_plan(rerouted, num_micro_batches=24)
+    counts = sorted(len(r.micro_batches) for r in rerouted.reroutes)
+    assert counts == [2, 2, 2]  # Eq. 12: N_m / (N_dp - 1) each
+    assert {r.worker for r in rerouted.reroutes} == {4, 6, 7}
+    assert all(r.stage == 1 and r.pipeline == 1 for r in rerouted.reroutes)
+    assert reroute_plan(plan, failed_workers={0, 1, 2, 3}, profile=profile) is None
+
+
+def _settings(**kw) -> OdysseyConfig:
+    return OdysseyConfig(**kw)
+
+
+def test_eq8_prefers_reroute_when_failures_are_frequent_and_reparallelize_when_rare():
+    profile = uniform_profile(num_layers=8, forward_s=0.1, backward_s=0.2)
+    plan = with_sync(symmetric_plan(dp=2, pp=4, num_layers=8, micro_batches_per_pipeline=8), profile)
+    cluster = ClusterState(world_size=8, devices_per_node=8).fail_ranks([1])
+    rare = decide(current=plan, cluster=cluster, profile=profile, settings=_settings(reparallelize_restart_s=30),
+                  failure_model=FailureRateModel(device_mtbf_hours=1e4))
+    frequent = decide(current=plan, cluster=cluster, profile=profile, settings=_settings(reparallelize_restart_s=30),
+                      failure_model=FailureRateModel(device_mtbf_hours=0.1))
+    assert rare.chosen.policy == "reparallelize"
+    assert frequent.chosen.policy == "reroute"
+    by_policy = {c.policy: c for c in (rare.chosen, *rare.alternatives)}
+    assert by_policy["reparallelize"].estimate.step_time_s < by_policy["reroute"].estimate.step_time_s
+
+
+def test_forced_policy_falls_back_when_a_stage_lost_every_replica():
+    profile = uniform_profile(num_layers=4)
+    plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
+    cluster = ClusterState(world_size=4, devices_per_node=8).fail_ranks([0, 1])  # both stage-0 replicas
+    decision = decide(current=plan, cluster=cluster, profile=profile, settings=_settings(policy="reroute"),
+                      failure_model=FailureRateModel(device_mtbf_hours=10))
+    assert decision.chosen.policy == "reparallelize"
+    assert "reroute impossible" in decision.note
+    # Layers 0-1 survive nowhere: they come from the checkpoint (src None).
+    assert {t.layer for t in decision.chosen.plan.transfers if t.src is None} >= {0, 1}
+
+
+def test_unrecoverable_when_nothing_fits():
+    profile = replace(uniform_profile(num_layers=4, layer_state_bytes=10), memory_budget_bytes=25)
+    plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
+    cluster = ClusterState(world_size=4, devices_per_node=8).fail_ranks([0, 1, 2])  # 4 layers cannot fit one worker
+    with pytest.raises(UnrecoverableFailure, match="no reparallelized layout fits"):
+        decide(current=plan, cluster=cluster, profile=profile, settings=_settings(policy="reparallelize"),
+               failure_model=FailureRateModel(device_mtbf_hours=10))
+
+
+def test_policy_score_is_eq8():
+    assert policy_score(samples_per_s=10, transition_s=10, interval_s=100) == pytest.approx(9.0)
+    assert policy_score(samples_per_s=10, transition_s=200, interval_s=100) == 0.0
+
+
+def test_failure_model_learns_from_observations():
+    model = FailureRateModel(device_mtbf_hours=10)
+    assert model.expected_interval_s(10) == pytest.approx(3600)
+    model.observe(failures=9, device_hours=10)  # far more failures than the prior expects
+    assert model.rate_per_device_hour == pytest.approx(10 / 20)
+    assert FailureRateModel(device_mtbf_hours=10, learn=False).rate_per_device_hour == 0.1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dp=st.integers(2, 4),
+    pp=st.integers(2, 4),
+    layers_per_stage=st.integers(1, 3),
+    micro_batches=st.integers(1, 6),
+    activation=st.integers(0, 3),
+    data=st.data(),
+)
+def test_decisions_are_valid_plans_within_memory(dp, pp, layers_per_stage, micro_batches, activation, data):
+    layers = pp * layers_per_stage
+    profile = uniform_profile(num_layers=layers, layer_state_bytes=4, activation_bytes=activation,
+                              memory_budget_bytes=4 * layers + activation * layers * pp)
+    plan = with_sync(symmetric_plan(dp=dp, pp=pp, num_layers=layers, micro_batches_per_pipeline=micro_batches), profile)
+    failed = data.draw(st.sets(st.integers(0, dp * pp - 1), min_size=1, max_size=dp * pp - 1))
+    cluster = ClusterState(world_size=dp * pp, devices_per_node=4).fail_ranks(failed)
+    policy = data.draw(st.sampled_from(["auto", "reroute", "reparallelize"]))
+    try:
+        decision = decide(current=plan, cluster=cluster, profile=profile, settings=_settings(policy=policy),
+                          failure_model=FailureRateModel(device_mtbf_hours=10))
+    except UnrecoverableFailure:
+        return
+    chosen = decision.chosen.plan
+    validate_plan(chosen, num_micro_batches=dp * micro_batches)
+    assert not set(chosen.workers) & failed
+    assert decision.chosen.estimate.fits_memory
+    if decision.chosen.policy == "reparallelize":
+        assert set(chosen.workers) == set(cluster.alive_workers)  # every survivor is used
+
+
+def test_decision_center_on_the_paper_recipe(tmp_path):
+    config = load_config("recipes/llama2_7b/ascend_910b_32.yaml")
+    center = DecisionCenter(config)
+    assert [p.layer_counts for p in center.plan.pipelines] == [(8, 8, 8, 8)] * 8
+    assert center.plan.policy == "initial" and len(center.plan.comm_rounds) == 1
+    decision = center.on_failure(ranks=[5])
+    validate_plan(center.plan, num_micro_batches=64)
+    assert decision.chosen.plan is center.plan
+    assert decision.search_time_s < 1.0
+    second = center.on_failure(nodes=[2])  # a whole node: ranks 16-23
+    validate_plan(center.plan, num_micro_batches=64)
+    assert not set(center.plan.workers) & set(range(16, 24))
+    assert second.chosen.plan.generation == decision.chosen.plan.generation + 1
