@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -158,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnrecoverableFailure as exc:
         print(f"odyssey: unrecoverable: {exc}", file=sys.stderr)
         return EXIT_UNRECOVERABLE
+    except BrokenPipeError:  # output piped into `head` and friends: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return EXIT_USAGE
 
 

@@ -188,7 +188,7 @@ class ExecutionPlan:
 def validate_plan(plan: ExecutionPlan, *, num_micro_batches: int) -> None:
     """Raise ValueError unless the plan trains every layer once per pipeline and every
     micro-batch exactly once per step, with no worker owning two stages."""
-    owners = [w for w in plan.workers]
+    owners = plan.workers
     if len(owners) != len(set(owners)):
         raise ValueError("a worker owns more than one stage")
     for pi, pipeline in enumerate(plan.pipelines):

@@ -94,14 +94,18 @@ class ModelProfile:
             blocks.append(OUTPUT)
         return blocks
 
-    def stage_compute(self, start: int, end: int, *, first: bool, last: bool) -> tuple[float, float]:
-        """(forward, backward) seconds of one micro-batch on a stage; a tied copy of the
-        embedding on the last stage costs no compute there (the output block carries it)."""
-        blocks = list(range(start, end))
-        if first:
-            blocks.insert(0, EMBEDDING)
+    def compute_blocks(self, start: int, end: int, *, first: bool, last: bool) -> list[Block]:
+        """Blocks a stage runs per micro-batch: a tied copy of the embedding on the last
+        stage is held, not run (the output block uses it)."""
+        blocks: list[Block] = [EMBEDDING] if first else []
+        blocks.extend(range(start, end))
         if last:
             blocks.append(OUTPUT)
+        return blocks
+
+    def stage_compute(self, start: int, end: int, *, first: bool, last: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch on a stage."""
+        blocks = self.compute_blocks(start, end, first=first, last=last)
         return (
             sum(self.block(b).forward_s for b in blocks),
             sum(self.block(b).backward_s for b in blocks),
@@ -109,6 +113,22 @@ class ModelProfile:
 
     def bandwidth(self, same_node: bool) -> float:
         return self.intra_node_bandwidth if same_node else self.inter_node_bandwidth
+
+
+EMBEDDING_GATHER_BYTES_PER_S = 1e12
+"""An embedding lookup is a memory-bound gather; HBM-class speed makes it negligible, as it is."""
+
+
+def _mixed_precision_block(params: int, dtype_bytes: int, *, forward_s: float, activation_bytes: int) -> BlockCost:
+    """A block trained in mixed precision: backward costs twice the forward."""
+    return BlockCost(
+        forward_s=forward_s,
+        backward_s=2 * forward_s,
+        param_bytes=params * dtype_bytes,
+        grad_bytes=params * GRAD_BYTES_PER_PARAM,
+        optimizer_bytes=params * OPTIMIZER_BYTES_PER_PARAM,
+        activation_bytes=activation_bytes,
+    )
 
 
 def analytic_profile(
@@ -146,35 +166,22 @@ def analytic_profile(
         message = tokens * h * dtype_bytes
         tp_comm_s = 2 * (2 * (t - 1) / t * message / device.intra_node_bandwidth + device.link_latency_s)
     layer_forward_s = layer_forward_flops / flops_rate + tp_comm_s
-    # Saved tensors per token, in elements: 2 norm inputs (2h), QKV input (h), Q/K/V (h + 2kv)/t,
-    # attention output (h/t), out-proj input counted there, MLP input (h), gate+up (2f/t),
-    # SwiGLU output (f/t), residual adds kept by autograd are views.
+    # Tensors autograd keeps per token, in elements: the two RMSNorm inputs (2h), the QKV
+    # matmul input (h), Q, K and V ((h + 2kv)/t), the attention output feeding the output
+    # projection (h/t), the MLP input (h), gate and up projections (2f/t) and the SwiGLU
+    # output feeding the down projection (f/t). Flash attention keeps no score matrix.
     saved_elements = 2 * h + h + (h + 2 * kv) // t + h // t + h + 3 * f // t
-    layer = BlockCost(
-        forward_s=layer_forward_s,
-        backward_s=2 * layer_forward_s,
-        param_bytes=layer_params * dtype_bytes,
-        grad_bytes=layer_params * GRAD_BYTES_PER_PARAM,
-        optimizer_bytes=layer_params * OPTIMIZER_BYTES_PER_PARAM,
-        activation_bytes=tokens * saved_elements * dtype_bytes,
+    layer = _mixed_precision_block(
+        layer_params, dtype_bytes, forward_s=layer_forward_s, activation_bytes=tokens * saved_elements * dtype_bytes
     )
     vocab_params = vocab_size * h // t
-    embedding = BlockCost(
-        forward_s=tokens * h * dtype_bytes / 1e12,  # a gather: memory bound and tiny
-        backward_s=2 * tokens * h * dtype_bytes / 1e12,
-        param_bytes=vocab_params * dtype_bytes,
-        grad_bytes=vocab_params * GRAD_BYTES_PER_PARAM,
-        optimizer_bytes=vocab_params * OPTIMIZER_BYTES_PER_PARAM,
-        activation_bytes=0,
-    )
+    gather_s = tokens * h * dtype_bytes / EMBEDDING_GATHER_BYTES_PER_S
+    embedding = _mixed_precision_block(vocab_params, dtype_bytes, forward_s=gather_s, activation_bytes=0)
     head_params = (0 if tie_embeddings else vocab_params) + h
-    head_forward_s = 2 * tokens * vocab_params / flops_rate
-    output = BlockCost(
-        forward_s=head_forward_s,
-        backward_s=2 * head_forward_s,
-        param_bytes=head_params * dtype_bytes,
-        grad_bytes=head_params * GRAD_BYTES_PER_PARAM,
-        optimizer_bytes=head_params * OPTIMIZER_BYTES_PER_PARAM,
+    output = _mixed_precision_block(
+        head_params,
+        dtype_bytes,
+        forward_s=2 * tokens * vocab_params / flops_rate,
         # norm input, head input, fp32 logits for the loss
         activation_bytes=tokens * (2 * h * dtype_bytes + vocab_size // t * 4),
     )

@@ -17,7 +17,6 @@ from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, Transf
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.schedules import compile_schedule
 
 
 def test_eq9_worked_value():
@@ -122,7 +121,7 @@ def test_rerouting_peer_holds_more_activations():
 def test_out_of_order_ops_are_reported_as_deadlock():
     profile = uniform_profile(num_layers=2)
     plan = symmetric_plan(dp=1, pp=2, num_layers=2, micro_batches_per_pipeline=2)
-    schedule = compile_schedule(plan)
+    schedule = simulate_pipelines(plan, profile).schedule
     schedule[0] = list(reversed(schedule[0]))  # backwards before forwards
     with pytest.raises(ScheduleDeadlock):
         simulate_pipelines(plan, profile, schedule=schedule)

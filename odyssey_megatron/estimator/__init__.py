@@ -17,7 +17,6 @@ from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, simulate_pipel
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import compile_schedule
 
 __all__ = ["PlanEstimate", "ScheduleDeadlock", "estimate_plan", "transfer_time"]
 
@@ -55,9 +54,8 @@ class PlanEstimate:
 
 def estimate_plan(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None) -> PlanEstimate:
     """Estimate one step of ``plan``; raises ScheduleDeadlock if its op lists cannot run."""
-    schedule = compile_schedule(plan)
-    timing = simulate_pipelines(plan, profile, cluster, schedule=schedule)
-    peaks = peak_memory(plan, profile, schedule)
+    timing = simulate_pipelines(plan, profile, cluster)
+    peaks = peak_memory(plan, profile, timing.schedule)
     return PlanEstimate(
         pipeline_time_s=timing.makespan_s,
         sync_time_s=sync_time(plan, profile, cluster),

@@ -23,13 +23,6 @@ def max_in_flight(ops: list[Op]) -> int:
     return peak
 
 
-def stage_activation_bytes(profile: ModelProfile, start: int, end: int, *, first: bool, last: bool) -> int:
-    blocks = profile.stage_blocks(start, end, first=first, last=last)
-    if last and profile.tie_embeddings and not first:
-        blocks.remove("embedding")  # the tied copy is only used through the output block
-    return sum(profile.block(b).activation_bytes for b in blocks)
-
-
 def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: dict[int, list[Op]]) -> dict[int, int]:
     """Peak bytes per live stage owner."""
     peaks: dict[int, int] = {}
@@ -39,6 +32,8 @@ def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: dict[int, 
         last = si == plan.pipelines[pi].num_stages - 1
         start, end = stage.layers
         static = sum(profile.block(b).static_bytes for b in profile.stage_blocks(start, end, first=si == 0, last=last))
-        activation = stage_activation_bytes(profile, start, end, first=si == 0, last=last)
+        activation = sum(
+            profile.block(b).activation_bytes for b in profile.compute_blocks(start, end, first=si == 0, last=last)
+        )
         peaks[stage.worker] = static + max_in_flight(schedule.get(stage.worker, [])) * activation
     return peaks

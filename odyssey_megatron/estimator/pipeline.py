@@ -5,19 +5,23 @@ of its dependency on another stage plus the point-to-point transfer between them
 
     t_start(op) = max(t_end(prev op on worker), t_end(dependency) + t_p2p)
 
-Ops are visited in a topological order (each has at most two predecessors), so the
-programme is linear in the number of ops. Step time is the latest end (Eq. 10).
+A worker with one stream (every worker of a plan without rerouting) runs it in order, so
+this is exactly Eq. 11. A rerouting peer has several streams; whenever it is free it runs
+the ready stream head that comes earliest in its stream's 1F1B order (own stream first
+on ties), which is list scheduling over the same recurrence. Ops are processed in time
+order with a heap, so the programme costs O(ops log ops); the order each worker ended up
+with is returned as the schedule to execute. Step time is the latest end (Eq. 10).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import heapq
 from dataclasses import dataclass
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, Op, compile_schedule, dependency
+from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams, dependency
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -32,6 +36,8 @@ class PipelineTiming:
     """When each pipeline's last op ends."""
     worker_busy_s: dict[int, float]
     """Compute time per worker, for utilisation and bubble reports."""
+    schedule: dict[int, list[Op]]
+    """Each worker's ops in the order they ran: what the executor runs."""
 
 
 def p2p_time(profile: ModelProfile, *, same_node: bool) -> float:
@@ -47,46 +53,85 @@ def simulate_pipelines(
     *,
     schedule: dict[int, list[Op]] | None = None,
 ) -> PipelineTiming:
-    """Run the Eq. 11 programme over ``plan``'s op lists; raises ScheduleDeadlock."""
-    schedule = schedule if schedule is not None else compile_schedule(plan)
+    """Run the Eq. 11 programme over ``plan``; a given ``schedule`` fixes each worker's
+    order, otherwise streams are interleaved by list scheduling. Raises ScheduleDeadlock."""
+    if schedule is not None:
+        streams = {worker: [list(ops)] for worker, ops in schedule.items()}
+    else:
+        streams = compile_streams(plan)
     num_stages = [p.num_stages for p in plan.pipelines]
     compute: dict[tuple[int, int], tuple[float, float]] = {}
     for pi, si, stage in plan.stage_positions():
         start, end = stage.layers
         compute[pi, si] = profile.stage_compute(start, end, first=si == 0, last=si == num_stages[pi] - 1)
-    location: dict[Op, int] = {op: worker for worker, ops in schedule.items() for op in ops}
+    location = {op: worker for worker, lists in streams.items() for ops in lists for op in ops}
+    link_cache: dict[tuple[int, int], float] = {}
+
+    def link_s(a: int, b: int) -> float:
+        if (a, b) not in link_cache:
+            same_node = cluster is None or cluster.same_node(a, b)
+            link_cache[a, b] = 0.0 if a == b else p2p_time(profile, same_node=same_node)
+        return link_cache[a, b]
+
+    # Per op: its dependency and the dependency's transfer time to it; per op: who consumes it.
+    needs: dict[Op, tuple[Op | None, float]] = {}
+    consumer: dict[Op, Op] = {}
+    for op, worker in location.items():
+        dep = dependency(op, num_stages=num_stages[op.pipeline])
+        if dep is None:
+            needs[op] = (None, 0.0)
+            continue
+        dep_worker = location.get(dep)
+        needs[op] = (dep, 0.0 if dep_worker is None else link_s(dep_worker, worker))
+        consumer[dep] = op
 
     end_time: dict[Op, float] = {}
-    cursor = {worker: 0 for worker in schedule}
-    clock = {worker: 0.0 for worker in schedule}
-    busy = {worker: 0.0 for worker in schedule}
-    waiting: dict[Op, list[int]] = defaultdict(list)
-    ready = list(schedule)
-    while ready:
-        worker = ready.pop()
-        ops = schedule[worker]
-        while cursor[worker] < len(ops):
-            op = ops[cursor[worker]]
-            dep = dependency(op, num_stages=num_stages[op.pipeline])
-            start = clock[worker]
-            if dep is not None and location.get(dep) != worker:
-                if dep not in end_time:
-                    waiting[dep].append(worker)
-                    break
-                dep_worker = location[dep]
-                same_node = cluster is None or cluster.same_node(dep_worker, worker)
-                start = max(start, end_time[dep] + p2p_time(profile, same_node=same_node))
-            elif dep is not None and dep not in end_time:
-                raise ScheduleDeadlock(f"worker {worker} runs {op} before its own {dep}")
-            forward_s, backward_s = compute[op.pipeline, op.stage]
-            duration = forward_s if op.kind == FORWARD else backward_s
-            end_time[op] = clock[worker] = start + duration
-            busy[worker] += duration
-            cursor[worker] += 1
-            ready.extend(waiting.pop(op, ()))
-    stuck = {w: schedule[w][cursor[w]] for w in schedule if cursor[w] < len(schedule[w])}
-    if stuck:
-        raise ScheduleDeadlock(f"ops wait on each other in a cycle: {sorted(stuck.items())[:4]}")
+    cursor = {worker: [0] * len(lists) for worker, lists in streams.items()}
+    free_at = {worker: 0.0 for worker in streams}
+    busy = {worker: 0.0 for worker in streams}
+    order: dict[int, list[Op]] = {worker: [] for worker in streams}
+    wakeups = [(0.0, worker) for worker in streams]
+    heapq.heapify(wakeups)
+    remaining = len(location)
+    while wakeups:
+        now, worker = heapq.heappop(wakeups)
+        if now < free_at[worker]:
+            continue  # busy; its own completion wakes it
+        best = None
+        for k, ops in enumerate(streams[worker]):
+            position = cursor[worker][k]
+            if position == len(ops):
+                continue
+            op = ops[position]
+            dep, link = needs[op]
+            if dep is not None:
+                dep_end = end_time.get(dep)
+                if dep_end is None:
+                    if location.get(dep) == worker:
+                        raise ScheduleDeadlock(f"worker {worker} runs {op} before its own {dep}")
+                    continue
+                if dep_end + link > now:
+                    continue
+            if best is None or (position, k) < best[:2]:
+                best = (position, k, op)
+        if best is None:
+            continue  # a completion elsewhere will wake this worker
+        _, k, op = best
+        forward_s, backward_s = compute[op.pipeline, op.stage]
+        duration = forward_s if op.kind == FORWARD else backward_s
+        end_time[op] = free_at[worker] = now + duration
+        busy[worker] += duration
+        cursor[worker][k] += 1
+        order[worker].append(op)
+        remaining -= 1
+        heapq.heappush(wakeups, (free_at[worker], worker))
+        successor = consumer.get(op)
+        if successor is not None and location[successor] != worker:
+            heapq.heappush(wakeups, (free_at[worker] + needs[successor][1], location[successor]))
+    if remaining:
+        stuck = {w: lists for w, lists in streams.items() if any(c < len(o) for c, o in zip(cursor[w], lists))}
+        heads = sorted((w, ops[c]) for w, lists in stuck.items() for c, ops in zip(cursor[w], lists) if c < len(ops))
+        raise ScheduleDeadlock(f"ops wait on each other in a cycle: {heads[:4]}")
 
     pipeline_end = [0.0] * len(plan.pipelines)
     for op, t in end_time.items():
@@ -95,4 +140,5 @@ def simulate_pipelines(
         makespan_s=max(pipeline_end, default=0.0),
         pipeline_end_s=tuple(pipeline_end),
         worker_busy_s=busy,
+        schedule=order,
     )

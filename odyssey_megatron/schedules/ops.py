@@ -6,15 +6,15 @@ micro-batch's forward on the previous stage, or its backward on the next stage,
 wherever that runs (on a rerouting peer in another pipeline, say).
 
 A rerouting peer runs the micro-batches it adopts in the order the failed stage would
-have run them, interleaved with its own stream (see ``compile_schedule``); the
-estimator still checks every compiled schedule for deadlock.
+have run them, as a second stream beside its own (``compile_streams``). The estimator
+interleaves the streams by list scheduling and returns the resulting per-worker op
+lists: that order is the schedule the executor runs.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from odyssey_megatron.plan import ExecutionPlan
 
@@ -22,8 +22,10 @@ FORWARD = "F"
 BACKWARD = "B"
 
 
-@dataclass(frozen=True, order=True)
-class Op:
+class Op(NamedTuple):
+    """Forward ("F") or backward ("B") of one micro-batch at one stage of one pipeline.
+    A named tuple: the estimator hashes hundreds of thousands of them per decision."""
+
     kind: str
     pipeline: int
     stage: int
@@ -44,50 +46,35 @@ def one_f_one_b(items: Sequence, *, stage: int, num_stages: int) -> list[tuple[s
     return order
 
 
-def compile_schedule(plan: ExecutionPlan) -> dict[int, list[Op]]:
-    """The op list of every live worker in ``plan``.
+def compile_streams(plan: ExecutionPlan) -> dict[int, list[list[Op]]]:
+    """Every live worker's streams: its own stage first, then each pipeline it adopts from.
 
     Each (pipeline, stage) stream follows the 1F1B order a dedicated worker would run over
     the pipeline's whole micro-batch list, restricted to the micro-batches this worker
     runs. A stage op then only waits on ops of its stream that come earlier in that
-    order, so splitting a stream over peers and interleaving streams on one worker can
-    never deadlock. Streams interleave by their position in that order, own stream first.
+    order, so splitting a stream over peers and interleaving streams on one worker in any
+    way can never deadlock. The estimator picks the interleaving (``estimator.pipeline``).
     """
-    runs: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # worker -> (priority, pipeline, mb)
-    stage_of: dict[int, int] = {}
+    own: dict[int, tuple[int, int]] = {}  # worker -> (pipeline, stage) it owns
     for pi, si, stage in plan.stage_positions():
         if stage.worker is not None:
-            stage_of[stage.worker] = si
-            runs[stage.worker].append((0, pi, -1))  # -1: the whole stream
+            own[stage.worker] = (pi, si)
+    adopted: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))  # worker -> pipeline -> mbs
     for reroute in plan.reroutes:
-        if stage_of.get(reroute.worker) != reroute.stage:
+        if reroute.worker not in own or own[reroute.worker][1] != reroute.stage:
             raise ValueError(
                 f"worker {reroute.worker} adopts stage {reroute.stage} of pipeline {reroute.pipeline} "
                 "but does not own that stage of its own pipeline"
             )
-        runs[reroute.worker].extend((1, reroute.pipeline, mb) for mb in reroute.micro_batches)
-    schedule: dict[int, list[Op]] = {}
-    for worker, entries in runs.items():
-        stage = stage_of[worker]
-        adopted: dict[int, set[int]] = defaultdict(set)
-        own = None
-        for priority, pi, mb in entries:
-            if priority == 0:
-                own = pi
-            else:
-                adopted[pi].add(mb)
-        timed: list[tuple[int, int, Op]] = []
-        for rank, (pi, keep) in enumerate([(own, None), *sorted(adopted.items())]):
+        adopted[reroute.worker][reroute.pipeline].update(reroute.micro_batches)
+    streams: dict[int, list[list[Op]]] = {}
+    for worker, (own_pipeline, stage) in own.items():
+        streams[worker] = []
+        for pi, keep in [(own_pipeline, None), *sorted(adopted[worker].items())]:
             pipeline = plan.pipelines[pi]
             order = one_f_one_b(list(pipeline.micro_batches), stage=stage, num_stages=pipeline.num_stages)
-            timed.extend(
-                (index, rank, Op(kind, pi, stage, mb))
-                for index, (kind, mb) in enumerate(order)
-                if keep is None or mb in keep
-            )
-        timed.sort(key=lambda t: (t[0], t[1]))
-        schedule[worker] = [op for _, _, op in timed]
-    return schedule
+            streams[worker].append([Op(kind, pi, stage, mb) for kind, mb in order if keep is None or mb in keep])
+    return streams
 
 
 def dependency(op: Op, *, num_stages: int) -> Optional[Op]:
