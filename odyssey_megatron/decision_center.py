@@ -55,6 +55,7 @@ class DecisionCenter:
             device_mtbf_hours=config.odyssey.device_mtbf_hours,
             learn=config.odyssey.learn_failure_rate,
         )
+        self._last_event_s = 0.0
         self.plan: ExecutionPlan = initial_plan(
             data_parallel_size=par.data_parallel_size,
             pipeline_parallel_size=par.pipeline_model_parallel_size,
@@ -64,8 +65,20 @@ class DecisionCenter:
             max_layer_splits=config.odyssey.max_layer_splits,
         )
 
-    def on_failure(self, *, ranks: Iterable[int] = (), nodes: Iterable[int] = ()) -> Decision:
-        """Mark ``ranks`` and every rank of ``nodes`` failed, decide, and commit the chosen plan."""
+    def on_failure(
+        self, *, ranks: Iterable[int] = (), nodes: Iterable[int] = (), at_s: float | None = None
+    ) -> Decision:
+        """Mark ``ranks`` and every rank of ``nodes`` failed, decide, and commit the chosen plan.
+
+        ``at_s`` is the job's clock at the failure (seconds since start); given, the failure
+        and the device-hours since the previous one feed the learned failure rate.
+        """
+        if at_s is not None:
+            if at_s < self._last_event_s:
+                raise ValueError(f"failure at {at_s} s is before the previous event at {self._last_event_s} s")
+            exposure = self.cluster.alive_devices * (at_s - self._last_event_s) / 3600.0
+            self.failure_model.observe(failures=1, device_hours=exposure)
+            self._last_event_s = at_s
         self.cluster = self.cluster.fail_ranks(ranks).fail_nodes(nodes)
         decision = decide(
             current=self.plan,

@@ -186,3 +186,18 @@ def test_decision_center_on_the_paper_recipe(tmp_path):
     validate_plan(center.plan, num_micro_batches=64)
     assert not set(center.plan.workers) & set(range(16, 24))
     assert second.chosen.plan.generation == decision.chosen.plan.generation + 1
+
+
+def test_decision_center_learns_the_failure_rate_from_observed_failures():
+    config = load_config("recipes/llama2_7b/ascend_910b_32.yaml")
+    learning, fixed = DecisionCenter(config), DecisionCenter(
+        load_config("recipes/llama2_7b/ascend_910b_32.yaml", ["odyssey.learn_failure_rate=false"])
+    )
+    # Two failures within minutes on a cluster configured for one per device every 10 h.
+    first = learning.on_failure(ranks=[5], at_s=60.0)
+    second = learning.on_failure(ranks=[9], at_s=120.0)
+    assert second.expected_interval_s < first.expected_interval_s < 3600 * 10 / 31
+    fixed.on_failure(ranks=[5], at_s=60.0)
+    assert fixed.on_failure(ranks=[9], at_s=120.0).expected_interval_s == pytest.approx(3600 * 10 / 30)
+    with pytest.raises(ValueError, match="before the previous event"):
+        learning.on_failure(ranks=[1], at_s=10.0)
