@@ -1,0 +1,103 @@
+"""Process groups for one plan generation.
+
+Every rank calls ``dist.new_group`` for every group, in the same order (gloo and NCCL
+both require it), and keeps only its own. A rank gets:
+
+- its TP group (the ranks of its worker) and a singleton group that stands in for
+  Megatron's PP/CP/EP/DP groups: to Megatron a stage is a whole model; the Odyssey
+  executor moves activations between stages and ``LayerGradSync`` does DP sync;
+- one DP group per sync unit it belongs to, per TP rank: the k-th ranks of the unit's
+  workers all-reduce shard k.
+
+Plans name workers; ``RankMap`` says which process ranks a worker has in the current
+world (after a failure the survivors re-form a smaller world with new ranks). A new plan
+gets a new set of groups; ``PlanGroups.destroy`` drops this set's groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from odyssey_megatron.plan import ExecutionPlan
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """Workers present in this world, in rank order; worker i of the list has ranks
+    i*TP .. i*TP+TP-1."""
+
+    workers: tuple[int, ...]
+    tensor_parallel_size: int
+
+    @classmethod
+    def identity(cls, num_workers: int, tensor_parallel_size: int) -> "RankMap":
+        return cls(tuple(range(num_workers)), tensor_parallel_size)
+
+    @classmethod
+    def of(cls, workers: Sequence[int], tensor_parallel_size: int) -> "RankMap":
+        return cls(tuple(sorted(workers)), tensor_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers) * self.tensor_parallel_size
+
+    def rank(self, worker: int, tp_rank: int = 0) -> int:
+        return self.workers.index(worker) * self.tensor_parallel_size + tp_rank
+
+    def worker(self, rank: int) -> int:
+        return self.workers[rank // self.tensor_parallel_size]
+
+
+@dataclass
+class PlanGroups:
+    pg_collection: ProcessGroupCollection
+    unit_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    """Sync unit index -> this rank's DP group for it (units of two or more workers only)."""
+    _owned: list[dist.ProcessGroup] = field(default_factory=list)
+
+    def destroy(self) -> None:
+        """Tear down this generation's groups; drop every other reference too (gloo closes
+        sockets only when the last Python reference to a group is gone)."""
+        for group in self._owned:
+            dist.destroy_process_group(group)
+        self._owned.clear()
+        self.unit_groups.clear()
+
+
+def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> PlanGroups:
+    """This rank's groups for ``plan``; collective: every rank must call it."""
+    tp = plan.tensor_parallel_size
+    mine: list[dist.ProcessGroup] = []
+
+    def create(ranks: list[int]) -> dist.ProcessGroup | None:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine.append(group)
+            return group
+        return None
+
+    singleton = tp_group = None
+    for r in range(ranks.world_size):
+        group = create([r])
+        singleton = group if group is not None else singleton
+    for w in ranks.workers:
+        group = create([ranks.rank(w, k) for k in range(tp)])
+        tp_group = group if group is not None else tp_group
+
+    unit_groups = {}
+    for index, unit in enumerate(plan.sync_units):
+        if len(unit.workers) < 2:
+            continue
+        for k in range(tp):
+            group = create([ranks.rank(w, k) for w in unit.workers])
+            if group is not None:
+                unit_groups[index] = group
+    collection = ProcessGroupCollection(
+        tp=tp_group, cp=singleton, pp=singleton, ep=singleton, expt_dp=singleton,
+        embd=None, pos_embd=None, dp=singleton, dp_cp=singleton,
+    )
+    return PlanGroups(pg_collection=collection, unit_groups=unit_groups, _owned=mine)

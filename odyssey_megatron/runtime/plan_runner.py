@@ -1,0 +1,87 @@
+"""One rank's training state under one plan generation.
+
+Builds, in order: the plan's process groups (collective), the rank's stage model on
+Megatron-Core with parameters from the one deterministic source, Adam over its
+parameters, the layer-granular gradient sync, and the executor with this worker's op
+list from the estimator. ``train_step`` runs one global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.estimator.pipeline import simulate_pipelines
+from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, parameters_by_block
+from odyssey_megatron.hooks.model import StageSpec, build_stage_model
+from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    losses: dict[int, float]
+    """Loss per micro-batch whose last stage ran on this rank."""
+    grad_norm: float
+
+
+def stage_of_worker(plan: ExecutionPlan, worker: int) -> StageSpec:
+    for pi, si, stage in plan.stage_positions():
+        if stage.worker == worker:
+            return StageSpec(stage.layers, first=si == 0, last=si == plan.pipelines[pi].num_stages - 1)
+    raise ValueError(f"worker {worker} owns no stage in plan generation {plan.generation}")
+
+
+class PlanRunner:
+    def __init__(
+        self,
+        *,
+        plan: ExecutionPlan,
+        rank: int,
+        ranks: RankMap,
+        model: ModelConfig,
+        micro_batch_size: int,
+        profile: ModelProfile,
+        seed: int,
+        lr: float,
+        max_grad_norm: float = 1.0,
+    ):
+        self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
+        self.max_grad_norm = max_grad_norm
+        self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
+        self.stage = stage_of_worker(plan, self.worker)
+        self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection, seed=seed)
+        self.params = parameters_by_block(self.model, self.stage)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.grad_sync = LayerGradSync(
+            plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups
+        )
+        self.ops = simulate_pipelines(plan, profile).schedule[self.worker]
+        self.executor = StepExecutor(
+            plan=plan,
+            ranks=ranks,
+            tp_rank=self.tp_rank,
+            model=self.model,
+            activation_shape=(model.seq_length, micro_batch_size, model.hidden_size),
+            dtype=_DTYPES[model.params_dtype],
+        )
+
+    def train_step(self, batches: Callable[[int], MicroBatch], *, apply: bool = True) -> StepResult:
+        """Forward and backward every micro-batch of this worker, sync and clip gradients,
+        and (if ``apply``) take the optimizer step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = self.executor.run(self.ops, batches=batches)
+        self.grad_sync.sync()
+        norm = clip_grad_norm(
+            plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank, max_norm=self.max_grad_norm
+        )
+        if apply:
+            self.optimizer.step()
+        return StepResult(losses=losses, grad_norm=norm)

@@ -1,0 +1,120 @@
+"""Run one worker's op list for one training step on Megatron-Core.
+
+Each op is Megatron's ``forward_step`` or ``backward_step`` on this rank's stage model.
+Activations and their gradients travel point-to-point between *global* ranks: the
+executor of (pipeline, stage - 1, micro-batch) may sit in another pipeline (a rerouting
+peer), so the partner of every message is looked up in the plan, never derived from a
+fixed pipeline group. Sends are asynchronous and receives block, which is deadlock-free
+for op lists the estimator produced (it checked them). TP rank k talks to TP rank k.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+
+from odyssey_megatron.hooks.process_groups import RankMap
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.schedules.ops import FORWARD, Op
+
+MicroBatch = dict[str, torch.Tensor]
+"""``tokens`` and ``labels`` [micro_batch_size, seq_length], ``position_ids``."""
+
+
+def language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean token cross-entropy from full-vocabulary logits; the logged value is a detached
+    clone because Megatron divides the returned loss in place."""
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+@dataclass
+class StepExecutor:
+    """Executes op lists of one rank; one instance per plan generation."""
+
+    plan: ExecutionPlan
+    ranks: RankMap
+    tp_rank: int
+    model: torch.nn.Module
+    activation_shape: tuple[int, int, int]
+    """[seq_length, micro_batch_size, hidden_size], Megatron's sequence-first layout."""
+    dtype: torch.dtype
+    _step: itertools.count = field(default_factory=itertools.count)
+
+    def _rank(self, pipeline: int, stage: int, micro_batch: int) -> int:
+        return self.ranks.rank(self.plan.executor(pipeline, stage, micro_batch), self.tp_rank)
+
+    def _tag(self, step: int, micro_batch: int, kind: str) -> int:
+        return ((step % 4) * self.plan.num_micro_batches + micro_batch) * 2 + (kind == FORWARD)
+
+    def run(self, ops: list[Op], *, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
+        """Run ``ops`` (one step); returns the loss of each micro-batch whose last stage ran here.
+
+        ``batches(micro_batch_id)`` gives that global micro-batch's data; only first and
+        last stages read it.
+        """
+        step = next(self._step)
+        config = self.model.config
+        stages = [p.num_stages for p in self.plan.pipelines]
+        total = self.plan.num_micro_batches
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        losses: dict[int, float] = {}
+
+        def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
+            tensor = tensor.detach().contiguous()
+            sends.append((dist.isend(tensor, dst, tag=tag), tensor))
+
+        def receive(src: int, tag: int) -> torch.Tensor:
+            buffer = torch.empty(self.activation_shape, dtype=self.dtype, requires_grad=True)
+            with torch.no_grad():
+                dist.recv(buffer, src, tag=tag)
+            return buffer
+
+        for op in ops:
+            first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
+            if op.kind == FORWARD:
+                batch = batches(op.micro_batch) if first or last else None
+                input_tensor = None if first else receive(
+                    self._rank(op.pipeline, op.stage - 1, op.micro_batch), self._tag(step, op.micro_batch, FORWARD)
+                )
+                store: list[dict[str, torch.Tensor]] = []
+                output, _ = forward_step(
+                    partial(self._forward, batch=batch, first=first, last=last),
+                    None, self.model, total, input_tensor, store, config,
+                    cp_group_size=1, is_last_stage=last,
+                )
+                if last:
+                    losses[op.micro_batch] = float(store[0]["lm loss"])
+                else:
+                    send(output, self._rank(op.pipeline, op.stage + 1, op.micro_batch),
+                         self._tag(step, op.micro_batch, FORWARD))
+                saved[op.pipeline, op.micro_batch] = (input_tensor, output)
+            else:
+                input_tensor, output = saved.pop((op.pipeline, op.micro_batch))
+                grad = None if last else receive(
+                    self._rank(op.pipeline, op.stage + 1, op.micro_batch), self._tag(step, op.micro_batch, "B")
+                )
+                input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
+                if not first:
+                    send(input_grad, self._rank(op.pipeline, op.stage - 1, op.micro_batch),
+                         self._tag(step, op.micro_batch, "B"))
+        for work, _ in sends:
+            work.wait()
+        if saved:
+            raise RuntimeError(f"op list left {len(saved)} forwards without a backward")
+        return losses
+
+    @staticmethod
+    def _forward(data_iterator, model, *, batch: MicroBatch | None, first: bool, last: bool):
+        tokens = batch["tokens"] if first else None
+        position_ids = batch["position_ids"] if batch is not None else None
+        output = model(tokens, position_ids, None)
+        return output, partial(language_model_loss, batch["labels"]) if last else None

@@ -1,0 +1,98 @@
+"""Rank functions for the runtime tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.data import SyntheticTokens
+from odyssey_megatron.hooks.model import StageSpec, build_stage_model, global_name
+from odyssey_megatron.hooks.process_groups import RankMap
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import uniform_profile
+
+TINY = dict(num_layers=6, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+            vocab_size=128, seq_length=16, params_dtype="fp32")
+MICRO_BATCH_SIZE = 2
+SEED = 11
+LR = 1e-3
+MAX_GRAD_NORM = 0.5
+STEPS = 3
+
+
+def tiny_model(num_layers: int) -> ModelConfig:
+    return ModelConfig(**{**TINY, "num_layers": num_layers})
+
+
+def data() -> SyntheticTokens:
+    return SyntheticTokens(TINY["vocab_size"], TINY["seq_length"], MICRO_BATCH_SIZE, seed=SEED)
+
+
+def _snapshot(model: torch.nn.Module, layer_offset: int, grads: bool) -> dict[str, torch.Tensor]:
+    return {
+        global_name(name, layer_offset): (p.grad if grads else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: int) -> dict:
+    """One process, the whole model, every micro-batch: loss / M per micro-batch, global
+    norm clipping (first-step grads are taken after it), Adam."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    one = dist.new_group([0])
+    pgc = ProcessGroupCollection(tp=one, cp=one, pp=one, ep=one, expt_dp=one, embd=None, pos_embd=None,
+                                 dp=one, dp_cp=one)
+    model = build_stage_model(tiny_model(num_layers), StageSpec((0, num_layers), True, True), pg_collection=pgc,
+                              seed=SEED)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    source, losses, first_grads = data(), [], None
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        step_losses = {}
+        for m in range(num_micro_batches):
+            batch = source.micro_batch(step, m)
+            logits = model(batch["tokens"], batch["position_ids"], None)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1))
+            (loss / num_micro_batches).backward()
+            step_losses[m] = loss.item()
+        losses.append(step_losses)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        if first_grads is None:
+            first_grads = _snapshot(model, 0, grads=True)
+        optimizer.step()
+    return {"losses": losses, "grads": first_grads, "params": _snapshot(model, 0, grads=False)}
+
+
+def run_plan(rank: int, world_size: int, plan_json: str, workers: tuple[int, ...]) -> dict:
+    """Train STEPS steps of ``plan`` on this rank; report losses, first-step grads (synced
+    and clipped), final params."""
+    from odyssey_megatron.runtime.plan_runner import PlanRunner
+
+    plan = ExecutionPlan.from_json(plan_json)
+    runner = PlanRunner(
+        plan=plan,
+        rank=rank,
+        ranks=RankMap.of(workers, plan.tensor_parallel_size),
+        model=tiny_model(plan.num_layers),
+        micro_batch_size=MICRO_BATCH_SIZE,
+        profile=uniform_profile(num_layers=plan.num_layers),
+        seed=SEED,
+        lr=LR,
+        max_grad_norm=MAX_GRAD_NORM,
+    )
+    source, losses, first_grads = data(), [], None
+    for step in range(STEPS):
+        result = runner.train_step(lambda m, step=step: source.micro_batch(step, m))
+        losses.append(result.losses)
+        if first_grads is None:
+            first_grads = _snapshot(runner.model, runner.stage.layers[0], grads=True)
+    return {
+        "losses": losses,
+        "grads": first_grads,
+        "params": _snapshot(runner.model, runner.stage.layers[0], grads=False),
+        "tp_rank": runner.tp_rank,
+        "tp_size": plan.tensor_parallel_size,
+        "ops": len(runner.ops),
+    }

@@ -1,0 +1,41 @@
+"""The CPU shim maps Megatron's CUDA calls to the CPU and leaves nothing behind."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import random as megatron_random
+
+from odyssey_megatron.hooks.cpu_shim import cpu_shim
+
+
+def _globals():
+    return (torch.zeros, torch.ones, torch.empty, torch.tensor, torch.cuda.current_device, torch.Tensor.cuda,
+            megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+
+
+def test_shim_redirects_cuda_and_restores_every_global():
+    before = _globals()
+    with cpu_shim():
+        assert torch.cuda.current_device() == "cpu"
+        assert torch.zeros(3, device="cuda").device.type == "cpu"
+        assert torch.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
+        t = torch.ones(2)
+        assert t.cuda() is t
+    assert _globals() == before
+
+
+def test_model_parallel_rng_is_a_separate_reproducible_stream():
+    torch.manual_seed(0)
+    plain = torch.rand(4)
+    with cpu_shim(seed=5):
+        tracker = megatron_random.get_cuda_rng_tracker()
+        torch.manual_seed(0)
+        with tracker.fork():
+            forked = torch.rand(4)
+        after_fork = torch.rand(4)
+    with cpu_shim(seed=5):
+        with megatron_random.get_cuda_rng_tracker().fork():
+            again = torch.rand(4)
+    assert not torch.equal(forked, plain)  # its own stream, not the default one
+    assert torch.equal(after_fork, plain)  # the default stream did not move
+    assert torch.equal(forked, again)  # seeded: the same in every run
