@@ -65,7 +65,7 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
     return {"losses": losses, "grads": first_grads, "params": _snapshot(model, 0, grads=False)}
 
 
-def run_plan(rank: int, world_size: int, plan_json: str, workers: tuple[int, ...]) -> dict:
+def run_plan(rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str) -> dict:
     """Train STEPS steps of ``plan`` on this rank; report losses, first-step grads (synced
     and clipped), final params."""
     from odyssey_megatron.runtime.plan_runner import PlanRunner
@@ -81,6 +81,7 @@ def run_plan(rank: int, world_size: int, plan_json: str, workers: tuple[int, ...
         seed=SEED,
         lr=LR,
         max_grad_norm=MAX_GRAD_NORM,
+        schedule=schedule,
     )
     source, losses, first_grads = data(), [], None
     for step in range(STEPS):

@@ -35,11 +35,11 @@ def _shard_of(full: torch.Tensor, name: str, like: torch.Tensor, tp_rank: int, t
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def _check(plan, workers):
+def _check(plan, workers, schedule="auto"):
     profile = uniform_profile(num_layers=plan.num_layers)
     plan = with_sync(plan, profile)
     expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches)[0]
-    results = run_world(run_plan, len(workers) * plan.tensor_parallel_size, plan.to_json(), tuple(workers))
+    results = run_world(run_plan, len(workers) * plan.tensor_parallel_size, plan.to_json(), tuple(workers), schedule)
     for step in range(len(expected["losses"])):
         got = {}
         for r in results:
@@ -61,12 +61,14 @@ def _check(plan, workers):
     return results
 
 
-def test_symmetric_dp2_pp2():
-    _check(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=3), range(4))
+@pytest.mark.parametrize("schedule", ["megatron", "odyssey"])
+def test_symmetric_dp2_pp2(schedule):
+    _check(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=3), range(4), schedule)
 
 
-def test_asymmetric_two_and_three_stages_uneven_splits_and_batches():
-    _check(asymmetric_plan([(4, 2), (1, 3, 2)], [5, 2]), range(5))
+@pytest.mark.parametrize("schedule", ["megatron", "odyssey"])
+def test_asymmetric_two_and_three_stages_uneven_splits_and_batches(schedule):
+    _check(asymmetric_plan([(4, 2), (1, 3, 2)], [5, 2]), range(5), schedule)
 
 
 def test_rerouted_dp4_pp2_after_one_failure():

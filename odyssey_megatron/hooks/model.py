@@ -63,6 +63,7 @@ def transformer_config(model: ModelConfig, *, num_layers: int, tensor_parallel_s
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel_size,
         params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=True,

@@ -7,7 +7,9 @@ both require it), and keeps only its own. A rank gets:
   Megatron's PP/CP/EP/DP groups: to Megatron a stage is a whole model; the Odyssey
   executor moves activations between stages and ``LayerGradSync`` does DP sync;
 - one DP group per sync unit it belongs to, per TP rank: the k-th ranks of the unit's
-  workers all-reduce shard k.
+  workers all-reduce shard k;
+- its pipeline's PP group (per TP rank), for Megatron's own 1F1B schedule, when no
+  stage of that pipeline has failed.
 
 Plans name workers; ``RankMap`` says which process ranks a worker has in the current
 world (after a failure the survivors re-form a smaller world with new ranks). A new plan
@@ -57,6 +59,8 @@ class PlanGroups:
     pg_collection: ProcessGroupCollection
     unit_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     """Sync unit index -> this rank's DP group for it (units of two or more workers only)."""
+    pipeline_group: dist.ProcessGroup | None = None
+    """This rank's pipeline (same TP rank on every stage), if none of its stages failed."""
     _owned: list[dist.ProcessGroup] = field(default_factory=list)
 
     def destroy(self) -> None:
@@ -96,8 +100,15 @@ def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> Plan
             group = create([ranks.rank(w, k) for w in unit.workers])
             if group is not None:
                 unit_groups[index] = group
+    pipeline_group = None
+    for pipeline in plan.pipelines:
+        if any(stage.worker is None for stage in pipeline.stages):
+            continue
+        for k in range(tp):
+            group = create([ranks.rank(stage.worker, k) for stage in pipeline.stages])
+            pipeline_group = group if group is not None else pipeline_group
     collection = ProcessGroupCollection(
         tp=tp_group, cp=singleton, pp=singleton, ep=singleton, expt_dp=singleton,
         embd=None, pos_embd=None, dp=singleton, dp_cp=singleton,
     )
-    return PlanGroups(pg_collection=collection, unit_groups=unit_groups, _owned=mine)
+    return PlanGroups(pg_collection=collection, unit_groups=unit_groups, pipeline_group=pipeline_group, _owned=mine)

@@ -2,8 +2,9 @@
 
 Builds, in order: the plan's process groups (collective), the rank's stage model on
 Megatron-Core with parameters from the one deterministic source, Adam over its
-parameters, the layer-granular gradient sync, and the executor with this worker's op
-list from the estimator. ``train_step`` runs one global batch.
+parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1F1B
+when no micro-batch is rerouted, else the Odyssey executor over this worker's op list
+from the estimator. ``train_step`` runs one global batch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
+from odyssey_megatron.schedules.megatron_1f1b import MegatronPipelineSchedule
+
+SCHEDULES = ("auto", "odyssey", "megatron")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,7 +56,14 @@ class PlanRunner:
         seed: int,
         lr: float,
         max_grad_norm: float = 1.0,
+        schedule: str = "auto",
     ):
+        """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted), odyssey
+        (always the op-list executor) or megatron (refused for rerouted plans)."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+        if schedule == "megatron" and plan.reroutes:
+            raise ValueError("Megatron's 1F1B cannot run a plan with rerouted micro-batches")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self.max_grad_norm = max_grad_norm
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
@@ -64,20 +75,34 @@ class PlanRunner:
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups
         )
         self.ops = simulate_pipelines(plan, profile).schedule[self.worker]
-        self.executor = StepExecutor(
-            plan=plan,
-            ranks=ranks,
-            tp_rank=self.tp_rank,
-            model=self.model,
-            activation_shape=(model.seq_length, micro_batch_size, model.hidden_size),
-            dtype=_DTYPES[model.params_dtype],
-        )
+        self.executor: StepExecutor | MegatronPipelineSchedule
+        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes):
+            pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
+            self.executor = MegatronPipelineSchedule(
+                model=self.model,
+                pipeline_group=self.groups.pipeline_group,
+                stage_collection=self.groups.pg_collection,
+                micro_batches=pipeline.micro_batches,
+                total_micro_batches=plan.num_micro_batches,
+                seq_length=model.seq_length,
+                micro_batch_size=micro_batch_size,
+            )
+        else:
+            self.executor = StepExecutor(
+                plan=plan,
+                ranks=ranks,
+                tp_rank=self.tp_rank,
+                model=self.model,
+                activation_shape=(model.seq_length, micro_batch_size, model.hidden_size),
+                dtype=_DTYPES[model.params_dtype],
+                ops=self.ops,
+            )
 
     def train_step(self, batches: Callable[[int], MicroBatch], *, apply: bool = True) -> StepResult:
         """Forward and backward every micro-batch of this worker, sync and clip gradients,
         and (if ``apply``) take the optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self.executor.run(self.ops, batches=batches)
+        losses = self.executor.run(batches=batches)
         self.grad_sync.sync()
         norm = clip_grad_norm(
             plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank, max_norm=self.max_grad_norm

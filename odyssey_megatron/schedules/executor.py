@@ -28,11 +28,24 @@ MicroBatch = dict[str, torch.Tensor]
 """``tokens`` and ``labels`` [micro_batch_size, seq_length], ``position_ids``."""
 
 
-def language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean token cross-entropy from full-vocabulary logits; the logged value is a detached
-    clone because Megatron divides the returned loss in place."""
+def language_model_loss(
+    labels: torch.Tensor, logits: torch.Tensor, *, scale: float = 1.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean token cross-entropy from full-vocabulary logits, times ``scale`` for the
+    backward; the logged value is an unscaled detached clone (Megatron divides the
+    returned loss in place)."""
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
-    return loss, {"lm loss": loss.detach().clone()}
+    return loss * scale, {"lm loss": loss.detach().clone()}
+
+
+def stage_forward(data_iterator, model, *, first: bool, last: bool, loss_scale: float = 1.0):
+    """Megatron forward_step_func for a stage model: the first stage reads tokens, the last
+    stage labels, from the micro-batch the iterator yields (None for middle stages)."""
+    batch = next(data_iterator) if data_iterator is not None else None
+    tokens = batch["tokens"] if first else None
+    position_ids = batch["position_ids"] if batch is not None else None
+    output = model(tokens, position_ids, None)
+    return output, partial(language_model_loss, batch["labels"], scale=loss_scale) if last else None
 
 
 @dataclass
@@ -46,6 +59,8 @@ class StepExecutor:
     activation_shape: tuple[int, int, int]
     """[seq_length, micro_batch_size, hidden_size], Megatron's sequence-first layout."""
     dtype: torch.dtype
+    ops: list[Op]
+    """This worker's op list, in the order the estimator ran it."""
     _step: itertools.count = field(default_factory=itertools.count)
 
     def _rank(self, pipeline: int, stage: int, micro_batch: int) -> int:
@@ -54,8 +69,8 @@ class StepExecutor:
     def _tag(self, step: int, micro_batch: int, kind: str) -> int:
         return ((step % 4) * self.plan.num_micro_batches + micro_batch) * 2 + (kind == FORWARD)
 
-    def run(self, ops: list[Op], *, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
-        """Run ``ops`` (one step); returns the loss of each micro-batch whose last stage ran here.
+    def run(self, *, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
+        """Run one step of the op list; returns the loss of each micro-batch whose last stage ran here.
 
         ``batches(micro_batch_id)`` gives that global micro-batch's data; only first and
         last stages read it.
@@ -78,7 +93,7 @@ class StepExecutor:
                 dist.recv(buffer, src, tag=tag)
             return buffer
 
-        for op in ops:
+        for op in self.ops:
             first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
             if op.kind == FORWARD:
                 batch = batches(op.micro_batch) if first or last else None
@@ -87,8 +102,8 @@ class StepExecutor:
                 )
                 store: list[dict[str, torch.Tensor]] = []
                 output, _ = forward_step(
-                    partial(self._forward, batch=batch, first=first, last=last),
-                    None, self.model, total, input_tensor, store, config,
+                    partial(stage_forward, first=first, last=last),
+                    None if batch is None else iter([batch]), self.model, total, input_tensor, store, config,
                     cp_group_size=1, is_last_stage=last,
                 )
                 if last:
@@ -111,10 +126,3 @@ class StepExecutor:
         if saved:
             raise RuntimeError(f"op list left {len(saved)} forwards without a backward")
         return losses
-
-    @staticmethod
-    def _forward(data_iterator, model, *, batch: MicroBatch | None, first: bool, last: bool):
-        tokens = batch["tokens"] if first else None
-        position_ids = batch["position_ids"] if batch is not None else None
-        output = model(tokens, position_ids, None)
-        return output, partial(language_model_loss, batch["labels"]) if last else None
