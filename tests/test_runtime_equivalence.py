@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from distributed import run_world
 from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.runtime.local_world import run_world
 from runtime_cases import LR, reference, run_plan
 
 pytestmark = pytest.mark.timeout(600)

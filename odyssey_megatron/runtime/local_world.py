@@ -1,8 +1,9 @@
-"""Run a function on N gloo ranks in spawned processes, with the store hosted here.
+"""Run a function on N CPU ranks (gloo) in spawned processes, with the store hosted here.
 
-The parent hosts the TCPStore (port 0, so tests never collide) the way the Odyssey
-launcher will: it outlives any rank. Every rank installs the CPU shim. Results come back
-through a queue; a rank that fails or a world that exceeds ``timeout`` fails the test.
+The parent hosts the TCPStore (port 0, so concurrent worlds never collide) the way the
+fault-tolerant launcher does: it outlives any rank. Every rank installs the CPU shim.
+Results come back through a queue; a rank that fails or a world that exceeds
+``timeout`` raises. Tests and CPU benchmarks use it.
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     try:
         import datetime
 
+        import os
+
+        import torch
         import torch.distributed as dist
 
         from odyssey_megatron.hooks.cpu_shim import CpuShim
+
+        # N ranks share the machine's cores; torch's default (all cores each) thrashes.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
         CpuShim().install()
         from megatron.core import parallel_state
