@@ -20,8 +20,8 @@ MAX_GRAD_NORM = 0.5
 STEPS = 3
 
 
-def tiny_model(num_layers: int) -> ModelConfig:
-    return ModelConfig(**{**TINY, "num_layers": num_layers})
+def tiny_model(num_layers: int, tie_embeddings: bool = False) -> ModelConfig:
+    return ModelConfig(**{**TINY, "num_layers": num_layers, "tie_embeddings": tie_embeddings})
 
 
 def data() -> SyntheticTokens:
@@ -29,13 +29,14 @@ def data() -> SyntheticTokens:
 
 
 def _snapshot(model: torch.nn.Module, layer_offset: int, grads: bool) -> dict[str, torch.Tensor]:
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
     return {
-        global_name(name, layer_offset): (p.grad if grads else p).detach().clone()
+        global_name(name, layer_offset, tied=tied): (p.grad if grads else p).detach().clone()
         for name, p in model.named_parameters()
     }
 
 
-def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: int) -> dict:
+def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: int, tie_embeddings: bool) -> dict:
     """One process, the whole model, every micro-batch: loss / M per micro-batch, global
     norm clipping (first-step grads are taken after it), Adam."""
     import torch.distributed as dist
@@ -44,7 +45,7 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
     one = dist.new_group([0])
     pgc = ProcessGroupCollection(tp=one, cp=one, pp=one, ep=one, expt_dp=one, embd=None, pos_embd=None,
                                  dp=one, dp_cp=one)
-    model = build_stage_model(tiny_model(num_layers), StageSpec((0, num_layers), True, True), pg_collection=pgc,
+    model = build_stage_model(tiny_model(num_layers, tie_embeddings), StageSpec((0, num_layers), True, True), pg_collection=pgc,
                               seed=SEED)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     source, losses, first_grads = data(), [], None
@@ -65,7 +66,9 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
     return {"losses": losses, "grads": first_grads, "params": _snapshot(model, 0, grads=False)}
 
 
-def run_plan(rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str) -> dict:
+def run_plan(
+    rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool
+) -> dict:
     """Train STEPS steps of ``plan`` on this rank; report losses, first-step grads (synced
     and clipped), final params."""
     from odyssey_megatron.runtime.plan_runner import PlanRunner
@@ -75,7 +78,7 @@ def run_plan(rank: int, world_size: int, plan_json: str, workers: tuple[int, ...
         plan=plan,
         rank=rank,
         ranks=RankMap.of(workers, plan.tensor_parallel_size),
-        model=tiny_model(plan.num_layers),
+        model=tiny_model(plan.num_layers, tie_embeddings),
         micro_batch_size=MICRO_BATCH_SIZE,
         profile=uniform_profile(num_layers=plan.num_layers),
         seed=SEED,

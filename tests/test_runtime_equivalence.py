@@ -35,11 +35,12 @@ def _shard_of(full: torch.Tensor, name: str, like: torch.Tensor, tp_rank: int, t
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def _check(plan, workers, schedule="auto"):
-    profile = uniform_profile(num_layers=plan.num_layers)
+def _check(plan, workers, schedule="auto", tie_embeddings=False):
+    profile = replace(uniform_profile(num_layers=plan.num_layers), tie_embeddings=tie_embeddings)
     plan = with_sync(plan, profile)
-    expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches)[0]
-    results = run_world(run_plan, len(workers) * plan.tensor_parallel_size, plan.to_json(), tuple(workers), schedule)
+    expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches, tie_embeddings)[0]
+    world = len(workers) * plan.tensor_parallel_size
+    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings)
     for step in range(len(expected["losses"])):
         got = {}
         for r in results:
@@ -83,3 +84,9 @@ def test_rerouted_dp4_pp2_after_one_failure():
 def test_tensor_parallel_two_in_dp2_pp2():
     plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)
     _check(replace(plan, tensor_parallel_size=2), range(4))
+
+
+def test_tied_embeddings_across_first_and_last_stages():
+    results = _check(asymmetric_plan([(4, 2), (1, 3, 2)], [3, 3]), range(5), "odyssey", tie_embeddings=True)
+    holders = [r for r in results if "embedding.word_embeddings.weight" in r["params"]]
+    assert len(holders) == 4  # first and last stage of both pipelines hold a copy

@@ -16,19 +16,19 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from odyssey_megatron.hooks.model import StageSpec
+from odyssey_megatron.hooks.model import EMBEDDING_WEIGHT, StageSpec, global_name, is_tied
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import EMBEDDING, OUTPUT, Block
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def block_of(name: str, stage: StageSpec) -> Block:
-    """The block a stage parameter belongs to."""
+def block_of(name: str, stage: StageSpec, *, tied: bool = False) -> Block:
+    """The block a stage parameter belongs to (a tied output copy is the embedding)."""
     match = _LOCAL_LAYER.match(name)
     if match:
         return stage.layers[0] + int(match.group(1))
-    if name.startswith("embedding."):
+    if name.startswith("embedding.") or global_name(name, 0, tied=tied) == EMBEDDING_WEIGHT:
         return EMBEDDING
     if name.startswith("output_layer.") or name.startswith("decoder.final_layernorm."):
         return OUTPUT
@@ -38,7 +38,7 @@ def block_of(name: str, stage: StageSpec) -> Block:
 def parameters_by_block(model: torch.nn.Module, stage: StageSpec) -> dict[Block, list[torch.nn.Parameter]]:
     blocks: dict[Block, list[torch.nn.Parameter]] = defaultdict(list)
     for name, param in model.named_parameters():
-        blocks[block_of(name, stage)].append(param)
+        blocks[block_of(name, stage, tied=is_tied(model))].append(param)
     return dict(blocks)
 
 

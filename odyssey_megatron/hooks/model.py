@@ -7,6 +7,11 @@ global pipeline state. Parameters are initialised from one source: every tensor 
 *full* model is drawn from a generator seeded by the recipe seed and the tensor's
 global name, and each rank keeps its slice (its layers, its TP shard). The same layer is
 therefore identical on every pipeline and equal to a single-process model's.
+
+Tied embeddings: a last stage that is not also the first keeps its own copy of the word
+embeddings as ``output_layer.weight``, drawn from the embedding's source; the copies
+belong to one sync unit, so their summed gradient is the tied gradient and Adam keeps
+them equal.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def build_stage_model(
         pre_process=stage.first,
         post_process=stage.last,
         parallel_output=False,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type="rope",
         pg_collection=pg_collection,
     )
@@ -114,14 +119,27 @@ def mark_tensor_parallel_weights(gpt: torch.nn.Module) -> None:
     """Megatron tags a weight as TP-partitioned (and along which dim) only inside its own
     initialisation, which we skip; tag them from the layer types instead."""
     for module in gpt.modules():
+        if getattr(module, "weight", None) is None:
+            continue  # a tied output layer borrows the embedding's weight
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
             set_tensor_model_parallel_attributes(module.weight, True, 0, 1)
         elif isinstance(module, RowParallelLinear):
             set_tensor_model_parallel_attributes(module.weight, True, 1, 1)
 
 
-def global_name(local_name: str, layer_offset: int) -> str:
-    """``decoder.layers.3.x`` of a stage starting at layer 8 is ``decoder.layers.11.x``."""
+TIED_OUTPUT = "output_layer.weight"
+EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+
+
+def is_tied(gpt: torch.nn.Module) -> bool:
+    return bool(getattr(gpt, "share_embeddings_and_output_weights", False))
+
+
+def global_name(local_name: str, layer_offset: int, *, tied: bool = False) -> str:
+    """``decoder.layers.3.x`` of a stage starting at layer 8 is ``decoder.layers.11.x``;
+    with tied embeddings the last stage's output weight is the embedding."""
+    if tied and local_name == TIED_OUTPUT:
+        return EMBEDDING_WEIGHT
     return _LAYER_KEY.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
 
 
@@ -148,7 +166,7 @@ def init_stage_parameters(gpt: torch.nn.Module, *, stage: StageSpec, seed: int, 
     generator seeded by (seed, global name), then sliced to this rank's shard."""
     with torch.no_grad():
         for name, param in gpt.named_parameters():
-            full_name = global_name(name, stage.layers[0])
+            full_name = global_name(name, stage.layers[0], tied=is_tied(gpt))
             if "norm" in full_name and param.dim() == 1:
                 param.fill_(1.0)
                 continue
