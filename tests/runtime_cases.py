@@ -67,7 +67,8 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
 
 
 def run_plan(
-    rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool
+    rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool,
+    overlap: bool,
 ) -> dict:
     """Train STEPS steps of ``plan`` on this rank; report losses, first-step grads (synced
     and clipped), final params."""
@@ -85,10 +86,13 @@ def run_plan(
         lr=LR,
         max_grad_norm=MAX_GRAD_NORM,
         schedule=schedule,
+        overlap_grad_sync=overlap,
     )
-    source, losses, first_grads = data(), [], None
+    source, losses, first_grads, early = data(), [], None, []
     for step in range(STEPS):
-        result = runner.train_step(lambda m, step=step: source.micro_batch(step, m))
+        step_losses = runner.forward_backward(lambda m, step=step: source.micro_batch(step, m))
+        early.append((runner.grad_sync.in_flight, runner.grad_sync.num_units))
+        result = runner.finish_step(step_losses)
         losses.append(result.losses)
         if first_grads is None:
             first_grads = _snapshot(runner.model, runner.stage.layers[0], grads=True)
@@ -99,4 +103,5 @@ def run_plan(
         "tp_rank": runner.tp_rank,
         "tp_size": plan.tensor_parallel_size,
         "ops": len(runner.ops),
+        "started_during_backward": early,
     }

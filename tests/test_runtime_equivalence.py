@@ -35,12 +35,12 @@ def _shard_of(full: torch.Tensor, name: str, like: torch.Tensor, tp_rank: int, t
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def _check(plan, workers, schedule="auto", tie_embeddings=False):
+def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False):
     profile = replace(uniform_profile(num_layers=plan.num_layers), tie_embeddings=tie_embeddings)
     plan = with_sync(plan, profile)
     expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches, tie_embeddings)[0]
     world = len(workers) * plan.tensor_parallel_size
-    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings)
+    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings, overlap)
     for step in range(len(expected["losses"])):
         got = {}
         for r in results:
@@ -59,6 +59,9 @@ def _check(plan, workers, schedule="auto", tie_embeddings=False):
                 torch.testing.assert_close(value, want, rtol=1e-5, atol=atol, msg=lambda m, kind=kind, name=name: f"{kind} {name}: {m}")
                 seen.add(name)
     assert seen == set(expected["params"]), "every parameter is held somewhere"
+    for r in results:
+        for in_flight, units in r["started_during_backward"]:
+            assert in_flight == (units if overlap else 0), "overlap starts every unit's all-reduce in backward"
     return results
 
 
@@ -69,7 +72,8 @@ def test_symmetric_dp2_pp2(schedule):
 
 @pytest.mark.parametrize("schedule", ["megatron", "odyssey"])
 def test_asymmetric_two_and_three_stages_uneven_splits_and_batches(schedule):
-    _check(asymmetric_plan([(4, 2), (1, 3, 2)], [5, 2]), range(5), schedule)
+    # Megatron's schedule with DP sync overlapped with backward; the executor without.
+    _check(asymmetric_plan([(4, 2), (1, 3, 2)], [5, 2]), range(5), schedule, overlap=schedule == "megatron")
 
 
 def test_rerouted_dp4_pp2_after_one_failure():
@@ -77,7 +81,7 @@ def test_rerouted_dp4_pp2_after_one_failure():
     plan = symmetric_plan(dp=4, pp=2, num_layers=4, micro_batches_per_pipeline=3)
     rerouted = reroute_plan(plan, failed_workers={5}, profile=profile)  # stage 1 of pipeline 1
     survivors = [w for w in range(8) if w != 5]
-    results = _check(rerouted, survivors)
+    results = _check(rerouted, survivors, overlap=True)
     assert max(r["ops"] for r in results) > min(r["ops"] for r in results), "peers ran extra micro-batches"
 
 

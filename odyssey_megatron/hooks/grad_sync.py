@@ -6,12 +6,19 @@ gradient, whichever pipeline, stage or rerouting peer ran each micro-batch. Bloc
 by the same workers form a sync unit: one flattened SUM all-reduce per unit, in the
 restorer's coloured rounds (a worker is in at most one unit per round, so the order of
 collectives is the same on every member).
+
+With ``overlap`` a unit is a bucket: post-accumulate-grad hooks count its gradients, and
+when the step's last backward has reached every tensor of the unit its all-reduce starts
+asynchronously, while backward goes on through earlier layers. Units then start in the
+order backward finishes them rather than by round; each unit has its own process group,
+so members need not agree on the order across units.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -42,8 +49,33 @@ def parameters_by_block(model: torch.nn.Module, stage: StageSpec) -> dict[Block,
     return dict(blocks)
 
 
+class _Bucket:
+    """One sync unit's tensors on this rank and its in-flight all-reduce."""
+
+    def __init__(self, group: dist.ProcessGroup, params: list[torch.nn.Parameter]):
+        self.group, self.params = group, params
+        self.pending = 0
+        self.work: dist.Work | None = None
+        self.flat: torch.Tensor | None = None
+
+    def start(self, *, async_op: bool) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.flat = torch.cat([g.reshape(-1) for g in grads])
+        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            param.grad = self.flat[offset : offset + n].view_as(param).clone()
+            offset += n
+        self.work = self.flat = None
+
+
 class LayerGradSync:
-    """All-reduces this rank's gradients unit by unit, round by round."""
+    """All-reduces this rank's gradients unit by unit: round by round, or overlapped."""
 
     def __init__(
         self,
@@ -52,25 +84,50 @@ class LayerGradSync:
         worker: int,
         params: dict[Block, list[torch.nn.Parameter]],
         unit_groups: dict[int, dist.ProcessGroup],
+        overlap: bool = False,
     ):
-        self._steps: list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]] = []
+        self._buckets: list[_Bucket] = []
         for round_ in plan.comm_rounds:
             for index in round_:
                 unit = plan.sync_units[index]
                 if worker in unit.workers:
-                    self._steps.append((unit_groups[index], [p for b in unit.blocks for p in params.get(b, [])]))
+                    members = [p for b in unit.blocks for p in params.get(b, [])]
+                    self._buckets.append(_Bucket(unit_groups[index], members))
+        self._overlap = overlap
+        self._backward_passes = 0
+        if overlap:
+            for bucket in self._buckets:
+                for param in bucket.params:
+                    param.register_post_accumulate_grad_hook(partial(self._on_grad, bucket))
+
+    @property
+    def in_flight(self) -> int:
+        """All-reduces started and not yet finished (overlap starts them during backward)."""
+        return sum(bucket.work is not None for bucket in self._buckets)
+
+    @property
+    def num_units(self) -> int:
+        """Sync units this rank takes part in."""
+        return len(self._buckets)
+
+    def start_step(self, *, backward_passes: int) -> None:
+        """Call once per step before the first backward: this rank will run
+        ``backward_passes`` backwards through every one of its tensors."""
+        self._backward_passes = backward_passes
+        for bucket in self._buckets:
+            bucket.pending = backward_passes * len(bucket.params)
+
+    def _on_grad(self, bucket: _Bucket, _param: torch.nn.Parameter) -> None:
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.start(async_op=True)
 
     def sync(self) -> None:
         """Call once per step, after the last backward and before the optimizer step."""
-        for group, params in self._steps:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            offset = 0
-            for param, grad in zip(params, grads):
-                n = grad.numel()
-                param.grad = flat[offset : offset + n].view_as(grad).clone()
-                offset += n
+        for bucket in self._buckets:
+            if bucket.work is None:
+                bucket.start(async_op=False)
+            bucket.finish()
 
 
 def clip_grad_norm(
@@ -85,7 +142,8 @@ def clip_grad_norm(
     holding a block contributes it, TP-sharded tensors from every TP rank, replicated ones
     (norms) from TP rank 0. Collective over the world; returns the norm before clipping."""
     owners = {b: min(unit.workers) for unit in plan.sync_units for b in unit.blocks}
-    square = torch.zeros((), dtype=torch.float64)
+    device = next(p.device for tensors in params.values() for p in tensors)
+    square = torch.zeros((), dtype=torch.float64, device=device)
     for block, tensors in params.items():
         if owners.get(block) != worker:
             continue

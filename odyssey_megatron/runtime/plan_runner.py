@@ -23,6 +23,7 @@ from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
 from odyssey_megatron.schedules.megatron_1f1b import MegatronPipelineSchedule
+from odyssey_megatron.schedules.ops import BACKWARD
 
 SCHEDULES = ("auto", "odyssey", "megatron")
 
@@ -57,9 +58,13 @@ class PlanRunner:
         lr: float,
         max_grad_norm: float = 1.0,
         schedule: str = "auto",
+        overlap_grad_sync: bool = False,
+        device: torch.device = torch.device("cpu"),
     ):
         """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted), odyssey
-        (always the op-list executor) or megatron (refused for rerouted plans)."""
+        (always the op-list executor) or megatron (refused for rerouted plans).
+        ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
+        with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if schedule == "megatron" and plan.reroutes:
@@ -68,11 +73,14 @@ class PlanRunner:
         self.max_grad_norm = max_grad_norm
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
         self.stage = stage_of_worker(plan, self.worker)
+        self.device = device
         self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection, seed=seed)
+        self.model.to(device)
         self.params = parameters_by_block(self.model, self.stage)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.grad_sync = LayerGradSync(
-            plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups
+            plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
+            overlap=overlap_grad_sync,
         )
         self.ops = simulate_pipelines(plan, profile).schedule[self.worker]
         self.executor: StepExecutor | MegatronPipelineSchedule
@@ -95,14 +103,25 @@ class PlanRunner:
                 model=self.model,
                 activation_shape=(model.seq_length, micro_batch_size, model.hidden_size),
                 dtype=_DTYPES[model.params_dtype],
+                device=device,
                 ops=self.ops,
             )
 
     def train_step(self, batches: Callable[[int], MicroBatch], *, apply: bool = True) -> StepResult:
         """Forward and backward every micro-batch of this worker, sync and clip gradients,
         and (if ``apply``) take the optimizer step."""
+        return self.finish_step(self.forward_backward(batches), apply=apply)
+
+    def forward_backward(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
+        """First half of a step: every forward and backward of this worker; returns the
+        losses of the micro-batches whose last stage ran here."""
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self.executor.run(batches=batches)
+        self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
+        on_device = lambda m: {k: v.to(self.device) for k, v in batches(m).items()}  # noqa: E731
+        return self.executor.run(batches=on_device)
+
+    def finish_step(self, losses: dict[int, float], *, apply: bool = True) -> StepResult:
+        """Second half: DP sync, global-norm clipping and (if ``apply``) the optimizer step."""
         self.grad_sync.sync()
         norm = clip_grad_norm(
             plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank, max_norm=self.max_grad_norm

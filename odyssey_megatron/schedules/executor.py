@@ -59,6 +59,7 @@ class StepExecutor:
     activation_shape: tuple[int, int, int]
     """[seq_length, micro_batch_size, hidden_size], Megatron's sequence-first layout."""
     dtype: torch.dtype
+    device: torch.device
     ops: list[Op]
     """This worker's op list, in the order the estimator ran it."""
     _step: itertools.count = field(default_factory=itertools.count)
@@ -88,7 +89,7 @@ class StepExecutor:
             sends.append((dist.isend(tensor, dst, tag=tag), tensor))
 
         def receive(src: int, tag: int) -> torch.Tensor:
-            buffer = torch.empty(self.activation_shape, dtype=self.dtype, requires_grad=True)
+            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device, requires_grad=True)
             with torch.no_grad():
                 dist.recv(buffer, src, tag=tag)
             return buffer
