@@ -2,8 +2,9 @@
 
 ``odyssey plan --config FILE [--failed 3,7] [--failed-nodes 1] [--json] [key=value ...]``
 prints the plan the decision center picks after the given failures, the alternatives it
-beat and its estimates. User errors print one line and exit 2; an unrecoverable failure
-exits 3.
+beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR] [--json]``
+compares the fault-tolerance systems over a failure scenario. User errors print one line
+and exit 2; an unrecoverable failure exits 3.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="failed nodes (all their ranks), e.g. 1")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. odyssey.policy=reroute")
+    sim = commands.add_parser("simulate", help="compare Odyssey with Oobleck, ReCycle and checkpoint-restart")
+    sim.add_argument("--scenario", required=True, help="scenario YAML (see configs/scenarios/)")
+    sim.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    sim.add_argument("--out", default=None, help="output directory (default: runs/simulate/<scenario>-seed<N>)")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.add_argument("overrides", nargs="*", metavar="key=value", help="scenario overrides, e.g. duration_hours=2")
     return parser
 
 
@@ -148,11 +155,42 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from odyssey_megatron.simulator.report import log_to_wandb, summary_json, write_outputs
+    from odyssey_megatron.simulator.run import simulate
+    from odyssey_megatron.simulator.scenario import load_scenario
+
+    overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
+    scenario = load_scenario(args.scenario, overrides)
+    out = Path(args.out or f"runs/simulate/{Path(args.scenario).stem}-seed{scenario.config.seed}")
+    progress = None if args.json else (lambda name: print(f"simulating {name} ...", file=sys.stderr, flush=True))
+    result = simulate(scenario, progress=progress)
+    paths = write_outputs(result, out)
+    wandb_dir = log_to_wandb(result, out)
+    if args.json:
+        print(json.dumps(summary_json(result)))
+        return 0
+    print(f"{len(result.events)} cluster events over {scenario.config.duration_hours:g} h on "
+          f"{scenario.recipe.parallel.num_ranks} devices; fault-free {result.fault_free_throughput:.2f} samples/s, "
+          f"fault-scaled ideal {result.ideal_throughput:.2f}")
+    print(f"{'system':<11} {'samples/s':>9} {'of ideal':>9} {'of fault-free':>13} {'paused (s)':>10}  odyssey/x")
+    for name, s in result.summaries.items():
+        ratio = result.ratios.get(name)
+        print(f"{name:<11} {s.avg_throughput:9.3f} {s.fraction_of_ideal:9.3f} {s.fraction_of_fault_free:13.3f} "
+              f"{s.transition_time_s:10.0f}  {'' if ratio is None else f'{ratio:.3f}x'}")
+    print(f"outputs: {out}" + (f"; W&B run: {wandb_dir}" if wandb_dir else ""))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "plan":
             return _plan_command(args)
+        if args.command == "simulate":
+            return _simulate_command(args)
     except ConfigError as exc:
         print(f"odyssey: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

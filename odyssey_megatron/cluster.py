@@ -72,6 +72,10 @@ class ClusterState:
     def fail_ranks(self, ranks: Iterable[int]) -> "ClusterState":
         return replace(self, failed_ranks=self.failed_ranks | frozenset(ranks))
 
+    def repair_ranks(self, ranks: Iterable[int]) -> "ClusterState":
+        """The cluster with ``ranks`` back in service (a repaired or replaced device)."""
+        return replace(self, failed_ranks=self.failed_ranks - frozenset(ranks))
+
     def fail_nodes(self, nodes: Iterable[int]) -> "ClusterState":
         nodes = list(nodes)
         bad = [n for n in nodes if not 0 <= n < self.num_nodes]

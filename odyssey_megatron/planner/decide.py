@@ -57,23 +57,39 @@ def decide(
     profile: ModelProfile,
     settings: OdysseyConfig,
     failure_model: FailureRateModel,
+    search_time_s: float | None = None,
+    interval_s: float | None = None,
 ) -> Decision:
-    """Pick the successor of ``current`` on ``cluster``'s survivors; raises UnrecoverableFailure."""
+    """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
+
+    After a failure the candidates are the rerouted plan and the best reparallelized ones.
+    When no stage owner failed but idle workers are alive (repaired or spare), keeping the
+    current plan competes with reparallelizing onto all of them. ``search_time_s`` replaces
+    the measured search time in the transition (the simulator needs determinism);
+    ``interval_s`` replaces the failure model's expected time to the next failure (the
+    hindsight oracle knows it).
+    """
     started = time.perf_counter()
     failed = cluster.failed_workers
-    interval = failure_model.expected_interval_s(cluster.alive_devices)
-    if not failed & set(current.workers):
-        estimate = estimate_plan(current, profile, cluster)
-        unchanged = Candidate(current.policy, current, estimate, 0.0, estimate.samples_per_s, _layout_of(current))
-        return Decision(unchanged, (), 0, time.perf_counter() - started, interval, "no stage owner failed")
-
-    drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float]] = []  # policy, plan, estimate, transfer seconds
-    considered = 0
-    notes = []
+    interval = interval_s if interval_s is not None else failure_model.expected_interval_s(cluster.alive_devices)
+    affected = bool(failed & set(current.workers))
+    idle = set(cluster.alive_workers) - set(current.workers)
     want_reroute = settings.policy in ("auto", "reroute")
     want_reparallelize = settings.policy in ("auto", "reparallelize")
 
-    if want_reroute:
+    drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float, float]] = []  # policy, plan, estimate, moving, restart
+    considered = 0
+    notes = []
+    if not affected:
+        drafts.append((current.policy, current, estimate_plan(current, profile, cluster), 0.0, 0.0))
+        if not idle or settings.policy == "reroute":
+            note = "no stage owner failed"
+            chosen = drafts[0]
+            unchanged = Candidate(chosen[0], current, chosen[2], 0.0, chosen[2].samples_per_s, _layout_of(current))
+            return Decision(unchanged, (), 0, time.perf_counter() - started, interval, note)
+        notes.append(f"{len(idle)} idle worker(s) alive")
+
+    if affected and want_reroute:
         considered += 1
         rerouted = reroute_plan(current, failed_workers=failed, profile=profile)
         if rerouted is None:
@@ -86,7 +102,7 @@ def decide(
                 notes.append(f"reroute schedule deadlocks: {exc}")
             else:
                 if estimate.fits_memory:
-                    drafts.append(("reroute", rerouted, estimate, 0.0))
+                    drafts.append(("reroute", rerouted, estimate, 0.0, settings.reroute_restart_s))
                 else:
                     notes.append("reroute exceeds the memory budget on a peer")
 
@@ -108,19 +124,19 @@ def decide(
                 plan.transfers, profile=profile, cluster=cluster,
                 storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
             )
-            drafts.append(("reparallelize", plan, estimate_plan(plan, profile, cluster), moving))
+            estimate = estimate_plan(plan, profile, cluster)
+            drafts.append(("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s))
         if not layouts:
             notes.append("no reparallelized layout fits the memory budget")
 
     if not drafts:
         raise UnrecoverableFailure("; ".join(notes) or "no candidate plan")
-    search_s = time.perf_counter() - started
-    restart = {"reroute": settings.reroute_restart_s, "reparallelize": settings.reparallelize_restart_s}
+    search_s = time.perf_counter() - started if search_time_s is None else search_time_s
     candidates = []
-    for policy, plan, estimate, moving in drafts:
-        transition = search_s + moving + restart[policy]
+    for policy, plan, estimate, moving, restart in drafts:
+        transition = search_s + moving + restart if plan is not current else 0.0
         score = policy_score(samples_per_s=estimate.samples_per_s, transition_s=transition, interval_s=interval)
         candidates.append(Candidate(policy, plan, estimate, transition, score, _layout_of(plan)))
-    candidates.sort(key=lambda c: (-c.score, c.policy != "reroute"))
+    candidates.sort(key=lambda c: (-c.score, c.plan is not current, c.policy != "reroute"))
     chosen, *others = candidates
     return Decision(chosen, tuple(others), considered, search_s, interval, "; ".join(notes))

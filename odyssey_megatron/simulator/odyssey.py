@@ -1,0 +1,101 @@
+"""Odyssey in the simulator: the real decision center, the same code as the live runtime.
+
+On a failure the decision center picks reroute or reparallelize by Eq. 8; the pause is
+detection plus the chosen candidate's transition (modelled search time, restorer's
+transfer time, restart cost). The in-flight step is lost. When a stage lost every
+replica and no layer survives anywhere, Odyssey too must restart from a checkpoint.
+
+The *oracle* is the same system with hindsight: Eq. 8 gets the actual time to the next
+event instead of the expected one, which is the best any policy choice could do.
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Sequence
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import OdysseyConfig
+from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, initial_plan
+from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint, restart_plan
+from odyssey_megatron.simulator.system import Outcome, SimulationContext
+
+
+class OdysseySystem:
+    def __init__(
+        self,
+        context: SimulationContext,
+        *,
+        settings: OdysseyConfig,
+        detection_s: float,
+        decision_s: float,
+        event_times: Sequence[float] | None = None,
+        horizon_s: float = float("inf"),
+        name: str = "odyssey",
+    ):
+        """``event_times`` (all cluster events, sorted) turns on hindsight, the oracle: the
+        interval Eq. 8 sees is the real one, to the next event or the ``horizon_s``."""
+        self.name = name
+        self.context = context
+        self.settings = settings
+        self.detection_s = detection_s
+        self.decision_s = decision_s
+        self.event_times = event_times
+        self.horizon_s = horizon_s
+        self.failure_model = FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
+                                              learn=settings.learn_failure_rate)
+        self.plan = initial_plan(
+            data_parallel_size=context.data_parallel_size,
+            pipeline_parallel_size=context.pipeline_parallel_size,
+            tensor_parallel_size=context.tensor_parallel_size,
+            num_micro_batches=context.num_micro_batches,
+            profile=context.profile,
+            max_layer_splits=settings.max_layer_splits,
+        )
+        self._last_event_s = 0.0
+        self._alive_devices = 0
+
+    def start(self, cluster: ClusterState) -> float:
+        self._alive_devices = cluster.alive_devices
+        estimate = estimate_plan(self.plan, self.context.profile, cluster)
+        self.step_s = estimate.step_time_s
+        return estimate.samples_per_s
+
+    def _interval(self, now_s: float) -> float | None:
+        if self.event_times is None:
+            return None
+        return min([t for t in self.event_times if t > now_s] + [self.horizon_s]) - now_s
+
+    def _restart(self, cluster: ClusterState, now_s: float, note: str) -> Outcome:
+        outcome = restart_from_checkpoint(self.context, cluster, now_s, note)
+        plan = restart_plan(self.context, cluster)
+        if plan is not None:
+            self.plan = plan
+            self.step_s = estimate_plan(plan, self.context.profile, cluster).step_time_s
+        return outcome
+
+    def _react(self, cluster: ClusterState, now_s: float, note: str, failures: int) -> Outcome:
+        self.failure_model.observe(failures=failures, device_hours=self._alive_devices * (now_s - self._last_event_s) / 3600)
+        self._last_event_s, self._alive_devices = now_s, cluster.alive_devices
+        lost = self.step_s / 2 if failures else 0.0  # the interrupted step, half done on average
+        try:
+            decision = decide(
+                current=self.plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
+                failure_model=self.failure_model, search_time_s=self.decision_s, interval_s=self._interval(now_s),
+            )
+        except UnrecoverableFailure as exc:
+            return self._restart(cluster, now_s, f"{note}: {exc}")
+        chosen = decision.chosen
+        if any(t.src is None for t in chosen.plan.transfers):
+            return self._restart(cluster, now_s, f"{note}: a layer survives nowhere")
+        self.plan = chosen.plan
+        self.step_s = chosen.estimate.step_time_s
+        pause = (self.detection_s if failures else 0.0) + chosen.transition_s
+        return Outcome(pause_s=pause, samples_per_s=chosen.estimate.samples_per_s, lost_s=lost,
+                       note=f"{note}: {chosen.policy} {chosen.layout}")
+
+    def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
+        return self._react(cluster, now_s, f"{len(failed)} worker(s) failed", failures=1)
+
+    def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
+        return self._react(cluster, now_s, f"{len(joined)} worker(s) rejoined", failures=0)

@@ -1,0 +1,116 @@
+"""Simulation output: per-system time series, the summary, Fig. 7/8-style plots, W&B.
+
+Series are sampled every ``sample_interval_s``: the average throughput over the window
+(so a short pause shows as a dip), the devices alive at its end and the state there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from odyssey_megatron.simulator.engine import Timeline
+from odyssey_megatron.simulator.run import SimulationResult
+
+
+def sample_series(timeline: Timeline, *, interval_s: float, duration_s: float) -> list[dict]:
+    rows, segments, index = [], timeline.segments, 0
+    t = 0.0
+    while t < duration_s - 1e-9:
+        end = min(t + interval_s, duration_s)
+        samples, state, devices = 0.0, None, 0
+        while index < len(segments) and segments[index].end_s <= t:
+            index += 1
+        j = index
+        while j < len(segments) and segments[j].start_s < end:
+            seg = segments[j]
+            overlap = min(seg.end_s, end) - max(seg.start_s, t)
+            samples += overlap * seg.samples_per_s
+            state, devices = seg.state, seg.active_devices
+            j += 1
+        rows.append({"time_s": end, "samples_per_s": samples / (end - t), "active_devices": devices, "state": state})
+        t = end
+    return rows
+
+
+def summary_json(result: SimulationResult) -> dict:
+    return {
+        "scenario": {
+            "duration_hours": result.scenario.config.duration_hours,
+            "seed": result.scenario.config.seed,
+            "devices": result.scenario.recipe.parallel.num_ranks,
+            "failures": sum(1 for e in result.events if e.kind == "fail"),
+            "repairs": sum(1 for e in result.events if e.kind == "join"),
+        },
+        "fault_free_throughput": result.fault_free_throughput,
+        "ideal_throughput": result.ideal_throughput,
+        "systems": {name: asdict(s) for name, s in result.summaries.items()},
+        "ratios": result.ratios,
+    }
+
+
+def write_outputs(result: SimulationResult, out_dir: Path) -> dict[str, Path]:
+    """series.json, summary.json, active_devices.png and throughput.png under ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = result.scenario.config
+    duration = config.duration_hours * 3600
+    series = {name: sample_series(t, interval_s=config.sample_interval_s, duration_s=duration)
+              for name, t in result.timelines.items()}
+    paths = {"series": out_dir / "series.json", "summary": out_dir / "summary.json"}
+    paths["series"].write_text(json.dumps(series))
+    paths["summary"].write_text(json.dumps(summary_json(result), indent=2))
+
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    first = next(iter(series.values()))
+    axis.step([r["time_s"] / 3600 for r in first], [r["active_devices"] for r in first], where="post")
+    axis.set(xlabel="time (h)", ylabel="active devices", title="Active devices over time")
+    figure.tight_layout()
+    paths["active_devices"] = out_dir / "active_devices.png"
+    figure.savefig(paths["active_devices"], dpi=120)
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    for name, rows in series.items():
+        axis.plot([r["time_s"] / 3600 for r in rows], [r["samples_per_s"] for r in rows], label=name, linewidth=1)
+    axis.axhline(result.fault_free_throughput, color="grey", linestyle=":", label="fault-free")
+    axis.set(xlabel="time (h)", ylabel="samples/s", title="Training throughput over time")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    paths["throughput"] = out_dir / "throughput.png"
+    figure.savefig(paths["throughput"], dpi=120)
+    plt.close(figure)
+    return paths
+
+
+def log_to_wandb(result: SimulationResult, out_dir: Path) -> str | None:
+    """The same series and summary as a W&B run (offline unless the scenario says online)."""
+    config = result.scenario.config
+    if config.wandb_mode == "disabled":
+        return None
+    import wandb
+
+    duration = config.duration_hours * 3600
+    series = {name: sample_series(t, interval_s=config.sample_interval_s, duration_s=duration)
+              for name, t in result.timelines.items()}
+    run = wandb.init(project=config.wandb_project, mode=config.wandb_mode, dir=str(out_dir),
+                     config=summary_json(result)["scenario"], job_type="simulate", reinit="finish_previous")
+    for i in range(len(next(iter(series.values())))):
+        row = {"time_h": next(iter(series.values()))[i]["time_s"] / 3600}
+        for name, rows in series.items():
+            row[f"{name}/samples_per_s"] = rows[i]["samples_per_s"]
+            row[f"{name}/active_devices"] = rows[i]["active_devices"]
+        run.log(row, step=i)
+    for name, summary in result.summaries.items():
+        for key, value in asdict(summary).items():
+            run.summary[f"{name}/{key}"] = value
+    for name, ratio in result.ratios.items():
+        run.summary[f"ratio/odyssey_over_{name}"] = ratio
+    location = run.dir
+    run.finish()
+    return location

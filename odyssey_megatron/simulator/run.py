@@ -1,0 +1,144 @@
+"""Run a scenario: build the job's context, generate events, live through them with every
+system, and summarise against the fault-free and fault-scaled ideals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.decision_center import recipe_profile
+from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
+from odyssey_megatron.simulator.engine import Timeline, run_system
+from odyssey_megatron.simulator.events import FAIL, ClusterEvent, generate_events, read_trace
+from odyssey_megatron.simulator.odyssey import OdysseySystem
+from odyssey_megatron.simulator.recycle import ReCycleSystem
+from odyssey_megatron.simulator.scenario import Scenario
+from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, SimulationContext
+
+
+@dataclass(frozen=True)
+class SystemSummary:
+    avg_throughput: float
+    """Samples/s over the whole run, rollbacks subtracted."""
+    tokens_per_s: float
+    transition_time_s: float
+    """Time paused: recovering in memory or restarting from a checkpoint."""
+    restart_time_s: float
+    fraction_of_ideal: float
+    """Of the fault-scaled ideal: fault-free throughput times the share of healthy devices."""
+    fraction_of_fault_free: float
+    lost_samples: float
+
+
+@dataclass
+class SimulationResult:
+    scenario: Scenario
+    events: list[ClusterEvent]
+    fault_free_throughput: float
+    ideal_throughput: float
+    timelines: dict[str, Timeline]
+    summaries: dict[str, SystemSummary]
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        """Odyssey's average throughput over each other system's."""
+        odyssey = self.summaries["odyssey"].avg_throughput if "odyssey" in self.summaries else None
+        if odyssey is None:
+            return {}
+        return {name: odyssey / s.avg_throughput if s.avg_throughput > 0 else float("inf")
+                for name, s in self.summaries.items() if name != "odyssey"}
+
+
+def simulation_context(scenario: Scenario) -> SimulationContext:
+    recipe, costs = scenario.recipe, scenario.config.costs
+    return SimulationContext(
+        profile=recipe_profile(recipe),
+        num_layers=recipe.model.num_layers,
+        tensor_parallel_size=recipe.parallel.tensor_model_parallel_size,
+        pipeline_parallel_size=recipe.parallel.pipeline_model_parallel_size,
+        data_parallel_size=recipe.parallel.data_parallel_size,
+        num_micro_batches=recipe.training.num_micro_batches,
+        devices_per_node=recipe.cluster.devices_per_node,
+        restart_s=costs.restart_s,
+        checkpoint_interval_s=costs.checkpoint_interval_min * 60,
+        checkpoint_save_s=costs.checkpoint_save_s,
+        checkpoint_load_s=costs.checkpoint_load_s,
+    )
+
+
+def scenario_events(scenario: Scenario) -> list[ClusterEvent]:
+    config, recipe = scenario.config, scenario.recipe
+    devices = recipe.parallel.num_ranks
+    if config.failures.process == "trace":
+        return read_trace(scenario.resolve(config.failures.trace), num_devices=devices)
+    return generate_events(
+        failures=config.failures, repairs=config.repairs, num_devices=devices,
+        devices_per_node=recipe.cluster.devices_per_node, duration_s=config.duration_hours * 3600,
+        seed=config.seed,
+    )
+
+
+def _systems(scenario: Scenario, context: SimulationContext, events: list[ClusterEvent]):
+    config = scenario.config
+    costs = config.costs
+    duration = config.duration_hours * 3600
+    for name in config.systems:
+        if name in ("odyssey", "oracle"):
+            yield OdysseySystem(
+                context, settings=scenario.recipe.odyssey, detection_s=costs.detection_s,
+                decision_s=costs.decision_s, name=name,
+                event_times=[e.time_s for e in events] if name == "oracle" else None, horizon_s=duration,
+            )
+        elif name == "recycle":
+            yield ReCycleSystem(context, detection_s=costs.detection_s,
+                                reroute_s=scenario.recipe.odyssey.reroute_restart_s)
+        elif name == "checkpoint":
+            yield CheckpointRestartSystem(context)
+
+
+def healthy_device_seconds(cluster: ClusterState, events: list[ClusterEvent], duration_s: float) -> float:
+    """Integral of usable devices over time (a device counts while its TP group is whole)."""
+    total, last = 0.0, 0.0
+    for event in events:
+        if event.time_s >= duration_s:
+            break
+        total += cluster.alive_devices * (event.time_s - last)
+        last = event.time_s
+        cluster = cluster.fail_ranks(event.devices) if event.kind == FAIL else cluster.repair_ranks(event.devices)
+    return total + cluster.alive_devices * (duration_s - last)
+
+
+def simulate(scenario: Scenario, *, progress=None) -> SimulationResult:
+    """Run every system of ``scenario``; ``progress(name)`` is called as each one starts."""
+    config, recipe = scenario.config, scenario.recipe
+    context = simulation_context(scenario)
+    events = scenario_events(scenario)
+    duration = config.duration_hours * 3600
+    cluster = ClusterState(
+        world_size=recipe.parallel.num_ranks,
+        tensor_parallel_size=recipe.parallel.tensor_model_parallel_size,
+        devices_per_node=recipe.cluster.devices_per_node,
+    )
+    duty = 1.0 - context.checkpoint_save_s / context.checkpoint_interval_s
+    timelines = {}
+    for system in _systems(scenario, context, events):
+        if progress is not None:
+            progress(system.name)
+        timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
+                                            checkpoint_duty=duty)
+    fault_free = CheckpointRestartSystem(context).start(cluster) * duty
+    ideal = fault_free * healthy_device_seconds(cluster, events, duration) / (cluster.world_size * duration)
+    tokens = recipe.model.seq_length
+    summaries = {}
+    for name, timeline in timelines.items():
+        avg = timeline.samples / duration
+        summaries[name] = SystemSummary(
+            avg_throughput=avg,
+            tokens_per_s=avg * tokens,
+            transition_time_s=timeline.time_in(RECOVERING, RESTARTING),
+            restart_time_s=timeline.time_in(RESTARTING),
+            fraction_of_ideal=avg / ideal if ideal > 0 else 0.0,
+            fraction_of_fault_free=avg / fault_free if fault_free > 0 else 0.0,
+            lost_samples=timeline.lost_samples,
+        )
+    return SimulationResult(scenario, events, fault_free, ideal, timelines, summaries)

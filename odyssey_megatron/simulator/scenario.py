@@ -1,0 +1,142 @@
+"""Simulation scenarios: the job, the failure and repair processes, the costs, the systems.
+
+A scenario YAML names a recipe (the job and its Odyssey settings) and adds what only a
+simulation needs. Loaded like recipes (structured omegaconf, one-line errors naming the
+key), so a typo in a scenario never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from odyssey_megatron.config import ConfigError, RecipeConfig, _explain, _one_of, _positive, _require, load_config
+
+SYSTEMS = ("odyssey", "recycle", "checkpoint", "oracle")
+
+
+@dataclass
+class FailureConfig:
+    """When devices fail."""
+
+    process: str = "exponential"
+    """exponential or weibull lifetimes per failure unit, or trace (read ``trace``)."""
+    rate_per_device_hour: float = 0.1
+    """Failures per device per hour; the paper's '10% per hour' read per device."""
+    weibull_shape: float = 1.0
+    """Weibull k (k < 1: infant mortality, k > 1: wear-out); the mean lifetime stays 1/rate."""
+    unit: str = "device"
+    """device (its TP group goes down) or node (every device of a machine at once)."""
+    trace: Optional[str] = None
+    """CSV with columns time_s,device,event (event: fail or join); relative to the scenario file."""
+
+    def __post_init__(self) -> None:
+        _one_of("failures.process", self.process, ["exponential", "weibull", "trace"])
+        _one_of("failures.unit", self.unit, ["device", "node"])
+        _positive("failures", self, "rate_per_device_hour", "weibull_shape")
+        _require(self.process != "trace" or self.trace is not None, "failures.trace",
+                 "must name a CSV file when failures.process is trace")
+
+
+@dataclass
+class RepairConfig:
+    enabled: bool = False
+    """Failed units come back after a repair time (exponential)."""
+    mean_hours: float = 2.0
+
+    def __post_init__(self) -> None:
+        _positive("repairs", self, "mean_hours")
+
+
+@dataclass
+class CostConfig:
+    """Costs every system pays alike."""
+
+    detection_s: float = 5.0
+    """From a failure to the survivors knowing about it."""
+    restart_s: float = 120.0
+    """Relaunch processes and rebuild model and optimizer when a job restarts."""
+    checkpoint_interval_min: float = 30.0
+    checkpoint_save_s: float = 20.0
+    """Training time each checkpoint blocks (charged to every system)."""
+    checkpoint_load_s: float = 60.0
+    decision_s: float = 0.05
+    """Modelled plan-search time for Odyssey (measured: benchmarks/plan_search.py); a fixed
+    value keeps results identical under a seed."""
+
+    def __post_init__(self) -> None:
+        _positive("costs", self, "checkpoint_interval_min")
+        for name in ("detection_s", "restart_s", "checkpoint_save_s", "checkpoint_load_s", "decision_s"):
+            _require(getattr(self, name) >= 0, f"costs.{name}", f"must be >= 0, got {getattr(self, name)}")
+        _require(self.checkpoint_save_s < self.checkpoint_interval_min * 60, "costs.checkpoint_save_s",
+                 "must be shorter than the checkpoint interval")
+
+
+@dataclass
+class ScenarioConfig:
+    recipe: str = "recipes/llama2_7b/ascend_910b_32.yaml"
+    """The job: a recipe YAML, relative to the scenario file or the working directory."""
+    recipe_overrides: List[str] = field(default_factory=list)
+    """Dotlist overrides applied to the recipe, e.g. parallel.data_parallel_size=16."""
+    duration_hours: float = 9.0
+    seed: int = 0
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    repairs: RepairConfig = field(default_factory=RepairConfig)
+    costs: CostConfig = field(default_factory=CostConfig)
+    systems: List[str] = field(default_factory=lambda: list(SYSTEMS))
+    sample_interval_s: float = 60.0
+    wandb_mode: str = "offline"
+    """offline (a local run directory, the default), online, or disabled."""
+    wandb_project: str = "odyssey-simulator"
+
+    def __post_init__(self) -> None:
+        _positive("scenario", self, "duration_hours", "sample_interval_s")
+        _require(bool(self.systems), "systems", f"must list at least one of {', '.join(SYSTEMS)}")
+        for name in self.systems:
+            _one_of("systems", name, SYSTEMS)
+        _one_of("wandb_mode", self.wandb_mode, ["offline", "online", "disabled"])
+
+
+@dataclass(frozen=True)
+class Scenario:
+    config: ScenarioConfig
+    recipe: RecipeConfig
+    base_dir: Path
+    """Where relative paths in the scenario (recipe, trace) are resolved first."""
+
+    def resolve(self, path: str) -> Path:
+        candidate = self.base_dir / path
+        return candidate if candidate.exists() else Path(path)
+
+
+def load_scenario(path: str | Path | None, overrides: Sequence[str] = ()) -> Scenario:
+    """Load and validate a scenario and its recipe; raises ConfigError naming the key."""
+    schema = OmegaConf.structured(ScenarioConfig)
+    base = Path(path).parent if path is not None else Path(".")
+    try:
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError("--scenario", f"no such file: {path}")
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError("--scenario", f"{path} must hold a mapping, not a list")
+        else:
+            loaded = OmegaConf.create()
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(item, "an override must look like key=value")
+        config: ScenarioConfig = OmegaConf.to_object(OmegaConf.merge(schema, loaded, OmegaConf.from_dotlist(list(overrides))))
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        raise _explain(exc, schema) from None
+    recipe_path = base / config.recipe if (base / config.recipe).exists() else Path(config.recipe)
+    if not recipe_path.exists():
+        raise ConfigError("recipe", f"no such recipe file: {config.recipe}")
+    recipe = load_config(recipe_path, config.recipe_overrides)
+    return Scenario(config=config, recipe=recipe, base_dir=base)

@@ -1,0 +1,66 @@
+"""What every simulated fault-tolerance system implements.
+
+A system owns its current layout and answers each cluster event with an ``Outcome``:
+how long training pauses, what throughput follows, and how much already-trained time is
+lost (rolled back). Step times come from the shared estimator and profile, so the
+systems differ only by their policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AbstractSet, Protocol
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.profile import ModelProfile
+
+TRAINING = "training"
+RECOVERING = "recovering"
+RESTARTING = "restarting"
+STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    pause_s: float
+    """Seconds with zero throughput before training resumes (decide, move, restart)."""
+    samples_per_s: float
+    """Throughput once training resumes; 0 when the system cannot train at all."""
+    lost_s: float = 0.0
+    """Seconds of training before the event whose progress is thrown away (a partial step,
+    or everything since the last checkpoint)."""
+    pause_state: str = RECOVERING
+    """RECOVERING (in-memory recovery) or RESTARTING (from a checkpoint)."""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SimulationContext:
+    """Everything a system may read: the job, the hardware and the shared cost model."""
+
+    profile: ModelProfile
+    num_layers: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    num_micro_batches: int
+    devices_per_node: int
+    restart_s: float
+    """Process restart and model/optimizer rebuild when a system restarts a job."""
+    checkpoint_interval_s: float
+    checkpoint_save_s: float
+    """Training time each checkpoint costs (synchronous save)."""
+    checkpoint_load_s: float
+
+
+class System(Protocol):
+    name: str
+
+    def start(self, cluster: ClusterState) -> float:
+        """Failure-free throughput (samples/s) on ``cluster``."""
+
+    def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
+        """``failed`` workers just died; ``cluster`` already marks them."""
+
+    def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
+        """``joined`` workers came back (repaired); ``cluster`` already marks them alive."""

@@ -1,0 +1,171 @@
+"""Simulator: determinism, engine accounting, baseline mechanics, scenario errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from odyssey_megatron.cli import main
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import ConfigError
+from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_step_time
+from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem, best_symmetric_layout
+from odyssey_megatron.simulator.engine import run_system
+from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
+from odyssey_megatron.simulator.recycle import ReCycleSystem
+from odyssey_megatron.simulator.run import simulate
+from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig, load_scenario
+from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, STOPPED, TRAINING, Outcome, SimulationContext
+
+SCENARIO = "configs/scenarios/paper_32npu.yaml"
+
+
+def _context(**overrides) -> SimulationContext:
+    fields = dict(
+        profile=uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0), num_layers=4,
+        tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=4, num_micro_batches=24,
+        devices_per_node=8, restart_s=100.0, checkpoint_interval_s=1000.0, checkpoint_save_s=0.0,
+        checkpoint_load_s=50.0,
+    )
+    fields.update(overrides)
+    return SimulationContext(**fields)
+
+
+class _Scripted:
+    """A system whose outcomes are given, to check the engine's bookkeeping alone."""
+
+    name = "scripted"
+
+    def __init__(self, rate: float, outcomes: list[Outcome]):
+        self.rate, self.outcomes = rate, list(outcomes)
+
+    def start(self, cluster):
+        return self.rate
+
+    def on_failure(self, cluster, failed, now_s):
+        return self.outcomes.pop(0)
+
+    on_join = on_failure
+
+
+def test_engine_accounts_pauses_rollbacks_and_overlapping_events():
+    cluster = ClusterState(world_size=4, devices_per_node=4)
+    events = [ClusterEvent(100.0, FAIL, (1,)), ClusterEvent(130.0, FAIL, (2,)), ClusterEvent(500.0, JOIN, (1,))]
+    system = _Scripted(10.0, [
+        Outcome(pause_s=50.0, samples_per_s=8.0, lost_s=20.0),  # the next failure comes mid-pause
+        Outcome(pause_s=10.0, samples_per_s=6.0, lost_s=5.0, pause_state=RESTARTING),
+        Outcome(pause_s=0.0, samples_per_s=9.0),
+    ])
+    timeline = run_system(system, cluster=cluster, events=events, duration_s=600.0, checkpoint_duty=1.0)
+    states = [(s.start_s, s.end_s, s.state, s.samples_per_s, s.active_devices) for s in timeline.segments]
+    assert states == [
+        (0.0, 100.0, TRAINING, 10.0, 4),
+        (100.0, 130.0, RECOVERING, 0.0, 3),
+        (130.0, 140.0, RESTARTING, 0.0, 2),
+        (140.0, 500.0, TRAINING, 6.0, 2),
+        (500.0, 600.0, TRAINING, 9.0, 3),
+    ]
+    # 20 s at 10/s lost at the first failure; nothing trained since when the second came.
+    assert timeline.lost_samples == 200.0
+    assert timeline.samples == 100 * 10 + 360 * 6 + 100 * 9 - 200
+
+
+def test_engine_stops_a_system_that_cannot_train():
+    cluster = ClusterState(world_size=2, devices_per_node=2)
+    system = _Scripted(5.0, [Outcome(pause_s=0.0, samples_per_s=0.0)])
+    timeline = run_system(system, cluster=cluster, events=[ClusterEvent(10.0, FAIL, (0,))], duration_s=20.0,
+                          checkpoint_duty=1.0)
+    assert timeline.segments[-1].state == STOPPED and timeline.samples == 50.0
+
+
+def test_checkpoint_restart_loses_work_since_the_last_checkpoint():
+    context = _context()
+    system = CheckpointRestartSystem(context)
+    cluster = ClusterState(world_size=8, devices_per_node=8)
+    assert system.start(cluster) == best_symmetric_layout(context, 8).samples_per_s
+    outcome = system.on_failure(cluster.fail_ranks([3]), {3}, now_s=2350.0)
+    assert outcome.lost_s == 350.0  # checkpoints at 0, 1000, 2000 s
+    assert outcome.pause_s == 150.0 and outcome.pause_state == RESTARTING
+    layout = best_symmetric_layout(context, 7)
+    assert layout.data_parallel_size * layout.pipeline_parallel_size <= 7
+    assert outcome.samples_per_s == layout.samples_per_s
+
+
+def test_recycle_step_time_follows_the_rerouted_op_lists():
+    """One failure in DP4 x PP2 with 6 micro-batches per pipeline: each of the 3 peers
+    adopts 2 micro-batches (Eq. 12's N_m / (N_dp - 1)); the estimator's op lists fit them
+    within Eq. 12's bound."""
+    context = _context()
+    system = ReCycleSystem(context, detection_s=5.0, reroute_s=1.0)
+    cluster = ClusterState(world_size=8, devices_per_node=8)
+    healthy = system.start(cluster)
+    assert healthy == pytest.approx(24 / symmetric_step_time(num_stages=2, num_micro_batches=6, forward_s=2, backward_s=4))
+    outcome = system.on_failure(cluster.fail_ranks([5]), {5}, now_s=10.0)
+    eq12 = reroute_step_time(num_stages=2, num_micro_batches=6, data_parallel_size=4, failed_per_stage=[0, 1],
+                             forward_s=2, backward_s=4)
+    assert 24 / eq12 <= outcome.samples_per_s < healthy
+    assert outcome.pause_s == 6.0 and outcome.pause_state == RECOVERING
+    # Both replicas of stage 0 of a DP2 layout gone: ReCycle must restart from a checkpoint.
+    both = system.on_failure(cluster.fail_ranks([0, 1, 2, 3]), {0, 1, 2, 3}, now_s=1500.0)
+    assert both.pause_state == RESTARTING and both.lost_s == 500.0
+
+
+def test_failure_process_is_seeded_and_per_unit():
+    failures = FailureConfig(rate_per_device_hour=0.5)
+    kwargs = dict(failures=failures, repairs=RepairConfig(), num_devices=16, devices_per_node=8, duration_s=36000.0)
+    assert generate_events(seed=3, **kwargs) == generate_events(seed=3, **kwargs)
+    assert generate_events(seed=3, **kwargs) != generate_events(seed=4, **kwargs)
+    assert all(len(e.devices) == 1 and e.kind == FAIL for e in generate_events(seed=3, **kwargs))
+    nodes = generate_events(seed=3, **{**kwargs, "failures": FailureConfig(rate_per_device_hour=0.5, unit="node")})
+    assert all(len(e.devices) == 8 for e in nodes)
+    repaired = generate_events(seed=3, **{**kwargs, "repairs": RepairConfig(enabled=True, mean_hours=0.5)})
+    assert any(e.kind == JOIN for e in repaired)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("failures.process=poisson", "failures.process"),
+        ("failures.rate_per_device_hour=-1", "failures.rate_per_device_hour"),
+        ("systems=[odyssey,bamboo]", "systems"),
+        ("duration_hours=abc", "duration_hours"),
+        ("failures.process=trace", "failures.trace"),
+        ("costs.checkpoint_save_s=9999", "costs.checkpoint_save_s"),
+        ("recipe=nowhere.yaml", "recipe"),
+        ("colour=red", "colour"),
+    ],
+)
+def test_bad_scenarios_name_the_key(override, key, capsys):
+    with pytest.raises(ConfigError) as info:
+        load_scenario(SCENARIO, [override])
+    assert info.value.key == key
+    assert main(["simulate", "--scenario", SCENARIO, override]) == 2
+    assert capsys.readouterr().err.startswith(f"odyssey: error: {key}:")
+
+
+def test_a_trace_file_drives_the_events(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time_s,device,event\n600,3,fail\n600,4,fail\n1800,3,join\n")
+    scenario = load_scenario(SCENARIO, ["failures.process=trace", f"failures.trace={trace}", "duration_hours=1",
+                                        "systems=[odyssey,recycle]"])
+    result = simulate(scenario)
+    assert [(e.time_s, e.kind, e.devices) for e in result.events] == [(600.0, FAIL, (3, 4)), (1800.0, JOIN, (3,))]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time_s,device,event\n10,99,fail\n")
+    with pytest.raises(ConfigError, match="device must lie in 0..31"):
+        simulate(load_scenario(SCENARIO, ["failures.process=trace", f"failures.trace={bad}"]))
+
+
+def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
+    args = ["simulate", "--scenario", SCENARIO, "--json", "--out", str(tmp_path), "duration_hours=2",
+            "systems=[odyssey,recycle,checkpoint]", "wandb_mode=disabled", "failures.rate_per_device_hour=0.2"]
+    assert main(args + ["--seed", "5"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args + ["--seed", "5"]) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    for name in ("odyssey", "recycle", "checkpoint"):
+        assert set(first["systems"][name]) >= {"avg_throughput", "transition_time_s", "fraction_of_ideal"}
+    assert set(first["ratios"]) == {"recycle", "checkpoint"}
+    assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "series.json").exists()
