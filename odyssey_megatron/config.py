@@ -183,6 +183,10 @@ class OdysseyConfig:
     """Time to rebuild groups, models and optimizers after a reparallelize decision (transfers excluded)."""
     storage_bandwidth_gb_s: float = 2.0
     """Read bandwidth (GB/s per device) for layers that no survivor holds and come from a checkpoint."""
+    checkpoint_restart_penalty_s: float = 1200.0
+    """What a checkpoint restart costs (relaunch, load, half a checkpoint interval of lost work).
+    Eq. 8 charges it times the chance that the next failure hits a layer's only live holder;
+    0 gives the paper's Eq. 8."""
 
     def __post_init__(self) -> None:
         _one_of("odyssey.policy", self.policy, ["auto", "reroute", "reparallelize"])
@@ -190,7 +194,7 @@ class OdysseyConfig:
         for name in ("dp_search_radius", "pp_search_radius"):
             value = getattr(self, name)
             _require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
-        for name in ("reroute_restart_s", "reparallelize_restart_s"):
+        for name in ("reroute_restart_s", "reparallelize_restart_s", "checkpoint_restart_penalty_s"):
             value = getattr(self, name)
             _require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
         if self.memory_budget_gib is not None:

@@ -16,7 +16,7 @@ from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.plan import validate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, distribute_batch, reroute_plan
 from odyssey_megatron.planner.layers import SplitSearch, layer_splits
-from odyssey_megatron.planner.policy import policy_score
+from odyssey_megatron.planner.policy import fatal_share, policy_score
 from odyssey_megatron.planner.strategies import parallel_strategies, two_length_partitions
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
@@ -99,9 +99,10 @@ def test_eq8_prefers_reroute_when_failures_are_frequent_and_reparallelize_when_r
     profile = uniform_profile(num_layers=8, forward_s=0.1, backward_s=0.2)
     plan = with_sync(symmetric_plan(dp=2, pp=4, num_layers=8, micro_batches_per_pipeline=8), profile)
     cluster = ClusterState(world_size=8, devices_per_node=8).fail_ranks([1])
-    rare = decide(current=plan, cluster=cluster, profile=profile, settings=_settings(reparallelize_restart_s=30),
+    paper = _settings(reparallelize_restart_s=30, checkpoint_restart_penalty_s=0)  # Eq. 8 exactly
+    rare = decide(current=plan, cluster=cluster, profile=profile, settings=paper,
                   failure_model=FailureRateModel(device_mtbf_hours=1e4))
-    frequent = decide(current=plan, cluster=cluster, profile=profile, settings=_settings(reparallelize_restart_s=30),
+    frequent = decide(current=plan, cluster=cluster, profile=profile, settings=paper,
                       failure_model=FailureRateModel(device_mtbf_hours=0.1))
     assert rare.chosen.policy == "reparallelize"
     assert frequent.chosen.policy == "reroute"
@@ -133,6 +134,26 @@ def test_unrecoverable_when_nothing_fits():
 def test_policy_score_is_eq8():
     assert policy_score(samples_per_s=10, transition_s=10, interval_s=100) == pytest.approx(9.0)
     assert policy_score(samples_per_s=10, transition_s=200, interval_s=100) == 0.0
+    assert policy_score(samples_per_s=10, transition_s=10, interval_s=100, risk_s=20) == pytest.approx(7.0)
+
+
+def test_fatal_share_counts_sole_holders():
+    assert fatal_share({0: [0, 1], 1: [0, 1], 2: [2], 3: [2]}, 4) == 0.0
+    assert fatal_share({0: [0, 1], 1: [0, 1], 2: [2], 3: [3]}, 5) == pytest.approx(2 / 5)
+
+
+def test_restart_risk_steers_away_from_plans_without_replicas():
+    """DP2 x PP4 loses a worker: the reroute leaves that stage's peer as its only holder,
+    so the next failure of that peer means a checkpoint restart; with that risk priced
+    in and failures frequent, a fully replicated reparallelized plan wins."""
+    profile = uniform_profile(num_layers=8, forward_s=0.1, backward_s=0.2)
+    plan = with_sync(symmetric_plan(dp=2, pp=4, num_layers=8, micro_batches_per_pipeline=8), profile)
+    cluster = ClusterState(world_size=8, devices_per_node=8).fail_ranks([1])
+    decision = decide(current=plan, cluster=cluster, profile=profile,
+                      settings=_settings(reparallelize_restart_s=30, checkpoint_restart_penalty_s=1200),
+                      failure_model=FailureRateModel(device_mtbf_hours=0.1))
+    assert decision.chosen.policy == "reparallelize"
+    assert fatal_share(decision.chosen.plan.holdings(profile), 7) == 0.0
 
 
 def test_failure_model_learns_from_observations():

@@ -9,7 +9,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.planner.policy import FailureRateModel, policy_score
+from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import ModelProfile
@@ -133,9 +133,12 @@ def decide(
         raise UnrecoverableFailure("; ".join(notes) or "no candidate plan")
     search_s = time.perf_counter() - started if search_time_s is None else search_time_s
     candidates = []
+    alive = len(cluster.alive_workers)
     for policy, plan, estimate, moving, restart in drafts:
         transition = search_s + moving + restart if plan is not current else 0.0
-        score = policy_score(samples_per_s=estimate.samples_per_s, transition_s=transition, interval_s=interval)
+        risk = fatal_share(plan.holdings(profile), alive) * settings.checkpoint_restart_penalty_s
+        score = policy_score(samples_per_s=estimate.samples_per_s, transition_s=transition, interval_s=interval,
+                             risk_s=risk)
         candidates.append(Candidate(policy, plan, estimate, transition, score, _layout_of(plan)))
     candidates.sort(key=lambda c: (-c.score, c.plan is not current, c.policy != "reroute"))
     chosen, *others = candidates

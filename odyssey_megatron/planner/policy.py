@@ -2,7 +2,11 @@
 
     score = B / t_step  *  t_next / (t_transition + t_next)
 
-where t_transition + t_next is the time until the next failure. That interval is
+where t_transition + t_next is the time until the next failure. Eq. 8 is myopic about
+that next failure: a plan that leaves some layer on a single worker (DP = 1 anywhere)
+turns the next failure of that worker into a checkpoint restart. We charge the expected
+cost of that, ``fatal_share * restart_penalty_s``, inside the interval (``restart_penalty_s``
+= 0 gives the paper's Eq. 8 exactly). That interval is
 1 / (rate per device * surviving devices); the rate starts from the configured MTBF and,
 if asked, learns from failures seen so far (gamma prior worth one failure, exponential
 likelihood), so a cluster that fails more often than configured favours cheap transitions.
@@ -15,10 +19,22 @@ from dataclasses import dataclass
 SECONDS_PER_HOUR = 3600.0
 
 
-def policy_score(*, samples_per_s: float, transition_s: float, interval_s: float) -> float:
-    """Eq. 8: throughput times the effective-time ratio of the interval to the next failure."""
-    effective = max(0.0, interval_s - transition_s) / interval_s
+def policy_score(*, samples_per_s: float, transition_s: float, interval_s: float, risk_s: float = 0.0) -> float:
+    """Eq. 8: throughput times the effective-time ratio of the interval to the next failure,
+    less ``risk_s``, the expected time the next failure costs beyond an in-memory recovery."""
+    effective = max(0.0, interval_s - transition_s - risk_s) / interval_s
     return samples_per_s * effective
+
+
+def fatal_share(holdings: dict[int, list], alive_workers: int) -> float:
+    """Chance that the next failure hits a worker that is the only live holder of a block
+    (then no in-memory recovery exists): such workers over all live workers."""
+    holders: dict = {}
+    for worker, blocks in holdings.items():
+        for block in blocks:
+            holders.setdefault(block, set()).add(worker)
+    sole = {next(iter(ws)) for ws in holders.values() if len(ws) == 1}
+    return len(sole) / alive_workers if alive_workers else 1.0
 
 
 @dataclass

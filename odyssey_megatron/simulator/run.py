@@ -3,7 +3,7 @@ system, and summarise against the fault-free and fault-scaled ideals."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.decision_center import recipe_profile
@@ -84,8 +84,11 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
     duration = config.duration_hours * 3600
     for name in config.systems:
         if name in ("odyssey", "oracle"):
+            # What a checkpoint restart really costs in this scenario.
+            penalty = costs.restart_s + costs.checkpoint_load_s + costs.checkpoint_interval_min * 30
+            settings = replace(scenario.recipe.odyssey, checkpoint_restart_penalty_s=penalty)
             yield OdysseySystem(
-                context, settings=scenario.recipe.odyssey, detection_s=costs.detection_s,
+                context, settings=settings, detection_s=costs.detection_s,
                 decision_s=costs.decision_s, name=name,
                 event_times=[e.time_s for e in events] if name == "oracle" else None, horizon_s=duration,
             )
