@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -38,19 +38,19 @@ class ConfigError(ValueError):
         self.key = key
 
 
-def _require(ok: bool, key: str, problem: str) -> None:
+def require(ok: bool, key: str, problem: str) -> None:
     if not ok:
         raise ConfigError(key, problem)
 
 
-def _positive(section: str, obj: Any, *names: str) -> None:
+def require_positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        _require(value > 0, f"{section}.{name}", f"must be > 0, got {value}")
+        require(value > 0, f"{section}.{name}", f"must be > 0, got {value}")
 
 
-def _one_of(key: str, value: str, allowed: Sequence[str]) -> None:
-    _require(value in allowed, key, f"must be one of {', '.join(allowed)}; got {value!r}")
+def require_one_of(key: str, value: str, allowed: Sequence[str]) -> None:
+    require(value in allowed, key, f"must be one of {', '.join(allowed)}; got {value!r}")
 
 
 @dataclass
@@ -76,17 +76,17 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.spec is not None:
-            _one_of("model.spec", self.spec, sorted(MODEL_SPECS))
-        _positive(
+            require_one_of("model.spec", self.spec, sorted(MODEL_SPECS))
+        require_positive(
             "model", self, "num_layers", "hidden_size", "ffn_hidden_size",
             "num_attention_heads", "num_query_groups", "vocab_size", "seq_length",
         )
-        _one_of("model.params_dtype", self.params_dtype, ["bf16", "fp16", "fp32"])
-        _require(
+        require_one_of("model.params_dtype", self.params_dtype, ["bf16", "fp16", "fp32"])
+        require(
             self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
             f"must be divisible by model.num_attention_heads ({self.num_attention_heads}); got {self.hidden_size}",
         )
-        _require(
+        require(
             self.num_attention_heads % self.num_query_groups == 0, "model.num_query_groups",
             f"must divide model.num_attention_heads ({self.num_attention_heads}); got {self.num_query_groups}",
         )
@@ -107,9 +107,9 @@ class ParallelConfig:
     """If given, must equal TP * PP * DP (a guard against a mistyped layout)."""
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+        require_positive("parallel", self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
         if self.world_size is not None:
-            _require(
+            require(
                 self.world_size == self.num_ranks, "parallel.world_size",
                 "must equal tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size = "
                 f"{self.num_ranks}; got {self.world_size}",
@@ -132,8 +132,8 @@ class TrainingConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        _positive("training", self, "global_batch_size", "micro_batch_size", "train_iters", "lr")
-        _require(
+        require_positive("training", self, "global_batch_size", "micro_batch_size", "train_iters", "lr")
+        require(
             self.global_batch_size % self.micro_batch_size == 0, "training.global_batch_size",
             f"must be divisible by training.micro_batch_size ({self.micro_batch_size}); got {self.global_batch_size}",
         )
@@ -154,8 +154,8 @@ class ClusterConfig:
     """Accelerators per machine; a node failure takes all of them."""
 
     def __post_init__(self) -> None:
-        _one_of("cluster.device", self.device, sorted(DEVICE_SPECS))
-        _positive("cluster", self, "devices_per_node")
+        require_one_of("cluster.device", self.device, sorted(DEVICE_SPECS))
+        require_positive("cluster", self, "devices_per_node")
 
 
 @dataclass
@@ -189,16 +189,16 @@ class OdysseyConfig:
     0 gives the paper's Eq. 8."""
 
     def __post_init__(self) -> None:
-        _one_of("odyssey.policy", self.policy, ["auto", "reroute", "reparallelize"])
-        _positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
+        require_one_of("odyssey.policy", self.policy, ["auto", "reroute", "reparallelize"])
+        require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         for name in ("dp_search_radius", "pp_search_radius"):
             value = getattr(self, name)
-            _require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
+            require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
         for name in ("reroute_restart_s", "reparallelize_restart_s", "checkpoint_restart_penalty_s"):
             value = getattr(self, name)
-            _require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
+            require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
         if self.memory_budget_gib is not None:
-            _require(self.memory_budget_gib > 0, "odyssey.memory_budget_gib", f"must be > 0, got {self.memory_budget_gib}")
+            require(self.memory_budget_gib > 0, "odyssey.memory_budget_gib", f"must be > 0, got {self.memory_budget_gib}")
 
 
 @dataclass
@@ -213,22 +213,22 @@ class RecipeConfig:
 
     def __post_init__(self) -> None:
         par, model, train = self.parallel, self.model, self.training
-        _require(
+        require(
             model.num_layers >= par.pipeline_model_parallel_size, "parallel.pipeline_model_parallel_size",
             f"must be <= model.num_layers ({model.num_layers}); got {par.pipeline_model_parallel_size}",
         )
         tp = par.tensor_model_parallel_size
-        _require(
+        require(
             model.num_query_groups % tp == 0, "parallel.tensor_model_parallel_size",
             f"must divide model.num_query_groups ({model.num_query_groups}); got {tp}",
         )
-        _require(
+        require(
             self.cluster.devices_per_node % tp == 0 or tp % self.cluster.devices_per_node == 0,
             "parallel.tensor_model_parallel_size",
             f"must divide or be a multiple of cluster.devices_per_node ({self.cluster.devices_per_node}); got {tp}",
         )
         per_step = train.micro_batch_size * par.data_parallel_size
-        _require(
+        require(
             train.global_batch_size % per_step == 0, "training.global_batch_size",
             f"must be divisible by training.micro_batch_size * parallel.data_parallel_size ({per_step}); "
             f"got {train.global_batch_size}",
@@ -263,31 +263,34 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     return ConfigError(key, message)
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
-    """Load and validate a recipe; raises ConfigError with a one-line explanation."""
-    schema = OmegaConf.structured(RecipeConfig)
+def load_structured(
+    schema_type: type,
+    path: str | Path | None,
+    overrides: Sequence[str],
+    *,
+    flag: str,
+    defaults: Callable[[DictConfig, DictConfig], list[DictConfig]] | None = None,
+) -> Any:
+    """Merge schema defaults, ``defaults(file, cli)`` layers, the YAML file and the dotlist
+    overrides, then build the dataclasses (their ``__post_init__`` validates). Every
+    problem becomes one ConfigError naming the key; ``flag`` names the file argument."""
+    schema = OmegaConf.structured(schema_type)
     try:
         if path is not None:
             path = Path(path)
             if not path.is_file():
-                raise ConfigError("--config", f"no such file: {path}")
-            recipe = OmegaConf.load(path)
-            if not isinstance(recipe, DictConfig):
-                raise ConfigError("--config", f"{path} must hold a mapping of sections, not a list")
+                raise ConfigError(flag, f"no such file: {path}")
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(flag, f"{path} must hold a mapping, not a list")
         else:
-            recipe = OmegaConf.create()
+            loaded = OmegaConf.create()
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(item, "an override must look like section.key=value")
         cli = OmegaConf.from_dotlist(list(overrides))
-        spec_name = OmegaConf.select(cli, "model.spec") or OmegaConf.select(recipe, "model.spec")
-        layers = [schema]
-        if spec_name is not None:
-            if spec_name not in MODEL_SPECS:
-                raise ConfigError("model.spec", f"must be one of {', '.join(sorted(MODEL_SPECS))}; got {spec_name!r}")
-            layers.append(OmegaConf.create({"model": MODEL_SPECS[spec_name]}))
-        merged = OmegaConf.merge(*layers, recipe, cli)
-        return OmegaConf.to_object(merged)
+        layers = defaults(loaded, cli) if defaults is not None else []
+        return OmegaConf.to_object(OmegaConf.merge(schema, *layers, loaded, cli))
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
         if cause is not None:
@@ -295,6 +298,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise _explain(exc, schema) from None
 
 
-def to_yaml(config: RecipeConfig) -> str:
-    """The resolved recipe, for logs and W&B run configs."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+def _model_spec_layer(recipe: DictConfig, cli: DictConfig) -> list[DictConfig]:
+    """The shipped architecture named by model.spec (command line first), under the recipe."""
+    spec_name = OmegaConf.select(cli, "model.spec") or OmegaConf.select(recipe, "model.spec")
+    if spec_name is None:
+        return []
+    if spec_name not in MODEL_SPECS:
+        raise ConfigError("model.spec", f"must be one of {', '.join(sorted(MODEL_SPECS))}; got {spec_name!r}")
+    return [OmegaConf.create({"model": MODEL_SPECS[spec_name]})]
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Load and validate a recipe; raises ConfigError with a one-line explanation."""
+    return load_structured(RecipeConfig, path, overrides, flag="--config", defaults=_model_spec_layer)

@@ -15,10 +15,10 @@ from typing import AbstractSet, Sequence
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
-from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, initial_plan
 from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide
 from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint, restart_plan
-from odyssey_megatron.simulator.system import Outcome, SimulationContext
+from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
 class OdysseySystem:
@@ -44,14 +44,7 @@ class OdysseySystem:
         self.horizon_s = horizon_s
         self.failure_model = FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
                                               learn=settings.learn_failure_rate)
-        self.plan = initial_plan(
-            data_parallel_size=context.data_parallel_size,
-            pipeline_parallel_size=context.pipeline_parallel_size,
-            tensor_parallel_size=context.tensor_parallel_size,
-            num_micro_batches=context.num_micro_batches,
-            profile=context.profile,
-            max_layer_splits=settings.max_layer_splits,
-        )
+        self.plan = initial_layout(context, max_layer_splits=settings.max_layer_splits)
         self._last_event_s = 0.0
         self._alive_devices = 0
 

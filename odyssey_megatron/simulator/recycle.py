@@ -14,10 +14,10 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.planner import initial_plan, reroute_plan
+from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint, restart_plan
-from odyssey_megatron.simulator.system import Outcome, SimulationContext
+from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
 class ReCycleSystem:
@@ -27,14 +27,7 @@ class ReCycleSystem:
         self.context = context
         self.detection_s = detection_s
         self.reroute_s = reroute_s
-        self.base = initial_plan(
-            data_parallel_size=context.data_parallel_size,
-            pipeline_parallel_size=context.pipeline_parallel_size,
-            tensor_parallel_size=context.tensor_parallel_size,
-            num_micro_batches=context.num_micro_batches,
-            profile=context.profile,
-            max_layer_splits=256,
-        )
+        self.base = initial_layout(context)
         """The layout rerouting is relative to: the original one, or the one restarted onto."""
         self.step_s = 0.0
 

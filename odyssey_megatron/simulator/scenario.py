@@ -11,10 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from odyssey_megatron.config import ConfigError, RecipeConfig, _explain, _one_of, _positive, _require, load_config
+from odyssey_megatron.config import (
+    ConfigError,
+    RecipeConfig,
+    require_one_of,
+    require_positive,
+    require,
+    load_config,
+    load_structured,
+)
 
 SYSTEMS = ("odyssey", "recycle", "checkpoint", "oracle")
 
@@ -35,10 +40,10 @@ class FailureConfig:
     """CSV with columns time_s,device,event (event: fail or join); relative to the scenario file."""
 
     def __post_init__(self) -> None:
-        _one_of("failures.process", self.process, ["exponential", "weibull", "trace"])
-        _one_of("failures.unit", self.unit, ["device", "node"])
-        _positive("failures", self, "rate_per_device_hour", "weibull_shape")
-        _require(self.process != "trace" or self.trace is not None, "failures.trace",
+        require_one_of("failures.process", self.process, ["exponential", "weibull", "trace"])
+        require_one_of("failures.unit", self.unit, ["device", "node"])
+        require_positive("failures", self, "rate_per_device_hour", "weibull_shape")
+        require(self.process != "trace" or self.trace is not None, "failures.trace",
                  "must name a CSV file when failures.process is trace")
 
 
@@ -49,7 +54,7 @@ class RepairConfig:
     mean_hours: float = 2.0
 
     def __post_init__(self) -> None:
-        _positive("repairs", self, "mean_hours")
+        require_positive("repairs", self, "mean_hours")
 
 
 @dataclass
@@ -69,10 +74,10 @@ class CostConfig:
     value keeps results identical under a seed."""
 
     def __post_init__(self) -> None:
-        _positive("costs", self, "checkpoint_interval_min")
+        require_positive("costs", self, "checkpoint_interval_min")
         for name in ("detection_s", "restart_s", "checkpoint_save_s", "checkpoint_load_s", "decision_s"):
-            _require(getattr(self, name) >= 0, f"costs.{name}", f"must be >= 0, got {getattr(self, name)}")
-        _require(self.checkpoint_save_s < self.checkpoint_interval_min * 60, "costs.checkpoint_save_s",
+            require(getattr(self, name) >= 0, f"costs.{name}", f"must be >= 0, got {getattr(self, name)}")
+        require(self.checkpoint_save_s < self.checkpoint_interval_min * 60, "costs.checkpoint_save_s",
                  "must be shorter than the checkpoint interval")
 
 
@@ -94,11 +99,11 @@ class ScenarioConfig:
     wandb_project: str = "odyssey-simulator"
 
     def __post_init__(self) -> None:
-        _positive("scenario", self, "duration_hours", "sample_interval_s")
-        _require(bool(self.systems), "systems", f"must list at least one of {', '.join(SYSTEMS)}")
+        require_positive("scenario", self, "duration_hours", "sample_interval_s")
+        require(bool(self.systems), "systems", f"must list at least one of {', '.join(SYSTEMS)}")
         for name in self.systems:
-            _one_of("systems", name, SYSTEMS)
-        _one_of("wandb_mode", self.wandb_mode, ["offline", "online", "disabled"])
+            require_one_of("systems", name, SYSTEMS)
+        require_one_of("wandb_mode", self.wandb_mode, ["offline", "online", "disabled"])
 
 
 @dataclass(frozen=True)
@@ -115,26 +120,8 @@ class Scenario:
 
 def load_scenario(path: str | Path | None, overrides: Sequence[str] = ()) -> Scenario:
     """Load and validate a scenario and its recipe; raises ConfigError naming the key."""
-    schema = OmegaConf.structured(ScenarioConfig)
+    config: ScenarioConfig = load_structured(ScenarioConfig, path, overrides, flag="--scenario")
     base = Path(path).parent if path is not None else Path(".")
-    try:
-        if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError("--scenario", f"no such file: {path}")
-            loaded = OmegaConf.load(path)
-            if not isinstance(loaded, DictConfig):
-                raise ConfigError("--scenario", f"{path} must hold a mapping, not a list")
-        else:
-            loaded = OmegaConf.create()
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(item, "an override must look like key=value")
-        config: ScenarioConfig = OmegaConf.to_object(OmegaConf.merge(schema, loaded, OmegaConf.from_dotlist(list(overrides))))
-    except OmegaConfBaseException as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
-        if cause is not None:
-            raise cause from None
-        raise _explain(exc, schema) from None
     recipe_path = base / config.recipe if (base / config.recipe).exists() else Path(config.recipe)
     if not recipe_path.exists():
         raise ConfigError("recipe", f"no such recipe file: {config.recipe}")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import AbstractSet, Protocol
 
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.planner import initial_plan
 from odyssey_megatron.profile import ModelProfile
 
 TRAINING = "training"
@@ -51,6 +53,18 @@ class SimulationContext:
     checkpoint_save_s: float
     """Training time each checkpoint costs (synchronous save)."""
     checkpoint_load_s: float
+
+
+def initial_layout(context: SimulationContext, *, max_layer_splits: int = 256) -> ExecutionPlan:
+    """The job's failure-free DP x PP plan, where every system starts."""
+    return initial_plan(
+        data_parallel_size=context.data_parallel_size,
+        pipeline_parallel_size=context.pipeline_parallel_size,
+        tensor_parallel_size=context.tensor_parallel_size,
+        num_micro_batches=context.num_micro_batches,
+        profile=context.profile,
+        max_layer_splits=max_layer_splits,
+    )
 
 
 class System(Protocol):
