@@ -169,3 +169,11 @@ def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
         assert set(first["systems"][name]) >= {"avg_throughput", "transition_time_s", "fraction_of_ideal"}
     assert set(first["ratios"]) == {"recycle", "checkpoint"}
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "series.json").exists()
+
+
+def test_oobleck_that_cannot_start_is_a_scenario_error(capsys):
+    # Llama-2 7B needs n0 = 3 workers per pipeline on a 910B; f = 2 on 8 devices needs 9.
+    args = ["simulate", "--scenario", SCENARIO, "--json", "wandb_mode=disabled", "systems=[oobleck]",
+            "recipe_overrides=[parallel.data_parallel_size=2,training.global_batch_size=16]"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("odyssey: error: oobleck_tolerated_failures: oobleck cannot run")

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import ConfigError
 from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.engine import Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent, generate_events, read_trace
 from odyssey_megatron.simulator.odyssey import OdysseySystem
+from odyssey_megatron.simulator.oobleck import OobleckSystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
 from odyssey_megatron.simulator.scenario import Scenario
 from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, SimulationContext
@@ -97,6 +99,9 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
                                 reroute_s=scenario.recipe.odyssey.reroute_restart_s)
         elif name == "checkpoint":
             yield CheckpointRestartSystem(context)
+        elif name == "oobleck":
+            yield OobleckSystem(context, tolerated_failures=config.oobleck_tolerated_failures,
+                                detection_s=costs.detection_s)
 
 
 def healthy_device_seconds(cluster: ClusterState, events: list[ClusterEvent], duration_s: float) -> float:
@@ -127,8 +132,14 @@ def simulate(scenario: Scenario, *, progress=None) -> SimulationResult:
     for system in _systems(scenario, context, events):
         if progress is not None:
             progress(system.name)
-        timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
-                                            checkpoint_duty=duty)
+        try:
+            timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
+                                                checkpoint_duty=duty)
+        except ValueError as exc:
+            if system.name != "oobleck":
+                raise
+            # Oobleck refuses a job smaller than (f+1) * n0 workers: a scenario error.
+            raise ConfigError("oobleck_tolerated_failures", f"oobleck cannot run this job: {exc}") from None
     fault_free = CheckpointRestartSystem(context).start(cluster) * duty
     ideal = fault_free * healthy_device_seconds(cluster, events, duration) / (cluster.world_size * duration)
     tokens = recipe.model.seq_length

@@ -21,7 +21,7 @@ from odyssey_megatron.config import (
     load_structured,
 )
 
-SYSTEMS = ("odyssey", "recycle", "checkpoint", "oracle")
+SYSTEMS = ("odyssey", "oobleck", "recycle", "checkpoint", "oracle")
 
 
 @dataclass
@@ -93,6 +93,8 @@ class ScenarioConfig:
     repairs: RepairConfig = field(default_factory=RepairConfig)
     costs: CostConfig = field(default_factory=CostConfig)
     systems: List[str] = field(default_factory=lambda: list(SYSTEMS))
+    oobleck_tolerated_failures: int = 2
+    """Oobleck's f: it needs (f+1) * n0 workers and gives up below that."""
     sample_interval_s: float = 60.0
     wandb_mode: str = "offline"
     """offline (a local run directory, the default), online, or disabled."""
@@ -104,6 +106,8 @@ class ScenarioConfig:
         for name in self.systems:
             require_one_of("systems", name, SYSTEMS)
         require_one_of("wandb_mode", self.wandb_mode, ["offline", "online", "disabled"])
+        require(self.oobleck_tolerated_failures >= 0, "oobleck_tolerated_failures",
+                f"must be >= 0, got {self.oobleck_tolerated_failures}")
 
 
 @dataclass(frozen=True)
