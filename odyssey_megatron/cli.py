@@ -165,8 +165,19 @@ def _simulate_command(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     scenario = load_scenario(args.scenario, overrides)
     out = Path(args.out or f"runs/simulate/{Path(args.scenario).stem}-seed{scenario.config.seed}")
-    progress = None if args.json else (lambda name: print(f"simulating {name} ...", file=sys.stderr, flush=True))
-    result = simulate(scenario, progress=progress)
+    bars = []
+
+    def progress(name: str, num_events: int):
+        from tqdm import tqdm
+
+        if bars:
+            bars[-1].close()
+        bars.append(tqdm(total=num_events, desc=f"{name:<10}", unit="event", file=sys.stderr, leave=True))
+        return bars[-1].update
+
+    result = simulate(scenario, progress=None if args.json else progress)
+    for bar in bars:
+        bar.close()
     paths = write_outputs(result, out)
     wandb_dir = log_to_wandb(result, out)
     if args.json:

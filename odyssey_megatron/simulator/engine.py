@@ -11,6 +11,7 @@ progress, never below zero.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent
@@ -49,9 +50,11 @@ def run_system(
     events: list[ClusterEvent],
     duration_s: float,
     checkpoint_duty: float,
+    on_event: Callable[[], None] | None = None,
 ) -> Timeline:
     """Live through ``events`` with ``system``; ``checkpoint_duty`` is the share of
-    training time not blocked by checkpoint saves."""
+    training time not blocked by checkpoint saves; ``on_event`` is called after each event
+    (progress reporting)."""
     timeline = Timeline(system.name)
     rate = system.start(cluster) * checkpoint_duty
     state, resume_at, last_event = TRAINING, 0.0, 0.0
@@ -90,5 +93,7 @@ def run_system(
         rate = outcome.samples_per_s * checkpoint_duty
         state, resume_at, last_event = outcome.pause_state, event.time_s + outcome.pause_s, event.time_s
         timeline.notes.append((event.time_s, f"{event.kind} {len(changed) * tp} device(s): {outcome.note}"))
+        if on_event is not None:
+            on_event()
     advance(duration_s)
     return timeline

@@ -4,6 +4,7 @@ system, and summarise against the fault-free and fault-scaled ideals."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ConfigError
@@ -116,8 +117,9 @@ def healthy_device_seconds(cluster: ClusterState, events: list[ClusterEvent], du
     return total + cluster.alive_devices * (duration_s - last)
 
 
-def simulate(scenario: Scenario, *, progress=None) -> SimulationResult:
-    """Run every system of ``scenario``; ``progress(name)`` is called as each one starts."""
+def simulate(scenario: Scenario, *, progress: Callable[[str, int], Callable[[], None]] | None = None) -> SimulationResult:
+    """Run every system of ``scenario``. ``progress(name, num_events)`` is called as each
+    system starts and returns the callback to call after each of its events."""
     config, recipe = scenario.config, scenario.recipe
     context = simulation_context(scenario)
     events = scenario_events(scenario)
@@ -130,11 +132,10 @@ def simulate(scenario: Scenario, *, progress=None) -> SimulationResult:
     duty = 1.0 - context.checkpoint_save_s / context.checkpoint_interval_s
     timelines = {}
     for system in _systems(scenario, context, events):
-        if progress is not None:
-            progress(system.name)
+        on_event = progress(system.name, len(events)) if progress is not None else None
         try:
             timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
-                                                checkpoint_duty=duty)
+                                                checkpoint_duty=duty, on_event=on_event)
         except ValueError as exc:
             if system.name != "oobleck":
                 raise
