@@ -56,6 +56,7 @@ class ReparallelizeSearch:
             dp_radius=dp_radius,
             pp_radius=pp_radius,
             max_stages=self.profile.num_layers,
+            max_idle=max(0, num_workers // max(current_dp, 1) - 1),
         )
         layouts = []
         for strategy in strategies:

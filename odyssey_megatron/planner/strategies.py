@@ -32,11 +32,18 @@ def parallel_strategies(
     dp_radius: int,
     pp_radius: int,
     max_stages: int,
+    max_idle: int = 0,
 ) -> list[tuple[int, ...]]:
-    """All strategies using exactly ``num_workers`` workers within the search ranges."""
+    """All strategies using ``num_workers`` workers, or up to ``max_idle`` fewer but always
+    fewer idle than their shortest pipeline, within the search ranges. Leaving a few workers
+    idle can beat a lopsided split that uses them all (127 workers at DP 31: 31 pipelines
+    of 4 and 3 idle rather than three of them 5 stages long)."""
     strategies = []
-    for dp in range(max(1, current_dp - dp_radius), min(num_workers, current_dp + dp_radius) + 1):
-        low = max(1, num_workers // dp - pp_radius)
-        high = min(max_stages, -(-num_workers // dp) + pp_radius)
-        strategies.extend(two_length_partitions(num_workers, dp, low, high))
+    for used in range(num_workers, max(0, num_workers - max_idle - 1), -1):
+        for dp in range(max(1, current_dp - dp_radius), min(used, current_dp + dp_radius) + 1):
+            low = max(1, used // dp - pp_radius)
+            high = min(max_stages, -(-used // dp) + pp_radius)
+            strategies.extend(
+                s for s in two_length_partitions(used, dp, low, high) if num_workers - used < min(s)
+            )
     return strategies
