@@ -178,7 +178,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
     result = simulate(scenario, progress=None if args.json else progress)
     for bar in bars:
         bar.close()
-    paths = write_outputs(result, out)
+    write_outputs(result, out)
     wandb_dir = log_to_wandb(result, out)
     if args.json:
         print(json.dumps(summary_json(result)))

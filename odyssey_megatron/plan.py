@@ -12,7 +12,7 @@ plan starts. The controller publishes plans as JSON, never pickle.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Optional
 
 from odyssey_megatron.profile import Block, ModelProfile

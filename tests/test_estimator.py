@@ -13,7 +13,7 @@ from odyssey_megatron.estimator.closed_form import reroute_step_time, stage_peak
 from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, simulate_pipelines
 from odyssey_megatron.estimator.transition import transfer_time
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, Transfer, validate_plan
+from odyssey_megatron.plan import ExecutionPlan, Transfer, validate_plan
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync

@@ -19,7 +19,6 @@ from odyssey_megatron.restorer import (
     color_rounds,
     is_valid_coloring,
     plan_weight_transfer,
-    sync_units,
     with_sync,
 )
 
