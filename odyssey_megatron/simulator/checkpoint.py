@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
@@ -105,6 +106,17 @@ def restart_from_checkpoint(context: SimulationContext, cluster: ClusterState, n
         pause_state=RESTARTING,
         note=note if layout is not None else f"{note}; the model no longer fits the survivors",
     )
+
+
+def restart_onto_symmetric(
+    context: SimulationContext, cluster: ClusterState, now_s: float, note: str
+) -> tuple[Outcome, ExecutionPlan | None, float]:
+    """A checkpoint restart for a system that keeps a plan: the outcome, the symmetric plan
+    it resumes on (None if the model no longer fits) and that plan's step time."""
+    outcome = restart_from_checkpoint(context, cluster, now_s, note)
+    plan = restart_plan(context, cluster)
+    step_s = 0.0 if plan is None else estimate_plan(plan, context.profile, cluster).step_time_s
+    return outcome, plan, step_s
 
 
 class CheckpointRestartSystem:

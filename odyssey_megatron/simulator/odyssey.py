@@ -17,7 +17,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide
-from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint, restart_plan
+from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
@@ -60,11 +60,9 @@ class OdysseySystem:
         return min([t for t in self.event_times if t > now_s] + [self.horizon_s]) - now_s
 
     def _restart(self, cluster: ClusterState, now_s: float, note: str) -> Outcome:
-        outcome = restart_from_checkpoint(self.context, cluster, now_s, note)
-        plan = restart_plan(self.context, cluster)
+        outcome, plan, step_s = restart_onto_symmetric(self.context, cluster, now_s, note)
         if plan is not None:
-            self.plan = plan
-            self.step_s = estimate_plan(plan, self.context.profile, cluster).step_time_s
+            self.plan, self.step_s = plan, step_s
         return outcome
 
     def _react(self, cluster: ClusterState, now_s: float, note: str, failures: int) -> Outcome:

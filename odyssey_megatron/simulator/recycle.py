@@ -16,7 +16,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint, restart_plan
+from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
@@ -46,11 +46,11 @@ class ReCycleSystem:
                 self.step_s = estimate.step_time_s
                 return Outcome(pause_s=pause_s, samples_per_s=estimate.samples_per_s, lost_s=lost_s,
                                note=f"{note}: rerouted")
-        outcome = restart_from_checkpoint(self.context, cluster, now_s, f"{note}: no peer left for a stage")
-        restarted = restart_plan(self.context, cluster)
-        if restarted is not None:
-            self.base = restarted
-            self.step_s = estimate_plan(restarted, self.context.profile, cluster).step_time_s
+        outcome, plan, step_s = restart_onto_symmetric(
+            self.context, cluster, now_s, f"{note}: no peer left for a stage"
+        )
+        if plan is not None:
+            self.base, self.step_s = plan, step_s
         return outcome
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
