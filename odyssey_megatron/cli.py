@@ -158,7 +158,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 def _simulate_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from odyssey_megatron.simulator.report import log_to_wandb, summary_json, write_outputs
+    from odyssey_megatron.simulator.report import log_to_wandb, summary_json, system_series, write_outputs
     from odyssey_megatron.simulator.run import simulate
     from odyssey_megatron.simulator.scenario import load_scenario
 
@@ -178,8 +178,9 @@ def _simulate_command(args: argparse.Namespace) -> int:
     result = simulate(scenario, progress=None if args.json else progress)
     for bar in bars:
         bar.close()
-    write_outputs(result, out)
-    wandb_dir = log_to_wandb(result, out)
+    series = system_series(result)
+    write_outputs(result, series, out)
+    wandb_dir = log_to_wandb(result, series, out)
     if args.json:
         print(json.dumps(summary_json(result)))
         return 0

@@ -34,6 +34,14 @@ def sample_series(timeline: Timeline, *, interval_s: float, duration_s: float) -
     return rows
 
 
+def system_series(result: SimulationResult) -> dict[str, list[dict]]:
+    """Every system's sampled series, at the scenario's interval."""
+    config = result.scenario.config
+    duration = config.duration_hours * 3600
+    return {name: sample_series(t, interval_s=config.sample_interval_s, duration_s=duration)
+            for name, t in result.timelines.items()}
+
+
 def summary_json(result: SimulationResult) -> dict:
     return {
         "scenario": {
@@ -50,7 +58,7 @@ def summary_json(result: SimulationResult) -> dict:
     }
 
 
-def write_outputs(result: SimulationResult, out_dir: Path) -> dict[str, Path]:
+def write_outputs(result: SimulationResult, series: dict[str, list[dict]], out_dir: Path) -> dict[str, Path]:
     """series.json, summary.json, active_devices.png and throughput.png under ``out_dir``."""
     import matplotlib
 
@@ -58,10 +66,6 @@ def write_outputs(result: SimulationResult, out_dir: Path) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = result.scenario.config
-    duration = config.duration_hours * 3600
-    series = {name: sample_series(t, interval_s=config.sample_interval_s, duration_s=duration)
-              for name, t in result.timelines.items()}
     paths = {"series": out_dir / "series.json", "summary": out_dir / "summary.json"}
     paths["series"].write_text(json.dumps(series))
     paths["summary"].write_text(json.dumps(summary_json(result), indent=2))
@@ -88,20 +92,18 @@ def write_outputs(result: SimulationResult, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def log_to_wandb(result: SimulationResult, out_dir: Path) -> str | None:
+def log_to_wandb(result: SimulationResult, series: dict[str, list[dict]], out_dir: Path) -> str | None:
     """The same series and summary as a W&B run (offline unless the scenario says online)."""
     config = result.scenario.config
     if config.wandb_mode == "disabled":
         return None
     import wandb
 
-    duration = config.duration_hours * 3600
-    series = {name: sample_series(t, interval_s=config.sample_interval_s, duration_s=duration)
-              for name, t in result.timelines.items()}
     run = wandb.init(project=config.wandb_project, mode=config.wandb_mode, dir=str(out_dir),
                      config=summary_json(result)["scenario"], job_type="simulate", reinit="finish_previous")
-    for i in range(len(next(iter(series.values())))):
-        row = {"time_h": next(iter(series.values()))[i]["time_s"] / 3600}
+    times = [row["time_s"] for row in next(iter(series.values()))]
+    for i, time_s in enumerate(times):
+        row = {"time_h": time_s / 3600}
         for name, rows in series.items():
             row[f"{name}/samples_per_s"] = rows[i]["samples_per_s"]
             row[f"{name}/active_devices"] = rows[i]["active_devices"]
