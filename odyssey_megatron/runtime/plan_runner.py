@@ -27,8 +27,6 @@ from odyssey_megatron.schedules.ops import BACKWARD
 
 SCHEDULES = ("auto", "odyssey", "megatron")
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass(frozen=True)
 class StepResult:
@@ -102,7 +100,7 @@ class PlanRunner:
                 tp_rank=self.tp_rank,
                 model=self.model,
                 activation_shape=(model.seq_length, micro_batch_size, model.hidden_size),
-                dtype=_DTYPES[model.params_dtype],
+                dtype=self.model.config.params_dtype,
                 device=device,
                 ops=self.ops,
             )
