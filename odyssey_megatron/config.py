@@ -173,6 +173,11 @@ class OdysseyConfig:
     """Candidate DP degrees lie within this distance of the current one (Algorithm 1's R_dp)."""
     pp_search_radius: int = 1
     """Candidate pipeline lengths lie within this distance of an even split (Algorithm 1's R_pp)."""
+    length_sweep: str = "joins"
+    """When the search also tries every pipeline length, then the DP radius around the best
+    of them: joins (decisions off the critical path: workers came back and the current plan
+    trains while the search runs), always (failures too: better plans, slower decisions) or never
+    (the paper's window alone)."""
     max_layer_splits: int = 256
     """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
     memory_budget_gib: Optional[float] = None
@@ -190,6 +195,7 @@ class OdysseyConfig:
 
     def __post_init__(self) -> None:
         require_one_of("odyssey.policy", self.policy, ["auto", "reroute", "reparallelize"])
+        require_one_of("odyssey.length_sweep", self.length_sweep, ["joins", "always", "never"])
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         for name in ("dp_search_radius", "pp_search_radius"):
             value = getattr(self, name)

@@ -12,6 +12,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import Decision, FailureRateModel, decide, initial_plan
+from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.profile import ModelProfile, analytic_profile
 from odyssey_megatron.specs import device_spec
 
@@ -56,6 +57,7 @@ class DecisionCenter:
             learn=config.odyssey.learn_failure_rate,
         )
         self._last_event_s = 0.0
+        self.search = ReparallelizeSearch(self.profile, max_layer_splits=config.odyssey.max_layer_splits)
         self.plan: ExecutionPlan = initial_plan(
             data_parallel_size=par.data_parallel_size,
             pipeline_parallel_size=par.pipeline_model_parallel_size,
@@ -86,6 +88,7 @@ class DecisionCenter:
             profile=self.profile,
             settings=self.config.odyssey,
             failure_model=self.failure_model,
+            search=self.search,
         )
         self.plan = decision.chosen.plan
         return decision

@@ -7,13 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import asymmetric_plan, symmetric_plan
+from odyssey_megatron.config import load_config
+from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, stage_peak_memory, symmetric_step_time
 from odyssey_megatron.estimator.communication import allreduce_time
-from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, simulate_pipelines
+from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer, validate_plan
+from odyssey_megatron.planner.layers import SplitSearch, lone_pipeline_lower_bound, stage_ranges
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
@@ -43,6 +46,30 @@ def test_programme_equals_eq9_on_symmetric_pipelines(pp, layers_per_stage, dp, m
         backward_s=backward * layers_per_stage,
     )
     assert simulate_pipelines(plan, profile).makespan_s == pytest.approx(expected, rel=1e-9)
+
+
+LLAMA_7B_910B = recipe_profile(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), num_stages=st.integers(1, 12), micro_batches=st.integers(1, 24))
+def test_lone_pipeline_programme_equals_the_general_one(data, num_stages, micro_batches):
+    """The planner's fast path prices a split exactly as the estimator does: same time
+    (uneven splits, embedding and head, real links) and the same peak memory; its
+    pruning bound is never above that time."""
+    cuts = sorted(data.draw(st.lists(st.integers(1, 31), min_size=num_stages - 1, max_size=num_stages - 1,
+                                     unique=True)))
+    split = tuple(b - a for a, b in zip([0, *cuts], [*cuts, 32]))
+    profile = LLAMA_7B_910B
+    times = [profile.stage_compute(a, b, first=s == 0, last=s == num_stages - 1)
+             for s, (a, b) in enumerate(stage_ranges(split))]
+    plan = asymmetric_plan([split], [micro_batches])
+    general = estimate_plan(plan, profile)
+    link_s = p2p_time(profile, same_node=True)
+    assert lone_pipeline_time(times, micro_batches, link_s=link_s) == general.pipeline_time_s
+    assert lone_pipeline_lower_bound(times, micro_batches, link_s=link_s) <= general.pipeline_time_s * (1 + 1e-12)
+    assert SplitSearch(profile, limit=1).pipeline_cost(split, micro_batches) == (
+        general.pipeline_time_s, general.max_peak_memory_bytes)
 
 
 def test_eq12_and_eq13_worked_values():

@@ -23,17 +23,21 @@ def max_in_flight(ops: list[Op]) -> int:
     return peak
 
 
+def stage_memory(profile: ModelProfile, start: int, end: int, *, first: bool, last: bool) -> tuple[int, int]:
+    """(static bytes, activation bytes per in-flight micro-batch) of a stage owning [start, end)."""
+    static = sum(profile.block(b).static_bytes for b in profile.stage_blocks(start, end, first=first, last=last))
+    activation = sum(profile.block(b).activation_bytes for b in profile.compute_blocks(start, end, first=first, last=last))
+    return static, activation
+
+
 def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: dict[int, list[Op]]) -> dict[int, int]:
     """Peak bytes per live stage owner."""
     peaks: dict[int, int] = {}
     for pi, si, stage in plan.stage_positions():
         if stage.worker is None:
             continue
-        last = si == plan.pipelines[pi].num_stages - 1
         start, end = stage.layers
-        static = sum(profile.block(b).static_bytes for b in profile.stage_blocks(start, end, first=si == 0, last=last))
-        activation = sum(
-            profile.block(b).activation_bytes for b in profile.compute_blocks(start, end, first=si == 0, last=last)
-        )
+        static, activation = stage_memory(profile, start, end, first=si == 0,
+                                          last=si == plan.pipelines[pi].num_stages - 1)
         peaks[stage.worker] = static + max_in_flight(schedule.get(stage.worker, [])) * activation
     return peaks

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Sequence
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams, dependency
+from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams, dependency, one_f_one_b
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -142,3 +143,55 @@ def simulate_pipelines(
         worker_busy_s=busy,
         schedule=order,
     )
+
+
+def lone_pipeline_time(
+    stage_times: Sequence[tuple[float, float]], num_micro_batches: int, *, link_s: float
+) -> float:
+    """Eq. 11 for one pipeline whose stages each run plain 1F1B on their own worker.
+
+    The same recurrence as ``simulate_pipelines`` (equal results, tested), without its
+    general machinery: the planner prices thousands of candidate layer splits per
+    decision. Stages are swept down then up, each running ops while their dependency
+    has ended, until every op has run. ``stage_times`` is (forward, backward) per stage.
+    """
+    num_stages = len(stage_times)
+    orders = [one_f_one_b(range(num_micro_batches), stage=s, num_stages=num_stages) for s in range(num_stages)]
+    forward_end = [[None] * num_micro_batches for _ in range(num_stages)]
+    backward_end = [[None] * num_micro_batches for _ in range(num_stages)]
+    position = [0] * num_stages
+    free_at = [0.0] * num_stages
+    remaining = 2 * num_stages * num_micro_batches
+    sweep = [*range(num_stages), *range(num_stages - 1, -1, -1)]
+    while remaining:
+        progressed = False
+        for s in sweep:
+            order, (forward_s, backward_s) = orders[s], stage_times[s]
+            while position[s] < len(order):
+                kind, mb = order[position[s]]
+                if kind == FORWARD:
+                    ready = free_at[s] if s == 0 else _after(forward_end[s - 1][mb], link_s, free_at[s])
+                    if ready is None:
+                        break
+                    forward_end[s][mb] = free_at[s] = ready + forward_s
+                else:
+                    if s == num_stages - 1:
+                        ready = _after(forward_end[s][mb], 0.0, free_at[s])
+                    else:
+                        ready = _after(backward_end[s + 1][mb], link_s, free_at[s])
+                    if ready is None:
+                        break
+                    backward_end[s][mb] = free_at[s] = ready + backward_s
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleDeadlock("a lone 1F1B pipeline cannot deadlock; the op orders are corrupt")
+    return max(free_at, default=0.0)
+
+
+def _after(dependency_end: float | None, link_s: float, free_at: float) -> float | None:
+    """Start of an op: after its worker is free and its dependency's output has arrived."""
+    if dependency_end is None:
+        return None
+    return max(free_at, dependency_end + link_s)

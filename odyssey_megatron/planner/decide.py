@@ -59,15 +59,19 @@ def decide(
     failure_model: FailureRateModel,
     search_time_s: float | None = None,
     interval_s: float | None = None,
+    search: ReparallelizeSearch | None = None,
 ) -> Decision:
     """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
 
     After a failure the candidates are the rerouted plan and the best reparallelized ones.
     When no stage owner failed but idle workers are alive (repaired or spare), keeping the
-    current plan competes with reparallelizing onto all of them. ``search_time_s`` replaces
+    current plan competes with reparallelizing onto all of them; the current plan trains
+    while that search runs, so its time is not part of a transition, and by default (see
+    ``odyssey.length_sweep``) it sweeps every pipeline length. ``search_time_s`` replaces
     the measured search time in the transition (the simulator needs determinism);
     ``interval_s`` replaces the failure model's expected time to the next failure (the
-    hindsight oracle knows it).
+    hindsight oracle knows it). A ``search`` kept by the caller carries its pipeline
+    cost caches from one decision to the next (same profile and settings).
     """
     started = time.perf_counter()
     failed = cluster.failed_workers
@@ -109,13 +113,17 @@ def decide(
     if want_reparallelize or not drafts:
         if not want_reparallelize:
             notes.append("falling back to reparallelize")
-        search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
+        if search is None:
+            search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
+        elif search.profile is not profile:
+            raise ValueError("the reparallelize search was built for another profile")
         layouts = search.layouts(
             num_workers=len(cluster.alive_workers),
             num_micro_batches=current.num_micro_batches,
             current_dp=len(current.pipelines),
             dp_radius=settings.dp_search_radius,
             pp_radius=settings.pp_search_radius,
+            sweep=settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected),
         )
         considered += len(layouts)
         for layout in layouts[:PLACED_LAYOUTS]:
@@ -132,10 +140,11 @@ def decide(
     if not drafts:
         raise UnrecoverableFailure("; ".join(notes) or "no candidate plan")
     search_s = time.perf_counter() - started if search_time_s is None else search_time_s
+    paused_search_s = search_s if affected else 0.0
     candidates = []
     alive = len(cluster.alive_workers)
     for policy, plan, estimate, moving, restart in drafts:
-        transition = search_s + moving + restart if plan is not current else 0.0
+        transition = paused_search_s + moving + restart if plan is not current else 0.0
         risk = fatal_share(plan.holdings(profile), alive) * settings.checkpoint_restart_penalty_s
         score = policy_score(samples_per_s=estimate.samples_per_s, transition_s=transition, interval_s=interval,
                              risk_s=risk)

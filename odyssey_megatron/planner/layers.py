@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from math import comb
 
-from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.estimator.memory import stage_memory
+from odyssey_megatron.estimator.pipeline import lone_pipeline_time, p2p_time
 from odyssey_megatron.profile import ModelProfile
 
 
@@ -58,47 +58,73 @@ def stage_ranges(split: tuple[int, ...]) -> list[tuple[int, int]]:
 class SplitSearch:
     """Best layer split per (stages, micro-batches) for one decision, memoised.
 
-    A split is estimated on a lone pipeline with the real op-list programme; splits that
+    A split is estimated on a lone pipeline with the Eq. 11 programme; splits that
     overflow the memory budget are dropped; ties in time go to lower peak memory, then to
     the split with extra layers latest (the last stage keeps the fewest activations).
+    Splits are priced in order of a lower bound on their time, and pricing stops once
+    the bound exceeds the best time found, so the answer is that of pricing them all.
     """
 
     def __init__(self, profile: ModelProfile, *, limit: int):
         self._profile = profile
         self._limit = limit
+        self._link_s = p2p_time(profile, same_node=True)
         self._best: dict[tuple[int, int], tuple[tuple[int, ...], float, int] | None] = {}
         self._time: dict[tuple[tuple[int, ...], int], tuple[float, int]] = {}
+        self._stage: dict[tuple[int, int, bool, bool], tuple[tuple[float, float], int, int]] = {}
+
+    def _stage_cost(self, start: int, end: int, first: bool, last: bool) -> tuple[tuple[float, float], int, int]:
+        """((forward, backward), static bytes, activation bytes per micro-batch) of one stage."""
+        key = (start, end, first, last)
+        if key not in self._stage:
+            compute = self._profile.stage_compute(start, end, first=first, last=last)
+            self._stage[key] = (compute, *stage_memory(self._profile, start, end, first=first, last=last))
+        return self._stage[key]
+
+    def _stages(self, split: tuple[int, ...], num_micro_batches: int) -> tuple[list[tuple[float, float]], int]:
+        """((forward, backward) per stage, peak memory of the fullest stage under 1F1B)."""
+        num_stages = len(split)
+        stage_times, peak = [], 0
+        for s, (start, end) in enumerate(stage_ranges(split)):
+            compute, static, activation = self._stage_cost(start, end, s == 0, s == num_stages - 1)
+            stage_times.append(compute)
+            peak = max(peak, static + min(num_stages - s, num_micro_batches) * activation)
+        return stage_times, peak
 
     def pipeline_cost(self, split: tuple[int, ...], num_micro_batches: int) -> tuple[float, int]:
         """(pipeline time, peak memory of its fullest stage) for one pipeline."""
         key = (split, num_micro_batches)
         if key not in self._time:
-            plan = lone_pipeline_plan(split, num_micro_batches)
-            estimate = estimate_plan(plan, self._profile)
-            self._time[key] = (estimate.pipeline_time_s, estimate.max_peak_memory_bytes)
+            stage_times, peak = self._stages(split, num_micro_batches)
+            self._time[key] = (lone_pipeline_time(stage_times, num_micro_batches, link_s=self._link_s), peak)
         return self._time[key]
 
     def best(self, num_stages: int, num_micro_batches: int) -> tuple[tuple[int, ...], float, int] | None:
         """(split, pipeline time, peak memory), or None if no split fits in memory."""
         key = (num_stages, num_micro_batches)
         if key not in self._best:
-            options = []
+            bounded = []
             for split in layer_splits(self._profile.num_layers, num_stages, limit=self._limit):
-                time_s, peak = self.pipeline_cost(split, num_micro_batches)
+                stage_times, peak = self._stages(split, num_micro_batches)
                 if peak <= self._profile.memory_budget_bytes:
-                    options.append((round(time_s, 9), peak, split, time_s))
-            best = min(options, default=None)
+                    bound = lone_pipeline_lower_bound(stage_times, num_micro_batches, link_s=self._link_s)
+                    bounded.append((bound, split))
+            best = None
+            for bound, split in sorted(bounded):
+                if best is not None and bound > best[0] + 1e-9:  # cannot tie even after rounding
+                    break
+                time_s, peak = self.pipeline_cost(split, num_micro_batches)
+                option = (round(time_s, 9), peak, split, time_s)
+                best = option if best is None else min(best, option)
             self._best[key] = None if best is None else (best[2], best[3], best[1])
         return self._best[key]
 
 
-def lone_pipeline_plan(split: tuple[int, ...], num_micro_batches: int) -> ExecutionPlan:
-    """A one-pipeline plan on workers 0..S-1, for estimating a pipeline shape alone."""
-    stages = tuple(StagePlan(worker, layers) for worker, layers in enumerate(stage_ranges(split)))
-    return ExecutionPlan(
-        generation=0,
-        policy="initial",
-        num_layers=sum(split),
-        tensor_parallel_size=1,
-        pipelines=(PipelinePlan(stages, tuple(range(num_micro_batches))),),
-    )
+def lone_pipeline_lower_bound(stage_times: list[tuple[float, float]], num_micro_batches: int, *, link_s: float) -> float:
+    """No 1F1B schedule beats this: stage s runs all its forwards and backwards, after the
+    first micro-batch's forwards reached it and before the last one's backwards left."""
+    bound = before = 0.0
+    for s, (forward_s, backward_s) in enumerate(stage_times):
+        bound = max(bound, before + num_micro_batches * (forward_s + backward_s) + 2 * s * link_s)
+        before += forward_s + backward_s
+    return bound

@@ -17,7 +17,7 @@ from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
-from odyssey_megatron.planner.strategies import parallel_strategies
+from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import color_rounds, plan_weight_transfer, sync_units, with_sync
 
@@ -48,24 +48,40 @@ class ReparallelizeSearch:
         current_dp: int,
         dp_radius: int,
         pp_radius: int,
+        sweep: bool = False,
     ) -> list[Layout]:
-        """Every feasible candidate layout, fastest first."""
-        strategies = parallel_strategies(
-            num_workers=num_workers,
-            current_dp=current_dp,
-            dp_radius=dp_radius,
-            pp_radius=pp_radius,
-            max_stages=self.profile.num_layers,
-            max_idle=max(0, num_workers // max(current_dp, 1) - 1),
-        )
-        layouts = []
+        """Every feasible candidate layout, fastest first: the strategies within the radii of
+        the current DP degree and, with ``sweep``, one per pipeline length plus the radii
+        around the DP degree of the fastest of those."""
+        max_idle = max(0, num_workers // max(current_dp, 1) - 1)
+        centres = [current_dp]
+        found: dict[tuple[int, ...], Layout] = {}
+        if sweep:
+            coarse = pipeline_length_sweep(num_workers=num_workers, max_stages=self.profile.num_layers,
+                                           max_idle=max_idle)
+            found.update(self._layouts(coarse, num_micro_batches))
+            if found:
+                centres.append(len(min(found.values(), key=_speed).splits))
+        for centre in centres:
+            strategies = parallel_strategies(
+                num_workers=num_workers,
+                current_dp=centre,
+                dp_radius=dp_radius,
+                pp_radius=pp_radius,
+                max_stages=self.profile.num_layers,
+                max_idle=max_idle,
+            )
+            found.update(self._layouts([s for s in strategies if s not in found], num_micro_batches))
+        return sorted(found.values(), key=_speed)
+
+    def _layouts(self, strategies: list[tuple[int, ...]], num_micro_batches: int) -> dict[tuple[int, ...], Layout]:
+        layouts = {}
         for strategy in strategies:
             if len(strategy) > num_micro_batches:
                 continue
             layout = self._layout(strategy, num_micro_batches)
             if layout is not None:
-                layouts.append(layout)
-        layouts.sort(key=lambda l: (l.est_step_time_s, len(l.splits)))
+                layouts[strategy] = layout
         return layouts
 
     def _layout(self, strategy: tuple[int, ...], num_micro_batches: int) -> Layout | None:
@@ -116,6 +132,11 @@ class ReparallelizeSearch:
                 total += slowest
             self._sync_cache[key] = total
         return self._sync_cache[key]
+
+
+def _speed(layout: Layout) -> tuple[float, int]:
+    """Fastest first; on a tie, fewer pipelines (fewer DP sync participants)."""
+    return layout.est_step_time_s, len(layout.splits)
 
 
 def place_layout(

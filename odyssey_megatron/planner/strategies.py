@@ -6,6 +6,11 @@ and pipeline lengths within a radius of the even split (Algorithm 1's R_dp and R
 Strategies mix at most two pipeline lengths: a third shape adds DP sync units and rounds
 and another layer split without balancing load any better, and leaving it out keeps the
 search linear in the DP range (8,000 partitions of 1,023 workers become ~40).
+
+The window around the current DP degree is the paper's. A decision off the critical path
+(workers rejoined, the current plan keeps training meanwhile) also sweeps every pipeline
+length once (``pipeline_length_sweep``) so the plan can travel far from the current DP
+degree, which the window alone only does two steps per decision.
 """
 
 from __future__ import annotations
@@ -47,3 +52,15 @@ def parallel_strategies(
                 s for s in two_length_partitions(used, dp, low, high) if num_workers - used < min(s)
             )
     return strategies
+
+
+def pipeline_length_sweep(*, num_workers: int, max_stages: int, max_idle: int = 0) -> list[tuple[int, ...]]:
+    """One DP degree per pipeline length L (as many pipelines of L or L+1 stages as fit),
+    each using every worker or leaving fewer than L idle: a coarse grid over all DP degrees."""
+    strategies = set()
+    for length in range(1, max_stages + 1):
+        for used in range(num_workers, max(0, num_workers - min(max_idle, length - 1) - 1), -1):
+            dp = used // length
+            if dp >= 1:
+                strategies.update(two_length_partitions(used, dp, length, min(max_stages, length + 1)))
+    return sorted(strategies, reverse=True)

@@ -17,6 +17,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide
+from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
@@ -45,6 +46,7 @@ class OdysseySystem:
         self.failure_model = FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
                                               learn=settings.learn_failure_rate)
         self.plan = initial_layout(context, max_layer_splits=settings.max_layer_splits)
+        self.search = ReparallelizeSearch(context.profile, max_layer_splits=settings.max_layer_splits)
         self._last_event_s = 0.0
         self._alive_devices = 0
 
@@ -73,6 +75,7 @@ class OdysseySystem:
             decision = decide(
                 current=self.plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
                 failure_model=self.failure_model, search_time_s=self.decision_s, interval_s=self._interval(now_s),
+                search=self.search,
             )
         except UnrecoverableFailure as exc:
             return self._restart(cluster, now_s, f"{note}: {exc}")
