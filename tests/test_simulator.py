@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import symmetric_plan
 
 from odyssey_megatron.cli import main
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ConfigError
+from odyssey_megatron.config import ConfigError, load_config
+from odyssey_megatron.decision_center import recipe_profile
+from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.estimator.memory import peak_memory
+from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_step_time
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem, best_symmetric_layout
 from odyssey_megatron.simulator.engine import run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
 from odyssey_megatron.simulator.recycle import ReCycleSystem
+from odyssey_megatron.simulator.recycle_schedule import recycle_schedule
 from odyssey_megatron.simulator.run import simulate
 from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig, load_scenario
 from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, STOPPED, TRAINING, Outcome, SimulationContext
@@ -110,6 +120,73 @@ def test_recycle_step_time_follows_the_rerouted_op_lists():
     # Both replicas of stage 0 of a DP2 layout gone: ReCycle must restart from a checkpoint.
     both = system.on_failure(cluster.fail_ranks([0, 1, 2, 3]), {0, 1, 2, 3}, now_s=1500.0)
     assert both.pause_state == RESTARTING and both.lost_s == 500.0
+
+
+FIG3_PROFILE = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=100, bandwidth=10.0)
+"""Paper 003's Fig. 2-3 example: 3 pipelines of 4 stages, 6 micro-batches each, a forward
+takes one slot and a backward two; a 1F1B iteration is 27 slots."""
+
+
+def _fig3(failed: set[int], profile=FIG3_PROFILE):
+    plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)  # stage s of pipeline d: 3s + d
+    return reroute_plan(plan, failed_workers=failed, profile=profile) if failed else plan
+
+
+def test_recycle_schedule_on_paper_003_figure_3():
+    """W_{1,1} (worker 4) fails. The paper's Adaptive Pipelining takes 36 slots by hand and
+    29 with Decoupled BackProp (27 with its MILP and the Staggered Optimizer); our plain
+    1F1B list schedule takes 33 and ReCycle's, list-scheduled, 29. Failures late in the
+    pipeline cost less than at stage 0, which normalization exploits."""
+    assert recycle_schedule(_fig3(set()), FIG3_PROFILE).period_s == 27.0
+    assert estimate_plan(_fig3({4}), FIG3_PROFILE).pipeline_time_s == 33.0
+    assert recycle_schedule(_fig3({4}), FIG3_PROFILE).period_s == 29.0
+    assert recycle_schedule(_fig3({1}), FIG3_PROFILE).period_s == 31.0
+    assert recycle_schedule(_fig3({10}), FIG3_PROFILE).period_s == 29.0
+
+
+def test_deferred_weight_gradients_stay_within_memory():
+    """A deferred W keeps its micro-batch's activations: with room for 5 micro-batches
+    beside the weights a peer defers less and the step is slower than with ample room."""
+    tight = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=10, activation_bytes=1,
+                            memory_budget_bytes=15)
+    plan = _fig3({4}, tight)
+    assert estimate_plan(plan, tight).max_peak_memory_bytes == 15  # plain 1F1B: 5 in flight on a peer
+    timing = recycle_schedule(plan, tight)
+    assert max(peak_memory(plan, tight, timing.memory_order).values()) == 15 and timing.period_s == 30.0
+    ample = replace(tight, memory_budget_bytes=100)
+    timing = recycle_schedule(plan, ample)
+    assert max(peak_memory(plan, ample, timing.memory_order).values()) == 19 and timing.period_s == 29.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(dp=st.integers(1, 3), pp=st.sampled_from([1, 2, 4, 8]), micro_batches=st.integers(1, 10))
+def test_recycle_schedule_is_plain_1f1b_without_failures(dp, pp, micro_batches):
+    """Nothing rerouted, nothing decoupled: the staggered iterations repeat the estimator's
+    1F1B step exactly (Llama-2 7B on 910B: uneven stages, real links)."""
+    profile = recipe_profile(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
+    plan = symmetric_plan(dp=dp, pp=pp, num_layers=32, micro_batches_per_pipeline=micro_batches)
+    cluster = ClusterState(world_size=dp * pp, devices_per_node=8)
+    assert recycle_schedule(plan, profile, cluster).period_s == pytest.approx(
+        estimate_plan(plan, profile, cluster).pipeline_time_s, rel=1e-12)
+
+
+def test_recycle_normalizes_a_failure_to_a_cheaper_stage_and_copies_on_repair():
+    context = _context(profile=FIG3_PROFILE, pipeline_parallel_size=4, data_parallel_size=3, num_micro_batches=18)
+    cluster = ClusterState(world_size=12, devices_per_node=8)
+    system = ReCycleSystem(context, detection_s=5.0, reroute_s=1.0)
+    assert system.start(cluster) == 18 / 27
+    # Worker 1 (stage 0 of pipeline 1) fails: rerouting there costs 31 slots, so worker 4
+    # takes stage 0 (copying one layer, 100 B at 10 B/s) and the failure moves to stage 1.
+    outcome = system.on_failure(cluster.fail_ranks([1]), {1}, now_s=10.0)
+    assert [s.worker for s in system.base.pipelines[1].stages] == [4, 1, 7, 10]
+    assert outcome.samples_per_s == 18 / 29 and outcome.pause_s == 5.0 + 1.0 + 10.0
+    back = system.on_join(cluster, {1}, now_s=100.0)  # worker 1 returns to stage 1 after a copy
+    assert back.samples_per_s == 18 / 27 and back.pause_s == 1.0 + 10.0
+    # ReCycle as paper 001 models it (plain 1F1B): stage 0 is the cheapest place to fail.
+    plain = ReCycleSystem(context, detection_s=5.0, reroute_s=1.0, decoupled=False, name="recycle_1f1b")
+    plain.start(cluster)
+    assert plain.on_failure(cluster.fail_ranks([1]), {1}, now_s=10.0).samples_per_s == 18 / 32
+    assert [s.worker for s in plain.base.pipelines[1].stages] == [1, 4, 7, 10]
 
 
 def test_failure_process_is_seeded_and_per_unit():

@@ -95,8 +95,8 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
                 decision_s=costs.decision_s, name=name,
                 event_times=[e.time_s for e in events] if name == "oracle" else None, horizon_s=duration,
             )
-        elif name == "recycle":
-            yield ReCycleSystem(context, detection_s=costs.detection_s,
+        elif name in ("recycle", "recycle_1f1b"):
+            yield ReCycleSystem(context, detection_s=costs.detection_s, name=name, decoupled=name == "recycle",
                                 reroute_s=scenario.recipe.odyssey.reroute_restart_s)
         elif name == "checkpoint":
             yield CheckpointRestartSystem(context)

@@ -21,7 +21,7 @@ from odyssey_megatron.config import (
     load_structured,
 )
 
-SYSTEMS = ("odyssey", "oobleck", "recycle", "checkpoint", "oracle")
+SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle")
 
 
 @dataclass
