@@ -1,8 +1,10 @@
 """Decision latency: search + estimate + transfer plan + colouring, after one failed rank.
 
 Prints, per model and cluster size, the wall time of DecisionCenter.on_failure (median of
---repeats), the candidates it estimated and what it chose. Targets (issue): 32 ranks
-under 50 ms, 1024 ranks under 1 s. Run: .venv/bin/python benchmarks/plan_search.py
+--repeats, each on a fresh decision center), the candidates it estimated and what it
+chose. Targets (issue): 32 ranks under 50 ms, 1024 ranks under 1 s. Also the decision
+when the rank comes back (on_join: off the critical path, with the pipeline-length sweep).
+Run: .venv/bin/python benchmarks/plan_search.py
 """
 
 from __future__ import annotations
@@ -27,19 +29,22 @@ SCENARIOS = [
 ]
 
 
-def measure(spec: str, device: str, ranks: int, tp: int, pp: int, repeats: int) -> tuple[float, str]:
+def measure(spec: str, device: str, ranks: int, tp: int, pp: int, repeats: int) -> tuple[float, float, str]:
     dp = ranks // (tp * pp)
     config = load_config(None, [
         f"model.spec={spec}", f"cluster.device={device}",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
         f"parallel.data_parallel_size={dp}", f"training.global_batch_size={8 * dp}",
     ])
-    times, summary = [], ""
+    times, join_times, summary = [], [], ""
     for _ in range(repeats):
         center = DecisionCenter(config)
         started = time.perf_counter()
         decision = center.on_failure(ranks=[ranks // 2 + 1])
         times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        center.on_join(ranks=[ranks // 2 + 1])
+        join_times.append(time.perf_counter() - started)
         c = decision.chosen
         alt = {a.policy: a for a in decision.alternatives}
         other = alt.get("reparallelize" if c.policy == "reroute" else "reroute")
@@ -48,7 +53,7 @@ def measure(spec: str, device: str, ranks: int, tp: int, pp: int, repeats: int) 
             f"{decision.candidates_considered:3d} candidates"
             + (f"  (best {other.policy}: step {other.estimate.step_time_s:.3f} s)" if other else "")
         )
-    return statistics.median(times), summary
+    return statistics.median(times), statistics.median(join_times), summary
 
 
 def main() -> None:
@@ -56,13 +61,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-ranks", type=int, default=4096)
     args = parser.parse_args()
-    print(f"{'model':<11} {'ranks':>5} {'TPxPPxDP':>10} {'decision':>10}  chosen")
+    print(f"{'model':<11} {'ranks':>5} {'TPxPPxDP':>10} {'failure':>10} {'join':>10}  chosen after the failure")
     for spec, device, ranks, tp, pp in SCENARIOS:
         if ranks > args.max_ranks:
             continue
-        seconds, summary = measure(spec, device, ranks, tp, pp, args.repeats)
+        seconds, join_seconds, summary = measure(spec, device, ranks, tp, pp, args.repeats)
         layout = f"{tp}x{pp}x{ranks // (tp * pp)}"
-        print(f"{spec:<11} {ranks:>5} {layout:>10} {seconds * 1e3:8.1f} ms  {summary}", flush=True)
+        print(f"{spec:<11} {ranks:>5} {layout:>10} {seconds * 1e3:7.1f} ms {join_seconds * 1e3:7.1f} ms  {summary}",
+              flush=True)
 
 
 if __name__ == "__main__":

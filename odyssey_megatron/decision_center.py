@@ -82,6 +82,15 @@ class DecisionCenter:
             self.failure_model.observe(failures=1, device_hours=exposure)
             self._last_event_s = at_s
         self.cluster = self.cluster.fail_ranks(ranks).fail_nodes(nodes)
+        return self._decide()
+
+    def on_join(self, *, ranks: Iterable[int]) -> Decision:
+        """Mark repaired or replacement ``ranks`` alive, decide whether to use them (the
+        current plan keeps training meanwhile), and commit the chosen plan."""
+        self.cluster = self.cluster.repair_ranks(ranks)
+        return self._decide()
+
+    def _decide(self) -> Decision:
         decision = decide(
             current=self.plan,
             cluster=self.cluster,

@@ -275,6 +275,17 @@ def test_decision_center_on_the_paper_recipe(tmp_path):
     assert second.chosen.plan.generation == decision.chosen.plan.generation + 1
 
 
+def test_decision_center_takes_a_repaired_rank_back():
+    center = DecisionCenter(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
+    failed = center.on_failure(ranks=[5])
+    assert failed.chosen.policy == "reroute" and 5 not in center.plan.workers
+    joined = center.on_join(ranks=[5])
+    validate_plan(center.plan, num_micro_batches=64)
+    assert sorted(center.plan.workers) == list(range(32))
+    assert joined.chosen.estimate.step_time_s < failed.chosen.estimate.step_time_s
+    assert {t.dst for t in center.plan.transfers} == {5}  # only the returning rank receives weights
+
+
 def test_decision_center_learns_the_failure_rate_from_observed_failures():
     config = load_config("recipes/llama2_7b/ascend_910b_32.yaml")
     learning, fixed = DecisionCenter(config), DecisionCenter(
