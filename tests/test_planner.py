@@ -13,9 +13,12 @@ from helpers import symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
+from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.estimator.pipeline import rerouted_makespan
 from odyssey_megatron.plan import validate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, distribute_batch, reroute_plan
 from odyssey_megatron.planner.layers import SplitSearch, layer_splits
+from odyssey_megatron.planner.normalize import normalize_failures
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.planner.policy import fatal_share, policy_score
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep, two_length_partitions
@@ -141,6 +144,42 @@ def test_reroute_spreads_evenly_over_peers():
     assert {r.worker for r in rerouted.reroutes} == {4, 6, 7}
     assert all(r.stage == 1 and r.pipeline == 1 for r in rerouted.reroutes)
     assert reroute_plan(plan, failed_workers={0, 1, 2, 3}, profile=profile) is None
+
+
+FIG3 = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=100, bandwidth=10.0)
+
+
+def test_normalization_moves_a_failure_to_where_rerouting_is_cheapest():
+    """Paper 003's Fig. 3 layout (3 pipelines x 4 stages, 6 micro-batches, F=1, B=2). On
+    plain 1F1B op lists a failed last stage costs 36 slots rerouted, a failed first stage
+    32: worker 1 takes over stage 3 of pipeline 1 (copying layer 3 from worker 9, its node
+    peer) and pipeline 1's stage 0 is rerouted instead."""
+    plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)  # stage s of pipeline d: 3s + d
+    cluster = ClusterState(world_size=12, devices_per_node=12).fail_ranks([10])
+    cost = lambda p: rerouted_makespan(p, FIG3, cluster)  # noqa: E731
+    assert cost(reroute_plan(plan, failed_workers={10}, profile=FIG3)) == 36.0
+    normalized = normalize_failures(plan, new_failures={10}, cluster=cluster, profile=FIG3, cost=cost)
+    assert [s.worker for s in normalized.layout.pipelines[1].stages] == [10, 4, 7, 1]
+    assert [(t.layer, t.src, t.dst, t.bytes) for t in normalized.transfers] == [(3, 9, 1, 100), ("output", 9, 1, 0)]
+    assert cost(reroute_plan(normalized.layout, failed_workers={10}, profile=FIG3)) == 32.0
+    # Odyssey's reroute candidate is the normalized one: 32 slots, after a 10 s copy.
+    decision = decide(current=with_sync(plan, FIG3), cluster=cluster, profile=FIG3,
+                      settings=_settings(policy="reroute", reroute_restart_s=1.0),
+                      failure_model=FailureRateModel(device_mtbf_hours=10), search_time_s=0.0)
+    assert decision.chosen.estimate.pipeline_time_s == 32.0 and decision.chosen.transition_s == 11.0
+    assert [a.estimate.pipeline_time_s for a in decision.alternatives if a.policy == "reroute"] == [36.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(dp=st.integers(2, 4), pp=st.integers(1, 4), micro_batches=st.integers(1, 8), data=st.data())
+def test_rerouted_makespan_is_the_whole_plans(dp, pp, micro_batches, data):
+    """Pipelines a reroute does not touch never set the makespan of a symmetric plan."""
+    profile = uniform_profile(num_layers=4 * pp, forward_s=1.0, backward_s=2.0)
+    plan = symmetric_plan(dp=dp, pp=pp, num_layers=4 * pp, micro_batches_per_pipeline=micro_batches)
+    failed = data.draw(st.sets(st.integers(0, dp * pp - 1), min_size=1, max_size=dp * pp - 1))
+    rerouted = reroute_plan(plan, failed_workers=failed, profile=profile)
+    if rerouted is not None:
+        assert rerouted_makespan(rerouted, profile) == estimate_plan(rerouted, profile).pipeline_time_s
 
 
 def _settings(**kw) -> OdysseyConfig:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
+from odyssey_megatron.estimator.pipeline import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.planner.normalize import normalize_failures
 from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
@@ -63,7 +65,9 @@ def decide(
 ) -> Decision:
     """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
 
-    After a failure the candidates are the rerouted plan and the best reparallelized ones.
+    After a failure the candidates are the rerouted plan, the rerouted plan after failure
+    normalization (``planner.normalize``) when that moves a failure, and the best
+    reparallelized ones.
     When no stage owner failed but idle workers are alive (repaired or spare), keeping the
     current plan competes with reparallelizing onto all of them; the current plan trains
     while that search runs, so its time is not part of a transition, and by default (see
@@ -99,16 +103,28 @@ def decide(
         if rerouted is None:
             notes.append("reroute impossible: a stage lost every replica")
         else:
-            rerouted = with_sync(rerouted, profile)
-            try:
-                estimate = estimate_plan(rerouted, profile, cluster)
-            except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
-                notes.append(f"reroute schedule deadlocks: {exc}")
-            else:
-                if estimate.fits_memory:
-                    drafts.append(("reroute", rerouted, estimate, 0.0, settings.reroute_restart_s))
-                else:
+            reroutes = [rerouted]
+            normalized = normalize_failures(
+                current, new_failures=failed & set(current.workers), cluster=cluster, profile=profile,
+                cost=lambda plan: rerouted_makespan(plan, profile, cluster),
+            )
+            if normalized.transfers:  # a survivor takes over a failed stage where rerouting costs less
+                considered += 1
+                moved = reroute_plan(normalized.layout, failed_workers=failed, profile=profile)
+                reroutes.append(replace(moved, transfers=normalized.transfers))
+            for plan in reroutes:
+                plan = with_sync(plan, profile)
+                try:
+                    estimate = estimate_plan(plan, profile, cluster)
+                except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
+                    notes.append(f"reroute schedule deadlocks: {exc}")
+                    continue
+                if not estimate.fits_memory:
                     notes.append("reroute exceeds the memory budget on a peer")
+                    continue
+                moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
+                                       storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9)
+                drafts.append(("reroute", plan, estimate, moving, settings.reroute_restart_s))
 
     if want_reparallelize or not drafts:
         if not want_reparallelize:

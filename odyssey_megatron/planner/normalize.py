@@ -1,0 +1,106 @@
+"""Failure normalization (paper 003, 4.2.1) for rerouting, used by Odyssey and ReCycle.
+
+Where a failure sits in its pipeline changes what rerouting costs: the adopted
+micro-batches land in different bubbles of the peers' 1F1B schedules. A survivor of the
+failed worker's pipeline can take over the failed stage (copying its weights and
+optimizer state from a same-stage peer) and leave its own stage to be rerouted instead.
+Each new failure is moved, greedily, to the stage of its pipeline where the caller's
+cost of the rerouted plan is least; a swap must gain, so ties keep the failure in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import AbstractSet, Callable, Optional
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, Transfer
+from odyssey_megatron.planner.reroute import reroute_plan
+from odyssey_megatron.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Normalized:
+    layout: ExecutionPlan
+    """The layout with failures moved (stage owners swapped); reroute it to run it."""
+    transfers: tuple[Transfer, ...]
+    """Stage copies the swapped-in survivors need."""
+
+
+def normalize_failures(
+    layout: ExecutionPlan,
+    *,
+    new_failures: AbstractSet[int],
+    cluster: ClusterState,
+    profile: ModelProfile,
+    cost: Callable[[ExecutionPlan], Optional[float]],
+) -> Normalized:
+    """Move each of ``new_failures`` to its pipeline's cheapest stage. ``cost`` prices a
+    rerouted plan (None: infeasible); ``layout`` still names the failed workers."""
+    failed = cluster.failed_workers
+    moves: list[tuple[int, int, int]] = []  # pipeline, stage, survivor that takes it over
+    for worker in sorted(new_failures):
+        slot = _slot_of(layout, worker)
+        if slot is None or not _holders(layout, *slot, failed, profile):
+            continue  # not a stage owner, or nobody left to copy its stage from
+        pi, si = slot
+        best_cost, best = _rerouted_cost(layout, failed, profile, cost), None
+        for sj, stage in enumerate(layout.pipelines[pi].stages):
+            if sj == si or stage.worker is None or stage.worker in failed:
+                continue
+            candidate = _swap(layout, pi, si, sj)
+            price = _rerouted_cost(candidate, failed, profile, cost)
+            if price is not None and (best_cost is None or price < best_cost - 1e-9):
+                best_cost, best = price, (candidate, stage.worker)
+        if best is not None:
+            layout = best[0]
+            moves.append((pi, si, best[1]))
+    transfers = tuple(t for pi, si, dst in moves for t in stage_copy(layout, pi, si, dst, cluster, profile))
+    return Normalized(layout, transfers)
+
+
+def stage_copy(
+    layout: ExecutionPlan, pi: int, si: int, dst: int, cluster: ClusterState, profile: ModelProfile
+) -> tuple[Transfer, ...]:
+    """Weights and optimizer state of stage ``si`` for ``dst``, from a live same-stage peer
+    (one on ``dst``'s node if any), TP shard k from TP rank k. Empty if no peer is live."""
+    peers = [w for w in _holders(layout, pi, si, cluster.failed_workers, profile) if w != dst]
+    if not peers:
+        return ()
+    src = min(peers, key=lambda w: (not cluster.same_node(w, dst), w))
+    return tuple(
+        Transfer(block, src_rank, dst_rank, profile.block(block).state_bytes)
+        for block in layout.blocks_of_stage(pi, si, profile)
+        for src_rank, dst_rank in zip(cluster.worker_ranks(src), cluster.worker_ranks(dst))
+    )
+
+
+def _rerouted_cost(layout, failed, profile, cost) -> Optional[float]:
+    plan = reroute_plan(layout, failed_workers=failed, profile=profile)
+    return None if plan is None else cost(plan)
+
+
+def _slot_of(layout: ExecutionPlan, worker: int) -> tuple[int, int] | None:
+    for pi, si, stage in layout.stage_positions():
+        if stage.worker == worker:
+            return pi, si
+    return None
+
+
+def _holders(layout: ExecutionPlan, pi: int, si: int, failed: AbstractSet[int], profile: ModelProfile) -> list[int]:
+    """Live owners of stage ``si`` of any pipeline holding the same blocks as pipeline ``pi``'s."""
+    blocks = layout.blocks_of_stage(pi, si, profile)
+    return [
+        stage.worker for pj, sj, stage in layout.stage_positions()
+        if sj == si and stage.worker is not None and stage.worker not in failed
+        and layout.blocks_of_stage(pj, sj, profile) == blocks
+    ]
+
+
+def _swap(layout: ExecutionPlan, pi: int, si: int, sj: int) -> ExecutionPlan:
+    stages = list(layout.pipelines[pi].stages)
+    stages[si], stages[sj] = (StagePlan(stages[sj].worker, stages[si].layers),
+                              StagePlan(stages[si].worker, stages[sj].layers))
+    pipelines: list[PipelinePlan] = list(layout.pipelines)
+    pipelines[pi] = replace(pipelines[pi], stages=tuple(stages))
+    return replace(layout, pipelines=tuple(pipelines))
