@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
@@ -98,26 +98,10 @@ def simulate_pipelines(
         now, worker = heapq.heappop(wakeups)
         if now < free_at[worker]:
             continue  # busy; its own completion wakes it
-        best = None
-        for k, ops in enumerate(streams[worker]):
-            position = cursor[worker][k]
-            if position == len(ops):
-                continue
-            op = ops[position]
-            dep, link = needs[op]
-            if dep is not None:
-                dep_end = end_time.get(dep)
-                if dep_end is None:
-                    if location.get(dep) == worker:
-                        raise ScheduleDeadlock(f"worker {worker} runs {op} before its own {dep}")
-                    continue
-                if dep_end + link > now:
-                    continue
-            if best is None or (position, k) < best[:2]:
-                best = (position, k, op)
-        if best is None:
+        ready = ready_head(streams[worker], cursor[worker], needs, end_time.get, now)
+        if ready is None:
             continue  # a completion elsewhere will wake this worker
-        _, k, op = best
+        k, op = ready
         forward_s, backward_s = compute[op.pipeline, op.stage]
         duration = forward_s if op.kind == FORWARD else backward_s
         end_time[op] = free_at[worker] = now + duration
@@ -143,6 +127,32 @@ def simulate_pipelines(
         worker_busy_s=busy,
         schedule=order,
     )
+
+
+def ready_head(
+    streams: list[list[Op]],
+    positions: list[int],
+    needs: dict[Op, tuple[Op | None, float]],
+    end_of: Callable[[Op], float | None],
+    now: float,
+) -> tuple[int, Op] | None:
+    """(stream index, op): of one worker's stream heads, the one whose dependency's output
+    has arrived by ``now`` and that comes earliest in its stream's 1F1B order, own stream
+    first on ties (the list-scheduling rule). ``end_of`` is None for an op not yet run."""
+    best = None
+    for k, ops in enumerate(streams):
+        position = positions[k]
+        if position == len(ops):
+            continue
+        op = ops[position]
+        dep, link = needs[op]
+        if dep is not None:
+            dep_end = end_of(dep)
+            if dep_end is None or dep_end + link > now:
+                continue
+        if best is None or (position, k) < best[:2]:
+            best = (position, k, op)
+    return None if best is None else best[1:]
 
 
 def lone_pipeline_time(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import ScheduleDeadlock
 from odyssey_megatron.estimator.memory import stage_memory
-from odyssey_megatron.estimator.pipeline import p2p_time
+from odyssey_megatron.estimator.pipeline import p2p_time, ready_head
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams, dependency
@@ -98,29 +98,12 @@ def recycle_schedule(plan: ExecutionPlan, profile: ModelProfile, cluster: Cluste
     wakeups = [(0.0, worker) for worker in streams]
     heapq.heapify(wakeups)
 
-    def head(worker: int, now: float) -> tuple[int, Op] | None:
-        """The ready stream head earliest in 1F1B order (own stream first on ties)."""
-        best = None
-        k_now = iteration[worker]
-        for k, ops in enumerate(streams[worker]):
-            position = cursor[worker][k]
-            if position == len(ops):
-                continue
-            op = ops[position]
-            dep, link = needs[op]
-            if dep is not None:
-                dep_end = end_time.get((k_now, dep))
-                if dep_end is None or dep_end + link > now:
-                    continue
-            if best is None or (position, k) < best[:2]:
-                best = (position, k, op)
-        return None if best is None else best[1:]
-
     while wakeups:
         now, worker = heapq.heappop(wakeups)
         if now < free_at[worker] or iteration[worker] == ITERATIONS or ran[worker] == ops_per_iteration[worker]:
             continue  # busy, done, or waiting for its stage's optimizer step
-        chosen = head(worker, now)
+        k_now = iteration[worker]
+        chosen = ready_head(streams[worker], cursor[worker], needs, lambda op: end_time.get((k_now, op)), now)
         if chosen is not None and chosen[1].kind == FORWARD and live[worker] >= room[worker] and weight_grads[worker]:
             chosen = None  # memory is full: a deferred W frees a micro-batch first
         if chosen is not None:
