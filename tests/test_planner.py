@@ -170,6 +170,18 @@ def test_normalization_moves_a_failure_to_where_rerouting_is_cheapest():
     assert [a.estimate.pipeline_time_s for a in decision.alternatives if a.policy == "reroute"] == [36.0]
 
 
+def test_reroute_pricing_can_be_replaced():
+    """The simulator's what-if prices reroutes with another schedule; None means it does
+    not fit in memory, which leaves reparallelizing."""
+    plan = with_sync(symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6), FIG3)
+    cluster = ClusterState(world_size=12, devices_per_node=12).fail_ranks([10])
+    kwargs = dict(current=plan, cluster=cluster, profile=FIG3, failure_model=FailureRateModel(device_mtbf_hours=10))
+    priced = decide(settings=_settings(policy="reroute"), reroute_pipeline_s=lambda p: 27.5, **kwargs)
+    assert priced.chosen.policy == "reroute" and priced.chosen.estimate.pipeline_time_s == 27.5
+    refused = decide(settings=_settings(policy="reroute"), reroute_pipeline_s=lambda p: None, **kwargs)
+    assert refused.chosen.policy == "reparallelize" and "memory" in refused.note
+
+
 @settings(max_examples=40, deadline=None)
 @given(dp=st.integers(2, 4), pp=st.integers(1, 4), micro_batches=st.integers(1, 8), data=st.data())
 def test_rerouted_makespan_is_the_whole_plans(dp, pp, micro_batches, data):

@@ -13,7 +13,7 @@ from helpers import symmetric_plan
 
 from odyssey_megatron.cli import main
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ConfigError, load_config
+from odyssey_megatron.config import ConfigError, OdysseyConfig, load_config
 from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.memory import peak_memory
@@ -23,6 +23,7 @@ from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem, best_symmetric_layout
 from odyssey_megatron.simulator.engine import run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
+from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
 from odyssey_megatron.simulator.recycle_schedule import recycle_schedule
 from odyssey_megatron.simulator.run import simulate
@@ -187,6 +188,23 @@ def test_recycle_normalizes_a_failure_to_a_cheaper_stage_and_copies_on_repair():
     plain.start(cluster)
     assert plain.on_failure(cluster.fail_ranks([1]), {1}, now_s=10.0).samples_per_s == 18 / 32
     assert [s.worker for s in plain.base.pipelines[1].stages] == [1, 4, 7, 10]
+
+
+def test_odyssey_what_if_prices_reroutes_with_recycles_schedule():
+    """Worker 10 (stage 3 of pipeline 1) fails and Odyssey must reroute. On plain 1F1B op
+    lists it moves the failure to stage 0 (32 slots, after a 10 s copy); priced with
+    ReCycle's schedule stage 3 is already cheapest (29 slots, no copy)."""
+    context = _context(profile=FIG3_PROFILE, pipeline_parallel_size=4, data_parallel_size=3, num_micro_batches=18)
+    cluster = ClusterState(world_size=12, devices_per_node=12)
+    settings = OdysseyConfig(policy="reroute", reroute_restart_s=1.0)
+    outcomes = {}
+    for decoupled in (False, True):
+        system = OdysseySystem(context, settings=settings, detection_s=5.0, decision_s=0.0,
+                               decoupled_reroutes=decoupled)
+        assert system.start(cluster) == 18 / 27
+        outcomes[decoupled] = system.on_failure(cluster.fail_ranks([10]), {10}, now_s=10.0)
+    assert outcomes[False].samples_per_s == 18 / 32 and outcomes[False].pause_s == 5.0 + 10.0 + 1.0
+    assert outcomes[True].samples_per_s == 18 / 29 and outcomes[True].pause_s == 5.0 + 1.0
 
 
 def test_failure_process_is_seeded_and_per_unit():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
@@ -62,6 +63,7 @@ def decide(
     search_time_s: float | None = None,
     interval_s: float | None = None,
     search: ReparallelizeSearch | None = None,
+    reroute_pipeline_s: Callable[[ExecutionPlan], float | None] | None = None,
 ) -> Decision:
     """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
 
@@ -76,6 +78,9 @@ def decide(
     ``interval_s`` replaces the failure model's expected time to the next failure (the
     hindsight oracle knows it). A ``search`` kept by the caller carries its pipeline
     cost caches from one decision to the next (same profile and settings).
+    ``reroute_pipeline_s`` prices a rerouted plan's pipeline (None: does not fit in memory)
+    in place of its plain 1F1B op lists: the simulator's what-if of an executor that runs
+    reroutes the way ReCycle does. The live runtime runs the op lists.
     """
     started = time.perf_counter()
     failed = cluster.failed_workers
@@ -106,7 +111,7 @@ def decide(
             reroutes = [rerouted]
             normalized = normalize_failures(
                 current, new_failures=failed & set(current.workers), cluster=cluster, profile=profile,
-                cost=lambda plan: rerouted_makespan(plan, profile, cluster),
+                cost=reroute_pipeline_s or (lambda plan: rerouted_makespan(plan, profile, cluster)),
             )
             if normalized.transfers:  # a survivor takes over a failed stage where rerouting costs less
                 considered += 1
@@ -119,7 +124,13 @@ def decide(
                 except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
                     notes.append(f"reroute schedule deadlocks: {exc}")
                     continue
-                if not estimate.fits_memory:
+                if reroute_pipeline_s is not None:
+                    pipeline_s = reroute_pipeline_s(plan)
+                    estimate = estimate if pipeline_s is None else replace(estimate, pipeline_time_s=pipeline_s)
+                    fits = pipeline_s is not None
+                else:
+                    fits = estimate.fits_memory
+                if not fits:
                     notes.append("reroute exceeds the memory budget on a peer")
                     continue
                 moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,

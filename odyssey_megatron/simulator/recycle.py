@@ -10,10 +10,7 @@ would run out of memory, means a checkpoint restart on a symmetric layout. A rep
 worker takes back the slot that names it, after copying that stage from a peer.
 
 ReCycle decouples backward only where memory allows (deferred weight gradients keep
-activations alive); here a plan whose decoupled schedule overflows a worker runs plain
-1F1B instead. Decoupling absorbs adopted work; it never makes a step shorter than the
-fault-free 1F1B step of the layout (every system starts from that schedule; zero-bubble
-scheduling without failures is outside this comparison). With ``decoupled=False`` the system is ReCycle as paper 001 models it
+activations alive); see ``recycle_pipeline_time`` for how a plan is priced. With ``decoupled=False`` the system is ReCycle as paper 001 models it
 (Eq. 12-13: adopted micro-batches scheduled by plain 1F1B op lists), for comparison.
 Normalization is greedy per failure; the paper's dynamic programme may also move
 earlier failures again.
@@ -25,13 +22,12 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan, transfer_time
-from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.planner.normalize import normalize_failures, stage_copy
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
-from odyssey_megatron.simulator.recycle_schedule import recycle_schedule
+from odyssey_megatron.simulator.recycle_schedule import recycle_pipeline_time
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
@@ -59,9 +55,7 @@ class ReCycleSystem:
         """Seconds per iteration without DP sync; None when no schedule fits in memory."""
         profile = self.context.profile
         if self.decoupled:
-            timing = recycle_schedule(plan, profile, cluster)
-            if max(peak_memory(plan, profile, timing.memory_order).values()) <= profile.memory_budget_bytes:
-                return max(timing.period_s, self.fault_free_s)
+            return recycle_pipeline_time(plan, profile, cluster, floor_s=self.fault_free_s)
         estimate = estimate_plan(plan, profile, cluster)
         return estimate.pipeline_time_s if estimate.fits_memory else None
 

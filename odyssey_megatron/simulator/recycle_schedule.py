@@ -27,8 +27,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.estimator import ScheduleDeadlock
-from odyssey_megatron.estimator.memory import stage_memory
+from odyssey_megatron.estimator import ScheduleDeadlock, estimate_plan
+from odyssey_megatron.estimator.memory import peak_memory, stage_memory
 from odyssey_megatron.estimator.pipeline import p2p_time, ready_head
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -51,6 +51,20 @@ class ReCycleTiming:
     memory_order: dict[int, list[Op]]
     """Per worker, the ops that allocate (forwards) and free (a coupled backward or a W)
     activations, in the order they ran: what ``peak_memory`` counts."""
+
+
+def recycle_pipeline_time(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, *, floor_s: float
+) -> float | None:
+    """Seconds per iteration of a rerouted ``plan`` run the way ReCycle runs it (DP sync
+    excluded): its schedule where that fits in memory, else plain 1F1B op lists; None when
+    neither fits. Decoupling absorbs adopted work but is not credited with beating
+    ``floor_s``, the fault-free 1F1B step of the layout every system starts from."""
+    timing = recycle_schedule(plan, profile, cluster)
+    if max(peak_memory(plan, profile, timing.memory_order).values()) <= profile.memory_budget_bytes:
+        return max(timing.period_s, floor_s)
+    estimate = estimate_plan(plan, profile, cluster)
+    return estimate.pipeline_time_s if estimate.fits_memory else None
 
 
 def recycle_schedule(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None) -> ReCycleTiming:
