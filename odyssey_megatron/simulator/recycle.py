@@ -1,19 +1,19 @@
 """ReCycle (paper 003) in the simulator: reroute to same-stage peers, nothing else.
 
 After a failure the failed stages' micro-batches go to their data-parallel peers. The
-step time is ReCycle's own schedule over the rerouted op lists: Decoupled BackProp and
-the Staggered Optimizer (``recycle_schedule``), plus the same DP sync as every system.
-Normalization (paper 003, 4.2.1; ``planner.normalize``, which Odyssey's reroute uses
-too) moves each new failure to the stage of its pipeline where rerouting costs least,
-by swapping roles with a survivor that then copies the failed stage from a peer. A stage that lost every replica, or a peer that
-would run out of memory, means a checkpoint restart on a symmetric layout. A repaired
-worker takes back the slot that names it, after copying that stage from a peer.
+step time is ReCycle's own schedule over the rerouted op lists, Decoupled BackProp and
+the Staggered Optimizer as memory allows (``recycle_schedule.recycle_pipeline_time``),
+plus the same DP sync as every system. Normalization (paper 003, 4.2.1;
+``planner.normalize``, which Odyssey's reroute uses too) moves each new failure to the
+stage of its pipeline where rerouting costs least, by swapping roles with a survivor
+that then copies the failed stage from a peer; it is greedy per failure, where the
+paper's dynamic programme may also move earlier failures again. A stage that lost every
+replica, or a peer that would run out of memory, means a checkpoint restart on a
+symmetric layout. A repaired worker takes back the slot that names it, after copying
+that stage from a peer.
 
-ReCycle decouples backward only where memory allows (deferred weight gradients keep
-activations alive); see ``recycle_pipeline_time`` for how a plan is priced. With ``decoupled=False`` the system is ReCycle as paper 001 models it
-(Eq. 12-13: adopted micro-batches scheduled by plain 1F1B op lists), for comparison.
-Normalization is greedy per failure; the paper's dynamic programme may also move
-earlier failures again.
+With ``decoupled=False`` the system is ReCycle as paper 001 models it (Eq. 12-13:
+adopted micro-batches on plain 1F1B op lists), for comparison.
 """
 
 from __future__ import annotations
@@ -68,14 +68,10 @@ class ReCycleSystem:
         step_s = pipeline_s + estimate.sync_time_s
         return step_s, estimate.samples_per_step / step_s, True
 
-    def _rerouted(self, base: ExecutionPlan, cluster: ClusterState) -> ExecutionPlan | None:
-        plan = reroute_plan(base, failed_workers=cluster.failed_workers, profile=self.context.profile)
-        return None if plan is None else with_sync(plan, self.context.profile)
-
     def _reroute(self, cluster: ClusterState, now_s: float, note: str, *, lost_s: float, pause_s: float) -> Outcome:
-        plan = self._rerouted(self.base, cluster)
+        plan = reroute_plan(self.base, failed_workers=cluster.failed_workers, profile=self.context.profile)
         if plan is not None:
-            step_s, samples_per_s, fits = self._speed(plan, cluster)
+            step_s, samples_per_s, fits = self._speed(with_sync(plan, self.context.profile), cluster)
             if fits:
                 self.step_s = step_s
                 return Outcome(pause_s=pause_s, samples_per_s=samples_per_s, lost_s=lost_s, note=f"{note}: rerouted")
