@@ -170,6 +170,21 @@ def test_normalization_moves_a_failure_to_where_rerouting_is_cheapest():
     assert [a.estimate.pipeline_time_s for a in decision.alternatives if a.policy == "reroute"] == [36.0]
 
 
+def test_a_repaired_worker_takes_over_a_rerouted_stage():
+    """Worker 10 (stage 3 of pipeline 1) failed and its micro-batches are rerouted; when it
+    comes back it takes the stage over after a 10 s copy, which beats rerouting on."""
+    plan = with_sync(symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6), FIG3)
+    rerouted = with_sync(reroute_plan(plan, failed_workers={10}, profile=FIG3), FIG3)
+    cluster = ClusterState(world_size=12, devices_per_node=12)
+    decision = decide(current=rerouted, cluster=cluster, profile=FIG3, search_time_s=100.0,
+                      settings=_settings(policy="reroute", reroute_restart_s=1.0),
+                      failure_model=FailureRateModel(device_mtbf_hours=10))
+    chosen = decision.chosen.plan
+    assert chosen.reroutes == () and chosen.pipelines[1].stages[3].worker == 10
+    assert {(t.layer, t.dst) for t in chosen.transfers} == {(3, 10), ("output", 10)}
+    assert decision.chosen.estimate.pipeline_time_s == 27.0 and decision.chosen.transition_s == 11.0
+
+
 def test_reroute_pricing_can_be_replaced():
     """The simulator's what-if prices reroutes with another schedule; None means it does
     not fit in memory, which leaves reparallelizing."""

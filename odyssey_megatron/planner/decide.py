@@ -11,7 +11,7 @@ from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
 from odyssey_megatron.estimator.pipeline import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.planner.normalize import normalize_failures
+from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
 from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
@@ -71,7 +71,8 @@ def decide(
     normalization (``planner.normalize``) when that moves a failure, and the best
     reparallelized ones.
     When no stage owner failed but idle workers are alive (repaired or spare), keeping the
-    current plan competes with reparallelizing onto all of them; the current plan trains
+    current plan competes with idle workers taking over rerouted stages
+    (``refill_failed_stages``) and with reparallelizing onto all of them; the current plan trains
     while that search runs, so its time is not part of a transition, and by default (see
     ``odyssey.length_sweep``) it sweeps every pipeline length. ``search_time_s`` replaces
     the measured search time in the transition (the simulator needs determinism);
@@ -93,14 +94,43 @@ def decide(
     drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float, float]] = []  # policy, plan, estimate, moving, restart
     considered = 0
     notes = []
+    reroute_cost = reroute_pipeline_s or (lambda plan: rerouted_makespan(plan, profile, cluster))
+
+    def consider_reroute(plan: ExecutionPlan) -> None:
+        plan = with_sync(plan, profile)
+        try:
+            estimate = estimate_plan(plan, profile, cluster)
+        except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
+            notes.append(f"reroute schedule deadlocks: {exc}")
+            return
+        if reroute_pipeline_s is not None:
+            pipeline_s = reroute_pipeline_s(plan)
+            estimate = estimate if pipeline_s is None else replace(estimate, pipeline_time_s=pipeline_s)
+            fits = pipeline_s is not None
+        else:
+            fits = estimate.fits_memory
+        if not fits:
+            notes.append("reroute exceeds the memory budget on a peer")
+            return
+        moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
+                               storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9)
+        drafts.append(("reroute", plan, estimate, moving, settings.reroute_restart_s))
+
     if not affected:
         drafts.append((current.policy, current, estimate_plan(current, profile, cluster), 0.0, 0.0))
-        if not idle or settings.policy == "reroute":
+        if not idle:
             note = "no stage owner failed"
             chosen = drafts[0]
             unchanged = Candidate(chosen[0], current, chosen[2], 0.0, chosen[2].samples_per_s, _layout_of(current))
             return Decision(unchanged, (), 0, time.perf_counter() - started, interval, note)
         notes.append(f"{len(idle)} idle worker(s) alive")
+        if want_reroute:
+            refilled = refill_failed_stages(current, idle_workers=idle, cluster=cluster, profile=profile,
+                                            cost=reroute_cost)
+            if refilled.transfers:  # idle workers take over rerouted stages
+                considered += 1
+                consider_reroute(replace(reroute_plan(refilled.layout, failed_workers=failed, profile=profile),
+                                         transfers=refilled.transfers))
 
     if affected and want_reroute:
         considered += 1
@@ -108,34 +138,15 @@ def decide(
         if rerouted is None:
             notes.append("reroute impossible: a stage lost every replica")
         else:
-            reroutes = [rerouted]
+            consider_reroute(rerouted)
             normalized = normalize_failures(
                 current, new_failures=failed & set(current.workers), cluster=cluster, profile=profile,
-                cost=reroute_pipeline_s or (lambda plan: rerouted_makespan(plan, profile, cluster)),
+                cost=reroute_cost,
             )
             if normalized.transfers:  # a survivor takes over a failed stage where rerouting costs less
                 considered += 1
-                moved = reroute_plan(normalized.layout, failed_workers=failed, profile=profile)
-                reroutes.append(replace(moved, transfers=normalized.transfers))
-            for plan in reroutes:
-                plan = with_sync(plan, profile)
-                try:
-                    estimate = estimate_plan(plan, profile, cluster)
-                except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
-                    notes.append(f"reroute schedule deadlocks: {exc}")
-                    continue
-                if reroute_pipeline_s is not None:
-                    pipeline_s = reroute_pipeline_s(plan)
-                    estimate = estimate if pipeline_s is None else replace(estimate, pipeline_time_s=pipeline_s)
-                    fits = pipeline_s is not None
-                else:
-                    fits = estimate.fits_memory
-                if not fits:
-                    notes.append("reroute exceeds the memory budget on a peer")
-                    continue
-                moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
-                                       storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9)
-                drafts.append(("reroute", plan, estimate, moving, settings.reroute_restart_s))
+                consider_reroute(replace(reroute_plan(normalized.layout, failed_workers=failed, profile=profile),
+                                         transfers=normalized.transfers))
 
     if want_reparallelize or not drafts:
         if not want_reparallelize:

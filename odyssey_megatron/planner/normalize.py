@@ -6,6 +6,8 @@ failed worker's pipeline can take over the failed stage (copying its weights and
 optimizer state from a same-stage peer) and leave its own stage to be rerouted instead.
 Each new failure is moved, greedily, to the stage of its pipeline where the caller's
 cost of the rerouted plan is least; a swap must gain, so ties keep the failure in place.
+The same bookkeeping lets idle workers (repaired or spare) take over rerouted stages,
+the costliest first.
 """
 
 from __future__ import annotations
@@ -59,6 +61,35 @@ def normalize_failures(
     return Normalized(layout, transfers)
 
 
+def refill_failed_stages(
+    plan: ExecutionPlan,
+    *,
+    idle_workers: AbstractSet[int],
+    cluster: ClusterState,
+    profile: ModelProfile,
+    cost: Callable[[ExecutionPlan], Optional[float]],
+) -> Normalized:
+    """Idle workers (repaired, or spare) take over stages whose micro-batches are rerouted,
+    each the one whose rerouting ``cost`` most, after a stage copy from a peer. Stages
+    nobody can copy from stay rerouted."""
+    moves: list[tuple[int, int, int]] = []
+    for worker in sorted(idle_workers):
+        options = []
+        for pi, si, stage in plan.stage_positions():
+            if stage.worker is None and _holders(plan, pi, si, cluster.failed_workers, profile):
+                filled = _assign(plan, pi, si, worker)
+                rerouted = reroute_plan(filled, failed_workers=cluster.failed_workers, profile=profile)
+                price = None if rerouted is None else cost(rerouted)
+                if price is not None:
+                    options.append((price, pi, si, filled))
+        if not options:
+            break
+        _, pi, si, plan = min(options, key=lambda option: option[:3])
+        moves.append((pi, si, worker))
+    transfers = tuple(t for pi, si, dst in moves for t in stage_copy(plan, pi, si, dst, cluster, profile))
+    return Normalized(plan, transfers)
+
+
 def stage_copy(
     layout: ExecutionPlan, pi: int, si: int, dst: int, cluster: ClusterState, profile: ModelProfile
 ) -> tuple[Transfer, ...]:
@@ -97,10 +128,14 @@ def _holders(layout: ExecutionPlan, pi: int, si: int, failed: AbstractSet[int], 
     ]
 
 
-def _swap(layout: ExecutionPlan, pi: int, si: int, sj: int) -> ExecutionPlan:
+def _assign(layout: ExecutionPlan, pi: int, si: int, worker: Optional[int]) -> ExecutionPlan:
     stages = list(layout.pipelines[pi].stages)
-    stages[si], stages[sj] = (StagePlan(stages[sj].worker, stages[si].layers),
-                              StagePlan(stages[si].worker, stages[sj].layers))
+    stages[si] = StagePlan(worker, stages[si].layers)
     pipelines: list[PipelinePlan] = list(layout.pipelines)
     pipelines[pi] = replace(pipelines[pi], stages=tuple(stages))
     return replace(layout, pipelines=tuple(pipelines))
+
+
+def _swap(layout: ExecutionPlan, pi: int, si: int, sj: int) -> ExecutionPlan:
+    stages = layout.pipelines[pi].stages
+    return _assign(_assign(layout, pi, si, stages[sj].worker), pi, sj, stages[si].worker)
