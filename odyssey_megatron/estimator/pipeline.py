@@ -47,19 +47,12 @@ def p2p_time(profile: ModelProfile, *, same_node: bool) -> float:
     return profile.link_latency_s + profile.p2p_bytes / profile.bandwidth(same_node)
 
 
-def simulate_pipelines(
-    plan: ExecutionPlan,
-    profile: ModelProfile,
-    cluster: ClusterState | None = None,
-    *,
-    schedule: dict[int, list[Op]] | None = None,
-) -> PipelineTiming:
-    """Run the Eq. 11 programme over ``plan``; a given ``schedule`` fixes each worker's
-    order, otherwise streams are interleaved by list scheduling. Raises ScheduleDeadlock."""
-    if schedule is not None:
-        streams = {worker: [list(ops)] for worker, ops in schedule.items()}
-    else:
-        streams = compile_streams(plan)
+def op_graph(
+    plan: ExecutionPlan, streams: dict[int, list[list[Op]]], profile: ModelProfile, cluster: ClusterState | None
+) -> tuple[dict[tuple[int, int], tuple[float, float]], dict[Op, int], dict[Op, tuple[Op | None, float]], dict[Op, Op]]:
+    """What a list scheduler over ``streams`` needs: (forward, backward) seconds per
+    (pipeline, stage), the worker running each op, each op's dependency with the transfer
+    time from the dependency's worker, and the op consuming each op's output."""
     num_stages = [p.num_stages for p in plan.pipelines]
     compute: dict[tuple[int, int], tuple[float, float]] = {}
     for pi, si, stage in plan.stage_positions():
@@ -74,7 +67,6 @@ def simulate_pipelines(
             link_cache[a, b] = 0.0 if a == b else p2p_time(profile, same_node=same_node)
         return link_cache[a, b]
 
-    # Per op: its dependency and the dependency's transfer time to it; per op: who consumes it.
     needs: dict[Op, tuple[Op | None, float]] = {}
     consumer: dict[Op, Op] = {}
     for op, worker in location.items():
@@ -85,6 +77,23 @@ def simulate_pipelines(
         dep_worker = location.get(dep)
         needs[op] = (dep, 0.0 if dep_worker is None else link_s(dep_worker, worker))
         consumer[dep] = op
+    return compute, location, needs, consumer
+
+
+def simulate_pipelines(
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None = None,
+    *,
+    schedule: dict[int, list[Op]] | None = None,
+) -> PipelineTiming:
+    """Run the Eq. 11 programme over ``plan``; a given ``schedule`` fixes each worker's
+    order, otherwise streams are interleaved by list scheduling. Raises ScheduleDeadlock."""
+    if schedule is not None:
+        streams = {worker: [list(ops)] for worker, ops in schedule.items()}
+    else:
+        streams = compile_streams(plan)
+    compute, location, needs, consumer = op_graph(plan, streams, profile, cluster)
 
     end_time: dict[Op, float] = {}
     cursor = {worker: [0] * len(lists) for worker, lists in streams.items()}

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import ScheduleDeadlock, estimate_plan
 from odyssey_megatron.estimator.memory import peak_memory, stage_memory
-from odyssey_megatron.estimator.pipeline import p2p_time, ready_head
+from odyssey_megatron.estimator.pipeline import op_graph, ready_head
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams, dependency
+from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams
 
 WEIGHT_GRAD_SHARE = 0.5
 """Share of a backward spent on weight gradients: one of the two GEMMs of each linear layer."""
@@ -70,31 +70,18 @@ def recycle_pipeline_time(
 def recycle_schedule(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None) -> ReCycleTiming:
     """List-schedule ``plan`` the way ReCycle runs it; raises ScheduleDeadlock."""
     streams = compile_streams(plan)
-    num_stages = [p.num_stages for p in plan.pipelines]
-    compute, room = {}, {}
+    compute, location, needs, consumer = op_graph(plan, streams, profile, cluster)
+    room = {}  # micro-batches whose activations fit beside a stage owner's weights
     for pi, si, stage in plan.stage_positions():
-        start, end = stage.layers
-        position = dict(first=si == 0, last=si == num_stages[pi] - 1)
-        compute[pi, si] = profile.stage_compute(start, end, **position)
-        static, activation = stage_memory(profile, start, end, **position)
-        if stage.worker is not None:  # micro-batches whose activations fit beside the weights
+        if stage.worker is not None:
+            start, end = stage.layers
+            static, activation = stage_memory(profile, start, end, first=si == 0,
+                                              last=si == plan.pipelines[pi].num_stages - 1)
             room[stage.worker] = (profile.memory_budget_bytes - static) // activation if activation else float("inf")
-    location = {op: worker for worker, lists in streams.items() for ops in lists for op in ops}
     decoupled = {worker for worker, lists in streams.items() if len(lists) > 1}
     stage_peers: dict[int, list[int]] = defaultdict(list)  # optimizer barrier: the stage's DP group
     for worker, lists in streams.items():
         stage_peers[lists[0][0].stage].append(worker)
-
-    def link_s(a: int, b: int) -> float:
-        return 0.0 if a == b else p2p_time(profile, same_node=cluster is None or cluster.same_node(a, b))
-
-    needs: dict[Op, tuple[Op | None, float]] = {}
-    consumer: dict[Op, Op] = {}
-    for op, worker in location.items():
-        dep = dependency(op, num_stages=num_stages[op.pipeline])
-        needs[op] = (dep, 0.0 if dep is None else link_s(location[dep], worker))
-        if dep is not None:
-            consumer[dep] = op
 
     ops_per_iteration = {  # a decoupled worker runs a W per backward besides its stream ops
         worker: sum(len(ops) + (sum(op.kind != FORWARD for op in ops) if worker in decoupled else 0) for ops in lists)
