@@ -42,15 +42,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="cells simulated in parallel processes")
     parser.add_argument("--what-if", action="store_true",
-                        help="also odyssey_decoupled: Odyssey if its executor ran reroutes like ReCycle")
+                        help="also odyssey_staggered: Odyssey if its executor also staggered optimizer steps like ReCycle")
     args = parser.parse_args()
     sizes = [8, 32, 128] if args.quick else [8, 32, 128, 512, 1024]
     rates = [0.01, 0.2] if args.quick else [0.01, 0.05, 0.1, 0.2]
     cells = [(devices, rate, repairs) for devices in sizes for rate in rates for repairs in (False, True)]
-    shown = ["odyssey", *BASELINES, *(["odyssey_decoupled"] if args.what_if else [])]
+    shown = ["odyssey", *BASELINES, *(["odyssey_staggered"] if args.what_if else [])]
     header = " ".join(f"{s:>12}" for s in shown)
     print(f"{'devices':>7} {'rate/h':>6} {'repair':>6} {'hours':>5}  fraction of fault-scaled ideal: {header}"
-          f"  {'ody/best':>8} {'best':>12} {'ody/oracle':>10}" + ("  decoupled/best" if args.what_if else "")
+          f"  {'ody/best':>8} {'best':>12} {'ody/oracle':>10}" + ("  staggered/best" if args.what_if else "")
           + f" {'secs':>5}", flush=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(cell, *c, max_failures=args.max_failures, seed=args.seed, what_if=args.what_if)
@@ -61,11 +61,11 @@ def main() -> None:
             best = max(BASELINES, key=lambda s: summaries[s].avg_throughput)
             odyssey = summaries["odyssey"].avg_throughput
             oracle = summaries["oracle"].avg_throughput
-            decoupled = (f"  {summaries['odyssey_decoupled'].avg_throughput / summaries[best].avg_throughput:14.3f}"
+            staggered = (f"  {summaries['odyssey_staggered'].avg_throughput / summaries[best].avg_throughput:14.3f}"
                          if args.what_if else "")
             print(f"{devices:>7} {rate:>6} {str(repairs):>6} {hours:5.2f}  {' ' * 32}{fractions}"
                   f"  {odyssey / summaries[best].avg_throughput:8.3f} {best:>12} {odyssey / oracle:10.3f}"
-                  f"{decoupled} {seconds:5.0f}", flush=True)
+                  f"{staggered} {seconds:5.0f}", flush=True)
 
 
 if __name__ == "__main__":

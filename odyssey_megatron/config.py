@@ -178,6 +178,10 @@ class OdysseyConfig:
     of them: joins (decisions off the critical path: workers came back and the current plan
     trains while the search runs), always (failures too: better plans, slower decisions) or never
     (the paper's window alone)."""
+    decoupled_weight_grads: bool = True
+    """Rerouting peers split each backward and run the weight-gradient half when nothing
+    else is ready, which moves adopted work into pipeline bubbles (paper 003's Decoupled
+    BackProp), where that is faster and fits in memory; false keeps plain 1F1B op lists."""
     max_layer_splits: int = 256
     """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
     memory_budget_gib: Optional[float] = None

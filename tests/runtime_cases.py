@@ -68,7 +68,7 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
 
 def run_plan(
     rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool,
-    overlap: bool,
+    overlap: bool, decouple: bool,
 ) -> dict:
     """Train STEPS steps of ``plan`` on this rank; report losses, first-step grads (synced
     and clipped), final params."""
@@ -87,6 +87,7 @@ def run_plan(
         max_grad_norm=MAX_GRAD_NORM,
         schedule=schedule,
         overlap_grad_sync=overlap,
+        decouple_weight_grads=decouple,
     )
     source, losses, first_grads, early = data(), [], None, []
     for step in range(STEPS):
@@ -103,5 +104,6 @@ def run_plan(
         "tp_rank": runner.tp_rank,
         "tp_size": plan.tensor_parallel_size,
         "ops": len(runner.ops),
+        "weight_grad_ops": sum(op.kind == "W" for op in runner.ops),
         "started_during_backward": early,
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +15,10 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, stage_peak_memory, symmetric_step_time
 from odyssey_megatron.estimator.communication import allreduce_time
+from odyssey_megatron.estimator.decoupled import decoupled_pipelines
+from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
+from odyssey_megatron.estimator.step_schedule import step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer, validate_plan
 from odyssey_megatron.planner.layers import SplitSearch, lone_pipeline_lower_bound, stage_ranges
@@ -199,3 +204,40 @@ def test_plan_json_round_trip():
     assert again == plan
     stage = plan.to_dict()["pipelines"][1]["stages"][1]
     assert stage["worker"] is None and stage["ranks"] == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(dp=st.integers(1, 3), pp=st.integers(1, 5), micro_batches=st.integers(1, 9), forward=st.floats(0.1, 3),
+       backward=st.floats(0.1, 6), link=st.floats(0, 2))
+def test_split_backward_schedule_without_reroutes_is_plain_1f1b(dp, pp, micro_batches, forward, backward, link):
+    """Only rerouting peers split their backwards: with nothing rerouted the decoupled
+    scheduler runs exactly the estimator's op lists at the same times."""
+    profile = replace(uniform_profile(num_layers=pp, forward_s=forward, backward_s=backward,
+                                      bandwidth=1 / link if link else float("inf")), p2p_bytes=1)
+    plan = symmetric_plan(dp=dp, pp=pp, num_layers=pp, micro_batches_per_pipeline=micro_batches)
+    plain, split = simulate_pipelines(plan, profile), decoupled_pipelines(plan, profile).first
+    assert split.schedule == plain.schedule
+    assert split.makespan_s == pytest.approx(plain.makespan_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("budget, makespan, peak", [(14, 32.0, 14), (15, 31.0, 15), (100, 30.0, 18)])
+def test_peers_split_backwards_as_memory_allows(budget, makespan, peak):
+    """Paper 003's Fig. 3 layout (F=1, B=2, 6 micro-batches), worker 10 (stage 3 of
+    pipeline 1) failed: plain 1F1B op lists take 36 slots. Its peers split each backward
+    and run the weight half (1 slot) in bubbles: 30 slots with ample memory. A deferred W
+    keeps its micro-batch's activations, so with room for 4 or 5 beside the weights
+    (10 bytes + 1 per micro-batch) they defer less."""
+    profile = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=10, activation_bytes=1,
+                              memory_budget_bytes=budget)
+    plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)
+    rerouted = reroute_plan(plan, failed_workers={10}, profile=profile)
+    assert step_schedule(rerouted, profile, decouple=False).makespan_s == 36.0
+    timing = step_schedule(rerouted, profile, decouple=True)
+    assert timing.makespan_s == makespan
+    assert max(peak_memory(rerouted, profile, timing.schedule).values()) == peak <= budget
+    peers = {r.worker for r in rerouted.reroutes}
+    for worker, ops in timing.schedule.items():
+        backwards = [op for op in ops if op.kind == "B"]
+        weights = [op for op in ops if op.kind == "W"]
+        assert [op._replace(kind="B") for op in weights] == (backwards if worker in peers else [])
+        assert all(ops.index(w) > ops.index(w._replace(kind="B")) for w in weights)

@@ -14,7 +14,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.estimator.pipeline import rerouted_makespan
+from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import validate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, distribute_batch, reroute_plan
 from odyssey_megatron.planner.layers import SplitSearch, layer_splits
@@ -162,12 +162,17 @@ def test_normalization_moves_a_failure_to_where_rerouting_is_cheapest():
     assert [s.worker for s in normalized.layout.pipelines[1].stages] == [10, 4, 7, 1]
     assert [(t.layer, t.src, t.dst, t.bytes) for t in normalized.transfers] == [(3, 9, 1, 100), ("output", 9, 1, 0)]
     assert cost(reroute_plan(normalized.layout, failed_workers={10}, profile=FIG3)) == 32.0
-    # Odyssey's reroute candidate is the normalized one: 32 slots, after a 10 s copy.
+    # Odyssey's reroute candidate on plain op lists is the normalized one: 32 slots, after a 10 s copy.
     decision = decide(current=with_sync(plan, FIG3), cluster=cluster, profile=FIG3,
-                      settings=_settings(policy="reroute", reroute_restart_s=1.0),
+                      settings=_settings(policy="reroute", reroute_restart_s=1.0, decoupled_weight_grads=False),
                       failure_model=FailureRateModel(device_mtbf_hours=10), search_time_s=0.0)
     assert decision.chosen.estimate.pipeline_time_s == 32.0 and decision.chosen.transition_s == 11.0
     assert [a.estimate.pipeline_time_s for a in decision.alternatives if a.policy == "reroute"] == [36.0]
+    # With decoupled weight gradients, the default, the peers absorb stage 3's work: 30 slots, no copy.
+    decision = decide(current=with_sync(plan, FIG3), cluster=cluster, profile=FIG3,
+                      settings=_settings(policy="reroute", reroute_restart_s=1.0),
+                      failure_model=FailureRateModel(device_mtbf_hours=10), search_time_s=0.0)
+    assert decision.chosen.estimate.pipeline_time_s == 30.0 and decision.chosen.transition_s == 1.0
 
 
 def test_a_repaired_worker_takes_over_a_rerouted_stage():

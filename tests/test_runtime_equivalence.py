@@ -35,12 +35,12 @@ def _shard_of(full: torch.Tensor, name: str, like: torch.Tensor, tp_rank: int, t
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False):
+def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True):
     profile = replace(uniform_profile(num_layers=plan.num_layers), tie_embeddings=tie_embeddings)
     plan = with_sync(plan, profile)
     expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches, tie_embeddings)[0]
     world = len(workers) * plan.tensor_parallel_size
-    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings, overlap)
+    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings, overlap, decouple)
     for step in range(len(expected["losses"])):
         got = {}
         for r in results:
@@ -76,13 +76,28 @@ def test_asymmetric_two_and_three_stages_uneven_splits_and_batches(schedule):
     _check(asymmetric_plan([(4, 2), (1, 3, 2)], [5, 2]), range(5), schedule, overlap=schedule == "megatron")
 
 
-def test_rerouted_dp4_pp2_after_one_failure():
+@pytest.mark.parametrize("decouple", [False, True])
+def test_rerouted_dp4_pp2_after_one_failure(decouple):
+    """With ``decouple`` the peers split their backwards and run the weight gradients
+    later (26 instead of 30 slots); the overlapped DP sync still starts in the last W."""
     profile = uniform_profile(num_layers=4)
     plan = symmetric_plan(dp=4, pp=2, num_layers=4, micro_batches_per_pipeline=3)
     rerouted = reroute_plan(plan, failed_workers={5}, profile=profile)  # stage 1 of pipeline 1
     survivors = [w for w in range(8) if w != 5]
-    results = _check(rerouted, survivors, overlap=True)
+    results = _check(rerouted, survivors, overlap=True, decouple=decouple)
     assert max(r["ops"] for r in results) > min(r["ops"] for r in results), "peers ran extra micro-batches"
+    split = sorted(r["weight_grad_ops"] for r in results)
+    assert split == ([0] * 4 + [4] * 3 if decouple else [0] * 7), "each peer splits all its backwards"
+
+
+def test_rerouted_tensor_parallel_with_tied_embeddings_and_split_backwards():
+    """The peer's split backwards all-reduce input gradients over TP like Megatron's, and
+    its own output layer (a tied copy of the embedding) defers its weight GEMM too."""
+    profile = uniform_profile(num_layers=4)
+    plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=3)
+    rerouted = replace(reroute_plan(plan, failed_workers={3}, profile=profile), tensor_parallel_size=2)
+    results = _check(rerouted, [0, 1, 2], tie_embeddings=True)
+    assert sorted(r["weight_grad_ops"] for r in results) == [0, 0, 0, 0, 6, 6]
 
 
 def test_tensor_parallel_two_in_dp2_pp2():

@@ -16,6 +16,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ConfigError, OdysseyConfig, load_config
 from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_step_time
@@ -25,8 +26,8 @@ from odyssey_megatron.simulator.engine import run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
 from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
-from odyssey_megatron.simulator.recycle_schedule import recycle_schedule
 from odyssey_megatron.simulator.run import simulate
+from odyssey_megatron.simulator.recycle_schedule import ITERATIONS
 from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig, load_scenario
 from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, STOPPED, TRAINING, Outcome, SimulationContext
 
@@ -138,11 +139,11 @@ def test_recycle_schedule_on_paper_003_figure_3():
     29 with Decoupled BackProp (27 with its MILP and the Staggered Optimizer); our plain
     1F1B list schedule takes 33 and ReCycle's, list-scheduled, 29. Failures late in the
     pipeline cost less than at stage 0, which normalization exploits."""
-    assert recycle_schedule(_fig3(set()), FIG3_PROFILE).period_s == 27.0
+    assert decoupled_pipelines(_fig3(set()), FIG3_PROFILE, iterations=ITERATIONS).period_s == 27.0
     assert estimate_plan(_fig3({4}), FIG3_PROFILE).pipeline_time_s == 33.0
-    assert recycle_schedule(_fig3({4}), FIG3_PROFILE).period_s == 29.0
-    assert recycle_schedule(_fig3({1}), FIG3_PROFILE).period_s == 31.0
-    assert recycle_schedule(_fig3({10}), FIG3_PROFILE).period_s == 29.0
+    assert decoupled_pipelines(_fig3({4}), FIG3_PROFILE, iterations=ITERATIONS).period_s == 29.0
+    assert decoupled_pipelines(_fig3({1}), FIG3_PROFILE, iterations=ITERATIONS).period_s == 31.0
+    assert decoupled_pipelines(_fig3({10}), FIG3_PROFILE, iterations=ITERATIONS).period_s == 29.0
 
 
 def test_deferred_weight_gradients_stay_within_memory():
@@ -152,11 +153,11 @@ def test_deferred_weight_gradients_stay_within_memory():
                             memory_budget_bytes=15)
     plan = _fig3({4}, tight)
     assert estimate_plan(plan, tight).max_peak_memory_bytes == 15  # plain 1F1B: 5 in flight on a peer
-    timing = recycle_schedule(plan, tight)
-    assert max(peak_memory(plan, tight, timing.memory_order).values()) == 15 and timing.period_s == 30.0
+    timing = decoupled_pipelines(plan, tight, iterations=ITERATIONS)
+    assert max(peak_memory(plan, tight, timing.first.schedule).values()) == 15 and timing.period_s == 30.0
     ample = replace(tight, memory_budget_bytes=100)
-    timing = recycle_schedule(plan, ample)
-    assert max(peak_memory(plan, ample, timing.memory_order).values()) == 19 and timing.period_s == 29.0
+    timing = decoupled_pipelines(plan, ample, iterations=ITERATIONS)
+    assert max(peak_memory(plan, ample, timing.first.schedule).values()) == 19 and timing.period_s == 29.0
 
 
 @settings(max_examples=15, deadline=None)
@@ -167,7 +168,7 @@ def test_recycle_schedule_is_plain_1f1b_without_failures(dp, pp, micro_batches):
     profile = recipe_profile(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
     plan = symmetric_plan(dp=dp, pp=pp, num_layers=32, micro_batches_per_pipeline=micro_batches)
     cluster = ClusterState(world_size=dp * pp, devices_per_node=8)
-    assert recycle_schedule(plan, profile, cluster).period_s == pytest.approx(
+    assert decoupled_pipelines(plan, profile, cluster, iterations=ITERATIONS).period_s == pytest.approx(
         estimate_plan(plan, profile, cluster).pipeline_time_s, rel=1e-12)
 
 
@@ -190,21 +191,23 @@ def test_recycle_normalizes_a_failure_to_a_cheaper_stage_and_copies_on_repair():
     assert [s.worker for s in plain.base.pipelines[1].stages] == [1, 4, 7, 10]
 
 
-def test_odyssey_what_if_prices_reroutes_with_recycles_schedule():
+def test_odyssey_prices_reroutes_with_the_schedule_its_runtime_runs():
     """Worker 10 (stage 3 of pipeline 1) fails and Odyssey must reroute. On plain 1F1B op
-    lists it moves the failure to stage 0 (32 slots, after a 10 s copy); priced with
-    ReCycle's schedule stage 3 is already cheapest (29 slots, no copy)."""
+    lists it moves the failure to stage 0 (32 slots, after a 10 s copy). With decoupled
+    weight gradients, what its runtime runs, stage 3 is already cheapest (30 slots, no
+    copy); the staggered-optimizer what-if (ReCycle's schedule) would take 29."""
     context = _context(profile=FIG3_PROFILE, pipeline_parallel_size=4, data_parallel_size=3, num_micro_batches=18)
     cluster = ClusterState(world_size=12, devices_per_node=12)
-    settings = OdysseyConfig(policy="reroute", reroute_restart_s=1.0)
     outcomes = {}
-    for decoupled in (False, True):
+    for decoupled, staggered in [(False, False), (True, False), (True, True)]:
+        settings = OdysseyConfig(policy="reroute", reroute_restart_s=1.0, decoupled_weight_grads=decoupled)
         system = OdysseySystem(context, settings=settings, detection_s=5.0, decision_s=0.0,
-                               decoupled_reroutes=decoupled)
+                               staggered_optimizer=staggered)
         assert system.start(cluster) == 18 / 27
-        outcomes[decoupled] = system.on_failure(cluster.fail_ranks([10]), {10}, now_s=10.0)
-    assert outcomes[False].samples_per_s == 18 / 32 and outcomes[False].pause_s == 5.0 + 10.0 + 1.0
-    assert outcomes[True].samples_per_s == 18 / 29 and outcomes[True].pause_s == 5.0 + 1.0
+        outcome = system.on_failure(cluster.fail_ranks([10]), {10}, now_s=10.0)
+        outcomes[decoupled, staggered] = (18 / outcome.samples_per_s, outcome.pause_s)
+    assert outcomes == {(False, False): (32.0, 5.0 + 10.0 + 1.0), (True, False): (30.0, 5.0 + 1.0),
+                        (True, True): (29.0, 5.0 + 1.0)}
 
 
 def test_failure_process_is_seeded_and_per_unit():

@@ -13,7 +13,8 @@ from typing import Optional
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.estimator.memory import peak_memory
-from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, simulate_pipelines
+from odyssey_megatron.estimator.pipeline import ScheduleDeadlock
+from odyssey_megatron.estimator.step_schedule import step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -52,9 +53,13 @@ class PlanEstimate:
         return self.samples_per_s * self.tokens_per_sample
 
 
-def estimate_plan(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None) -> PlanEstimate:
-    """Estimate one step of ``plan``; raises ScheduleDeadlock if its op lists cannot run."""
-    timing = simulate_pipelines(plan, profile, cluster)
+def estimate_plan(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, decouple: bool = False
+) -> PlanEstimate:
+    """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
+    lets rerouting peers split their backwards); raises ScheduleDeadlock if its op lists
+    cannot run."""
+    timing = step_schedule(plan, profile, cluster, decouple=decouple)
     peaks = peak_memory(plan, profile, timing.schedule)
     return PlanEstimate(
         pipeline_time_s=timing.makespan_s,

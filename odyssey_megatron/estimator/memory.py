@@ -1,7 +1,8 @@
 """Peak memory per stage (paper 001, Eq. 14), from the op lists that actually run.
 
 Static memory is the held blocks' weights, gradients and optimizer state. Dynamic
-memory is the activations of micro-batches whose forward ran and backward has not:
+memory is the activations of micro-batches whose forward ran and backward (or, when
+backwards are split, weight gradient) has not:
 1F1B keeps N_pp - i of them on stage i, a rerouting peer may keep more. Counting
 in-flight micro-batches on the op list gives Eq. 14 for plain pipelines and the right
 answer for rerouted ones.
@@ -11,14 +12,19 @@ from __future__ import annotations
 
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, Op
+from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
 
 
 def max_in_flight(ops: list[Op]) -> int:
-    """Most micro-batches holding activations at once on one worker."""
+    """Most micro-batches holding activations at once on one worker. A forward allocates
+    them; a backward frees them, unless the worker splits its backwards, then the W does."""
+    split = any(op.kind == WEIGHT_GRAD for op in ops)
     live = peak = 0
     for op in ops:
-        live += 1 if op.kind == FORWARD else -1
+        if op.kind == FORWARD:
+            live += 1
+        elif op.kind == WEIGHT_GRAD or not split:
+            live -= 1
         peak = max(peak, live)
     return peak
 

@@ -16,7 +16,7 @@ with is returned as the schedule to execute. Step time is the latest end (Eq. 10
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from odyssey_megatron.cluster import ClusterState
@@ -215,19 +215,3 @@ def _after(dependency_end: float | None, link_s: float, free_at: float) -> float
         return None
     return max(free_at, dependency_end + link_s)
 
-
-def rerouted_makespan(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None) -> float:
-    """Makespan of the pipelines a reroute touches: those with a failed stage and those
-    whose owners adopt micro-batches. The rest run their plain 1F1B schedules, unchanged,
-    so comparing reroutes of one layout needs only this (a small share of a large plan)."""
-    owner_pipeline = {stage.worker: pi for pi, _, stage in plan.stage_positions() if stage.worker is not None}
-    involved = {pi for pi, _, stage in plan.stage_positions() if stage.worker is None}
-    involved |= {owner_pipeline[r.worker] for r in plan.reroutes}
-    index = {old: new for new, old in enumerate(sorted(involved))}
-    touched = replace(
-        plan,
-        pipelines=tuple(plan.pipelines[pi] for pi in sorted(involved)),
-        reroutes=tuple(replace(r, pipeline=index[r.pipeline]) for r in plan.reroutes),
-        sync_units=(), comm_rounds=(), transfers=(),
-    )
-    return simulate_pipelines(touched, profile, cluster).makespan_s

@@ -9,7 +9,7 @@ from typing import Callable
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
-from odyssey_megatron.estimator.pipeline import rerouted_makespan
+from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
 from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score
@@ -80,8 +80,8 @@ def decide(
     hindsight oracle knows it). A ``search`` kept by the caller carries its pipeline
     cost caches from one decision to the next (same profile and settings).
     ``reroute_pipeline_s`` prices a rerouted plan's pipeline (None: does not fit in memory)
-    in place of its plain 1F1B op lists: the simulator's what-if of an executor that runs
-    reroutes the way ReCycle does. The live runtime runs the op lists.
+    in place of the step schedule the runtime runs: the simulator's what-if of an executor
+    that also staggers optimizer steps the way ReCycle does.
     """
     started = time.perf_counter()
     failed = cluster.failed_workers
@@ -94,12 +94,13 @@ def decide(
     drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float, float]] = []  # policy, plan, estimate, moving, restart
     considered = 0
     notes = []
-    reroute_cost = reroute_pipeline_s or (lambda plan: rerouted_makespan(plan, profile, cluster))
+    decouple = settings.decoupled_weight_grads
+    reroute_cost = reroute_pipeline_s or (lambda plan: rerouted_makespan(plan, profile, cluster, decouple=decouple))
 
     def consider_reroute(plan: ExecutionPlan) -> None:
         plan = with_sync(plan, profile)
         try:
-            estimate = estimate_plan(plan, profile, cluster)
+            estimate = estimate_plan(plan, profile, cluster, decouple=decouple)
         except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
             notes.append(f"reroute schedule deadlocks: {exc}")
             return
@@ -117,7 +118,7 @@ def decide(
         drafts.append(("reroute", plan, estimate, moving, settings.reroute_restart_s))
 
     if not affected:
-        drafts.append((current.policy, current, estimate_plan(current, profile, cluster), 0.0, 0.0))
+        drafts.append((current.policy, current, estimate_plan(current, profile, cluster, decouple=decouple), 0.0, 0.0))
         if not idle:
             note = "no stage owner failed"
             chosen = drafts[0]

@@ -4,7 +4,8 @@ Builds, in order: the plan's process groups (collective), the rank's stage model
 Megatron-Core with parameters from the one deterministic source, Adam over its
 parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1F1B
 when no micro-batch is rerouted, else the Odyssey executor over this worker's op list
-from the estimator. ``train_step`` runs one global batch.
+from the estimator (``step_schedule``: with split backwards on rerouting peers when
+``decouple_weight_grads`` is on and that pays). ``train_step`` runs one global batch.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from typing import Callable
 import torch
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.estimator.pipeline import simulate_pipelines
+from odyssey_megatron.estimator.step_schedule import step_schedule
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
+from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
 from odyssey_megatron.schedules.megatron_1f1b import MegatronPipelineSchedule
-from odyssey_megatron.schedules.ops import BACKWARD
+from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
 
 SCHEDULES = ("auto", "odyssey", "megatron")
 
@@ -57,12 +59,14 @@ class PlanRunner:
         max_grad_norm: float = 1.0,
         schedule: str = "auto",
         overlap_grad_sync: bool = False,
+        decouple_weight_grads: bool = True,
         device: torch.device = torch.device("cpu"),
     ):
         """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted), odyssey
         (always the op-list executor) or megatron (refused for rerouted plans).
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
-        with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``)."""
+        with it. ``decouple_weight_grads`` is ``odyssey.decoupled_weight_grads``. ``device``
+        is this rank's accelerator device (``hooks.select_accelerator``)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if schedule == "megatron" and plan.reroutes:
@@ -80,7 +84,7 @@ class PlanRunner:
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
             overlap=overlap_grad_sync,
         )
-        self.ops = simulate_pipelines(plan, profile).schedule[self.worker]
+        self.ops = step_schedule(plan, profile, decouple=decouple_weight_grads).schedule[self.worker]
         self.executor: StepExecutor | MegatronPipelineSchedule
         if schedule == "megatron" or (schedule == "auto" and not plan.reroutes):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
@@ -103,6 +107,8 @@ class PlanRunner:
                 dtype=self.model.config.params_dtype,
                 device=device,
                 ops=self.ops,
+                weight_grads=split_linear_backward(self.model) if any(op.kind == WEIGHT_GRAD for op in self.ops)
+                else None,
             )
 
     def train_step(self, batches: Callable[[int], MicroBatch], *, apply: bool = True) -> StepResult:

@@ -6,6 +6,10 @@ executor of (pipeline, stage - 1, micro-batch) may sit in another pipeline (a re
 peer), so the partner of every message is looked up in the plan, never derived from a
 fixed pipeline group. Sends are asynchronous and receives block, which is deadlock-free
 for op lists the estimator produced (it checked them). TP rank k talks to TP rank k.
+
+A worker whose op list has W ops (a rerouting peer, ``estimator.decoupled``) runs its
+backwards with the weight GEMMs held back (``hooks.weight_grad``) and the W op of a
+micro-batch computes them later, where the estimator put it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
 from odyssey_megatron.hooks.process_groups import RankMap
+from odyssey_megatron.hooks.weight_grad import WeightGradStore
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.schedules.ops import FORWARD, Op
+from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
 
 MicroBatch = dict[str, torch.Tensor]
 """``tokens`` and ``labels`` [micro_batch_size, seq_length], ``position_ids``."""
@@ -62,6 +67,8 @@ class StepExecutor:
     device: torch.device
     ops: list[Op]
     """This worker's op list, in the order the estimator ran it."""
+    weight_grads: WeightGradStore | None = None
+    """Where the model's split backwards leave their weight GEMMs; needed when ``ops`` has W ops."""
     _step: itertools.count = field(default_factory=itertools.count)
 
     def _rank(self, pipeline: int, stage: int, micro_batch: int) -> int:
@@ -113,17 +120,24 @@ class StepExecutor:
                     send(output, self._rank(op.pipeline, op.stage + 1, op.micro_batch),
                          self._tag(step, op.micro_batch, FORWARD))
                 saved[op.pipeline, op.micro_batch] = (input_tensor, output)
+            elif op.kind == WEIGHT_GRAD:
+                self.weight_grads.run((op.pipeline, op.micro_batch))
             else:
                 input_tensor, output = saved.pop((op.pipeline, op.micro_batch))
                 grad = None if last else receive(
                     self._rank(op.pipeline, op.stage + 1, op.micro_batch), self._tag(step, op.micro_batch, "B")
                 )
-                input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
+                if self.weight_grads is None:
+                    input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
+                else:
+                    with self.weight_grads.deferring((op.pipeline, op.micro_batch)):
+                        input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
                 if not first:
                     send(input_grad, self._rank(op.pipeline, op.stage - 1, op.micro_batch),
                          self._tag(step, op.micro_batch, "B"))
         for work, _ in sends:
             work.wait()
-        if saved:
-            raise RuntimeError(f"op list left {len(saved)} forwards without a backward")
+        if saved or self.weight_grads:
+            raise RuntimeError(f"op list left {len(saved)} forwards without a backward and "
+                               f"{len(self.weight_grads or ())} backwards without their weight gradients")
         return losses

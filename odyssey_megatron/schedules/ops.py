@@ -20,10 +20,13 @@ from odyssey_megatron.plan import ExecutionPlan
 
 FORWARD = "F"
 BACKWARD = "B"
+WEIGHT_GRAD = "W"
+"""The weight-gradient half of a backward that was split (``estimator.decoupled``); its
+BACKWARD then computes input gradients only."""
 
 
 class Op(NamedTuple):
-    """Forward ("F") or backward ("B") of one micro-batch at one stage of one pipeline.
+    """Forward ("F"), backward ("B") or weight gradient ("W") of one micro-batch at one stage of one pipeline.
     A named tuple: the estimator hashes hundreds of thousands of them per decision."""
 
     kind: str

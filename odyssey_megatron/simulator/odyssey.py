@@ -8,9 +8,10 @@ replica and no layer survives anywhere, Odyssey too must restart from a checkpoi
 The *oracle* is the same system with hindsight: Eq. 8 gets the actual time to the next
 event instead of the expected one, which is the best any policy choice could do.
 
-*odyssey_decoupled* is a what-if: Odyssey whose executor would run rerouted plans the
-way ReCycle does (decoupled weight gradients, staggered optimizer). The runtime does not
-do this yet; the line shows what it would be worth.
+*odyssey_staggered* is a what-if: Odyssey whose executor would also stagger optimizer
+steps the way ReCycle does (each stage steps once its DP peers are done, so the next
+iteration starts early). The runtime decouples weight gradients but steps the optimizer
+once per step; the line shows what staggering would be worth.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class OdysseySystem:
         event_times: Sequence[float] | None = None,
         horizon_s: float = float("inf"),
         name: str = "odyssey",
-        decoupled_reroutes: bool = False,
+        staggered_optimizer: bool = False,
     ):
         """``event_times`` (all cluster events, sorted) turns on hindsight, the oracle: the
         interval Eq. 8 sees is the real one, to the next event or the ``horizon_s``."""
@@ -53,7 +54,7 @@ class OdysseySystem:
                                               learn=settings.learn_failure_rate)
         self.plan = initial_layout(context, max_layer_splits=settings.max_layer_splits)
         self.search = ReparallelizeSearch(context.profile, max_layer_splits=settings.max_layer_splits)
-        self.decoupled_reroutes = decoupled_reroutes
+        self.staggered_optimizer = staggered_optimizer
         self.layout_s = 0.0
         """Fault-free pipeline seconds of the layout that reroutes are relative to."""
         self._last_event_s = 0.0
@@ -100,7 +101,7 @@ class OdysseySystem:
                        note=f"{note}: {chosen.policy} {chosen.layout}")
 
     def _reroute_pricing(self, cluster: ClusterState):
-        if not self.decoupled_reroutes:
+        if not self.staggered_optimizer:
             return None
         return lambda plan: recycle_pipeline_time(plan, self.context.profile, cluster, floor_s=self.layout_s)
 

@@ -21,7 +21,7 @@ from odyssey_megatron.config import (
     load_structured,
 )
 
-SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle", "odyssey_decoupled")
+SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle", "odyssey_staggered")
 BASELINES = ("oobleck", "recycle", "recycle_1f1b", "checkpoint")
 """The systems Odyssey is compared with; the others are Odyssey itself and its variants."""
 

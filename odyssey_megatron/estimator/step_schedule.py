@@ -1,0 +1,51 @@
+"""Which op lists one training step runs: plain 1F1B, or decoupled weight gradients on
+rerouting peers where that pays (``estimator.decoupled``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.decoupled import decoupled_pipelines
+from odyssey_megatron.estimator.memory import peak_memory
+from odyssey_megatron.estimator.pipeline import PipelineTiming, simulate_pipelines
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+
+
+def step_schedule(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, decouple: bool = False
+) -> PipelineTiming:
+    """The op lists a step of ``plan`` runs, and their timing: with decoupled weight
+    gradients on rerouting peers when ``decouple`` is on, the plan reroutes, and that is
+    faster than plain 1F1B and fits the memory budget; else plain 1F1B. The estimator and
+    the runtime both call this, so the schedule priced is the schedule executed."""
+    plain = simulate_pipelines(plan, profile, cluster)
+    if not (decouple and plan.reroutes):
+        return plain
+    split = decoupled_pipelines(plan, profile, cluster).first
+    if split.makespan_s >= plain.makespan_s:
+        return plain
+    if max(peak_memory(plan, profile, split.schedule).values(), default=0) > profile.memory_budget_bytes:
+        return plain
+    return split
+
+
+def rerouted_makespan(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, decouple: bool = False
+) -> float:
+    """Makespan of the pipelines a reroute touches: those with a failed stage and those
+    whose owners adopt micro-batches. The rest run their plain 1F1B schedules, unchanged,
+    so comparing reroutes of one layout needs only this (a small share of a large plan).
+    ``decouple`` as in ``step_schedule``."""
+    owner_pipeline = {stage.worker: pi for pi, _, stage in plan.stage_positions() if stage.worker is not None}
+    involved = {pi for pi, _, stage in plan.stage_positions() if stage.worker is None}
+    involved |= {owner_pipeline[r.worker] for r in plan.reroutes}
+    index = {old: new for new, old in enumerate(sorted(involved))}
+    touched = replace(
+        plan,
+        pipelines=tuple(plan.pipelines[pi] for pi in sorted(involved)),
+        reroutes=tuple(replace(r, pipeline=index[r.pipeline]) for r in plan.reroutes),
+        sync_units=(), comm_rounds=(), transfers=(),
+    )
+    return step_schedule(touched, profile, cluster, decouple=decouple).makespan_s
