@@ -370,3 +370,31 @@ def test_decision_center_learns_the_failure_rate_from_observed_failures():
     assert fixed.on_failure(ranks=[9], at_s=120.0).expected_interval_s == pytest.approx(3600 * 10 / 30)
     with pytest.raises(ValueError, match="before the previous event"):
         learning.on_failure(ranks=[1], at_s=10.0)
+
+
+def test_batch_moves_from_the_long_pipeline_to_the_short_one():
+    """Uniform layers (F=1, B=2), 14 layers, 7 workers as 4 + 3 stages (splits 4,4,3,3
+    and 5,5,4), 16 micro-batches. IV-A's proportional shares 10 / 6 take 144 and 114:
+    the long pipeline's bubble makes it the slower. 9 / 7 take 132 and 129; 8 / 8 would
+    make the short one the slower (144), so the balance stops at 9 / 7."""
+    profile = uniform_profile(num_layers=14)
+    search = ReparallelizeSearch(profile, max_layer_splits=64)
+    layout = search._layout((4, 3), 16)
+    assert layout.micro_batches == (9, 7)
+    times, _ = search._price((4, 3), [10, 6])
+    assert max(times) > layout.est_step_time_s
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), extra=st.integers(0, 12))
+def test_balanced_batches_never_lose_to_proportional_shares(lengths, extra):
+    """The balanced step is at most IV-A's proportional one, and every micro-batch is
+    still assigned exactly once, at least one per pipeline."""
+    profile = uniform_profile(num_layers=12)
+    strategy = tuple(sorted(lengths, reverse=True))
+    total = len(strategy) + extra
+    search = ReparallelizeSearch(profile, max_layer_splits=64)
+    layout = search._layout(strategy, total)
+    proportional = search._price(strategy, distribute_batch(total, strategy))
+    assert sum(layout.micro_batches) == total and min(layout.micro_batches) >= 1
+    assert layout.est_step_time_s - search._sync_time(layout.splits) <= max(proportional[0]) + 1e-9

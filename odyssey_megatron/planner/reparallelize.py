@@ -85,7 +85,39 @@ class ReparallelizeSearch:
         return layouts
 
     def _layout(self, strategy: tuple[int, ...], num_micro_batches: int) -> Layout | None:
+        """Paper IV-A hands out micro-batches in proportion to pipeline sizes. A short
+        pipeline has a smaller bubble, so proportional shares leave it idle while a long
+        one finishes; from there, one micro-batch at a time moves off the slowest pipeline
+        to the pipeline where it lowers the step most, while that helps."""
         shares = distribute_batch(num_micro_batches, strategy)
+        priced = self._price(strategy, shares)
+        while priced is not None:
+            times, _ = priced
+            slowest = max(range(len(shares)), key=times.__getitem__)
+            moves = {}  # one receiver per class of equal pipelines
+            for k, (length, share) in enumerate(zip(strategy, shares)):
+                if (length, share) != (strategy[slowest], shares[slowest]) and shares[slowest] > 1:
+                    moves.setdefault((length, share), k)
+            best = None
+            for k in moves.values():
+                moved = list(shares)
+                moved[slowest] -= 1
+                moved[k] += 1
+                candidate = self._price(strategy, moved)
+                if candidate is not None and max(candidate[0]) < max(times) - 1e-9 and (
+                        best is None or max(candidate[0]) < max(best[1][0])):
+                    best = (moved, candidate)
+            if best is None:
+                break
+            shares, priced = best
+        if priced is None:
+            return None
+        times, splits = priced
+        return Layout(splits, tuple(shares), max(times) + self._sync_time(splits))
+
+    def _price(self, strategy: tuple[int, ...], shares: Sequence[int]) -> tuple[list[float], tuple] | None:
+        """(pipeline time per pipeline, layer split per pipeline): each pipeline length gets
+        the best split for its busiest share; None when that fits no memory budget."""
         busiest = Counter()
         for length, share in zip(strategy, shares):
             busiest[length] = max(busiest[length], share)
@@ -96,8 +128,7 @@ class ReparallelizeSearch:
                 return None
             split_of[length] = best[0]
         splits = tuple(split_of[length] for length in strategy)
-        pipeline_time = max(self.splits.pipeline_cost(split, share)[0] for split, share in zip(splits, shares))
-        return Layout(splits, tuple(shares), pipeline_time + self._sync_time(splits))
+        return [self.splits.pipeline_cost(split, share)[0] for split, share in zip(splits, shares)], splits
 
     def _sync_time(self, splits: tuple[tuple[int, ...], ...]) -> float:
         """DP sync of a layout, from one representative pipeline per distinct split (two when
