@@ -11,6 +11,7 @@ from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import PipelineTiming, simulate_pipelines
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.schedules.ops import WEIGHT_GRAD
 
 
 def step_schedule(
@@ -19,16 +20,17 @@ def step_schedule(
     """The op lists a step of ``plan`` runs, and their timing: with decoupled weight
     gradients on rerouting peers when ``decouple`` is on, the plan reroutes, and that is
     faster than plain 1F1B and fits the memory budget; else plain 1F1B. The estimator and
-    the runtime both call this, so the schedule priced is the schedule executed."""
-    plain = simulate_pipelines(plan, profile, cluster)
+    the runtime both call this, so the schedule priced is the schedule executed. Only the
+    pipelines a reroute touches can differ, so the choice is made on those alone."""
     if not (decouple and plan.reroutes):
-        return plain
-    split = decoupled_pipelines(plan, profile, cluster).first
-    if split.makespan_s >= plain.makespan_s:
-        return plain
-    if max(peak_memory(plan, profile, split.schedule).values(), default=0) > profile.memory_budget_bytes:
-        return plain
-    return split
+        return simulate_pipelines(plan, profile, cluster)
+    touched = _touched_pipelines(plan)
+    chosen = _split_if_faster(touched or plan, profile, cluster)
+    if touched is None:
+        return chosen
+    if any(op.kind == WEIGHT_GRAD for ops in chosen.schedule.values() for op in ops):
+        return decoupled_pipelines(plan, profile, cluster).first
+    return simulate_pipelines(plan, profile, cluster)
 
 
 def rerouted_makespan(
@@ -38,14 +40,33 @@ def rerouted_makespan(
     whose owners adopt micro-batches. The rest run their plain 1F1B schedules, unchanged,
     so comparing reroutes of one layout needs only this (a small share of a large plan).
     ``decouple`` as in ``step_schedule``."""
+    touched = _touched_pipelines(plan) or plan
+    if decouple and plan.reroutes:
+        return _split_if_faster(touched, profile, cluster).makespan_s
+    return simulate_pipelines(touched, profile, cluster).makespan_s
+
+
+def _split_if_faster(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None) -> PipelineTiming:
+    plain = simulate_pipelines(plan, profile, cluster)
+    split = decoupled_pipelines(plan, profile, cluster).first
+    if split.makespan_s >= plain.makespan_s:
+        return plain
+    if max(peak_memory(plan, profile, split.schedule).values(), default=0) > profile.memory_budget_bytes:
+        return plain
+    return split
+
+
+def _touched_pipelines(plan: ExecutionPlan) -> ExecutionPlan | None:
+    """The sub-plan of pipelines with a failed stage or a rerouting peer; None if that is all."""
     owner_pipeline = {stage.worker: pi for pi, _, stage in plan.stage_positions() if stage.worker is not None}
     involved = {pi for pi, _, stage in plan.stage_positions() if stage.worker is None}
     involved |= {owner_pipeline[r.worker] for r in plan.reroutes}
+    if len(involved) == len(plan.pipelines):
+        return None
     index = {old: new for new, old in enumerate(sorted(involved))}
-    touched = replace(
+    return replace(
         plan,
         pipelines=tuple(plan.pipelines[pi] for pi in sorted(involved)),
         reroutes=tuple(replace(r, pipeline=index[r.pipeline]) for r in plan.reroutes),
         sync_units=(), comm_rounds=(), transfers=(),
     )
-    return step_schedule(touched, profile, cluster, decouple=decouple).makespan_s

@@ -91,7 +91,7 @@ class ReparallelizeSearch:
         to the pipeline where it lowers the step most, while that helps."""
         shares = distribute_batch(num_micro_batches, strategy)
         priced = self._price(strategy, shares)
-        while priced is not None:
+        while priced is not None and len(set(strategy)) > 1:  # equal pipelines are balanced already
             times, _ = priced
             slowest = max(range(len(shares)), key=times.__getitem__)
             moves = {}  # one receiver per class of equal pipelines
