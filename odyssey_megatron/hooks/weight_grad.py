@@ -70,7 +70,9 @@ class WeightGradStore:
         if gemms:
             torch.autograd.backward([g.weight for g in gemms], [g.compute() for g in gemms])
 
-    def __len__(self) -> int:
+    @property
+    def held(self) -> int:
+        """Micro-batches whose weight gradients are still to run."""
         return len(self._held)
 
 

@@ -15,6 +15,7 @@ micro-batch computes them later, where the estimator put it.
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -127,17 +128,17 @@ class StepExecutor:
                 grad = None if last else receive(
                     self._rank(op.pipeline, op.stage + 1, op.micro_batch), self._tag(step, op.micro_batch, "B")
                 )
-                if self.weight_grads is None:
+                split = nullcontext() if self.weight_grads is None else self.weight_grads.deferring(
+                    (op.pipeline, op.micro_batch))
+                with split:
                     input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
-                else:
-                    with self.weight_grads.deferring((op.pipeline, op.micro_batch)):
-                        input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
                 if not first:
                     send(input_grad, self._rank(op.pipeline, op.stage - 1, op.micro_batch),
                          self._tag(step, op.micro_batch, "B"))
         for work, _ in sends:
             work.wait()
-        if saved or self.weight_grads:
+        unfinished = 0 if self.weight_grads is None else self.weight_grads.held
+        if saved or unfinished:
             raise RuntimeError(f"op list left {len(saved)} forwards without a backward and "
-                               f"{len(self.weight_grads or ())} backwards without their weight gradients")
+                               f"{unfinished} backwards without their weight gradients")
         return losses
