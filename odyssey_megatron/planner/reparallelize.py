@@ -95,9 +95,10 @@ class ReparallelizeSearch:
             times, _ = priced
             slowest = max(range(len(shares)), key=times.__getitem__)
             moves = {}  # one receiver per class of equal pipelines
-            for k, (length, share) in enumerate(zip(strategy, shares)):
-                if (length, share) != (strategy[slowest], shares[slowest]) and shares[slowest] > 1:
-                    moves.setdefault((length, share), k)
+            if shares[slowest] > 1:
+                for k, (length, share) in enumerate(zip(strategy, shares)):
+                    if (length, share) != (strategy[slowest], shares[slowest]):
+                        moves.setdefault((length, share), k)
             best = None
             for k in moves.values():
                 moved = list(shares)
