@@ -18,6 +18,7 @@ from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
+from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.estimator.step_schedule import step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer, validate_plan
@@ -241,3 +242,36 @@ def test_peers_split_backwards_as_memory_allows(budget, makespan, peak):
         weights = [op for op in ops if op.kind == "W"]
         assert [op._replace(kind="B") for op in weights] == (backwards if worker in peers else [])
         assert all(ops.index(w) > ops.index(w._replace(kind="B")) for w in weights)
+
+
+@settings(max_examples=25, deadline=None)
+@given(dp=st.integers(1, 3), pp=st.integers(1, 5), micro_batches=st.integers(1, 9), forward=st.floats(0.1, 3),
+       backward=st.floats(0.1, 6), link=st.floats(0, 2), iterations=st.integers(2, 5))
+def test_staggering_gains_nothing_on_a_fault_free_symmetric_plan(dp, pp, micro_batches, forward, backward, link,
+                                                                  iterations):
+    """In 1F1B the first stage finishes a step last and starts the next first, so steps
+    staggered per DP group follow each other exactly one makespan apart."""
+    profile = replace(uniform_profile(num_layers=pp, forward_s=forward, backward_s=backward,
+                                      bandwidth=1 / link if link else float("inf")), p2p_bytes=1)
+    plan = symmetric_plan(dp=dp, pp=pp, num_layers=pp, micro_batches_per_pipeline=micro_batches)
+    timing = simulate_pipelines(plan, profile)
+    assert staggered_period(plan, profile, None, timing.schedule, iterations=iterations) == pytest.approx(
+        timing.makespan_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("budget, period", [(14, 32.0), (15, 31.0), (100, 29.0)])
+def test_staggered_steps_let_split_peers_finish_into_the_next_step(budget, period):
+    """The Fig. 3 case above with staggered optimizer steps: plain op lists still take 36
+    slots a step, since the failed last stage's peers end every step. Split op lists with
+    ample memory take 29 a step in steady state instead of 30: the first stages start the
+    next step while the peers run their last weight gradients. With tight memory the W
+    ops are forced early and there is nothing left to overlap."""
+    profile = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=10, activation_bytes=1,
+                              memory_budget_bytes=budget)
+    rerouted = reroute_plan(symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6),
+                            failed_workers={10}, profile=profile)
+    plain = step_schedule(rerouted, profile, decouple=False, staggered=True)
+    assert staggered_period(rerouted, profile, None, plain.schedule) == 36.0
+    split = step_schedule(rerouted, profile, decouple=True, staggered=True)
+    assert staggered_period(rerouted, profile, None, split.schedule) == period
+    assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period

@@ -1,7 +1,7 @@
 """Estimator: step time, peak memory and transition time of an ExecutionPlan.
 
-Step time = pipeline time from the op-list programme (Eq. 10-11) + DP gradient sync in
-coloured rounds. Peak memory per stage follows Eq. 14 on the real op lists. The closed
+Step time = pipeline time from the op-list programme (Eq. 10-11; with staggered optimizer
+steps its steady-state period) + DP gradient sync in coloured rounds. Peak memory per stage follows Eq. 14 on the real op lists. The closed
 forms (Eq. 9, 12-14) live in ``closed_form`` for textbook checks.
 """
 
@@ -14,7 +14,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock
-from odyssey_megatron.estimator.step_schedule import step_schedule
+from odyssey_megatron.estimator.step_schedule import step_schedule, step_time
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -54,15 +54,20 @@ class PlanEstimate:
 
 
 def estimate_plan(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, decouple: bool = False
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None = None,
+    *,
+    decouple: bool = False,
+    staggered: bool = False,
 ) -> PlanEstimate:
     """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
-    lets rerouting peers split their backwards); raises ScheduleDeadlock if its op lists
-    cannot run."""
-    timing = step_schedule(plan, profile, cluster, decouple=decouple)
+    lets rerouting peers split their backwards; ``staggered`` optimizer steps price the
+    steady-state period); raises ScheduleDeadlock if its op lists cannot run."""
+    timing = step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)
     peaks = peak_memory(plan, profile, timing.schedule)
     return PlanEstimate(
-        pipeline_time_s=timing.makespan_s,
+        pipeline_time_s=step_time(plan, profile, cluster, timing, staggered=staggered),
         sync_time_s=sync_time(plan, profile, cluster),
         peak_memory_bytes=tuple(
             tuple(peaks.get(s.worker) if s.worker is not None else None for s in p.stages) for p in plan.pipelines

@@ -13,8 +13,9 @@ more micro-batches runs a queued W before its next forward.
 
 With ``iterations`` > 1 several steps are list-scheduled back to back and each stage's DP
 peers step their optimizer as soon as they all finished, not after the whole pipeline:
-ReCycle's Staggered Optimizer, which the simulator models for ReCycle. The runtime runs
-one step at a time: ``iterations`` = 1.
+ReCycle's Staggered Optimizer, as the simulator models it for ReCycle, whose scheduler
+places W ops afresh every step. Odyssey's runtime repeats one step's op lists
+(``iterations`` = 1); ``estimator.staggered`` prices those staggered.
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""Seconds per step when optimizer steps are staggered (``odyssey.staggered_optimizer``).
+
+The runtime then runs each worker's op list step after step, and a worker starts the
+next step as soon as every worker it shares a layer with (its DP sync partners) has
+finished this one: nothing waits for the whole world. Stages that finish early (a 1F1B
+pipeline's last stages, a rerouting peer's deferred weight gradients at the end) move
+on, so a step costs the steady-state period, which can be shorter than one step's
+makespan. Several steps are replayed back to back over the same Eq. 11 recurrence,
+each op after its worker's previous op and after its dependency plus the transfer; the
+first step absorbs the start-up transient.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.decoupled import WEIGHT_GRAD_SHARE
+from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, op_graph
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
+
+ITERATIONS = 3
+"""Steps replayed back to back; the first absorbs the start-up transient."""
+
+
+def sync_partners(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, set[int]]:
+    """Each live stage owner's workers that hold one of its blocks (itself included)."""
+    holders: dict[object, set[int]] = defaultdict(set)
+    holdings = plan.holdings(profile)
+    for worker, blocks in holdings.items():
+        for block in blocks:
+            holders[block].add(worker)
+    return {worker: set().union(*(holders[b] for b in blocks)) for worker, blocks in holdings.items()}
+
+
+def staggered_period(
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None,
+    schedule: dict[int, list[Op]],
+    *,
+    iterations: int = ITERATIONS,
+) -> float:
+    """Steady-state seconds per step of ``schedule`` (each worker's op list, F, B and W,
+    as ``step_schedule`` returns it) under staggered optimizer steps; raises
+    ScheduleDeadlock."""
+    streams = {worker: [[op for op in ops if op.kind != WEIGHT_GRAD]] for worker, ops in schedule.items()}
+    compute, _, needs, _ = op_graph(plan, streams, profile, cluster)
+    schedule = {worker: ops for worker, ops in schedule.items() if ops}
+    partners = {worker: peers & schedule.keys() for worker, peers in sync_partners(plan, profile).items()}
+    split = {worker for worker, ops in schedule.items() if any(op.kind == WEIGHT_GRAD for op in ops)}
+
+    def duration(worker: int, op: Op) -> float:
+        forward_s, backward_s = compute[op.pipeline, op.stage]
+        if op.kind == FORWARD:
+            return forward_s
+        if op.kind == WEIGHT_GRAD:
+            return backward_s * WEIGHT_GRAD_SHARE
+        return backward_s * (1 - WEIGHT_GRAD_SHARE) if worker in split else backward_s
+
+    end: dict[tuple[int, Op], float] = {}
+    finished: dict[int, list[float]] = {worker: [] for worker in schedule}
+    position = dict.fromkeys(schedule, 0)
+    step = dict.fromkeys(schedule, 0)
+    free_at = dict.fromkeys(schedule, 0.0)
+    waiting: dict[object, list[int]] = defaultdict(list)  # (step, op) or (step, worker) -> workers
+    queue = deque(schedule)
+    while queue:
+        worker = queue.popleft()
+        ops = schedule[worker]
+        while step[worker] < iterations:
+            k = step[worker]
+            if position[worker] == 0 and k > 0:
+                late = [p for p in partners[worker] if len(finished[p]) < k]
+                if late:
+                    waiting[k - 1, late[0]].append(worker)
+                    break
+                free_at[worker] = max(free_at[worker], *(finished[p][k - 1] for p in partners[worker]))
+            op = ops[position[worker]]
+            start = free_at[worker]
+            if op.kind != WEIGHT_GRAD:
+                dep, link_s = needs[op]
+                if dep is not None:
+                    if (k, dep) not in end:
+                        waiting[k, dep].append(worker)
+                        break
+                    start = max(start, end[k, dep] + link_s)
+            free_at[worker] = end[k, op] = start + duration(worker, op)
+            queue.extend(waiting.pop((k, op), ()))
+            position[worker] += 1
+            if position[worker] == len(ops):
+                finished[worker].append(free_at[worker])
+                position[worker], step[worker] = 0, k + 1
+                queue.extend(waiting.pop((k, worker), ()))
+    if any(s < iterations for s in step.values()):
+        raise ScheduleDeadlock("staggered op lists wait on each other in a cycle")
+    ends = [max((times[k] for times in finished.values()), default=0.0) for k in range(iterations)]
+    return ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
