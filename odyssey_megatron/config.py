@@ -182,6 +182,11 @@ class OdysseyConfig:
     """Rerouting peers split each backward and run the weight-gradient half when nothing
     else is ready, which moves adopted work into pipeline bubbles (paper 003's Decoupled
     BackProp), where that is faster and fits in memory; false keeps plain 1F1B op lists."""
+    staggered_optimizer: bool = True
+    """Each rank steps its optimizer as soon as its own DP peers are done instead of after
+    the global gradient norm, so stages that finish early start the next step early
+    (paper 003's Staggered Optimizer). Exact: a step that clipping should have scaled is
+    retaken and the next forward-backward rerun (``runtime.staggered_step``)."""
     max_layer_splits: int = 256
     """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
     memory_budget_gib: Optional[float] = None

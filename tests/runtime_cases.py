@@ -48,7 +48,7 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
     model = build_stage_model(tiny_model(num_layers, tie_embeddings), StageSpec((0, num_layers), True, True), pg_collection=pgc,
                               seed=SEED)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    source, losses, first_grads = data(), [], None
+    source, losses, first_grads, clipped = data(), [], None, 0
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         step_losses = {}
@@ -59,19 +59,19 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
             (loss / num_micro_batches).backward()
             step_losses[m] = loss.item()
         losses.append(step_losses)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        clipped += float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)) > MAX_GRAD_NORM
         if first_grads is None:
             first_grads = _snapshot(model, 0, grads=True)
         optimizer.step()
-    return {"losses": losses, "grads": first_grads, "params": _snapshot(model, 0, grads=False)}
+    return {"losses": losses, "grads": first_grads, "params": _snapshot(model, 0, grads=False), "clipped": clipped}
 
 
 def run_plan(
     rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool,
-    overlap: bool, decouple: bool,
+    overlap: bool, decouple: bool, staggered: bool,
 ) -> dict:
     """Train STEPS steps of ``plan`` on this rank; report losses, first-step grads (synced
-    and clipped), final params."""
+    and clipped; staggered: synced, and clipped only later, if at all), final params."""
     from odyssey_megatron.runtime.plan_runner import PlanRunner
 
     plan = ExecutionPlan.from_json(plan_json)
@@ -88,6 +88,7 @@ def run_plan(
         schedule=schedule,
         overlap_grad_sync=overlap,
         decouple_weight_grads=decouple,
+        staggered_optimizer=staggered,
     )
     source, losses, first_grads, early = data(), [], None, []
     for step in range(STEPS):
@@ -97,6 +98,7 @@ def run_plan(
         losses.append(result.losses)
         if first_grads is None:
             first_grads = _snapshot(runner.model, runner.stage.layers[0], grads=True)
+    runner.settle()
     return {
         "losses": losses,
         "grads": first_grads,
@@ -106,4 +108,36 @@ def run_plan(
         "ops": len(runner.ops),
         "weight_grad_ops": sum(op.kind == "W" for op in runner.ops),
         "started_during_backward": early,
+        "retaken_steps": runner.retaken_steps,
     }
+
+
+def last_stage_steps_first(rank: int, world_size: int, plan_json: str, staggered: bool, marker: str) -> bool:
+    """A two-stage pipeline. The last stage writes ``marker`` once it has taken its first
+    optimizer step; the first stage, before taking its own, waits for the marker (a few
+    seconds when no staggering is expected). Returns whether the first stage saw it."""
+    import os
+    import time
+
+    from odyssey_megatron.runtime.plan_runner import PlanRunner
+
+    plan = ExecutionPlan.from_json(plan_json)
+    runner = PlanRunner(
+        plan=plan, rank=rank, ranks=RankMap.identity(world_size, 1), model=tiny_model(plan.num_layers),
+        micro_batch_size=MICRO_BATCH_SIZE, profile=uniform_profile(num_layers=plan.num_layers), seed=SEED, lr=LR,
+        max_grad_norm=MAX_GRAD_NORM, staggered_optimizer=staggered,
+    )
+    source, seen = data(), False
+    losses = runner.forward_backward(lambda m: source.micro_batch(0, m))
+    if runner.stage.last:
+        runner.finish_step(losses)
+        with open(marker, "w"):
+            pass
+    else:
+        deadline = time.monotonic() + (60 if staggered else 3)
+        while not (seen := os.path.exists(marker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        runner.finish_step(losses)
+    runner.train_step(lambda m: source.micro_batch(1, m))
+    runner.settle()
+    return seen

@@ -20,7 +20,7 @@ from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.local_world import run_world
-from runtime_cases import LR, reference, run_plan
+from runtime_cases import LR, last_stage_steps_first, reference, run_plan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,12 +35,13 @@ def _shard_of(full: torch.Tensor, name: str, like: torch.Tensor, tp_rank: int, t
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True):
+def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True, staggered=False):
     profile = replace(uniform_profile(num_layers=plan.num_layers), tie_embeddings=tie_embeddings)
     plan = with_sync(plan, profile)
     expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches, tie_embeddings)[0]
     world = len(workers) * plan.tensor_parallel_size
-    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings, overlap, decouple)
+    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings, overlap, decouple,
+                        staggered)
     for step in range(len(expected["losses"])):
         got = {}
         for r in results:
@@ -62,6 +63,8 @@ def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, 
     for r in results:
         for in_flight, units in r["started_during_backward"]:
             assert in_flight == (units if overlap else 0), "overlap starts every unit's all-reduce in backward"
+    if staggered:
+        assert {r["retaken_steps"] for r in results} == {expected["clipped"]}, "every clipped step retaken, on every rank"
     return results
 
 
@@ -76,15 +79,18 @@ def test_asymmetric_two_and_three_stages_uneven_splits_and_batches(schedule):
     _check(asymmetric_plan([(4, 2), (1, 3, 2)], [5, 2]), range(5), schedule, overlap=schedule == "megatron")
 
 
-@pytest.mark.parametrize("decouple", [False, True])
-def test_rerouted_dp4_pp2_after_one_failure(decouple):
+@pytest.mark.parametrize("decouple,staggered", [(False, False), (True, False), (True, True)])
+def test_rerouted_dp4_pp2_after_one_failure(decouple, staggered):
     """With ``decouple`` the peers split their backwards and run the weight gradients
-    later (26 instead of 30 slots); the overlapped DP sync still starts in the last W."""
+    later (26 instead of 30 slots); the overlapped DP sync still starts in the last W.
+    Staggered, of the three steps' norms (0.486, 0.502, 0.482 against a clip of 0.5) the
+    second clips: it is retaken and the third step's forward and backward run again,
+    with its all-reduces in flight discarded; the first step's gradients are unclipped."""
     profile = uniform_profile(num_layers=4)
     plan = symmetric_plan(dp=4, pp=2, num_layers=4, micro_batches_per_pipeline=3)
     rerouted = reroute_plan(plan, failed_workers={5}, profile=profile)  # stage 1 of pipeline 1
     survivors = [w for w in range(8) if w != 5]
-    results = _check(rerouted, survivors, overlap=True, decouple=decouple)
+    results = _check(rerouted, survivors, overlap=True, decouple=decouple, staggered=staggered)
     assert max(r["ops"] for r in results) > min(r["ops"] for r in results), "peers ran extra micro-batches"
     split = sorted(r["weight_grad_ops"] for r in results)
     assert split == ([0] * 4 + [4] * 3 if decouple else [0] * 7), "each peer splits all its backwards"
@@ -109,3 +115,13 @@ def test_tied_embeddings_across_first_and_last_stages():
     results = _check(asymmetric_plan([(4, 2), (1, 3, 2)], [3, 3]), range(5), "odyssey", tie_embeddings=True)
     holders = [r for r in results if "embedding.word_embeddings.weight" in r["params"]]
     assert len(holders) == 4  # first and last stage of both pipelines hold a copy
+
+
+@pytest.mark.parametrize("staggered", [False, True])
+def test_staggered_steps_do_not_wait_for_the_whole_pipeline(staggered, tmp_path):
+    """Staggered, the last stage takes its optimizer step while the first stage is still
+    before its own; with the global norm all-reduced first it cannot."""
+    plan = symmetric_plan(dp=1, pp=2, num_layers=4, micro_batches_per_pipeline=2)
+    plan = with_sync(plan, uniform_profile(num_layers=4))
+    seen = run_world(last_stage_steps_first, 2, plan.to_json(), staggered, str(tmp_path / "stepped"))
+    assert seen[0] is staggered

@@ -129,18 +129,22 @@ class LayerGradSync:
                 bucket.start(async_op=False)
             bucket.finish()
 
+    def discard(self) -> None:
+        """Drop a step that must run again: wait out the all-reduces in flight (every
+        member started the same ones, having run the same op list) and forget them."""
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work = bucket.flat = None
 
-def clip_grad_norm(
-    *,
-    plan: ExecutionPlan,
-    worker: int,
-    params: dict[Block, list[torch.nn.Parameter]],
-    tp_rank: int,
-    max_norm: float,
-) -> float:
-    """Clip every gradient by the global norm, counting each block once: the lowest worker
-    holding a block contributes it, TP-sharded tensors from every TP rank, replicated ones
-    (norms) from TP rank 0. Collective over the world; returns the norm before clipping."""
+
+def local_grad_square(
+    *, plan: ExecutionPlan, worker: int, params: dict[Block, list[torch.nn.Parameter]], tp_rank: int
+) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm, counting each block once:
+    the lowest worker holding a block contributes it, TP-sharded tensors from every TP
+    rank, replicated ones (norms) from TP rank 0. Summed over all ranks it is the square
+    of the single-process norm."""
     owners = {b: min(unit.workers) for unit in plan.sync_units for b in unit.blocks}
     device = next(p.device for tensors in params.values() for p in tensors)
     square = torch.zeros((), dtype=torch.float64, device=device)
@@ -150,10 +154,33 @@ def clip_grad_norm(
         for p in tensors:
             if p.grad is not None and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False)):
                 square += p.grad.double().pow(2).sum()
-    dist.all_reduce(square, op=dist.ReduceOp.SUM)
-    norm = float(square.sqrt())
+    return square
+
+
+def clip_scale(norm: float, max_norm: float) -> float | None:
+    """The factor global-norm clipping multiplies every gradient by; None when it leaves
+    them alone (``max_norm`` 0 turns clipping off)."""
     if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+        return max_norm / (norm + 1e-6)
+    return None
+
+
+def clip_grad_norm(
+    *,
+    plan: ExecutionPlan,
+    worker: int,
+    params: dict[Block, list[torch.nn.Parameter]],
+    tp_rank: int,
+    max_norm: float,
+    group: dist.ProcessGroup | None = None,
+) -> float:
+    """Clip every gradient by the global norm (``local_grad_square`` summed over
+    ``group``, every rank). Collective; returns the norm before clipping."""
+    square = local_grad_square(plan=plan, worker=worker, params=params, tp_rank=tp_rank)
+    dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)
+    norm = float(square.sqrt())
+    scale = clip_scale(norm, max_norm)
+    if scale is not None:
         for tensors in params.values():
             for p in tensors:
                 if p.grad is not None:

@@ -9,7 +9,8 @@ both require it), and keeps only its own. A rank gets:
 - one DP group per sync unit it belongs to, per TP rank: the k-th ranks of the unit's
   workers all-reduce shard k;
 - its pipeline's PP group (per TP rank), for Megatron's own 1F1B schedule, when no
-  stage of that pipeline has failed.
+  stage of that pipeline has failed;
+- a group of every rank for the global gradient norm.
 
 Plans name workers; ``RankMap`` says which process ranks a worker has in the current
 world (after a failure the survivors re-form a smaller world with new ranks). A new plan
@@ -61,6 +62,9 @@ class PlanGroups:
     """Sync unit index -> this rank's DP group for it (units of two or more workers only)."""
     pipeline_group: dist.ProcessGroup | None = None
     """This rank's pipeline (same TP rank on every stage), if none of its stages failed."""
+    norm_group: dist.ProcessGroup | None = None
+    """Every rank: the global gradient norm's all-reduce, which may be in flight while
+    the next step's point-to-point traffic runs on the default group."""
     _owned: list[dist.ProcessGroup] = field(default_factory=list)
 
     def destroy(self) -> None:
@@ -70,6 +74,7 @@ class PlanGroups:
             dist.destroy_process_group(group)
         self._owned.clear()
         self.unit_groups.clear()
+        self.pipeline_group = self.norm_group = None
 
 
 def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> PlanGroups:
@@ -100,6 +105,7 @@ def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> Plan
             group = create([ranks.rank(w, k) for w in unit.workers])
             if group is not None:
                 unit_groups[index] = group
+    norm_group = create(list(range(ranks.world_size)))
     pipeline_group = None
     for pipeline in plan.pipelines:
         if any(stage.worker is None for stage in pipeline.stages):
@@ -111,4 +117,5 @@ def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> Plan
         tp=tp_group, cp=singleton, pp=singleton, ep=singleton, expt_dp=singleton,
         embd=None, pos_embd=None, dp=singleton, dp_cp=singleton,
     )
-    return PlanGroups(pg_collection=collection, unit_groups=unit_groups, pipeline_group=pipeline_group, _owned=mine)
+    return PlanGroups(pg_collection=collection, unit_groups=unit_groups, pipeline_group=pipeline_group,
+                      norm_group=norm_group, _owned=mine)

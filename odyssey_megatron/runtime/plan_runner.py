@@ -6,6 +6,9 @@ parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1
 when no micro-batch is rerouted, else the Odyssey executor over this worker's op list
 from the estimator (``step_schedule``: with split backwards on rerouting peers when
 ``decouple_weight_grads`` is on and that pays). ``train_step`` runs one global batch.
+With ``staggered_optimizer`` a rank steps without waiting for the global gradient norm
+(``runtime.staggered_step``), so it starts the next step as soon as its own DP peers are
+done; ``settle`` ends the last such step.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import torch
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator.step_schedule import step_schedule
-from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, parameters_by_block
+from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, local_grad_square, parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.runtime.staggered_step import StaggeredStep
 from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
 from odyssey_megatron.schedules.megatron_1f1b import MegatronPipelineSchedule
 from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
@@ -34,7 +38,8 @@ SCHEDULES = ("auto", "odyssey", "megatron")
 class StepResult:
     losses: dict[int, float]
     """Loss per micro-batch whose last stage ran on this rank."""
-    grad_norm: float
+    grad_norm: float | None
+    """Global norm before clipping; None while the step is staggered (``PlanRunner.settle``)."""
 
 
 def stage_of_worker(plan: ExecutionPlan, worker: int) -> StageSpec:
@@ -60,12 +65,14 @@ class PlanRunner:
         schedule: str = "auto",
         overlap_grad_sync: bool = False,
         decouple_weight_grads: bool = True,
+        staggered_optimizer: bool = False,
         device: torch.device = torch.device("cpu"),
     ):
         """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted), odyssey
         (always the op-list executor) or megatron (refused for rerouted plans).
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
-        with it. ``decouple_weight_grads`` is ``odyssey.decoupled_weight_grads``. ``device``
+        with it. ``decouple_weight_grads`` is ``odyssey.decoupled_weight_grads``,
+        ``staggered_optimizer`` is ``odyssey.staggered_optimizer``. ``device``
         is this rank's accelerator device (``hooks.select_accelerator``)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
@@ -73,6 +80,10 @@ class PlanRunner:
             raise ValueError("Megatron's 1F1B cannot run a plan with rerouted micro-batches")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self.max_grad_norm = max_grad_norm
+        self.staggered_optimizer = staggered_optimizer
+        self._speculative: StaggeredStep | None = None
+        self.retaken_steps = 0
+        """Staggered steps retaken because clipping engaged (each cost one forward-backward)."""
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
         self.stage = stage_of_worker(plan, self.worker)
         self.device = device
@@ -84,7 +95,9 @@ class PlanRunner:
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
             overlap=overlap_grad_sync,
         )
-        self.ops = step_schedule(plan, profile, decouple=decouple_weight_grads).schedule[self.worker]
+        self.ops = step_schedule(
+            plan, profile, decouple=decouple_weight_grads, staggered=staggered_optimizer
+        ).schedule[self.worker]
         self.executor: StepExecutor | MegatronPipelineSchedule
         if schedule == "megatron" or (schedule == "auto" and not plan.reroutes):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
@@ -118,18 +131,44 @@ class PlanRunner:
 
     def forward_backward(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
         """First half of a step: every forward and backward of this worker; returns the
-        losses of the micro-batches whose last stage ran here."""
+        losses of the micro-batches whose last stage ran here. The previous step, if
+        staggered, is settled after them; when clipping retook it, they run again."""
+        losses = self._run_ops(batches)
+        if self._speculative is not None and self._settle()[1]:
+            self.grad_sync.discard()
+            losses = self._run_ops(batches)
+        return losses
+
+    def _run_ops(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
         on_device = lambda m: {k: v.to(self.device) for k, v in batches(m).items()}  # noqa: E731
         return self.executor.run(batches=on_device)
 
     def finish_step(self, losses: dict[int, float], *, apply: bool = True) -> StepResult:
-        """Second half: DP sync, global-norm clipping and (if ``apply``) the optimizer step."""
+        """Second half: DP sync, global-norm clipping and (if ``apply``) the optimizer
+        step; staggered, the step is taken now and clipping is settled later."""
         self.grad_sync.sync()
+        if self.staggered_optimizer and apply:
+            square = local_grad_square(plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank)
+            self._speculative = StaggeredStep(self.optimizer, square, max_norm=self.max_grad_norm,
+                                              group=self.groups.norm_group)
+            return StepResult(losses=losses, grad_norm=None)
         norm = clip_grad_norm(
-            plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank, max_norm=self.max_grad_norm
+            plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank, max_norm=self.max_grad_norm,
+            group=self.groups.norm_group,
         )
         if apply:
             self.optimizer.step()
         return StepResult(losses=losses, grad_norm=norm)
+
+    def settle(self) -> float | None:
+        """End the staggered step in flight, if any (collective): before the parameters
+        are read, saved or handed to another plan. Returns its global norm."""
+        return self._settle()[0] if self._speculative is not None else None
+
+    def _settle(self) -> tuple[float, bool]:
+        norm, retaken = self._speculative.settle()
+        self._speculative = None
+        self.retaken_steps += retaken
+        return norm, retaken
