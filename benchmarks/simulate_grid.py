@@ -18,8 +18,7 @@ from odyssey_megatron.simulator.run import simulate
 from odyssey_megatron.simulator.scenario import BASELINES, SYSTEMS, load_scenario
 
 
-def cell(devices: int, rate: float, repairs: bool, *, max_failures: float, seed: int, what_if: bool
-         ) -> tuple[float, dict, float]:
+def cell(devices: int, rate: float, repairs: bool, *, max_failures: float, seed: int) -> tuple[float, dict, float]:
     dp = devices // 4
     duration = min(9.0, max_failures / (devices * rate))
     scenario = load_scenario("configs/scenarios/paper_32npu.yaml", [
@@ -28,7 +27,7 @@ def cell(devices: int, rate: float, repairs: bool, *, max_failures: float, seed:
         f"duration_hours={duration}", f"seed={seed}", "wandb_mode=disabled",
         # Oobleck needs (f+1) * n0 workers; n0 = 3 for Llama-2 7B on 910B, so 8 devices allow f = 1.
         f"oobleck_tolerated_failures={1 if devices < 12 else 2}",
-        f"systems=[{','.join(SYSTEMS if what_if else SYSTEMS[:6])}]",
+        f"systems=[{','.join(SYSTEMS)}]",
     ])
     started = time.perf_counter()
     summaries = simulate(scenario).summaries
@@ -41,31 +40,25 @@ def main() -> None:
     parser.add_argument("--max-failures", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="cells simulated in parallel processes")
-    parser.add_argument("--what-if", action="store_true",
-                        help="also odyssey_staggered: Odyssey if its executor also staggered optimizer steps like ReCycle")
     args = parser.parse_args()
     sizes = [8, 32, 128] if args.quick else [8, 32, 128, 512, 1024]
     rates = [0.01, 0.2] if args.quick else [0.01, 0.05, 0.1, 0.2]
     cells = [(devices, rate, repairs) for devices in sizes for rate in rates for repairs in (False, True)]
-    shown = ["odyssey", *BASELINES, *(["odyssey_staggered"] if args.what_if else [])]
+    shown = ["odyssey", *BASELINES]
     header = " ".join(f"{s:>12}" for s in shown)
     print(f"{'devices':>7} {'rate/h':>6} {'repair':>6} {'hours':>5}  fraction of fault-scaled ideal: {header}"
-          f"  {'ody/best':>8} {'best':>12} {'ody/oracle':>10}" + ("  staggered/best" if args.what_if else "")
-          + f" {'secs':>5}", flush=True)
+          f"  {'ody/best':>8} {'best':>12} {'ody/oracle':>10} {'secs':>5}", flush=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(cell, *c, max_failures=args.max_failures, seed=args.seed, what_if=args.what_if)
-                   for c in cells]
+        futures = [pool.submit(cell, *c, max_failures=args.max_failures, seed=args.seed) for c in cells]
         for (devices, rate, repairs), future in zip(cells, futures):
             hours, summaries, seconds = future.result()
             fractions = " ".join(f"{summaries[s].fraction_of_ideal:12.3f}" for s in shown)
             best = max(BASELINES, key=lambda s: summaries[s].avg_throughput)
             odyssey = summaries["odyssey"].avg_throughput
             oracle = summaries["oracle"].avg_throughput
-            staggered = (f"  {summaries['odyssey_staggered'].avg_throughput / summaries[best].avg_throughput:14.3f}"
-                         if args.what_if else "")
             print(f"{devices:>7} {rate:>6} {str(repairs):>6} {hours:5.2f}  {' ' * 32}{fractions}"
                   f"  {odyssey / summaries[best].avg_throughput:8.3f} {best:>12} {odyssey / oracle:10.3f}"
-                  f"{staggered} {seconds:5.0f}", flush=True)
+                  f" {seconds:5.0f}", flush=True)
 
 
 if __name__ == "__main__":

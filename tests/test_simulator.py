@@ -195,14 +195,14 @@ def test_odyssey_prices_reroutes_with_the_schedule_its_runtime_runs():
     """Worker 10 (stage 3 of pipeline 1) fails and Odyssey must reroute. On plain 1F1B op
     lists it moves the failure to stage 0 (32 slots, after a 10 s copy). With decoupled
     weight gradients, what its runtime runs, stage 3 is already cheapest (30 slots, no
-    copy); the staggered-optimizer what-if (ReCycle's schedule) would take 29."""
+    copy); staggering optimizer steps too (the default), 29 per step, like ReCycle."""
     context = _context(profile=FIG3_PROFILE, pipeline_parallel_size=4, data_parallel_size=3, num_micro_batches=18)
     cluster = ClusterState(world_size=12, devices_per_node=12)
     outcomes = {}
     for decoupled, staggered in [(False, False), (True, False), (True, True)]:
-        settings = OdysseyConfig(policy="reroute", reroute_restart_s=1.0, decoupled_weight_grads=decoupled)
-        system = OdysseySystem(context, settings=settings, detection_s=5.0, decision_s=0.0,
-                               staggered_optimizer=staggered)
+        settings = OdysseyConfig(policy="reroute", reroute_restart_s=1.0, decoupled_weight_grads=decoupled,
+                                 staggered_optimizer=staggered)
+        system = OdysseySystem(context, settings=settings, detection_s=5.0, decision_s=0.0)
         assert system.start(cluster) == 18 / 27
         outcome = system.on_failure(cluster.fail_ranks([10]), {10}, now_s=10.0)
         outcomes[decoupled, staggered] = (18 / outcome.samples_per_s, outcome.pause_s)

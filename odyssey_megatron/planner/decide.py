@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
@@ -63,7 +62,6 @@ def decide(
     search_time_s: float | None = None,
     interval_s: float | None = None,
     search: ReparallelizeSearch | None = None,
-    reroute_pipeline_s: Callable[[ExecutionPlan], float | None] | None = None,
 ) -> Decision:
     """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
 
@@ -79,9 +77,8 @@ def decide(
     ``interval_s`` replaces the failure model's expected time to the next failure (the
     hindsight oracle knows it). A ``search`` kept by the caller carries its pipeline
     cost caches from one decision to the next (same profile and settings).
-    ``reroute_pipeline_s`` prices a rerouted plan's pipeline (None: does not fit in memory)
-    in place of the step schedule the runtime runs: the simulator's what-if of an executor
-    that also staggers optimizer steps the way ReCycle does.
+    Every plan is priced as the runtime runs it (``odyssey.decoupled_weight_grads``,
+    ``odyssey.staggered_optimizer``).
     """
     started = time.perf_counter()
     failed = cluster.failed_workers
@@ -94,23 +91,17 @@ def decide(
     drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float, float]] = []  # policy, plan, estimate, moving, restart
     considered = 0
     notes = []
-    decouple = settings.decoupled_weight_grads
-    reroute_cost = reroute_pipeline_s or (lambda plan: rerouted_makespan(plan, profile, cluster, decouple=decouple))
+    schedule = dict(decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer)
+    reroute_cost = lambda plan: rerouted_makespan(plan, profile, cluster, **schedule)  # noqa: E731
 
     def consider_reroute(plan: ExecutionPlan) -> None:
         plan = with_sync(plan, profile)
         try:
-            estimate = estimate_plan(plan, profile, cluster, decouple=decouple)
+            estimate = estimate_plan(plan, profile, cluster, **schedule)
         except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
             notes.append(f"reroute schedule deadlocks: {exc}")
             return
-        if reroute_pipeline_s is not None:
-            pipeline_s = reroute_pipeline_s(plan)
-            estimate = estimate if pipeline_s is None else replace(estimate, pipeline_time_s=pipeline_s)
-            fits = pipeline_s is not None
-        else:
-            fits = estimate.fits_memory
-        if not fits:
+        if not estimate.fits_memory:
             notes.append("reroute exceeds the memory budget on a peer")
             return
         moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
@@ -118,7 +109,7 @@ def decide(
         drafts.append(("reroute", plan, estimate, moving, settings.reroute_restart_s))
 
     if not affected:
-        drafts.append((current.policy, current, estimate_plan(current, profile, cluster, decouple=decouple), 0.0, 0.0))
+        drafts.append((current.policy, current, estimate_plan(current, profile, cluster, **schedule), 0.0, 0.0))
         if not idle:
             note = "no stage owner failed"
             chosen = drafts[0]
@@ -156,14 +147,15 @@ def decide(
             search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
         elif search.profile is not profile:
             raise ValueError("the reparallelize search was built for another profile")
-        layouts = search.layouts(
+        window = dict(
             num_workers=len(cluster.alive_workers),
             num_micro_batches=current.num_micro_batches,
             current_dp=len(current.pipelines),
             dp_radius=settings.dp_search_radius,
             pp_radius=settings.pp_search_radius,
-            sweep=settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected),
         )
+        sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
+        layouts = search.layouts(**window, sweep=sweep)
         considered += len(layouts)
         for layout in layouts[:PLACED_LAYOUTS]:
             plan = place_layout(layout, current=current, cluster=cluster, profile=profile)
@@ -171,7 +163,7 @@ def decide(
                 plan.transfers, profile=profile, cluster=cluster,
                 storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
             )
-            estimate = estimate_plan(plan, profile, cluster)
+            estimate = estimate_plan(plan, profile, cluster, **schedule)
             drafts.append(("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s))
         if not layouts:
             notes.append("no reparallelized layout fits the memory budget")

@@ -8,10 +8,10 @@ replica and no layer survives anywhere, Odyssey too must restart from a checkpoi
 The *oracle* is the same system with hindsight: Eq. 8 gets the actual time to the next
 event instead of the expected one, which is the best any policy choice could do.
 
-*odyssey_staggered* is a what-if: Odyssey whose executor would also stagger optimizer
-steps the way ReCycle does (each stage steps once its DP peers are done, so the next
-iteration starts early). The runtime decouples weight gradients but steps the optimizer
-once per step; the line shows what staggering would be worth.
+Step times are the runtime's as configured (``odyssey.decoupled_weight_grads``,
+``odyssey.staggered_optimizer``). A staggered step that clipping should have scaled is
+retaken at the cost of one forward-backward; how often gradients clip depends on the
+training run, so that cost is not charged here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
-from odyssey_megatron.simulator.recycle_schedule import recycle_pipeline_time
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
@@ -39,7 +38,6 @@ class OdysseySystem:
         event_times: Sequence[float] | None = None,
         horizon_s: float = float("inf"),
         name: str = "odyssey",
-        staggered_optimizer: bool = False,
     ):
         """``event_times`` (all cluster events, sorted) turns on hindsight, the oracle: the
         interval Eq. 8 sees is the real one, to the next event or the ``horizon_s``."""
@@ -54,16 +52,15 @@ class OdysseySystem:
                                               learn=settings.learn_failure_rate)
         self.plan = initial_layout(context, max_layer_splits=settings.max_layer_splits)
         self.search = ReparallelizeSearch(context.profile, max_layer_splits=settings.max_layer_splits)
-        self.staggered_optimizer = staggered_optimizer
-        self.layout_s = 0.0
-        """Fault-free pipeline seconds of the layout that reroutes are relative to."""
         self._last_event_s = 0.0
         self._alive_devices = 0
 
     def start(self, cluster: ClusterState) -> float:
         self._alive_devices = cluster.alive_devices
-        estimate = estimate_plan(self.plan, self.context.profile, cluster)
-        self.step_s, self.layout_s = estimate.step_time_s, estimate.pipeline_time_s
+        estimate = estimate_plan(self.plan, self.context.profile, cluster,
+                                 decouple=self.settings.decoupled_weight_grads,
+                                 staggered=self.settings.staggered_optimizer)
+        self.step_s = estimate.step_time_s
         return estimate.samples_per_s
 
     def _interval(self, now_s: float) -> float | None:
@@ -85,7 +82,7 @@ class OdysseySystem:
             decision = decide(
                 current=self.plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
                 failure_model=self.failure_model, search_time_s=self.decision_s, interval_s=self._interval(now_s),
-                search=self.search, reroute_pipeline_s=self._reroute_pricing(cluster),
+                search=self.search,
             )
         except UnrecoverableFailure as exc:
             return self._restart(cluster, now_s, f"{note}: {exc}")
@@ -94,16 +91,9 @@ class OdysseySystem:
             return self._restart(cluster, now_s, f"{note}: a layer survives nowhere")
         self.plan = chosen.plan
         self.step_s = chosen.estimate.step_time_s
-        if not chosen.plan.reroutes:
-            self.layout_s = chosen.estimate.pipeline_time_s
         pause = (self.detection_s if failures else 0.0) + chosen.transition_s
         return Outcome(pause_s=pause, samples_per_s=chosen.estimate.samples_per_s, lost_s=lost,
                        note=f"{note}: {chosen.policy} {chosen.layout}")
-
-    def _reroute_pricing(self, cluster: ClusterState):
-        if not self.staggered_optimizer:
-            return None
-        return lambda plan: recycle_pipeline_time(plan, self.context.profile, cluster, floor_s=self.layout_s)
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
         return self._react(cluster, now_s, f"{len(failed)} worker(s) failed", failures=1)

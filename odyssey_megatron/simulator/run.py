@@ -86,7 +86,7 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
     costs = config.costs
     duration = config.duration_hours * 3600
     for name in config.systems:
-        if name in ("odyssey", "oracle", "odyssey_staggered"):
+        if name in ("odyssey", "oracle"):
             # What a checkpoint restart really costs in this scenario.
             penalty = costs.restart_s + costs.checkpoint_load_s + costs.checkpoint_interval_min * 30
             settings = replace(scenario.recipe.odyssey, checkpoint_restart_penalty_s=penalty)
@@ -94,7 +94,6 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
                 context, settings=settings, detection_s=costs.detection_s,
                 decision_s=costs.decision_s, name=name,
                 event_times=[e.time_s for e in events] if name == "oracle" else None, horizon_s=duration,
-                staggered_optimizer=name == "odyssey_staggered",
             )
         elif name in ("recycle", "recycle_1f1b"):
             yield ReCycleSystem(context, detection_s=costs.detection_s, name=name, decoupled=name == "recycle",

@@ -21,7 +21,7 @@ from odyssey_megatron.config import (
     load_structured,
 )
 
-SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle", "odyssey_staggered")
+SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle")
 BASELINES = ("oobleck", "recycle", "recycle_1f1b", "checkpoint")
 """The systems Odyssey is compared with; the others are Odyssey itself and its variants."""
 
@@ -94,7 +94,7 @@ class ScenarioConfig:
     failures: FailureConfig = field(default_factory=FailureConfig)
     repairs: RepairConfig = field(default_factory=RepairConfig)
     costs: CostConfig = field(default_factory=CostConfig)
-    systems: List[str] = field(default_factory=lambda: list(SYSTEMS[:6]))
+    systems: List[str] = field(default_factory=lambda: list(SYSTEMS))
     oobleck_tolerated_failures: int = 2
     """Oobleck's f: it needs (f+1) * n0 workers and gives up below that."""
     sample_interval_s: float = 60.0
