@@ -393,3 +393,15 @@ def test_balanced_batches_never_lose_to_proportional_shares(lengths, extra):
     assert sum(layout.micro_batches) == total and min(layout.micro_batches) >= 1
     assert layout.est_step_time_s - search._sync_time(layout.splits) <= max(proportional[0]) + 1e-9
 
+
+def test_a_failure_with_no_fitting_layout_in_the_window_sweeps_every_pipeline_length():
+    """Algorithm 1 searches DP degrees near the current one; when none of those fits in
+    memory, sweeping every pipeline length beats restarting from a checkpoint."""
+    profile = uniform_profile(num_layers=8, layer_state_bytes=10, activation_bytes=1, memory_budget_bytes=60)
+    plan = with_sync(symmetric_plan(dp=4, pp=2, num_layers=8, micro_batches_per_pipeline=2), profile)
+    cluster = ClusterState(world_size=8, devices_per_node=8).fail_ranks([0, 1, 2, 3])
+    settings = _settings(policy="reparallelize", dp_search_radius=0)  # DP 4 on 4 workers: 8 layers each
+    decision = decide(current=plan, cluster=cluster, profile=profile, settings=settings,
+                      failure_model=FailureRateModel(device_mtbf_hours=10))
+    assert decision.chosen.policy == "reparallelize" and "swept every pipeline length" in decision.note
+    assert decision.chosen.estimate.fits_memory and len(decision.chosen.plan.pipelines) < 4
