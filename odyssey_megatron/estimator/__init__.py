@@ -14,7 +14,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock
-from odyssey_megatron.estimator.step_schedule import step_schedule, step_time
+from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -64,10 +64,10 @@ def estimate_plan(
     """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
     lets rerouting peers split their backwards; ``staggered`` optimizer steps price the
     steady-state period); raises ScheduleDeadlock if its op lists cannot run."""
-    timing = step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)
+    timing, pipeline_s = timed_step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)
     peaks = peak_memory(plan, profile, timing.schedule)
     return PlanEstimate(
-        pipeline_time_s=step_time(plan, profile, cluster, timing, staggered=staggered),
+        pipeline_time_s=pipeline_s,
         sync_time_s=sync_time(plan, profile, cluster),
         peak_memory_bytes=tuple(
             tuple(peaks.get(s.worker) if s.worker is not None else None for s in p.stages) for p in plan.pipelines

@@ -5,14 +5,14 @@ next step as soon as every worker it shares a layer with (its DP sync partners) 
 finished this one: nothing waits for the whole world. Stages that finish early (a 1F1B
 pipeline's last stages, a rerouting peer's deferred weight gradients at the end) move
 on, so a step costs the steady-state period, which can be shorter than one step's
-makespan. Several steps are replayed back to back over the same Eq. 11 recurrence,
-each op after its worker's previous op and after its dependency plus the transfer; the
-first step absorbs the start-up transient.
+makespan. Steps are replayed back to back over the same Eq. 11 recurrence, each op
+after its worker's previous op and after its dependency plus the transfer.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import WEIGHT_GRAD_SHARE
@@ -21,18 +21,21 @@ from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
 
-ITERATIONS = 3
-"""Steps replayed back to back; the first absorbs the start-up transient."""
+ITERATIONS = 2
+"""Steps replayed back to back: the period is the time from the first step's end to the
+second's, once the first absorbed the start-up (more steps gave the same period on every
+case tried, and each costs a full replay)."""
 
 
-def sync_partners(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, set[int]]:
-    """Each live stage owner's workers that hold one of its blocks (itself included)."""
+def sync_groups(plan: ExecutionPlan, profile: ModelProfile, workers: AbstractSet[int]) -> list[frozenset[int]]:
+    """The distinct sets of ``workers`` that hold a block together: each is a DP
+    all-reduce that its members' next step waits for."""
     holders: dict[object, set[int]] = defaultdict(set)
-    holdings = plan.holdings(profile)
-    for worker, blocks in holdings.items():
-        for block in blocks:
-            holders[block].add(worker)
-    return {worker: set().union(*(holders[b] for b in blocks)) for worker, blocks in holdings.items()}
+    for worker, blocks in plan.holdings(profile).items():
+        if worker in workers:
+            for block in blocks:
+                holders[block].add(worker)
+    return sorted({frozenset(group) for group in holders.values()}, key=sorted)
 
 
 def staggered_period(
@@ -49,7 +52,13 @@ def staggered_period(
     streams = {worker: [[op for op in ops if op.kind != WEIGHT_GRAD]] for worker, ops in schedule.items()}
     compute, _, needs, _ = op_graph(plan, streams, profile, cluster)
     schedule = {worker: ops for worker, ops in schedule.items() if ops}
-    partners = {worker: peers & schedule.keys() for worker, peers in sync_partners(plan, profile).items()}
+    groups = sync_groups(plan, profile, schedule.keys())
+    member_of: dict[int, list[int]] = defaultdict(list)
+    for g, group in enumerate(groups):
+        for worker in group:
+            member_of[worker].append(g)
+    group_done = [[0] * iterations for _ in groups]  # members finished, per step
+    group_end = [[0.0] * iterations for _ in groups]  # when the last of them finished
     split = {worker for worker, ops in schedule.items() if any(op.kind == WEIGHT_GRAD for op in ops)}
 
     def duration(worker: int, op: Op) -> float:
@@ -65,7 +74,7 @@ def staggered_period(
     position = dict.fromkeys(schedule, 0)
     step = dict.fromkeys(schedule, 0)
     free_at = dict.fromkeys(schedule, 0.0)
-    waiting: dict[object, list[int]] = defaultdict(list)  # (step, op) or (step, worker) -> workers
+    waiting: dict[tuple, list[int]] = defaultdict(list)  # (step, op) or (step, group) -> workers
     queue = deque(schedule)
     while queue:
         worker = queue.popleft()
@@ -73,11 +82,11 @@ def staggered_period(
         while step[worker] < iterations:
             k = step[worker]
             if position[worker] == 0 and k > 0:
-                late = [p for p in partners[worker] if len(finished[p]) < k]
-                if late:
-                    waiting[k - 1, late[0]].append(worker)
+                late = next((g for g in member_of[worker] if group_done[g][k - 1] < len(groups[g])), None)
+                if late is not None:
+                    waiting[k - 1, late].append(worker)
                     break
-                free_at[worker] = max(free_at[worker], *(finished[p][k - 1] for p in partners[worker]))
+                free_at[worker] = max([free_at[worker], *(group_end[g][k - 1] for g in member_of[worker])])
             op = ops[position[worker]]
             start = free_at[worker]
             if op.kind != WEIGHT_GRAD:
@@ -93,7 +102,11 @@ def staggered_period(
             if position[worker] == len(ops):
                 finished[worker].append(free_at[worker])
                 position[worker], step[worker] = 0, k + 1
-                queue.extend(waiting.pop((k, worker), ()))
+                for g in member_of[worker]:
+                    group_done[g][k] += 1
+                    group_end[g][k] = max(group_end[g][k], free_at[worker])
+                    if group_done[g][k] == len(groups[g]):
+                        queue.extend(waiting.pop((k, g), ()))
     if any(s < iterations for s in step.values()):
         raise ScheduleDeadlock("staggered op lists wait on each other in a cycle")
     ends = [max((times[k] for times in finished.values()), default=0.0) for k in range(iterations)]

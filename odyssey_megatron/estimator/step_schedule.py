@@ -31,23 +31,44 @@ def step_schedule(
     plain 1F1B. The estimator and the runtime both call this, so the schedule priced is
     the schedule executed. Only the pipelines a reroute touches can differ, so the choice
     is made on those alone."""
+    return timed_step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)[0]
+
+
+def timed_step_schedule(
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None = None,
+    *,
+    decouple: bool = False,
+    staggered: bool = False,
+) -> tuple[PipelineTiming, float]:
+    """``step_schedule`` and its ``step_time``, which the choice may already have computed."""
     if not (decouple and plan.reroutes):
-        return simulate_pipelines(plan, profile, cluster)
+        timing = simulate_pipelines(plan, profile, cluster)
+        return timing, step_time(plan, profile, cluster, timing, staggered=staggered)
     touched = _touched_pipelines(plan)
-    chosen, _ = _split_if_faster(touched or plan, profile, cluster, staggered)
+    chosen, chosen_s = _split_if_faster(touched or plan, profile, cluster, staggered)
     if touched is None:
-        return chosen
+        return chosen, chosen_s
     if any(op.kind == WEIGHT_GRAD for ops in chosen.schedule.values() for op in ops):
-        return decoupled_pipelines(plan, profile, cluster).first
-    return simulate_pipelines(plan, profile, cluster)
+        timing = decoupled_pipelines(plan, profile, cluster).first
+    else:
+        timing = simulate_pipelines(plan, profile, cluster)
+    return timing, step_time(plan, profile, cluster, timing, staggered=staggered)
 
 
 def step_time(
     plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, timing: PipelineTiming, *, staggered: bool
 ) -> float:
     """Pipeline seconds per step of ``timing``'s op lists: the makespan, or with
-    ``staggered`` optimizer steps the steady-state period."""
-    return staggered_period(plan, profile, cluster, timing.schedule) if staggered else timing.makespan_s
+    ``staggered`` optimizer steps the steady-state period. Without reroutes the two are
+    equal: every pipeline's first stage holds layer 0, so all first stages wait for each
+    other, and each ends its pipeline's step (1F1B's last backward), so the next step
+    starts when the last pipeline ends, and every other stage's partners are done before
+    its first input arrives."""
+    if staggered and plan.reroutes:
+        return staggered_period(plan, profile, cluster, timing.schedule)
+    return timing.makespan_s
 
 
 def rerouted_makespan(

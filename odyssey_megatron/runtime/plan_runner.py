@@ -65,7 +65,7 @@ class PlanRunner:
         schedule: str = "auto",
         overlap_grad_sync: bool = False,
         decouple_weight_grads: bool = True,
-        staggered_optimizer: bool = False,
+        staggered_optimizer: bool = True,
         device: torch.device = torch.device("cpu"),
     ):
         """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted), odyssey
