@@ -93,13 +93,14 @@ def decide(
     drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float, float]] = []  # policy, plan, estimate, moving, restart
     considered = 0
     notes = []
-    schedule = dict(decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer)
-    reroute_cost = lambda plan: rerouted_makespan(plan, profile, cluster, **schedule)  # noqa: E731
+    as_run = dict(  # price plans as the runtime runs them
+        decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer)
+    reroute_cost = lambda plan: rerouted_makespan(plan, profile, cluster, **as_run)  # noqa: E731
 
     def consider_reroute(plan: ExecutionPlan) -> None:
         plan = with_sync(plan, profile)
         try:
-            estimate = estimate_plan(plan, profile, cluster, **schedule)
+            estimate = estimate_plan(plan, profile, cluster, **as_run)
         except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
             notes.append(f"reroute schedule deadlocks: {exc}")
             return
@@ -111,7 +112,7 @@ def decide(
         drafts.append(("reroute", plan, estimate, moving, settings.reroute_restart_s))
 
     if not affected:
-        drafts.append((current.policy, current, estimate_plan(current, profile, cluster, **schedule), 0.0, 0.0))
+        drafts.append((current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0))
         if not idle:
             note = "no stage owner failed"
             chosen = drafts[0]
@@ -168,7 +169,7 @@ def decide(
                 plan.transfers, profile=profile, cluster=cluster,
                 storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
             )
-            estimate = estimate_plan(plan, profile, cluster, **schedule)
+            estimate = estimate_plan(plan, profile, cluster, **as_run)
             drafts.append(("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s))
         if not layouts:
             notes.append("no reparallelized layout fits the memory budget")
