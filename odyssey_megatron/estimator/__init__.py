@@ -1,8 +1,9 @@
 """Estimator: step time, peak memory and transition time of an ExecutionPlan.
 
 Step time = pipeline time from the op-list programme (Eq. 10-11; with staggered optimizer
-steps its steady-state period) + DP gradient sync in coloured rounds. Peak memory per stage follows Eq. 14 on the real op lists. The closed
-forms (Eq. 9, 12-14) live in ``closed_form`` for textbook checks.
+steps its steady-state period) + DP gradient sync in coloured rounds. Peak memory per
+stage follows Eq. 14 on the real op lists. The closed forms (Eq. 9, 12-14) live in
+``closed_form`` for textbook checks.
 """
 
 from __future__ import annotations
