@@ -16,10 +16,11 @@ from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, stage_peak_memory, symmetric_step_time
 from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
+from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
 from odyssey_megatron.estimator.staggered import staggered_period
-from odyssey_megatron.estimator.step_schedule import step_schedule
+from odyssey_megatron.estimator.step_schedule import step_schedule, timed_step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer, validate_plan
 from odyssey_megatron.planner.layers import SplitSearch, lone_pipeline_lower_bound, stage_ranges
@@ -275,3 +276,42 @@ def test_staggered_steps_let_split_peers_finish_into_the_next_step(budget, perio
     split = step_schedule(rerouted, profile, decouple=True, staggered=True)
     assert staggered_period(rerouted, profile, None, split.schedule) == period
     assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), dp=st.integers(2, 6), pp=st.integers(1, 4), micro_batches=st.integers(1, 5),
+       devices_per_node=st.integers(1, 8), decouple=st.booleans(), staggered=st.booleans())
+def test_pipelines_that_time_alike_are_simulated_once(data, dp, pp, micro_batches, devices_per_node, decouple,
+                                                      staggered):
+    """``estimate_plan`` keeps one pipeline of each class of untouched ones (same layers,
+    micro-batch count and links); its pipeline time and every stage's peak memory equal
+    those of the op lists over all pipelines, which the runtime runs."""
+    profile = replace(uniform_profile(num_layers=2 * pp, forward_s=1.0, backward_s=2.0, layer_state_bytes=10,
+                                      activation_bytes=1), p2p_bytes=1, intra_node_bandwidth=4.0,
+                      inter_node_bandwidth=1.0)
+    splits = [(2,) * pp, (1, *([2] * (pp - 2)), 3) if pp > 1 else (2,)]
+    plan = asymmetric_plan([data.draw(st.sampled_from(splits)) for _ in range(dp)],
+                           [micro_batches + data.draw(st.integers(0, 1)) for _ in range(dp)])
+    cluster = ClusterState(world_size=dp * pp, devices_per_node=devices_per_node)
+    failed = data.draw(st.sets(st.sampled_from(plan.workers), max_size=2))
+    rerouted = reroute_plan(plan, failed_workers=failed, profile=profile) if failed else plan
+    if rerouted is None:
+        return
+    estimate = estimate_plan(rerouted, profile, cluster, decouple=decouple, staggered=staggered)
+    timing, pipeline_s = timed_step_schedule(rerouted, profile, cluster, decouple=decouple, staggered=staggered)
+    peaks = peak_memory(rerouted, profile, timing.schedule)
+    assert estimate.pipeline_time_s == pytest.approx(pipeline_s, rel=1e-12)
+    assert estimate.peak_memory_bytes == tuple(
+        tuple(None if stage.worker is None else peaks[stage.worker] for stage in pipeline.stages)
+        for pipeline in rerouted.pipelines)
+
+
+def test_untouched_pipelines_collapse_by_layers_micro_batches_and_links():
+    """Eight two-stage pipelines on 3-device nodes, one failure: the failed pipeline and
+    its peer are kept; the rest fall in two classes, pipelines within a node and across."""
+    profile = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0)
+    plan = asymmetric_plan([(2, 2)] * 6 + [(1, 3)] * 2, [4] * 8)  # workers pipeline-major
+    rerouted = reroute_plan(plan, failed_workers={13}, profile=profile)  # pipeline 6, stage 1: (1, 3) peers
+    distinct, stands_for = distinct_pipelines(rerouted, ClusterState(world_size=16, devices_per_node=3))
+    assert stands_for == (0, 1, 0, 0, 1, 0, 2, 3)  # pipelines 1 and 4 span two nodes
+    assert [p.layer_counts for p in distinct.pipelines] == [(2, 2), (2, 2), (1, 3), (1, 3)]

@@ -13,6 +13,7 @@ from typing import Optional
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import sync_time
+from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock
 from odyssey_megatron.estimator.step_schedule import timed_step_schedule
@@ -61,17 +62,24 @@ def estimate_plan(
     *,
     decouple: bool = False,
     staggered: bool = False,
+    memo: dict | None = None,
 ) -> PlanEstimate:
     """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
     lets rerouting peers split their backwards; ``staggered`` optimizer steps price the
-    steady-state period); raises ScheduleDeadlock if its op lists cannot run."""
-    timing, pipeline_s = timed_step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)
-    peaks = peak_memory(plan, profile, timing.schedule)
+    steady-state period; ``memo`` as in ``timed_step_schedule``); raises ScheduleDeadlock
+    if its op lists cannot run. Pipelines that time alike are simulated once
+    (``estimator.distinct``)."""
+    distinct, stands_for = distinct_pipelines(plan, cluster)
+    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, decouple=decouple, staggered=staggered,
+                                             memo=memo)
+    peaks = peak_memory(distinct, profile, timing.schedule)
     return PlanEstimate(
         pipeline_time_s=pipeline_s,
         sync_time_s=sync_time(plan, profile, cluster),
         peak_memory_bytes=tuple(
-            tuple(peaks.get(s.worker) if s.worker is not None else None for s in p.stages) for p in plan.pipelines
+            tuple(peaks.get(kept.worker) if stage.worker is not None else None
+                  for stage, kept in zip(p.stages, distinct.pipelines[stands_for[pi]].stages))
+            for pi, p in enumerate(plan.pipelines)
         ),
         memory_budget_bytes=profile.memory_budget_bytes,
         samples_per_step=plan.num_micro_batches * profile.samples_per_micro_batch,

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.memory import stage_memory
-from odyssey_megatron.estimator.pipeline import PipelineTiming, ScheduleDeadlock, op_graph, ready_head
+from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, ScheduleDeadlock, op_graph, ready_head
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, compile_streams
+from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
 
 WEIGHT_GRAD_SHARE = 0.5
 """Share of a backward spent on weight gradients: one of the two GEMMs of each linear layer."""
@@ -44,12 +44,15 @@ class DecoupledTiming:
 
 
 def decoupled_pipelines(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, iterations: int = 1
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, iterations: int = 1,
+    graph: OpGraph | None = None,
 ) -> DecoupledTiming:
     """List-schedule ``plan`` with decoupled weight gradients on rerouting peers; raises
-    ScheduleDeadlock. Without reroutes this is exactly ``simulate_pipelines``."""
-    streams = compile_streams(plan)
-    compute, location, needs, consumer = op_graph(plan, streams, profile, cluster)
+    ScheduleDeadlock. Without reroutes this is exactly ``simulate_pipelines``. ``graph``:
+    the plan's ``op_graph``, if the caller has it."""
+    graph = graph or op_graph(plan, profile, cluster)
+    streams, compute, location, needs, consumer = (
+        graph.streams, graph.compute, graph.location, graph.needs, graph.consumer)
     room = {}  # micro-batches whose activations fit beside a stage owner's weights
     for pi, si, stage in plan.stage_positions():
         if stage.worker is not None:

@@ -47,12 +47,30 @@ def p2p_time(profile: ModelProfile, *, same_node: bool) -> float:
     return profile.link_latency_s + profile.p2p_bytes / profile.bandwidth(same_node)
 
 
+@dataclass(frozen=True)
+class OpGraph:
+    """What a list scheduler over a plan's streams needs. Every schedule of one plan runs
+    each op on the same worker, so one graph serves them all (plain, split, replayed)."""
+
+    streams: dict[int, list[list[Op]]]
+    """``compile_streams``: each worker's own stream, then the streams it adopts."""
+    compute: dict[tuple[int, int], tuple[float, float]]
+    """(forward, backward) seconds per (pipeline, stage)."""
+    location: dict[Op, int]
+    """The worker running each op."""
+    needs: dict[Op, tuple[Op | None, float]]
+    """Each op's dependency and the transfer time from the dependency's worker."""
+    consumer: dict[Op, Op]
+    """The op consuming each op's output."""
+
+
 def op_graph(
-    plan: ExecutionPlan, streams: dict[int, list[list[Op]]], profile: ModelProfile, cluster: ClusterState | None
-) -> tuple[dict[tuple[int, int], tuple[float, float]], dict[Op, int], dict[Op, tuple[Op | None, float]], dict[Op, Op]]:
-    """What a list scheduler over ``streams`` needs: (forward, backward) seconds per
-    (pipeline, stage), the worker running each op, each op's dependency with the transfer
-    time from the dependency's worker, and the op consuming each op's output."""
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None,
+    streams: dict[int, list[list[Op]]] | None = None,
+) -> OpGraph:
+    """The ``OpGraph`` of ``streams`` (by default the plan's ``compile_streams``)."""
+    if streams is None:
+        streams = compile_streams(plan)
     num_stages = [p.num_stages for p in plan.pipelines]
     compute: dict[tuple[int, int], tuple[float, float]] = {}
     for pi, si, stage in plan.stage_positions():
@@ -77,7 +95,7 @@ def op_graph(
         dep_worker = location.get(dep)
         needs[op] = (dep, 0.0 if dep_worker is None else link_s(dep_worker, worker))
         consumer[dep] = op
-    return compute, location, needs, consumer
+    return OpGraph(streams, compute, location, needs, consumer)
 
 
 def simulate_pipelines(
@@ -86,14 +104,18 @@ def simulate_pipelines(
     cluster: ClusterState | None = None,
     *,
     schedule: dict[int, list[Op]] | None = None,
+    graph: OpGraph | None = None,
 ) -> PipelineTiming:
     """Run the Eq. 11 programme over ``plan``; a given ``schedule`` fixes each worker's
-    order, otherwise streams are interleaved by list scheduling. Raises ScheduleDeadlock."""
+    order, otherwise streams are interleaved by list scheduling. ``graph``: the plan's
+    ``op_graph``, if the caller has it. Raises ScheduleDeadlock."""
     if schedule is not None:
         streams = {worker: [list(ops)] for worker, ops in schedule.items()}
-    else:
-        streams = compile_streams(plan)
-    compute, location, needs, consumer = op_graph(plan, streams, profile, cluster)
+        graph = op_graph(plan, profile, cluster, streams)
+    elif graph is None:
+        graph = op_graph(plan, profile, cluster)
+    streams, compute, location, needs, consumer = (
+        graph.streams, graph.compute, graph.location, graph.needs, graph.consumer)
 
     end_time: dict[Op, float] = {}
     cursor = {worker: [0] * len(lists) for worker, lists in streams.items()}

@@ -16,7 +16,7 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import WEIGHT_GRAD_SHARE
-from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, op_graph
+from odyssey_megatron.estimator.pipeline import OpGraph, ScheduleDeadlock, op_graph
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
@@ -45,12 +45,13 @@ def staggered_period(
     schedule: dict[int, list[Op]],
     *,
     iterations: int = ITERATIONS,
+    graph: OpGraph | None = None,
 ) -> float:
     """Steady-state seconds per step of ``schedule`` (each worker's op list, F, B and W,
     as ``step_schedule`` returns it) under staggered optimizer steps; raises
-    ScheduleDeadlock."""
-    streams = {worker: [[op for op in ops if op.kind != WEIGHT_GRAD]] for worker, ops in schedule.items()}
-    compute, _, needs, _ = op_graph(plan, streams, profile, cluster)
+    ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller has it."""
+    graph = graph or op_graph(plan, profile, cluster)
+    compute, needs = graph.compute, graph.needs
     schedule = {worker: ops for worker, ops in schedule.items() if ops}
     groups = sync_groups(plan, profile, schedule.keys())
     member_of: dict[int, list[int]] = defaultdict(list)
@@ -61,52 +62,57 @@ def staggered_period(
     group_end = [[0.0] * iterations for _ in groups]  # when the last of them finished
     split = {worker for worker, ops in schedule.items() if any(op.kind == WEIGHT_GRAD for op in ops)}
 
-    def duration(worker: int, op: Op) -> float:
+    def timed(worker: int, op: Op) -> tuple[Op, Op | None, float, float]:
+        """(op, its dependency, the transfer after it, the op's seconds)."""
         forward_s, backward_s = compute[op.pipeline, op.stage]
-        if op.kind == FORWARD:
-            return forward_s
         if op.kind == WEIGHT_GRAD:
-            return backward_s * WEIGHT_GRAD_SHARE
-        return backward_s * (1 - WEIGHT_GRAD_SHARE) if worker in split else backward_s
+            return op, None, 0.0, backward_s * WEIGHT_GRAD_SHARE
+        dep, link_s = needs[op]
+        if op.kind == FORWARD:
+            return op, dep, link_s, forward_s
+        return op, dep, link_s, backward_s * (1 - WEIGHT_GRAD_SHARE) if worker in split else backward_s
 
-    end: dict[tuple[int, Op], float] = {}
+    runs = {worker: [timed(worker, op) for op in ops] for worker, ops in schedule.items()}
+    end: list[dict[Op, float]] = [{} for _ in range(iterations)]  # per step
+    waiting_op: list[dict[Op, list[int]]] = [defaultdict(list) for _ in range(iterations)]
+    waiting_group: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(iterations)]
     finished: dict[int, list[float]] = {worker: [] for worker in schedule}
     position = dict.fromkeys(schedule, 0)
     step = dict.fromkeys(schedule, 0)
     free_at = dict.fromkeys(schedule, 0.0)
-    waiting: dict[tuple, list[int]] = defaultdict(list)  # (step, op) or (step, group) -> workers
     queue = deque(schedule)
     while queue:
         worker = queue.popleft()
-        ops = schedule[worker]
-        while step[worker] < iterations:
-            k = step[worker]
-            if position[worker] == 0 and k > 0:
+        run, k, pos, now = runs[worker], step[worker], position[worker], free_at[worker]
+        while k < iterations:
+            if pos == 0 and k > 0:
                 late = next((g for g in member_of[worker] if group_done[g][k - 1] < len(groups[g])), None)
                 if late is not None:
-                    waiting[k - 1, late].append(worker)
+                    waiting_group[k - 1][late].append(worker)
                     break
-                free_at[worker] = max([free_at[worker], *(group_end[g][k - 1] for g in member_of[worker])])
-            op = ops[position[worker]]
-            start = free_at[worker]
-            if op.kind != WEIGHT_GRAD:
-                dep, link_s = needs[op]
-                if dep is not None:
-                    if (k, dep) not in end:
-                        waiting[k, dep].append(worker)
-                        break
-                    start = max(start, end[k, dep] + link_s)
-            free_at[worker] = end[k, op] = start + duration(worker, op)
-            queue.extend(waiting.pop((k, op), ()))
-            position[worker] += 1
-            if position[worker] == len(ops):
-                finished[worker].append(free_at[worker])
-                position[worker], step[worker] = 0, k + 1
+                now = max([now, *(group_end[g][k - 1] for g in member_of[worker])])
+            op, dep, link_s, seconds = run[pos]
+            if dep is not None:
+                dep_end = end[k].get(dep)
+                if dep_end is None:
+                    waiting_op[k][dep].append(worker)
+                    break
+                now = max(now, dep_end + link_s)
+            now += seconds
+            end[k][op] = now
+            woken = waiting_op[k].pop(op, None)
+            if woken:
+                queue.extend(woken)
+            pos += 1
+            if pos == len(run):
+                finished[worker].append(now)
                 for g in member_of[worker]:
                     group_done[g][k] += 1
-                    group_end[g][k] = max(group_end[g][k], free_at[worker])
+                    group_end[g][k] = max(group_end[g][k], now)
                     if group_done[g][k] == len(groups[g]):
-                        queue.extend(waiting.pop((k, g), ()))
+                        queue.extend(waiting_group[k].pop(g, ()))
+                pos, k = 0, k + 1
+        step[worker], position[worker], free_at[worker] = k, pos, now
     if any(s < iterations for s in step.values()):
         raise ScheduleDeadlock("staggered op lists wait on each other in a cycle")
     ends = [max((times[k] for times in finished.values()), default=0.0) for k in range(iterations)]

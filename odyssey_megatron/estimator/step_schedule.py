@@ -5,12 +5,11 @@ makespan, or under staggered optimizer steps the steady-state period
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
+from odyssey_megatron.estimator.distinct import sub_plan, touched_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
-from odyssey_megatron.estimator.pipeline import PipelineTiming, simulate_pipelines
+from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, op_graph, simulate_pipelines
 from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -41,24 +40,34 @@ def timed_step_schedule(
     *,
     decouple: bool = False,
     staggered: bool = False,
+    memo: dict | None = None,
 ) -> tuple[PipelineTiming, float]:
-    """``step_schedule`` and its ``step_time``, which the choice may already have computed."""
+    """``step_schedule`` and its ``step_time``, which the choice may already have computed.
+    A ``memo`` kept for one decision (one profile and cluster) remembers each choice."""
     if not (decouple and plan.reroutes):
-        timing = simulate_pipelines(plan, profile, cluster)
-        return timing, step_time(plan, profile, cluster, timing, staggered=staggered)
-    touched = _touched_pipelines(plan)
-    chosen, chosen_s = _split_if_faster(touched or plan, profile, cluster, staggered)
-    if touched is None:
+        graph = op_graph(plan, profile, cluster)
+        timing = simulate_pipelines(plan, profile, cluster, graph=graph)
+        return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
+    touched = _touched(plan)
+    chosen, chosen_s = _split_if_faster(touched, profile, cluster, staggered, memo)
+    if len(touched.pipelines) == len(plan.pipelines):
         return chosen, chosen_s
+    graph = op_graph(plan, profile, cluster)
     if any(op.kind == WEIGHT_GRAD for ops in chosen.schedule.values() for op in ops):
-        timing = decoupled_pipelines(plan, profile, cluster).first
+        timing = decoupled_pipelines(plan, profile, cluster, graph=graph).first
     else:
-        timing = simulate_pipelines(plan, profile, cluster)
-    return timing, step_time(plan, profile, cluster, timing, staggered=staggered)
+        timing = simulate_pipelines(plan, profile, cluster, graph=graph)
+    return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
 
 
 def step_time(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, timing: PipelineTiming, *, staggered: bool
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None,
+    timing: PipelineTiming,
+    *,
+    staggered: bool,
+    graph: OpGraph | None = None,
 ) -> float:
     """Pipeline seconds per step of ``timing``'s op lists: the makespan, or with
     ``staggered`` optimizer steps the steady-state period. Without reroutes the two are
@@ -67,7 +76,7 @@ def step_time(
     starts when the last pipeline ends, and every other stage's partners are done before
     its first input arrives."""
     if staggered and plan.reroutes:
-        return staggered_period(plan, profile, cluster, timing.schedule)
+        return staggered_period(plan, profile, cluster, timing.schedule, graph=graph)
     return timing.makespan_s
 
 
@@ -78,26 +87,42 @@ def rerouted_makespan(
     *,
     decouple: bool = False,
     staggered: bool = False,
+    memo: dict | None = None,
 ) -> float:
     """Pipeline seconds per step (``step_time``) of the pipelines a reroute touches: those
     with a failed stage and those whose owners adopt micro-batches. The rest run their
     plain 1F1B schedules, unchanged, so comparing reroutes of one layout needs only this
-    (a small share of a large plan). ``decouple`` and ``staggered`` as in ``step_schedule``."""
-    touched = _touched_pipelines(plan) or plan
+    (a small share of a large plan). ``decouple``, ``staggered`` and ``memo`` as in
+    ``timed_step_schedule``."""
+    touched = _touched(plan)
     if decouple and plan.reroutes:
-        return _split_if_faster(touched, profile, cluster, staggered)[1]
-    return step_time(touched, profile, cluster, simulate_pipelines(touched, profile, cluster), staggered=staggered)
+        return _split_if_faster(touched, profile, cluster, staggered, memo)[1]
+    graph = op_graph(touched, profile, cluster)
+    timing = simulate_pipelines(touched, profile, cluster, graph=graph)
+    return step_time(touched, profile, cluster, timing, staggered=staggered, graph=graph)
 
 
 def _split_if_faster(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool, memo: dict | None
 ) -> tuple[PipelineTiming, float]:
     """Split op lists if their ``step_time`` beats plain 1F1B's and they fit in memory;
     the chosen timing and its step time."""
-    plain = simulate_pipelines(plan, profile, cluster)
-    plain_s = step_time(plan, profile, cluster, plain, staggered=staggered)
-    split = decoupled_pipelines(plan, profile, cluster).first
-    split_s = step_time(plan, profile, cluster, split, staggered=staggered)
+    if memo is None:
+        return _choose_split(plan, profile, cluster, staggered)
+    key = (plan, staggered)
+    if key not in memo:
+        memo[key] = _choose_split(plan, profile, cluster, staggered)
+    return memo[key]
+
+
+def _choose_split(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool
+) -> tuple[PipelineTiming, float]:
+    graph = op_graph(plan, profile, cluster)
+    plain = simulate_pipelines(plan, profile, cluster, graph=graph)
+    plain_s = step_time(plan, profile, cluster, plain, staggered=staggered, graph=graph)
+    split = decoupled_pipelines(plan, profile, cluster, graph=graph).first
+    split_s = step_time(plan, profile, cluster, split, staggered=staggered, graph=graph)
     if split_s >= plain_s:
         return plain, plain_s
     if max(peak_memory(plan, profile, split.schedule).values(), default=0) > profile.memory_budget_bytes:
@@ -105,17 +130,7 @@ def _split_if_faster(
     return split, split_s
 
 
-def _touched_pipelines(plan: ExecutionPlan) -> ExecutionPlan | None:
-    """The sub-plan of pipelines with a failed stage or a rerouting peer; None if that is all."""
-    owner_pipeline = {stage.worker: pi for pi, _, stage in plan.stage_positions() if stage.worker is not None}
-    involved = {pi for pi, _, stage in plan.stage_positions() if stage.worker is None}
-    involved |= {owner_pipeline[r.worker] for r in plan.reroutes}
-    if len(involved) == len(plan.pipelines):
-        return None
-    index = {old: new for new, old in enumerate(sorted(involved))}
-    return replace(
-        plan,
-        pipelines=tuple(plan.pipelines[pi] for pi in sorted(involved)),
-        reroutes=tuple(replace(r, pipeline=index[r.pipeline]) for r in plan.reroutes),
-        sync_units=(), comm_rounds=(), transfers=(),
-    )
+def _touched(plan: ExecutionPlan) -> ExecutionPlan:
+    """The sub-plan of pipelines a reroute touches, without sync or transfers (so equal
+    reroutes give equal sub-plans, for the memo)."""
+    return sub_plan(plan, touched_pipelines(plan))

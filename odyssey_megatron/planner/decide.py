@@ -93,8 +93,8 @@ def decide(
     drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float, float]] = []  # policy, plan, estimate, moving, restart
     considered = 0
     notes = []
-    as_run = dict(  # price plans as the runtime runs them
-        decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer)
+    as_run = dict(  # price plans as the runtime runs them; the memo spares pricing a reroute twice
+        decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer, memo={})
     reroute_cost = lambda plan: rerouted_makespan(plan, profile, cluster, **as_run)  # noqa: E731
 
     def consider_reroute(plan: ExecutionPlan) -> None:
