@@ -18,7 +18,7 @@ from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import validate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, distribute_batch, reroute_plan
 from odyssey_megatron.planner.layers import SplitSearch, layer_splits
-from odyssey_megatron.planner.normalize import normalize_failures
+from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.planner.policy import fatal_share, policy_score
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep, two_length_partitions
@@ -147,6 +147,32 @@ def test_reroute_spreads_evenly_over_peers():
 
 
 FIG3 = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=100, bandwidth=10.0)
+
+
+def test_an_idle_worker_refills_the_costliest_rerouted_stage_pricing_each_kind_once():
+    """Fig. 3 layout on 13 workers (worker 12 idle). Plain 1F1B: a rerouted last stage
+    costs more than a rerouted first stage, so worker 12 takes over the last one, copying
+    it from the peer on its node. Two failed last stages of identical pipelines are one
+    kind: priced once, the first filled."""
+    plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)  # stage s of pipeline d: 3s + d
+    priced = []
+
+    def cost(rerouted):
+        priced.append(rerouted)
+        return rerouted_makespan(rerouted, FIG3, cluster)
+
+    cluster = ClusterState(world_size=13, devices_per_node=13).fail_ranks([0, 10])  # pipeline 0 stage 0, 1 stage 3
+    refilled = refill_failed_stages(reroute_plan(plan, failed_workers={0, 10}, profile=FIG3), idle_workers={12},
+                                    cluster=cluster, profile=FIG3, cost=cost)
+    assert [s.worker for s in refilled.layout.pipelines[1].stages] == [1, 4, 7, 12]
+    assert [(t.layer, t.src, t.dst) for t in refilled.transfers] == [(3, 9, 12), ("output", 9, 12)]
+    assert len(priced) == 2
+    priced.clear()
+    cluster = ClusterState(world_size=13, devices_per_node=13).fail_ranks([9, 10])  # stage 3 of pipelines 0 and 1
+    refilled = refill_failed_stages(reroute_plan(plan, failed_workers={9, 10}, profile=FIG3), idle_workers={12},
+                                    cluster=cluster, profile=FIG3, cost=cost)
+    assert [s.worker for s in refilled.layout.pipelines[0].stages] == [0, 3, 6, 12]
+    assert len(priced) == 1
 
 
 def test_normalization_moves_a_failure_to_where_rerouting_is_cheapest():

@@ -71,12 +71,21 @@ def refill_failed_stages(
 ) -> Normalized:
     """Idle workers (repaired, or spare) take over stages whose micro-batches are rerouted,
     each the one whose rerouting ``cost`` most, after a stage copy from a peer. Stages
-    nobody can copy from stay rerouted."""
+    nobody can copy from stay rerouted. Failed stages that differ only in their pipeline
+    (same stage, layer split, micro-batch count and failed stages) cost alike, so only the
+    first of each kind is priced: on a large cluster every price is a whole-plan estimate."""
     moves: list[tuple[int, int, int]] = []
     for worker in sorted(idle_workers):
         options = []
+        priced = set()
         for pi, si, stage in plan.stage_positions():
-            if stage.worker is None and _holders(plan, pi, si, cluster.failed_workers, profile):
+            if stage.worker is not None:
+                continue
+            pipeline = plan.pipelines[pi]
+            kind = (si, pipeline.layer_counts, len(pipeline.micro_batches),
+                    tuple(s.worker is None for s in pipeline.stages))
+            if kind not in priced and _holders(plan, pi, si, cluster.failed_workers, profile):
+                priced.add(kind)
                 filled = _assign(plan, pi, si, worker)
                 rerouted = reroute_plan(filled, failed_workers=cluster.failed_workers, profile=profile)
                 price = None if rerouted is None else cost(rerouted)
