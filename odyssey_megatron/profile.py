@@ -72,6 +72,9 @@ class ModelProfile:
     """Usable memory per device."""
     samples_per_micro_batch: int
     tokens_per_sample: int
+    host_bandwidth: float = float("inf")
+    """Bytes/s a device copies to host memory: what a staggered optimizer step's retake
+    copy costs (``estimator.staggered``)."""
 
     @property
     def num_layers(self) -> int:
@@ -195,6 +198,7 @@ def analytic_profile(
         intra_node_bandwidth=device.intra_node_bandwidth,
         inter_node_bandwidth=device.inter_node_bandwidth,
         link_latency_s=device.link_latency_s,
+        host_bandwidth=device.host_bandwidth,
         memory_budget_bytes=budget,
         samples_per_micro_batch=b,
         tokens_per_sample=s,

@@ -20,7 +20,7 @@ from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
 from odyssey_megatron.estimator.staggered import staggered_period
-from odyssey_megatron.estimator.step_schedule import step_schedule, timed_step_schedule
+from odyssey_megatron.estimator.step_schedule import staggers, step_schedule, timed_step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer, validate_plan
 from odyssey_megatron.planner.layers import SplitSearch, lone_pipeline_lower_bound, stage_ranges
@@ -276,6 +276,27 @@ def test_staggered_steps_let_split_peers_finish_into_the_next_step(budget, perio
     split = step_schedule(rerouted, profile, decouple=True, staggered=True)
     assert staggered_period(rerouted, profile, None, split.schedule) == period
     assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period
+
+
+@pytest.mark.parametrize("copy_s, period, staggered", [(0.5, 29.5, True), (1.0, 30.0, True), (2.0, 30.0, False)])
+def test_staggering_pays_only_for_a_retake_copy_cheaper_than_its_gain(copy_s, period, staggered):
+    """The Fig. 3 case with split op lists (30 slots a step, 29 staggered for free), now
+    with each stage's optimizer state copied to host memory before a staggered step:
+    half a slot of copy costs half a slot a step; two slots would cost more than the one
+    gained, so the runtime does not stagger and the step takes 30."""
+    free = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=10, activation_bytes=1,
+                           memory_budget_bytes=100)
+    profile = replace(free, layers=tuple(replace(layer, optimizer_bytes=1) for layer in free.layers),
+                      host_bandwidth=1 / copy_s)
+    rerouted = reroute_plan(symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6),
+                            failed_workers={10}, profile=profile)
+    split = step_schedule(rerouted, profile, decouple=True, staggered=True)
+    assert split.makespan_s == 30.0
+    assert staggered_period(rerouted, profile, None, split.schedule) == 29.0 + copy_s
+    assert staggers(rerouted, profile, None, split) is staggered
+    assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period
+    fault_free = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)
+    assert not staggers(fault_free, profile, None, simulate_pipelines(fault_free, profile))
 
 
 @settings(max_examples=40, deadline=None)

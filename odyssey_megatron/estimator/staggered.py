@@ -7,6 +7,12 @@ pipeline's last stages, a rerouting peer's deferred weight gradients at the end)
 on, so a step costs the steady-state period, which can be shorter than one step's
 makespan. Steps are replayed back to back over the same Eq. 11 recurrence, each op
 after its worker's previous op and after its dependency plus the transfer.
+
+A staggered step is speculative: before it, each worker copies what a retake needs
+(gradients, fp32 master weights and Adam state) to host memory, serially. That copy ends
+each worker's step here, so on an accelerator, where it crosses PCIe, staggering pays
+only where the period gained exceeds it (``step_schedule.staggers``). Every step is
+charged the copy: Llama recipes clip gradients, and the runtime copies whenever they do.
 """
 
 from __future__ import annotations
@@ -38,6 +44,16 @@ def sync_groups(plan: ExecutionPlan, profile: ModelProfile, workers: AbstractSet
     return sorted({frozenset(group) for group in holders.values()}, key=sorted)
 
 
+def retake_copy_s(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
+    """Seconds each stage owner spends copying its optimizer-owned state (gradients,
+    master weights, Adam moments) to host memory before a staggered step."""
+    return {
+        worker: sum(profile.block(b).grad_bytes + profile.block(b).optimizer_bytes for b in blocks)
+        / profile.host_bandwidth
+        for worker, blocks in plan.holdings(profile).items()
+    }
+
+
 def staggered_period(
     plan: ExecutionPlan,
     profile: ModelProfile,
@@ -48,8 +64,9 @@ def staggered_period(
     graph: OpGraph | None = None,
 ) -> float:
     """Steady-state seconds per step of ``schedule`` (each worker's op list, F, B and W,
-    as ``step_schedule`` returns it) under staggered optimizer steps; raises
-    ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller has it."""
+    as ``step_schedule`` returns it) under staggered optimizer steps, retake copies
+    included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
+    has it."""
     graph = graph or op_graph(plan, profile, cluster)
     compute, needs = graph.compute, graph.needs
     schedule = {worker: ops for worker, ops in schedule.items() if ops}
@@ -73,6 +90,7 @@ def staggered_period(
         return op, dep, link_s, backward_s * (1 - WEIGHT_GRAD_SHARE) if worker in split else backward_s
 
     runs = {worker: [timed(worker, op) for op in ops] for worker, ops in schedule.items()}
+    copy_s = retake_copy_s(plan, profile)
     end: list[dict[Op, float]] = [{} for _ in range(iterations)]  # per step
     waiting_op: list[dict[Op, list[int]]] = [defaultdict(list) for _ in range(iterations)]
     waiting_group: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(iterations)]
@@ -105,6 +123,7 @@ def staggered_period(
                 queue.extend(woken)
             pos += 1
             if pos == len(run):
+                now += copy_s[worker]
                 finished[worker].append(now)
                 for g in member_of[worker]:
                     group_done[g][k] += 1

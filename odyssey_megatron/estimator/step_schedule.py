@@ -70,14 +70,25 @@ def step_time(
     graph: OpGraph | None = None,
 ) -> float:
     """Pipeline seconds per step of ``timing``'s op lists: the makespan, or with
-    ``staggered`` optimizer steps the steady-state period. Without reroutes the two are
-    equal: every pipeline's first stage holds layer 0, so all first stages wait for each
-    other, and each ends its pipeline's step (1F1B's last backward), so the next step
+    ``staggered`` optimizer steps, where staggering pays (``staggers``), the steady-state
+    period. Without reroutes it never pays: without retake copies the two are equal
+    (every pipeline's first stage holds layer 0, so all first stages wait for each
+    other, and each ends its pipeline's step, 1F1B's last backward, so the next step
     starts when the last pipeline ends, and every other stage's partners are done before
-    its first input arrives."""
+    its first input arrives), and copies only add to the period."""
     if staggered and plan.reroutes:
-        return staggered_period(plan, profile, cluster, timing.schedule, graph=graph)
+        return min(timing.makespan_s, staggered_period(plan, profile, cluster, timing.schedule, graph=graph))
     return timing.makespan_s
+
+
+def staggers(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, timing: PipelineTiming
+) -> bool:
+    """Whether the runtime staggers optimizer steps over ``timing``'s op lists (when
+    ``odyssey.staggered_optimizer`` allows it): where the steady-state period, retake
+    copies included, is no longer than the makespan, so a fault-free plan staggers only
+    where the copies are free (host memory)."""
+    return staggered_period(plan, profile, cluster, timing.schedule) <= timing.makespan_s
 
 
 def rerouted_makespan(

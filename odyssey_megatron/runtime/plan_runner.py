@@ -6,9 +6,10 @@ parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1
 when no micro-batch is rerouted, else the Odyssey executor over this worker's op list
 from the estimator (``step_schedule``: with split backwards on rerouting peers when
 ``decouple_weight_grads`` is on and that pays). ``train_step`` runs one global batch.
-With ``staggered_optimizer`` a rank steps without waiting for the global gradient norm
-(``runtime.staggered_step``), so it starts the next step as soon as its own DP peers are
-done; ``settle`` ends the last such step.
+With ``staggered_optimizer``, where the estimator finds it pays (``staggers``: the retake
+copy to host memory must cost less than the period gained), a rank steps without waiting
+for the global gradient norm (``runtime.staggered_step``), so it starts the next step as
+soon as its own DP peers are done; ``settle`` ends the last such step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 import torch
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.estimator.step_schedule import step_schedule
+from odyssey_megatron.estimator.step_schedule import staggers, step_schedule
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, local_grad_square, parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
@@ -80,7 +81,6 @@ class PlanRunner:
             raise ValueError("Megatron's 1F1B cannot run a plan with rerouted micro-batches")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self.max_grad_norm = max_grad_norm
-        self.staggered_optimizer = staggered_optimizer
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
         """Staggered steps retaken because clipping engaged (each cost one forward-backward)."""
@@ -95,9 +95,9 @@ class PlanRunner:
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
             overlap=overlap_grad_sync,
         )
-        self.ops = step_schedule(
-            plan, profile, decouple=decouple_weight_grads, staggered=staggered_optimizer
-        ).schedule[self.worker]
+        timing = step_schedule(plan, profile, decouple=decouple_weight_grads, staggered=staggered_optimizer)
+        self.ops = timing.schedule[self.worker]
+        self.staggered_optimizer = staggered_optimizer and staggers(plan, profile, None, timing)
         self.executor: StepExecutor | MegatronPipelineSchedule
         if schedule == "megatron" or (schedule == "auto" and not plan.reroutes):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})

@@ -30,6 +30,8 @@ class DeviceSpec:
     """Bytes/s one device can push to a peer in another node (one direction)."""
     link_latency_s: float
     """Fixed cost of one message or collective step."""
+    host_bandwidth: float
+    """Bytes/s one device copies to pinned host memory (its PCIe link)."""
     mfu: float
     """Model FLOP utilisation a transformer layer reaches on this device."""
 
@@ -45,6 +47,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             intra_node_bandwidth=56 * GB,
             inter_node_bandwidth=25 * GB,
             link_latency_s=20e-6,
+            host_bandwidth=25 * GB,
             mfu=0.45,
         ),
         DeviceSpec(
@@ -55,6 +58,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             intra_node_bandwidth=300 * GB,
             inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6,
+            host_bandwidth=25 * GB,
             mfu=0.5,
         ),
         DeviceSpec(
@@ -65,6 +69,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             intra_node_bandwidth=450 * GB,
             inter_node_bandwidth=50 * GB,
             link_latency_s=8e-6,
+            host_bandwidth=50 * GB,
             mfu=0.45,
         ),
         DeviceSpec(
@@ -75,6 +80,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             intra_node_bandwidth=2 * GB,
             inter_node_bandwidth=1 * GB,
             link_latency_s=50e-6,
+            host_bandwidth=10 * GB,
             mfu=0.3,
         ),
     )
