@@ -1,7 +1,7 @@
 """Which op lists one training step runs: plain 1F1B, or decoupled weight gradients on
 rerouting peers where that pays (``estimator.decoupled``), and what a step costs: its
-makespan, or under staggered optimizer steps the steady-state period
-(``estimator.staggered``)."""
+makespan, or under staggered optimizer steps, where they pay for their retake copies,
+the steady-state period (``estimator.staggered``)."""
 
 from __future__ import annotations
 
