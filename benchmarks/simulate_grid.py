@@ -4,15 +4,16 @@ Every cell runs all systems on the same seeded events (DP x PP4, 8 micro-batches
 pipeline). Large clusters at high rates would see thousands of failures in 9 h; the
 duration is cut so a cell expects at most --max-failures failures (printed per cell).
 Prints average throughput as a fraction of the fault-scaled ideal, Odyssey's ratio to
-the best baseline, and Odyssey's fraction of the hindsight oracle.
-Run: .venv/bin/python benchmarks/simulate_grid.py [--quick] [--jobs 2]
+the best baseline, and Odyssey's fraction of the hindsight oracle, one row per cell as it
+finishes (largest cells start first).
+Run: .venv/bin/python benchmarks/simulate_grid.py [--quick] [--jobs 2] [--sizes 512 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from odyssey_megatron.simulator.run import simulate
 from odyssey_megatron.simulator.scenario import BASELINES, SYSTEMS, load_scenario
@@ -40,8 +41,9 @@ def main() -> None:
     parser.add_argument("--max-failures", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="cells simulated in parallel processes")
+    parser.add_argument("--sizes", type=int, nargs="+", help="cluster sizes (default: 8-1024, or 8-128 with --quick)")
     args = parser.parse_args()
-    sizes = [8, 32, 128] if args.quick else [8, 32, 128, 512, 1024]
+    sizes = args.sizes or ([8, 32, 128] if args.quick else [8, 32, 128, 512, 1024])
     rates = [0.01, 0.2] if args.quick else [0.01, 0.05, 0.1, 0.2]
     cells = [(devices, rate, repairs) for devices in sizes for rate in rates for repairs in (False, True)]
     shown = ["odyssey", *BASELINES]
@@ -49,8 +51,11 @@ def main() -> None:
     print(f"{'devices':>7} {'rate/h':>6} {'repair':>6} {'hours':>5}  fraction of fault-scaled ideal: {header}"
           f"  {'ody/best':>8} {'best':>12} {'ody/oracle':>10} {'secs':>5}", flush=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(cell, *c, max_failures=args.max_failures, seed=args.seed) for c in cells]
-        for (devices, rate, repairs), future in zip(cells, futures):
+        # Largest cells first, so the slowest do not start last; rows print as cells finish.
+        futures = {pool.submit(cell, *c, max_failures=args.max_failures, seed=args.seed): c
+                   for c in sorted(cells, key=lambda c: (-c[0], -c[1], c[2]))}
+        for future in as_completed(futures):
+            devices, rate, repairs = futures[future]
             hours, summaries, seconds = future.result()
             fractions = " ".join(f"{summaries[s].fraction_of_ideal:12.3f}" for s in shown)
             best = max(BASELINES, key=lambda s: summaries[s].avg_throughput)

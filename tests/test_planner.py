@@ -153,7 +153,7 @@ def test_an_idle_worker_refills_the_costliest_rerouted_stage_pricing_each_kind_o
     """Fig. 3 layout on 13 workers (worker 12 idle). Plain 1F1B: a rerouted last stage
     costs more than a rerouted first stage, so worker 12 takes over the last one, copying
     it from the peer on its node. Two failed last stages of identical pipelines are one
-    kind: priced once, the first filled."""
+    kind: priced once, the first filled. With a worker for each, nothing is priced."""
     plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)  # stage s of pipeline d: 3s + d
     priced = []
 
@@ -173,6 +173,11 @@ def test_an_idle_worker_refills_the_costliest_rerouted_stage_pricing_each_kind_o
                                     cluster=cluster, profile=FIG3, cost=cost)
     assert [s.worker for s in refilled.layout.pipelines[0].stages] == [0, 3, 6, 12]
     assert len(priced) == 1
+    priced.clear()
+    cluster = ClusterState(world_size=14, devices_per_node=14).fail_ranks([9, 10])  # two idle workers: fill both
+    refilled = refill_failed_stages(reroute_plan(plan, failed_workers={9, 10}, profile=FIG3), idle_workers={12, 13},
+                                    cluster=cluster, profile=FIG3, cost=cost)
+    assert [p.stages[3].worker for p in refilled.layout.pipelines] == [12, 13, 11] and not priced
 
 
 def test_normalization_moves_a_failure_to_where_rerouting_is_cheapest():

@@ -71,26 +71,38 @@ def refill_failed_stages(
 ) -> Normalized:
     """Idle workers (repaired, or spare) take over stages whose micro-batches are rerouted,
     each the one whose rerouting ``cost`` most, after a stage copy from a peer. Stages
-    nobody can copy from stay rerouted. Failed stages that differ only in their pipeline
-    (same stage, layer split, micro-batch count and failed stages) cost alike, so only the
-    first of each kind is priced: on a large cluster every price is a whole-plan estimate."""
+    nobody can copy from stay rerouted. On a large cluster every price is a whole-plan
+    estimate, so prices are skipped where they cannot change the outcome: when there are
+    idle workers for every such stage, all are filled in order; and failed stages that
+    differ only in their pipeline (same stage, layer split, micro-batch count and failed
+    stages) cost alike, so the first of each kind stands for the rest."""
     moves: list[tuple[int, int, int]] = []
-    for worker in sorted(idle_workers):
+    waiting = sorted(idle_workers)
+    while waiting:
+        worker = waiting.pop(0)
+        fillable = [(pi, si) for pi, si, stage in plan.stage_positions()
+                    if stage.worker is None and _holders(plan, pi, si, cluster.failed_workers, profile)]
+        if not fillable:
+            break
+        if len(waiting) + 1 >= len(fillable):
+            pi, si = fillable[0]
+            plan = _assign(plan, pi, si, worker)
+            moves.append((pi, si, worker))
+            continue
         options = []
         priced = set()
-        for pi, si, stage in plan.stage_positions():
-            if stage.worker is not None:
-                continue
+        for pi, si in fillable:
             pipeline = plan.pipelines[pi]
             kind = (si, pipeline.layer_counts, len(pipeline.micro_batches),
                     tuple(s.worker is None for s in pipeline.stages))
-            if kind not in priced and _holders(plan, pi, si, cluster.failed_workers, profile):
-                priced.add(kind)
-                filled = _assign(plan, pi, si, worker)
-                rerouted = reroute_plan(filled, failed_workers=cluster.failed_workers, profile=profile)
-                price = None if rerouted is None else cost(rerouted)
-                if price is not None:
-                    options.append((price, pi, si, filled))
+            if kind in priced:
+                continue
+            priced.add(kind)
+            filled = _assign(plan, pi, si, worker)
+            rerouted = reroute_plan(filled, failed_workers=cluster.failed_workers, profile=profile)
+            price = None if rerouted is None else cost(rerouted)
+            if price is not None:
+                options.append((price, pi, si, filled))
         if not options:
             break
         _, pi, si, plan = min(options, key=lambda option: option[:3])
