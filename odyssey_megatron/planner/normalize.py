@@ -77,14 +77,13 @@ def refill_failed_stages(
     differ only in their pipeline (same stage, layer split, micro-batch count and failed
     stages) cost alike, so the first of each kind stands for the rest."""
     moves: list[tuple[int, int, int]] = []
-    waiting = sorted(idle_workers)
-    while waiting:
-        worker = waiting.pop(0)
+    workers = sorted(idle_workers)
+    for n, worker in enumerate(workers):
         fillable = [(pi, si) for pi, si, stage in plan.stage_positions()
                     if stage.worker is None and _holders(plan, pi, si, cluster.failed_workers, profile)]
         if not fillable:
             break
-        if len(waiting) + 1 >= len(fillable):
+        if len(workers) - n >= len(fillable):  # a worker for each: all get filled, in any order
             pi, si = fillable[0]
             plan = _assign(plan, pi, si, worker)
             moves.append((pi, si, worker))
