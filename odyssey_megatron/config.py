@@ -185,9 +185,9 @@ class OdysseyConfig:
     staggered_optimizer: bool = True
     """Each rank steps its optimizer as soon as its own DP peers are done instead of after
     the global gradient norm, so stages that finish early start the next step early
-    (paper 003's Staggered Optimizer), on plans where that pays for the copy to host
-    memory a retake needs. Exact: a step that clipping should have scaled is retaken and
-    the next forward-backward rerun (``runtime.staggered_step``)."""
+    (paper 003's Staggered Optimizer), on plans where that shortens the step. Exact: the
+    next step runs ahead only until it would send a result or write a gradient, and a
+    step that clipping should have scaled is retaken there (``runtime.staggered_step``)."""
     max_layer_splits: int = 256
     """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
     memory_budget_gib: Optional[float] = None

@@ -74,7 +74,9 @@ class ModelProfile:
     tokens_per_sample: int
     host_bandwidth: float = float("inf")
     """Bytes/s a device copies to host memory: what a staggered optimizer step's retake
-    copy costs (``estimator.staggered``)."""
+    snapshot costs (``estimator.staggered``)."""
+    host_copy_async: bool = True
+    """Whether that copy overlaps compute (``DeviceSpec.host_copy_async``)."""
 
     @property
     def num_layers(self) -> int:
@@ -199,6 +201,7 @@ def analytic_profile(
         inter_node_bandwidth=device.inter_node_bandwidth,
         link_latency_s=device.link_latency_s,
         host_bandwidth=device.host_bandwidth,
+        host_copy_async=device.host_copy_async,
         memory_budget_bytes=budget,
         samples_per_micro_batch=b,
         tokens_per_sample=s,

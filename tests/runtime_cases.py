@@ -113,9 +113,9 @@ def run_plan(
 
 
 def last_stage_steps_first(rank: int, world_size: int, plan_json: str, staggered: bool, marker: str) -> bool:
-    """A two-stage pipeline. The last stage writes ``marker`` once it has taken its first
-    optimizer step; the first stage, before taking its own, waits for the marker (a few
-    seconds when no staggering is expected). Returns whether the first stage saw it."""
+    """The last stage writes ``marker`` once it has taken its first optimizer step; the
+    first stages, before taking their own, wait for the marker (a few seconds when no
+    staggering is expected). Returns whether this rank saw it (a last stage: False)."""
     import os
     import time
 

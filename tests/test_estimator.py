@@ -21,6 +21,7 @@ from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
 from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.estimator.step_schedule import staggers, step_schedule, timed_step_schedule
+from odyssey_megatron.schedules.ops import Op, settle_point
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer, validate_plan
 from odyssey_megatron.planner.layers import SplitSearch, lone_pipeline_lower_bound, stage_ranges
@@ -278,21 +279,51 @@ def test_staggered_steps_let_split_peers_finish_into_the_next_step(budget, perio
     assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period
 
 
-@pytest.mark.parametrize("copy_s, period, staggered", [(0.5, 29.5, True), (1.0, 30.0, True), (2.0, 30.0, False)])
-def test_staggering_pays_only_for_a_retake_copy_cheaper_than_its_gain(copy_s, period, staggered):
+def test_a_speculative_step_runs_ahead_up_to_its_settle_point():
+    """After a staggered step a worker may compute, but not send a result or write a
+    gradient, before the step settles: a first or middle stage stops at its first
+    forward's send, a last stage (and a peer adopting last-stage micro-batches) at its
+    first backward."""
+    stages = [4, 4]
+    assert settle_point([Op("F", 0, 0, 0), Op("F", 0, 0, 1)], stages) == 0
+    assert settle_point([Op("F", 1, 2, 0), Op("F", 1, 2, 1)], stages) == 0
+    assert settle_point([Op("F", 0, 3, 0), Op("B", 0, 3, 0)], stages) == 1
+    assert settle_point([Op("F", 0, 3, 0), Op("F", 1, 3, 0), Op("B", 0, 3, 0), Op("W", 0, 3, 0)], stages) == 2
+
+
+def test_the_next_step_waits_for_the_norm_before_it_sends():
+    """Two pipelines of four stages, the second's last stage failed, four micro-batches
+    each, split backwards: 54 slots a step. Staggered, 52: the first stages start the
+    next step while the peer finishes, but hold their first outputs until every worker
+    is done (the norm is in); were they sent at once, the period would be 50."""
+    profile = uniform_profile(num_layers=8)
+    rerouted = reroute_plan(symmetric_plan(dp=2, pp=4, num_layers=8, micro_batches_per_pipeline=4),
+                            failed_workers={7}, profile=profile)
+    split = step_schedule(rerouted, profile, decouple=True, staggered=True)
+    assert split.makespan_s == 54.0
+    assert staggered_period(rerouted, profile, None, split.schedule) == 52.0
+
+
+@pytest.mark.parametrize("copy_s, in_line, period, staggered", [
+    (0.5, False, 29.0, True), (20.0, False, 29.0, True), (35.0, False, 30.0, False),
+    (0.5, True, 29.5, True), (2.0, True, 30.0, False),
+])
+def test_a_retake_snapshot_hides_behind_the_step_unless_it_runs_in_line(copy_s, in_line, period, staggered):
     """The Fig. 3 case with split op lists (30 slots a step, 29 staggered for free), now
-    with each stage's optimizer state copied to host memory before a staggered step:
-    half a slot of copy costs half a slot a step; two slots would cost more than the one
-    gained, so the runtime does not stagger and the step takes 30."""
+    with each stage's optimizer state copied to host memory for a staggered step's
+    retake. Copied beside compute from the step's start, the copy is free while it is
+    shorter than the worker's step (20 slots), and sets the period once it is longer
+    than the whole step (35 slots: not staggered). In line (CPU), it delays every step:
+    half a slot costs half a slot, two would cost more than the one gained."""
     free = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=10, activation_bytes=1,
                            memory_budget_bytes=100)
     profile = replace(free, layers=tuple(replace(layer, optimizer_bytes=1) for layer in free.layers),
-                      host_bandwidth=1 / copy_s)
+                      host_bandwidth=1 / copy_s, host_copy_async=not in_line)
     rerouted = reroute_plan(symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6),
                             failed_workers={10}, profile=profile)
     split = step_schedule(rerouted, profile, decouple=True, staggered=True)
     assert split.makespan_s == 30.0
-    assert staggered_period(rerouted, profile, None, split.schedule) == 29.0 + copy_s
+    assert staggered_period(rerouted, profile, None, split.schedule) == (29.0 + copy_s if in_line else max(29.0, copy_s))
     assert staggers(rerouted, profile, None, split) is staggered
     assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period
     fault_free = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)

@@ -84,8 +84,8 @@ def test_rerouted_dp4_pp2_after_one_failure(decouple, staggered):
     """With ``decouple`` the peers split their backwards and run the weight gradients
     later (26 instead of 30 slots); the overlapped DP sync still starts in the last W.
     Staggered, of the three steps' norms (0.486, 0.502, 0.482 against a clip of 0.5) the
-    second clips: it is retaken and the third step's forward and backward run again,
-    with its all-reduces in flight discarded; the first step's gradients are unclipped."""
+    second clips: it is retaken at the third step's settle point, whose forwards before
+    it run again; the first step's gradients are unclipped."""
     profile = uniform_profile(num_layers=4)
     plan = symmetric_plan(dp=4, pp=2, num_layers=4, micro_batches_per_pipeline=3)
     rerouted = reroute_plan(plan, failed_workers={5}, profile=profile)  # stage 1 of pipeline 1
@@ -119,9 +119,13 @@ def test_tied_embeddings_across_first_and_last_stages():
 
 @pytest.mark.parametrize("staggered", [False, True])
 def test_staggered_steps_do_not_wait_for_the_whole_pipeline(staggered, tmp_path):
-    """Staggered, the last stage takes its optimizer step while the first stage is still
-    before its own; with the global norm all-reduced first it cannot."""
-    plan = symmetric_plan(dp=1, pp=2, num_layers=4, micro_batches_per_pipeline=2)
-    plan = with_sync(plan, uniform_profile(num_layers=4))
-    seen = run_world(last_stage_steps_first, 2, plan.to_json(), staggered, str(tmp_path / "stepped"))
-    assert seen[0] is staggered
+    """Two pipelines of two stages; the second's last stage failed, so the first's last
+    stage runs its micro-batches too, and with split backwards staggering pays (24 slots
+    a step instead of 26). Staggered, that last stage takes its optimizer step while the
+    first stages are still before theirs; with the global norm all-reduced first it cannot."""
+    profile = uniform_profile(num_layers=4)
+    plan = reroute_plan(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2), failed_workers={3},
+                        profile=profile)
+    seen = run_world(last_stage_steps_first, 3, with_sync(plan, profile).to_json(), staggered,
+                     str(tmp_path / "stepped"))
+    assert seen[0] is seen[1] is staggered  # worker 2 is the last stage

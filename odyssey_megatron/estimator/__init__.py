@@ -66,7 +66,8 @@ def estimate_plan(
 ) -> PlanEstimate:
     """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
     lets rerouting peers split their backwards; ``staggered`` optimizer steps price the
-    steady-state period where it pays for the retake copies; ``memo`` as in ``timed_step_schedule``); raises ScheduleDeadlock
+    steady-state period where that pays; ``memo`` as in
+    ``timed_step_schedule``); raises ScheduleDeadlock
     if its op lists cannot run. Pipelines that time alike are simulated once
     (``estimator.distinct``)."""
     distinct, stands_for = distinct_pipelines(plan, cluster)

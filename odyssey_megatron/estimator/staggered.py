@@ -8,11 +8,18 @@ on, so a step costs the steady-state period, which can be shorter than one step'
 makespan. Steps are replayed back to back over the same Eq. 11 recurrence, each op
 after its worker's previous op and after its dependency plus the transfer.
 
-A staggered step is speculative: before it, each worker copies what a retake needs
-(gradients, fp32 master weights and Adam state) to host memory, serially. That copy ends
-each worker's step here, so on an accelerator, where it crosses PCIe, staggering pays
-only where the period gained exceeds it (``step_schedule.staggers``). Every step is
-charged the copy: Llama recipes clip gradients, and the runtime copies whenever they do.
+A staggered step is speculative, and a rank learns whether it must be retaken only when
+the global norm is in, so its next step runs ahead only as far as it can go back: up to
+the first op that would overwrite the step's gradients (a backward or weight gradient)
+or send a result computed on the speculative weights (a forward's output to the next
+stage). That op waits for the norm: until every worker finished the step. Its
+gradients so stay in place, costing no memory, and nothing a retake invalidates leaves
+the rank. Its weights and Adam state are snapshotted to host memory as the worker
+starts the next step, on a side stream, since nothing changes them until the
+optimizer step, which waits for the copy: a worker's step ends at its last op or its
+snapshot's end, whichever is later. Where the copy cannot run beside compute (CPU) it
+delays the step's first op instead. Every step is charged the snapshot: Llama recipes
+clip gradients, and the runtime snapshots whenever they do.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from odyssey_megatron.estimator.decoupled import WEIGHT_GRAD_SHARE
 from odyssey_megatron.estimator.pipeline import OpGraph, ScheduleDeadlock, op_graph
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
+from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
 
 ITERATIONS = 2
 """Steps replayed back to back: the period is the time from the first step's end to the
@@ -44,12 +51,11 @@ def sync_groups(plan: ExecutionPlan, profile: ModelProfile, workers: AbstractSet
     return sorted({frozenset(group) for group in holders.values()}, key=sorted)
 
 
-def retake_copy_s(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
-    """Seconds each stage owner spends copying its optimizer-owned state (gradients,
-    master weights, Adam moments) to host memory before a staggered step."""
+def retake_snapshot_s(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
+    """Seconds each stage owner spends copying its optimizer state (master weights, Adam
+    moments) to host memory for a staggered step's retake."""
     return {
-        worker: sum(profile.block(b).grad_bytes + profile.block(b).optimizer_bytes for b in blocks)
-        / profile.host_bandwidth
+        worker: sum(profile.block(b).optimizer_bytes for b in blocks) / profile.host_bandwidth
         for worker, blocks in plan.holdings(profile).items()
     }
 
@@ -64,7 +70,7 @@ def staggered_period(
     graph: OpGraph | None = None,
 ) -> float:
     """Steady-state seconds per step of ``schedule`` (each worker's op list, F, B and W,
-    as ``step_schedule`` returns it) under staggered optimizer steps, retake copies
+    as ``step_schedule`` returns it) under staggered optimizer steps, retake snapshots
     included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
     has it."""
     graph = graph or op_graph(plan, profile, cluster)
@@ -90,25 +96,38 @@ def staggered_period(
         return op, dep, link_s, backward_s * (1 - WEIGHT_GRAD_SHARE) if worker in split else backward_s
 
     runs = {worker: [timed(worker, op) for op in ops] for worker, ops in schedule.items()}
-    copy_s = retake_copy_s(plan, profile)
+    num_stages = [p.num_stages for p in plan.pipelines]
+    settles_at = {worker: settle_point(ops, num_stages) for worker, ops in schedule.items()}
+    snapshot_s = retake_snapshot_s(plan, profile)
+    in_line = not profile.host_copy_async
     end: list[dict[Op, float]] = [{} for _ in range(iterations)]  # per step
     waiting_op: list[dict[Op, list[int]]] = [defaultdict(list) for _ in range(iterations)]
     waiting_group: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(iterations)]
     finished: dict[int, list[float]] = {worker: [] for worker in schedule}
+    all_done = [0] * iterations  # workers finished, per step
+    norm_at = [0.0] * iterations  # when the last of them finished: the global norm is in
+    waiting_norm: list[list[int]] = [[] for _ in range(iterations)]
+    started = dict.fromkeys(schedule, -1)
     position = dict.fromkeys(schedule, 0)
     step = dict.fromkeys(schedule, 0)
     free_at = dict.fromkeys(schedule, 0.0)
+    snapshot_end = dict.fromkeys(schedule, 0.0)
     queue = deque(schedule)
     while queue:
         worker = queue.popleft()
         run, k, pos, now = runs[worker], step[worker], position[worker], free_at[worker]
         while k < iterations:
-            if pos == 0 and k > 0:
-                late = next((g for g in member_of[worker] if group_done[g][k - 1] < len(groups[g])), None)
-                if late is not None:
-                    waiting_group[k - 1][late].append(worker)
-                    break
-                now = max([now, *(group_end[g][k - 1] for g in member_of[worker])])
+            if pos == 0 and started[worker] < k:
+                if k > 0:
+                    late = next((g for g in member_of[worker] if group_done[g][k - 1] < len(groups[g])), None)
+                    if late is not None:
+                        waiting_group[k - 1][late].append(worker)
+                        break
+                    now = max([now, *(group_end[g][k - 1] for g in member_of[worker])])
+                started[worker] = k
+                snapshot_end[worker] = now + snapshot_s[worker]
+                if in_line:
+                    now = snapshot_end[worker]
             op, dep, link_s, seconds = run[pos]
             if dep is not None:
                 dep_end = end[k].get(dep)
@@ -116,20 +135,33 @@ def staggered_period(
                     waiting_op[k][dep].append(worker)
                     break
                 now = max(now, dep_end + link_s)
-            now += seconds
+            if k > 0 and pos == settles_at[worker]:
+                if all_done[k - 1] < len(schedule):
+                    waiting_norm[k - 1].append(worker)
+                    break
+                if op.kind == FORWARD:  # computes, then holds its output until the norm is in
+                    now = max(now + seconds, norm_at[k - 1])
+                else:
+                    now = max(now, norm_at[k - 1]) + seconds
+            else:
+                now += seconds
             end[k][op] = now
             woken = waiting_op[k].pop(op, None)
             if woken:
                 queue.extend(woken)
             pos += 1
             if pos == len(run):
-                now += copy_s[worker]
-                finished[worker].append(now)
-                for g in member_of[worker]:
+                for g in member_of[worker]:  # the DP all-reduce needs the gradients only
                     group_done[g][k] += 1
                     group_end[g][k] = max(group_end[g][k], now)
                     if group_done[g][k] == len(groups[g]):
                         queue.extend(waiting_group[k].pop(g, ()))
+                all_done[k] += 1
+                norm_at[k] = max(norm_at[k], now)
+                if all_done[k] == len(schedule):
+                    queue.extend(waiting_norm[k])
+                now = max(now, snapshot_end[worker])  # the optimizer step waits for the snapshot
+                finished[worker].append(now)
                 pos, k = 0, k + 1
         step[worker], position[worker], free_at[worker] = k, pos, now
     if any(s < iterations for s in step.values()):

@@ -1,7 +1,7 @@
 """Which op lists one training step runs: plain 1F1B, or decoupled weight gradients on
 rerouting peers where that pays (``estimator.decoupled``), and what a step costs: its
-makespan, or under staggered optimizer steps, where they pay for their retake copies,
-the steady-state period (``estimator.staggered``)."""
+makespan, or under staggered optimizer steps, where they pay (``staggers``), the
+steady-state period (``estimator.staggered``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import WEIGHT_GRAD
+
+ROUNDING = 1e-9
+"""Relative difference below which a staggered period equals the makespan: the two sum
+the same op times in different orders, and staggering that gains nothing but rounding
+only risks retakes."""
 
 
 def step_schedule(
@@ -70,25 +75,23 @@ def step_time(
     graph: OpGraph | None = None,
 ) -> float:
     """Pipeline seconds per step of ``timing``'s op lists: the makespan, or with
-    ``staggered`` optimizer steps, where staggering pays (``staggers``), the steady-state
-    period. Without reroutes it never pays: without retake copies the two are equal
-    (every pipeline's first stage holds layer 0, so all first stages wait for each
-    other, and each ends its pipeline's step, 1F1B's last backward, so the next step
-    starts when the last pipeline ends, and every other stage's partners are done before
-    its first input arrives), and copies only add to the period."""
-    if staggered and plan.reroutes:
-        return min(timing.makespan_s, staggered_period(plan, profile, cluster, timing.schedule, graph=graph))
-    return timing.makespan_s
+    ``staggered`` optimizer steps, the steady-state period where it is shorter. Without
+    reroutes it never is (every pipeline's first stage holds layer 0, so all first stages
+    wait for each other, and each ends its pipeline's step, 1F1B's last backward, so the
+    next step starts when the last pipeline ends, and every other stage's partners are
+    done before its first input arrives; retake snapshots only add to the period)."""
+    if not (staggered and plan.reroutes):
+        return timing.makespan_s
+    period = staggered_period(plan, profile, cluster, timing.schedule, graph=graph)
+    return period if period < timing.makespan_s * (1 - ROUNDING) else timing.makespan_s
 
 
 def staggers(
     plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, timing: PipelineTiming
 ) -> bool:
     """Whether the runtime staggers optimizer steps over ``timing``'s op lists (when
-    ``odyssey.staggered_optimizer`` allows it): where the steady-state period, retake
-    copies included, is no longer than the makespan, so a fault-free plan staggers only
-    where the copies are free (host memory)."""
-    return staggered_period(plan, profile, cluster, timing.schedule) <= timing.makespan_s
+    ``odyssey.staggered_optimizer`` allows it): where ``step_time`` prices them staggered."""
+    return step_time(plan, profile, cluster, timing, staggered=True) < timing.makespan_s
 
 
 def rerouted_makespan(

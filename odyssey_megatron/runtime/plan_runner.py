@@ -6,10 +6,10 @@ parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1
 when no micro-batch is rerouted, else the Odyssey executor over this worker's op list
 from the estimator (``step_schedule``: with split backwards on rerouting peers when
 ``decouple_weight_grads`` is on and that pays). ``train_step`` runs one global batch.
-With ``staggered_optimizer``, where the estimator finds it pays (``staggers``: the retake
-copy to host memory must cost less than the period gained), a rank steps without waiting
-for the global gradient norm (``runtime.staggered_step``), so it starts the next step as
-soon as its own DP peers are done; ``settle`` ends the last such step.
+With ``staggered_optimizer``, where the estimator finds it pays (``staggers``: a shorter
+period, and memory for the gradients a step keeps), a rank steps without waiting for the
+global gradient norm (``runtime.staggered_step``), so it starts the next step as soon as
+its own DP peers are done; ``settle`` ends the last such step.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.runtime.retake_snapshot import RetakeSnapshot, SnapshotPool
 from odyssey_megatron.runtime.staggered_step import StaggeredStep
 from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
 from odyssey_megatron.schedules.megatron_1f1b import MegatronPipelineSchedule
@@ -83,7 +84,7 @@ class PlanRunner:
         self.max_grad_norm = max_grad_norm
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
-        """Staggered steps retaken because clipping engaged (each cost one forward-backward)."""
+        """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
         self.stage = stage_of_worker(plan, self.worker)
         self.device = device
@@ -98,6 +99,9 @@ class PlanRunner:
         timing = step_schedule(plan, profile, decouple=decouple_weight_grads, staggered=staggered_optimizer)
         self.ops = timing.schedule[self.worker]
         self.staggered_optimizer = staggered_optimizer and staggers(plan, profile, None, timing)
+        self._snapshots = SnapshotPool(device) if self.staggered_optimizer and max_grad_norm > 0 else None
+        self._snapshot: RetakeSnapshot | None = None
+        """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
         if schedule == "megatron" or (schedule == "auto" and not plan.reroutes):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
@@ -132,7 +136,8 @@ class PlanRunner:
     def forward_backward(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
         """First half of a step: every forward and backward of this worker; returns the
         losses of the micro-batches whose last stage ran here. The previous step, if
-        staggered, is settled after them; when clipping retook it, they run again."""
+        staggered, is settled at the op list's settle point; Megatron's schedule, which
+        has none, settles it after them and runs them again if it was retaken."""
         losses = self._run_ops(batches)
         if self._speculative is not None and self._settle()[1]:
             self.grad_sync.discard()
@@ -141,9 +146,26 @@ class PlanRunner:
 
     def _run_ops(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
         self.optimizer.zero_grad(set_to_none=True)
+        self._take_snapshot()
         self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
         on_device = lambda m: {k: v.to(self.device) for k, v in batches(m).items()}  # noqa: E731
+        if isinstance(self.executor, StepExecutor) and self._speculative is not None:
+            return self.executor.run(batches=on_device, settle=self._settle_at_settle_point)
         return self.executor.run(batches=on_device)
+
+    def _take_snapshot(self) -> None:
+        """Start copying what a staggered step of this forward-backward would retake from."""
+        if self._snapshots is None:
+            return
+        if self._snapshot is not None:  # unused: the step was not applied, or a retake changed the weights
+            self._snapshot.release()
+        self._snapshot = self._snapshots.take(self.optimizer)
+
+    def _settle_at_settle_point(self) -> bool:
+        retaken = self._settle()[1]
+        if retaken:
+            self._take_snapshot()
+        return retaken
 
     def finish_step(self, losses: dict[int, float], *, apply: bool = True) -> StepResult:
         """Second half: DP sync, global-norm clipping and (if ``apply``) the optimizer
@@ -152,7 +174,8 @@ class PlanRunner:
         if self.staggered_optimizer and apply:
             square = local_grad_square(plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank)
             self._speculative = StaggeredStep(self.optimizer, square, max_norm=self.max_grad_norm,
-                                              group=self.groups.norm_group)
+                                              group=self.groups.norm_group, snapshot=self._snapshot)
+            self._snapshot = None
             return StepResult(losses=losses, grad_norm=None)
         norm = clip_grad_norm(
             plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank, max_norm=self.max_grad_norm,
@@ -168,7 +191,7 @@ class PlanRunner:
         return self._settle()[0] if self._speculative is not None else None
 
     def _settle(self) -> tuple[float, bool]:
-        norm, retaken = self._speculative.settle()
+        norm, retaken = self._speculative.settle(pending=self._snapshot)
         self._speculative = None
         self.retaken_steps += retaken
         return norm, retaken

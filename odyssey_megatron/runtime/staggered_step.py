@@ -7,17 +7,22 @@ bubble unused. A stage's step needs only its own, DP-synced gradients; the one t
 that couples stages is global-norm clipping.
 
 So a rank starts the norm's all-reduce asynchronously and steps at once, as if the
-step were not clipped. The norm is settled after the rank's next forward and backward,
-when every rank has long contributed. If clipping did engage, the step is retaken: the
-parameters and optimizer state are restored from a copy taken before it, the kept
-gradients are scaled as clipping scales them, the optimizer steps again, and the next
-step's forward and backward, which ran on the speculative weights, run again. Every
-rank sees the same norm and decides the same, so the schedule stays matched, and the
-result equals the unstaggered run bit for bit. Without clipping nothing is copied and
-nothing is ever retaken. ReCycle validates after the step the same way (section 4,
-"Bypassing Optimizer Synchronizations") but checks overflow only.
+step were not clipped. Its next step runs ahead on the speculative weights up to its
+settle point (``schedules.ops.settle_point``): before its first gradient is written or
+its first result is sent, it waits for the norm, which by then every rank has nearly
+contributed. If clipping did engage, the step is retaken: the parameters and optimizer
+state are restored, the kept gradients are scaled as clipping scales them, the
+optimizer steps again, and the few forwards the next step ran before its settle point
+run again. Every rank sees the same norm and decides the same, and nothing computed on
+speculative weights has left any rank, so the result equals the unstaggered run bit for
+bit. Without clipping nothing is copied and nothing is ever retaken. ReCycle validates
+after the step the same way (section 4, "Bypassing Optimizer Synchronizations") but
+checks overflow only, and rolls back by reversing AdamW's arithmetic.
 
-The copy (parameters, gradients and optimizer state) lives in host memory.
+What a retake starts from costs no device memory: the gradients stay where the step
+left them, since nothing writes a gradient before the settle point, and the weights and
+optimizer state are a host copy taken while the step's forward and backward ran
+(``runtime.retake_snapshot``).
 """
 
 from __future__ import annotations
@@ -26,55 +31,45 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.hooks.grad_sync import clip_scale
+from odyssey_megatron.runtime.retake_snapshot import RetakeSnapshot
 
 
 class StaggeredStep:
     """One speculative optimizer step whose global norm is still in flight."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, square: torch.Tensor, *, max_norm: float,
-                 group: dist.ProcessGroup | None):
+                 group: dist.ProcessGroup | None, snapshot: RetakeSnapshot | None):
         """Starts the all-reduce of ``square`` (this rank's ``local_grad_square``) over
-        ``group``, copies what a retake needs when clipping is on, and steps."""
-        self.optimizer, self.square, self.max_norm = optimizer, square, max_norm
+        ``group``, keeps the gradients, waits for ``snapshot`` (the weights and optimizer
+        state before this step; None with clipping off, when no step is ever retaken) and
+        steps."""
+        self.optimizer, self.square, self.max_norm, self.snapshot = optimizer, square, max_norm, snapshot
         self.work = dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self.saved: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None, dict]] = []
-        if max_norm > 0:
-            for param in self._params():
-                self.saved.append((
-                    param,
-                    _to_host(param.detach()),
-                    None if param.grad is None else _to_host(param.grad),
-                    {key: _to_host(value) if torch.is_tensor(value) else value
-                     for key, value in optimizer.state.get(param, {}).items()},
-                ))
+        self.grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        if snapshot is not None:
+            self.grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+            snapshot.wait()
         optimizer.step()
 
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def settle(self) -> tuple[float, bool]:
+    def settle(self, pending: RetakeSnapshot | None = None) -> tuple[float, bool]:
         """Wait for the global norm: (norm, whether the step had to be retaken clipped).
-        After a retake every gradient holds the clipped gradient of the retaken step."""
+        A retake leaves ``param.grad`` as it found it (the next step's gradients, if it
+        has begun). ``pending``: the next step's snapshot, whose copy of the weights a
+        retake must not overwrite before it is done."""
         self.work.wait()
         norm = float(self.square.sqrt())
         scale = clip_scale(norm, self.max_norm)
-        if scale is None:
-            return norm, False
-        for param, data, grad, state in self.saved:
-            with torch.no_grad():
-                param.copy_(data)
-            param.grad = None if grad is None else grad.to(param.device).mul_(scale)
-            if not state:  # the speculative step was this parameter's first
-                self.optimizer.state.pop(param, None)
-            for key, value in state.items():
-                current = self.optimizer.state[param]
-                if torch.is_tensor(value):
-                    current[key].copy_(value)
-                else:
-                    current[key] = value
-        self.optimizer.step()
-        return norm, True
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
+        if scale is not None:
+            if pending is not None:
+                pending.wait()
+            self.snapshot.restore(self.optimizer)
+            current = [param.grad for param, _ in self.grads]
+            for param, grad in self.grads:
+                param.grad = None if grad is None else grad.mul_(scale)
+            self.optimizer.step()
+            for (param, _), grad in zip(self.grads, current):
+                param.grad = grad
+        if self.snapshot is not None:
+            self.snapshot.release()
+            self.grads = []
+        return norm, scale is not None

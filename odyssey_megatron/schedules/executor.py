@@ -10,6 +10,12 @@ for op lists the estimator produced (it checked them). TP rank k talks to TP ran
 A worker whose op list has W ops (a rerouting peer, ``estimator.decoupled``) runs its
 backwards with the weight GEMMs held back (``hooks.weight_grad``) and the W op of a
 micro-batch computes them later, where the estimator put it.
+
+After a staggered optimizer step (``runtime.staggered_step``) the next step runs on
+speculative weights until the step settles, so the executor settles it at the op list's
+settle point (``ops.settle_point``): before the first gradient is written or the first
+result leaves the rank. If the step was retaken, the forwards run so far are run again
+on the retaken weights, from the inputs they had; nothing else has to be undone.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from megatron.core.pipeline_parallel.schedules import backward_step, forward_ste
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.weight_grad import WeightGradStore
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
+from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
 
 MicroBatch = dict[str, torch.Tensor]
 """``tokens`` and ``labels`` [micro_batch_size, seq_length], ``position_ids``."""
@@ -78,11 +84,13 @@ class StepExecutor:
     def _tag(self, step: int, micro_batch: int, kind: str) -> int:
         return ((step % 4) * self.plan.num_micro_batches + micro_batch) * 2 + (kind == FORWARD)
 
-    def run(self, *, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
+    def run(self, *, batches: Callable[[int], MicroBatch], settle: Callable[[], bool] | None = None
+            ) -> dict[int, float]:
         """Run one step of the op list; returns the loss of each micro-batch whose last stage ran here.
 
         ``batches(micro_batch_id)`` gives that global micro-batch's data; only first and
-        last stages read it.
+        last stages read it. ``settle``, when the last optimizer step is still
+        speculative, settles it at the settle point and says whether it was retaken.
         """
         step = next(self._step)
         config = self.model.config
@@ -91,6 +99,7 @@ class StepExecutor:
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         losses: dict[int, float] = {}
+        settle_at = len(self.ops) if settle is None else settle_point(self.ops, stages)
 
         def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
             tensor = tensor.detach().contiguous()
@@ -102,25 +111,39 @@ class StepExecutor:
                 dist.recv(buffer, src, tag=tag)
             return buffer
 
-        for op in self.ops:
+        def forward(op: Op, input_tensor: torch.Tensor | None) -> torch.Tensor:
             first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
+            store: list[dict[str, torch.Tensor]] = []
+            output, _ = forward_step(
+                partial(stage_forward, first=first, last=last),
+                iter([batches(op.micro_batch)]) if first or last else None, self.model, total, input_tensor, store,
+                config, cp_group_size=1, is_last_stage=last,
+            )
+            if last:
+                losses[op.micro_batch] = float(store[0]["lm loss"])
+            saved[op.pipeline, op.micro_batch] = (input_tensor, output)
+            return output
+
+        def settle_and_rerun(forwards: list[Op]) -> None:
+            if settle():
+                for op in forwards:
+                    forward(op, saved[op.pipeline, op.micro_batch][0])
+
+        for index, op in enumerate(self.ops):
+            first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
+            if index == settle_at and op.kind != FORWARD:
+                settle_and_rerun(self.ops[:index])
             if op.kind == FORWARD:
-                batch = batches(op.micro_batch) if first or last else None
                 input_tensor = None if first else receive(
                     self._rank(op.pipeline, op.stage - 1, op.micro_batch), self._tag(step, op.micro_batch, FORWARD)
                 )
-                store: list[dict[str, torch.Tensor]] = []
-                output, _ = forward_step(
-                    partial(stage_forward, first=first, last=last),
-                    None if batch is None else iter([batch]), self.model, total, input_tensor, store, config,
-                    cp_group_size=1, is_last_stage=last,
-                )
-                if last:
-                    losses[op.micro_batch] = float(store[0]["lm loss"])
-                else:
+                output = forward(op, input_tensor)
+                if index == settle_at:
+                    settle_and_rerun(self.ops[:index + 1])
+                    output = saved[op.pipeline, op.micro_batch][1]
+                if not last:
                     send(output, self._rank(op.pipeline, op.stage + 1, op.micro_batch),
                          self._tag(step, op.micro_batch, FORWARD))
-                saved[op.pipeline, op.micro_batch] = (input_tensor, output)
             elif op.kind == WEIGHT_GRAD:
                 self.weight_grads.run((op.pipeline, op.micro_batch))
             else:

@@ -10,8 +10,8 @@ event instead of the expected one, which is the best any policy choice could do.
 
 Step times are the runtime's as configured (``odyssey.decoupled_weight_grads``,
 ``odyssey.staggered_optimizer``). A staggered step that clipping should have scaled is
-retaken at the cost of one forward-backward; how often gradients clip depends on the
-training run, so that cost is not charged here.
+retaken at the cost of the forwards its next step ran before settling; how often
+gradients clip depends on the training run, so that cost is not charged here.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ class DeviceSpec:
     """Fixed cost of one message or collective step."""
     host_bandwidth: float
     """Bytes/s one device copies to pinned host memory (its PCIe link)."""
+    host_copy_async: bool
+    """Whether that copy runs beside compute (a DMA engine fed from a side stream), or
+    in line with it (CPU: the side stream is the one stream)."""
     mfu: float
     """Model FLOP utilisation a transformer layer reaches on this device."""
 
@@ -48,6 +51,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             inter_node_bandwidth=25 * GB,
             link_latency_s=20e-6,
             host_bandwidth=25 * GB,
+            host_copy_async=True,
             mfu=0.45,
         ),
         DeviceSpec(
@@ -59,6 +63,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6,
             host_bandwidth=25 * GB,
+            host_copy_async=True,
             mfu=0.5,
         ),
         DeviceSpec(
@@ -70,6 +75,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             inter_node_bandwidth=50 * GB,
             link_latency_s=8e-6,
             host_bandwidth=50 * GB,
+            host_copy_async=True,
             mfu=0.45,
         ),
         DeviceSpec(
@@ -81,6 +87,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             inter_node_bandwidth=1 * GB,
             link_latency_s=50e-6,
             host_bandwidth=10 * GB,
+            host_copy_async=False,
             mfu=0.3,
         ),
     )
