@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import symmetric_plan
+from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
@@ -237,6 +237,19 @@ def test_rerouted_makespan_is_the_whole_plans(dp, pp, micro_batches, data):
         for schedule in (dict(), dict(decouple=True), dict(decouple=True, staggered=True)):
             assert rerouted_makespan(rerouted, profile, **schedule) == pytest.approx(
                 estimate_plan(rerouted, profile, **schedule).pipeline_time_s, rel=1e-12)
+
+
+def test_a_reroute_is_priced_no_faster_than_the_pipelines_it_leaves_alone():
+    """Three two-stage pipelines run 1, 2 and 8 micro-batches. Pipeline 0's last stage
+    fails and pipeline 1's adopts its micro-batch: those two alone would take 24 slots,
+    but pipeline 2 takes 54, and so does the step. A swap that sped up the touched
+    pipelines would gain nothing, so it is not worth a stage copy."""
+    profile = uniform_profile(num_layers=4)
+    rerouted = reroute_plan(asymmetric_plan([(2, 2)] * 3, [1, 2, 8]), failed_workers={1}, profile=profile)
+    assert [r.worker for r in rerouted.reroutes] == [3]
+    for schedule in (dict(), dict(decouple=True), dict(decouple=True, staggered=True)):
+        assert rerouted_makespan(rerouted, profile, **schedule) == 54.0
+        assert estimate_plan(rerouted, profile, **schedule).pipeline_time_s == 54.0
 
 
 def _settings(**kw) -> OdysseyConfig:

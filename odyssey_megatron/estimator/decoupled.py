@@ -14,8 +14,10 @@ more micro-batches runs a queued W before its next forward.
 With ``iterations`` > 1 several steps are list-scheduled back to back and each stage's DP
 peers step their optimizer as soon as they all finished, not after the whole pipeline:
 ReCycle's Staggered Optimizer, as the simulator models it for ReCycle, whose scheduler
-places W ops afresh every step. Odyssey's runtime repeats one step's op lists
-(``iterations`` = 1); ``estimator.staggered`` prices those staggered.
+places W ops afresh every step. Odyssey's runtime repeats one step's op lists: the
+first step's, or, with staggered steps, the last one's, which the list scheduler
+ordered for the staggered start of a steady state (``step_schedule`` picks;
+``estimator.staggered`` prices them).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class DecoupledTiming:
     """The first step: its makespan and each worker's ops (F, B and W) in the order they ran."""
     period_s: float
     """Steady-state seconds per step over the iterations; the first step's makespan for one."""
+    last: dict[int, list[Op]]
+    """Each worker's ops (F, B and W) in the order the last step ran them."""
 
 
 def decoupled_pipelines(
@@ -72,13 +76,14 @@ def decoupled_pipelines(
     cursor = {worker: [0] * len(lists) for worker, lists in streams.items()}
     weight_grads: dict[int, deque[tuple[float, Op]]] = {worker: deque() for worker in streams}
     order: dict[int, list[Op]] = {worker: [] for worker in streams}  # first iteration
+    last: dict[int, list[Op]] = {worker: [] for worker in streams}
     busy = dict.fromkeys(streams, 0.0)
     pipeline_end = [0.0] * len(plan.pipelines)
     ran = dict.fromkeys(streams, 0)
     live = dict.fromkeys(streams, 0)  # micro-batches holding activations
     free_at = dict.fromkeys(streams, 0.0)
     finished: dict[int, list[float]] = {worker: [] for worker in streams}
-    end_time: dict[tuple[int, Op], float] = {}
+    end_time: list[dict[Op, float]] = [{} for _ in range(iterations)]  # per step
     wakeups = [(0.0, worker) for worker in streams]
     heapq.heapify(wakeups)
 
@@ -87,7 +92,7 @@ def decoupled_pipelines(
         if now < free_at[worker] or iteration[worker] == iterations or ran[worker] == ops_per_iteration[worker]:
             continue  # busy, done, or waiting for its stage's optimizer step
         k_now = iteration[worker]
-        chosen = ready_head(streams[worker], cursor[worker], needs, lambda op: end_time.get((k_now, op)), now)
+        chosen = ready_head(streams[worker], cursor[worker], needs, end_time[k_now].get, now)
         if chosen is not None and chosen[1].kind == FORWARD and live[worker] >= room[worker] and weight_grads[worker]:
             chosen = None  # memory is full: a deferred W frees a micro-batch first
         if chosen is not None:
@@ -103,7 +108,7 @@ def decoupled_pipelines(
                 duration = backward_s
                 live[worker] -= 1
             cursor[worker][k] += 1
-            end_time[k_now, op] = free_at[worker] = now + duration
+            end_time[k_now][op] = free_at[worker] = now + duration
             successor = consumer.get(op)
             if successor is not None and location[successor] != worker:
                 heapq.heappush(wakeups, (free_at[worker] + needs[successor][1], location[successor]))
@@ -113,6 +118,8 @@ def decoupled_pipelines(
             live[worker] -= 1
         else:
             continue  # a completion elsewhere will wake this worker
+        if k_now == iterations - 1:
+            last[worker].append(op)
         if k_now == 0:
             order[worker].append(op)
             busy[worker] += duration
@@ -129,7 +136,7 @@ def decoupled_pipelines(
     ends = [max(times[k] for times in finished.values()) for k in range(iterations)]
     first = PipelineTiming(makespan_s=ends[0], pipeline_end_s=tuple(pipeline_end), worker_busy_s=busy, schedule=order)
     period = ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
-    return DecoupledTiming(first, period)
+    return DecoupledTiming(first, period, last)
 
 
 def _step_optimizer(peers, iteration, cursor, ran, finished, free_at, wakeups) -> None:

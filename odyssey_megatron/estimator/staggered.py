@@ -29,7 +29,7 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import WEIGHT_GRAD_SHARE
-from odyssey_megatron.estimator.pipeline import OpGraph, ScheduleDeadlock, op_graph
+from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, ScheduleDeadlock, op_graph
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
@@ -73,6 +73,40 @@ def staggered_period(
     as ``step_schedule`` returns it) under staggered optimizer steps, retake snapshots
     included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
     has it."""
+    ends = _replay(plan, profile, cluster, schedule, iterations=iterations, fixed_start=False, graph=graph)[0]
+    return ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
+
+
+def fixed_order_step(
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None,
+    schedule: dict[int, list[Op]],
+    *,
+    graph: OpGraph | None = None,
+) -> PipelineTiming:
+    """One step of ``schedule`` run as given, every worker starting at once and stepping
+    its optimizer after the global norm (no staggering, no snapshots): the makespan the
+    runtime's executor gets from op lists chosen for another start (Eq. 11 on fixed
+    lists); raises ScheduleDeadlock."""
+    ends, pipeline_end, busy = _replay(plan, profile, cluster, schedule, iterations=1, fixed_start=True, graph=graph)
+    return PipelineTiming(makespan_s=ends[0], pipeline_end_s=tuple(pipeline_end), worker_busy_s=busy,
+                          schedule=schedule)
+
+
+def _replay(
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None,
+    schedule: dict[int, list[Op]],
+    *,
+    iterations: int,
+    fixed_start: bool,
+    graph: OpGraph | None,
+) -> tuple[list[float], list[float], dict[int, float]]:
+    """When each of ``iterations`` staggered steps' last worker ended; with
+    ``fixed_start`` (one step, no snapshots) also when each pipeline's last op ended and
+    each worker's compute seconds."""
     graph = graph or op_graph(plan, profile, cluster)
     compute, needs = graph.compute, graph.needs
     schedule = {worker: ops for worker, ops in schedule.items() if ops}
@@ -98,7 +132,7 @@ def staggered_period(
     runs = {worker: [timed(worker, op) for op in ops] for worker, ops in schedule.items()}
     num_stages = [p.num_stages for p in plan.pipelines]
     settles_at = {worker: settle_point(ops, num_stages) for worker, ops in schedule.items()}
-    snapshot_s = retake_snapshot_s(plan, profile)
+    snapshot_s = dict.fromkeys(schedule, 0.0) if fixed_start else retake_snapshot_s(plan, profile)
     in_line = not profile.host_copy_async
     end: list[dict[Op, float]] = [{} for _ in range(iterations)]  # per step
     waiting_op: list[dict[Op, list[int]]] = [defaultdict(list) for _ in range(iterations)]
@@ -112,6 +146,8 @@ def staggered_period(
     step = dict.fromkeys(schedule, 0)
     free_at = dict.fromkeys(schedule, 0.0)
     snapshot_end = dict.fromkeys(schedule, 0.0)
+    pipeline_end = [0.0] * len(plan.pipelines)
+    busy = {worker: sum(timed_op[3] for timed_op in run) for worker, run in runs.items()} if fixed_start else {}
     queue = deque(schedule)
     while queue:
         worker = queue.popleft()
@@ -146,6 +182,8 @@ def staggered_period(
             else:
                 now += seconds
             end[k][op] = now
+            if fixed_start:
+                pipeline_end[op.pipeline] = max(pipeline_end[op.pipeline], now)
             woken = waiting_op[k].pop(op, None)
             if woken:
                 queue.extend(woken)
@@ -167,4 +205,4 @@ def staggered_period(
     if any(s < iterations for s in step.values()):
         raise ScheduleDeadlock("staggered op lists wait on each other in a cycle")
     ends = [max((times[k] for times in finished.values()), default=0.0) for k in range(iterations)]
-    return ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
+    return ends, pipeline_end, busy

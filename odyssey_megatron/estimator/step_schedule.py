@@ -5,12 +5,14 @@ steady-state period (``estimator.staggered``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
-from odyssey_megatron.estimator.distinct import sub_plan, touched_pipelines
+from odyssey_megatron.estimator.distinct import distinct_pipelines, sub_plan, touched_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, op_graph, simulate_pipelines
-from odyssey_megatron.estimator.staggered import staggered_period
+from odyssey_megatron.estimator.staggered import fixed_order_step, staggered_period
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import WEIGHT_GRAD
@@ -32,7 +34,9 @@ def step_schedule(
     """The op lists a step of ``plan`` runs, and their timing: with decoupled weight
     gradients on rerouting peers when ``decouple`` is on, the plan reroutes, and that is
     faster (per step: by ``step_time``) than plain 1F1B and fits the memory budget; else
-    plain 1F1B. The estimator and the runtime both call this, so the schedule priced is
+    plain 1F1B. Split op lists are the first step's of the list schedule or, with
+    ``staggered`` steps, those of a later step, ordered for a staggered start, whichever
+    is faster. The estimator and the runtime both call this, so the schedule priced is
     the schedule executed. Only the pipelines a reroute touches can differ, so the choice
     is made on those alone."""
     return timed_step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)[0]
@@ -53,15 +57,17 @@ def timed_step_schedule(
         graph = op_graph(plan, profile, cluster)
         timing = simulate_pipelines(plan, profile, cluster, graph=graph)
         return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
-    touched = _touched(plan)
-    chosen, chosen_s = _split_if_faster(touched, profile, cluster, staggered, memo)
-    if len(touched.pipelines) == len(plan.pipelines):
+    touched_ids = sorted(touched_pipelines(plan))
+    chosen, chosen_s = _split_if_faster(sub_plan(plan, touched_ids), profile, cluster, staggered, memo)
+    if len(touched_ids) == len(plan.pipelines):
         return chosen, chosen_s
     graph = op_graph(plan, profile, cluster)
-    if any(op.kind == WEIGHT_GRAD for ops in chosen.schedule.values() for op in ops):
-        timing = decoupled_pipelines(plan, profile, cluster, graph=graph).first
-    else:
-        timing = simulate_pipelines(plan, profile, cluster, graph=graph)
+    schedule = {worker: [op._replace(pipeline=touched_ids[op.pipeline]) for op in ops]
+                for worker, ops in chosen.schedule.items()}
+    for worker, streams in graph.streams.items():
+        if worker not in schedule:  # an untouched pipeline's stage: its own 1F1B list
+            schedule[worker] = streams[0]
+    timing = fixed_order_step(plan, profile, cluster, schedule, graph=graph)
     return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
 
 
@@ -75,12 +81,12 @@ def step_time(
     graph: OpGraph | None = None,
 ) -> float:
     """Pipeline seconds per step of ``timing``'s op lists: the makespan, or with
-    ``staggered`` optimizer steps, the steady-state period where it is shorter. Without
-    reroutes it never is (every pipeline's first stage holds layer 0, so all first stages
-    wait for each other, and each ends its pipeline's step, 1F1B's last backward, so the
-    next step starts when the last pipeline ends, and every other stage's partners are
-    done before its first input arrives; retake snapshots only add to the period)."""
-    if not (staggered and plan.reroutes):
+    ``staggered`` optimizer steps, the steady-state period where it is shorter. That
+    needs split backwards: without them every op of a step precedes a first-stage
+    backward (each pipeline's last op), every op of the next step follows a first-stage
+    forward, and all first stages wait for each other (they hold layer 0), so the next
+    step starts when the last one ends; retake snapshots only add to the period."""
+    if not (staggered and any(op.kind == WEIGHT_GRAD for ops in timing.schedule.values() for op in ops)):
         return timing.makespan_s
     period = staggered_period(plan, profile, cluster, timing.schedule, graph=graph)
     return period if period < timing.makespan_s * (1 - ROUNDING) else timing.makespan_s
@@ -103,17 +109,37 @@ def rerouted_makespan(
     staggered: bool = False,
     memo: dict | None = None,
 ) -> float:
-    """Pipeline seconds per step (``step_time``) of the pipelines a reroute touches: those
-    with a failed stage and those whose owners adopt micro-batches. The rest run their
-    plain 1F1B schedules, unchanged, so comparing reroutes of one layout needs only this
-    (a small share of a large plan). ``decouple``, ``staggered`` and ``memo`` as in
-    ``timed_step_schedule``."""
+    """Pipeline seconds per step (``step_time``) of the pipelines a reroute touches (those
+    with a failed stage and those whose owners adopt micro-batches), but no less than the
+    plain 1F1B makespan of the untouched ones, which bound the step too. Comparing
+    reroutes of one layout needs only this (a small share of a large plan), and a
+    reroute whose touched pipelines beat the untouched ones gains nothing by beating
+    them further. ``decouple``, ``staggered`` and ``memo`` as in ``timed_step_schedule``."""
     touched = _touched(plan)
     if decouple and plan.reroutes:
-        return _split_if_faster(touched, profile, cluster, staggered, memo)[1]
-    graph = op_graph(touched, profile, cluster)
-    timing = simulate_pipelines(touched, profile, cluster, graph=graph)
-    return step_time(touched, profile, cluster, timing, staggered=staggered, graph=graph)
+        touched_s = _split_if_faster(touched, profile, cluster, staggered, memo)[1]
+    else:
+        graph = op_graph(touched, profile, cluster)
+        timing = simulate_pipelines(touched, profile, cluster, graph=graph)
+        touched_s = step_time(touched, profile, cluster, timing, staggered=staggered, graph=graph)
+    return max(touched_s, _untouched_makespan(plan, profile, cluster, memo))
+
+
+def _untouched_makespan(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, memo: dict | None
+) -> float:
+    """Plain 1F1B makespan of the pipelines no reroute touches (0 if there are none)."""
+    untouched = set(range(len(plan.pipelines))) - touched_pipelines(plan)
+    if not untouched:
+        return 0.0
+    classes = distinct_pipelines(sub_plan(replace(plan, reroutes=()), untouched), cluster)[0]
+    key = ("untouched", classes)
+    if memo is None or key not in memo:
+        makespan = simulate_pipelines(classes, profile, cluster).makespan_s
+        if memo is None:
+            return makespan
+        memo[key] = makespan
+    return memo[key]
 
 
 def _split_if_faster(
@@ -134,14 +160,20 @@ def _choose_split(
 ) -> tuple[PipelineTiming, float]:
     graph = op_graph(plan, profile, cluster)
     plain = simulate_pipelines(plan, profile, cluster, graph=graph)
-    plain_s = step_time(plan, profile, cluster, plain, staggered=staggered, graph=graph)
-    split = decoupled_pipelines(plan, profile, cluster, graph=graph).first
-    split_s = step_time(plan, profile, cluster, split, staggered=staggered, graph=graph)
-    if split_s >= plain_s:
-        return plain, plain_s
-    if max(peak_memory(plan, profile, split.schedule).values(), default=0) > profile.memory_budget_bytes:
-        return plain, plain_s
-    return split, split_s
+    best = plain, step_time(plan, profile, cluster, plain, staggered=staggered, graph=graph)
+    decoupled = decoupled_pipelines(plan, profile, cluster, graph=graph, iterations=2 if staggered else 1)
+
+    def consider(split: PipelineTiming) -> None:
+        nonlocal best
+        split_s = step_time(plan, profile, cluster, split, staggered=staggered, graph=graph)
+        if split_s < best[1] and max(peak_memory(plan, profile, split.schedule).values(),
+                                     default=0) <= profile.memory_budget_bytes:
+            best = split, split_s
+
+    consider(decoupled.first)
+    if staggered and decoupled.period_s < best[1]:  # the list scheduler's staggered steady state does better
+        consider(fixed_order_step(plan, profile, cluster, decoupled.last, graph=graph))
+    return best
 
 
 def _touched(plan: ExecutionPlan) -> ExecutionPlan:
