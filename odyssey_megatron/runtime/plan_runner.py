@@ -7,9 +7,9 @@ when no micro-batch is rerouted, else the Odyssey executor over this worker's op
 from the estimator (``step_schedule``: with split backwards on rerouting peers when
 ``decouple_weight_grads`` is on and that pays). ``train_step`` runs one global batch.
 With ``staggered_optimizer``, where the estimator finds it pays (``staggers``: a shorter
-period, and memory for the gradients a step keeps), a rank steps without waiting for the
-global gradient norm (``runtime.staggered_step``), so it starts the next step as soon as
-its own DP peers are done; ``settle`` ends the last such step.
+period), a rank steps without waiting for the global gradient norm
+(``runtime.staggered_step``), so it starts the next step as soon as its own DP peers are
+done; ``settle`` ends the last such step.
 """
 
 from __future__ import annotations
@@ -162,6 +162,8 @@ class PlanRunner:
         self._snapshot = self._snapshots.take(self.optimizer)
 
     def _settle_at_settle_point(self) -> bool:
+        """The executor's settle hook: True when the step in flight was retaken (then this
+        step's snapshot, taken from the speculative weights, is taken again)."""
         retaken = self._settle()[1]
         if retaken:
             self._take_snapshot()
