@@ -66,10 +66,9 @@ def estimate_plan(
 ) -> PlanEstimate:
     """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
     lets rerouting peers split their backwards; ``staggered`` optimizer steps price the
-    steady-state period where that pays; ``memo`` as in
-    ``timed_step_schedule``); raises ScheduleDeadlock
-    if its op lists cannot run. Pipelines that time alike are simulated once
-    (``estimator.distinct``)."""
+    steady-state period where that pays; ``memo`` as in ``timed_step_schedule``); raises
+    ScheduleDeadlock if its op lists cannot run. Pipelines that time alike are simulated
+    once (``estimator.distinct``)."""
     distinct, stands_for = distinct_pipelines(plan, cluster)
     timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, decouple=decouple, staggered=staggered,
                                              memo=memo)

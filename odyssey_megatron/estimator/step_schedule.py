@@ -115,21 +115,22 @@ def rerouted_makespan(
     reroutes of one layout needs only this (a small share of a large plan), and a
     reroute whose touched pipelines beat the untouched ones gains nothing by beating
     them further. ``decouple``, ``staggered`` and ``memo`` as in ``timed_step_schedule``."""
-    touched = _touched(plan)
+    touched_ids = touched_pipelines(plan)
+    touched = sub_plan(plan, touched_ids)  # without sync or transfers: equal reroutes, equal memo keys
     if decouple and plan.reroutes:
         touched_s = _split_if_faster(touched, profile, cluster, staggered, memo)[1]
     else:
         graph = op_graph(touched, profile, cluster)
         timing = simulate_pipelines(touched, profile, cluster, graph=graph)
         touched_s = step_time(touched, profile, cluster, timing, staggered=staggered, graph=graph)
-    return max(touched_s, _untouched_makespan(plan, profile, cluster, memo))
+    return max(touched_s, _untouched_makespan(plan, touched_ids, profile, cluster, memo))
 
 
 def _untouched_makespan(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, memo: dict | None
+    plan: ExecutionPlan, touched: set[int], profile: ModelProfile, cluster: ClusterState | None, memo: dict | None
 ) -> float:
-    """Plain 1F1B makespan of the pipelines no reroute touches (0 if there are none)."""
-    untouched = set(range(len(plan.pipelines))) - touched_pipelines(plan)
+    """Plain 1F1B makespan of the pipelines not in ``touched`` (0 if there are none)."""
+    untouched = set(range(len(plan.pipelines))) - touched
     if not untouched:
         return 0.0
     classes = distinct_pipelines(sub_plan(replace(plan, reroutes=()), untouched), cluster)[0]
@@ -174,9 +175,3 @@ def _choose_split(
     if staggered and decoupled.period_s < best[1]:  # the list scheduler's staggered steady state does better
         consider(fixed_order_step(plan, profile, cluster, decoupled.last, graph=graph))
     return best
-
-
-def _touched(plan: ExecutionPlan) -> ExecutionPlan:
-    """The sub-plan of pipelines a reroute touches, without sync or transfers (so equal
-    reroutes give equal sub-plans, for the memo)."""
-    return sub_plan(plan, touched_pipelines(plan))
