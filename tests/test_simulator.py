@@ -17,7 +17,6 @@ from odyssey_megatron.config import ConfigError, OdysseyConfig, load_config
 from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
-from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_step_time
 from odyssey_megatron.profile import uniform_profile
@@ -27,7 +26,6 @@ from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate
 from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
 from odyssey_megatron.simulator.run import simulate
-from odyssey_megatron.simulator.recycle_schedule import ITERATIONS
 from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig, load_scenario
 from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, STOPPED, TRAINING, Outcome, SimulationContext
 
@@ -134,16 +132,20 @@ def _fig3(failed: set[int], profile=FIG3_PROFILE):
     return reroute_plan(plan, failed_workers=failed, profile=profile) if failed else plan
 
 
-def test_recycle_schedule_on_paper_003_figure_3():
+def test_recycle_step_on_paper_003_figure_3():
     """W_{1,1} (worker 4) fails. The paper's Adaptive Pipelining takes 36 slots by hand and
     29 with Decoupled BackProp (27 with its MILP and the Staggered Optimizer); our plain
-    1F1B list schedule takes 33 and ReCycle's, list-scheduled, 29. Failures late in the
-    pipeline cost less than at stage 0, which normalization exploits."""
-    assert decoupled_pipelines(_fig3(set()), FIG3_PROFILE, iterations=ITERATIONS).period_s == 27.0
+    1F1B list schedule takes 33, with split backwards on the peers 30, and staggered 29.
+    Failures late in the pipeline cost less than at stage 0, which normalization exploits."""
+    def recycle_step(failed):
+        return estimate_plan(_fig3(failed), FIG3_PROFILE, decouple=True, staggered=True).pipeline_time_s
+
+    assert recycle_step(set()) == 27.0
     assert estimate_plan(_fig3({4}), FIG3_PROFILE).pipeline_time_s == 33.0
-    assert decoupled_pipelines(_fig3({4}), FIG3_PROFILE, iterations=ITERATIONS).period_s == 29.0
-    assert decoupled_pipelines(_fig3({1}), FIG3_PROFILE, iterations=ITERATIONS).period_s == 31.0
-    assert decoupled_pipelines(_fig3({10}), FIG3_PROFILE, iterations=ITERATIONS).period_s == 29.0
+    assert estimate_plan(_fig3({4}), FIG3_PROFILE, decouple=True).pipeline_time_s == 30.0
+    assert recycle_step({4}) == 29.0
+    assert recycle_step({1}) == 31.0
+    assert recycle_step({10}) == 29.0
 
 
 def test_deferred_weight_gradients_stay_within_memory():
@@ -153,22 +155,22 @@ def test_deferred_weight_gradients_stay_within_memory():
                             memory_budget_bytes=15)
     plan = _fig3({4}, tight)
     assert estimate_plan(plan, tight).max_peak_memory_bytes == 15  # plain 1F1B: 5 in flight on a peer
-    timing = decoupled_pipelines(plan, tight, iterations=ITERATIONS)
-    assert max(peak_memory(plan, tight, timing.first.schedule).values()) == 15 and timing.period_s == 30.0
+    estimate = estimate_plan(plan, tight, decouple=True, staggered=True)
+    assert estimate.max_peak_memory_bytes == 15 and estimate.pipeline_time_s == 30.0
     ample = replace(tight, memory_budget_bytes=100)
-    timing = decoupled_pipelines(plan, ample, iterations=ITERATIONS)
-    assert max(peak_memory(plan, ample, timing.first.schedule).values()) == 19 and timing.period_s == 29.0
+    estimate = estimate_plan(plan, ample, decouple=True, staggered=True)
+    assert estimate.max_peak_memory_bytes == 19 and estimate.pipeline_time_s == 29.0
 
 
 @settings(max_examples=15, deadline=None)
 @given(dp=st.integers(1, 3), pp=st.sampled_from([1, 2, 4, 8]), micro_batches=st.integers(1, 10))
-def test_recycle_schedule_is_plain_1f1b_without_failures(dp, pp, micro_batches):
-    """Nothing rerouted, nothing decoupled: the staggered iterations repeat the estimator's
-    1F1B step exactly (Llama-2 7B on 910B: uneven stages, real links)."""
+def test_list_schedule_is_plain_1f1b_without_failures(dp, pp, micro_batches):
+    """Nothing rerouted, nothing decoupled: the list scheduler's steps repeat the
+    estimator's 1F1B step exactly (Llama-2 7B on 910B: uneven stages, real links)."""
     profile = recipe_profile(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
     plan = symmetric_plan(dp=dp, pp=pp, num_layers=32, micro_batches_per_pipeline=micro_batches)
     cluster = ClusterState(world_size=dp * pp, devices_per_node=8)
-    assert decoupled_pipelines(plan, profile, cluster, iterations=ITERATIONS).period_s == pytest.approx(
+    assert decoupled_pipelines(plan, profile, cluster, iterations=3).period_s == pytest.approx(
         estimate_plan(plan, profile, cluster).pipeline_time_s, rel=1e-12)
 
 

@@ -108,22 +108,29 @@ def rerouted_makespan(
     decouple: bool = False,
     staggered: bool = False,
     memo: dict | None = None,
-) -> float:
+) -> float | None:
     """Pipeline seconds per step (``step_time``) of the pipelines a reroute touches (those
     with a failed stage and those whose owners adopt micro-batches), but no less than the
-    plain 1F1B makespan of the untouched ones, which bound the step too. Comparing
-    reroutes of one layout needs only this (a small share of a large plan), and a
-    reroute whose touched pipelines beat the untouched ones gains nothing by beating
-    them further. ``decouple``, ``staggered`` and ``memo`` as in ``timed_step_schedule``."""
+    plain 1F1B makespan of the untouched ones, which bound the step too; None where the
+    touched workers' op lists exceed the memory budget. Comparing reroutes of one layout
+    needs only this (a small share of a large plan), and a reroute whose touched
+    pipelines beat the untouched ones gains nothing by beating them further.
+    ``decouple``, ``staggered`` and ``memo`` as in ``timed_step_schedule``."""
     touched_ids = touched_pipelines(plan)
     touched = sub_plan(plan, touched_ids)  # without sync or transfers: equal reroutes, equal memo keys
     if decouple and plan.reroutes:
-        touched_s = _split_if_faster(touched, profile, cluster, staggered, memo)[1]
+        timing, touched_s = _split_if_faster(touched, profile, cluster, staggered, memo)
     else:
         graph = op_graph(touched, profile, cluster)
         timing = simulate_pipelines(touched, profile, cluster, graph=graph)
         touched_s = step_time(touched, profile, cluster, timing, staggered=staggered, graph=graph)
+    if not _fits_memory(touched, profile, timing):
+        return None
     return max(touched_s, _untouched_makespan(plan, touched_ids, profile, cluster, memo))
+
+
+def _fits_memory(plan: ExecutionPlan, profile: ModelProfile, timing: PipelineTiming) -> bool:
+    return max(peak_memory(plan, profile, timing.schedule).values(), default=0) <= profile.memory_budget_bytes
 
 
 def _untouched_makespan(
@@ -167,8 +174,7 @@ def _choose_split(
     def consider(split: PipelineTiming) -> None:
         nonlocal best
         split_s = step_time(plan, profile, cluster, split, staggered=staggered, graph=graph)
-        if split_s < best[1] and max(peak_memory(plan, profile, split.schedule).values(),
-                                     default=0) <= profile.memory_budget_bytes:
+        if split_s < best[1] and _fits_memory(plan, profile, split):
             best = split, split_s
 
     consider(decoupled.first)

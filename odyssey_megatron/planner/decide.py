@@ -77,8 +77,8 @@ def decide(
     ``interval_s`` replaces the failure model's expected time to the next failure (the
     hindsight oracle knows it). A ``search`` kept by the caller carries its pipeline
     cost caches from one decision to the next (same profile and settings).
-    After a failure with no reroute candidate and no layout near the current DP degree
-    that fits in memory, the search sweeps every pipeline length before giving up.
+    When no layout near the current DP degree fits in memory, the search sweeps every
+    pipeline length before giving up on reparallelizing.
     Every plan is priced as the runtime runs it (``odyssey.decoupled_weight_grads``,
     ``odyssey.staggered_optimizer``).
     """
@@ -159,7 +159,7 @@ def decide(
         )
         sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
         layouts = search.layouts(**window, sweep=sweep)
-        if not layouts and not sweep and not drafts:  # a wider search beats a checkpoint restart
+        if not layouts and not sweep:  # Eq. 8 needs a reparallelized rival, and one beats a checkpoint restart
             notes.append("no layout near the current DP degree fits; swept every pipeline length")
             layouts = search.layouts(**window, sweep=True)
         considered += len(layouts)

@@ -1,9 +1,11 @@
 """ReCycle (paper 003) in the simulator: reroute to same-stage peers, nothing else.
 
-After a failure the failed stages' micro-batches go to their data-parallel peers. The
-step time is ReCycle's own schedule over the rerouted op lists, Decoupled BackProp and
-the Staggered Optimizer as memory allows (``recycle_schedule.recycle_pipeline_time``),
-plus the same DP sync as every system. Normalization (paper 003, 4.2.1;
+After a failure the failed stages' micro-batches go to their data-parallel peers. ReCycle
+runs one schedule per failure set, repeated every iteration (paper 003, 4.2.2), with
+Decoupled BackProp and the Staggered Optimizer as memory allows. The estimator prices
+exactly that for Odyssey's reroutes (``estimator.step_schedule``: fixed op lists, split
+backwards on rerouting peers where they fit, the staggered steady-state period), so
+ReCycle's steps are priced by the same code, and the systems differ only in policy. Normalization (paper 003, 4.2.1;
 ``planner.normalize``, which Odyssey's reroute uses too) moves each new failure to the
 stage of its pipeline where rerouting costs least, by swapping roles with a survivor
 that then copies the failed stage from a peer; it is greedy per failure, where the
@@ -22,12 +24,12 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan, transfer_time
+from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.planner.normalize import normalize_failures, stage_copy
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
-from odyssey_megatron.simulator.recycle_schedule import recycle_pipeline_time
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
@@ -43,53 +45,40 @@ class ReCycleSystem:
         """Which worker plays which slot: the original layout after normalization swaps,
         or the layout restarted onto."""
         self.step_s = 0.0
-        self.fault_free_s = 0.0
-        """Pipeline seconds of the layout before any of its workers failed."""
 
     def start(self, cluster: ClusterState) -> float:
-        self.fault_free_s = estimate_plan(self.base, self.context.profile, cluster).pipeline_time_s
         self.step_s, samples_per_s, _ = self._speed(self.base, cluster)
         return samples_per_s
 
-    def _pipeline_time(self, plan: ExecutionPlan, cluster: ClusterState) -> float | None:
-        """Seconds per iteration without DP sync; None when no schedule fits in memory."""
-        profile = self.context.profile
-        if self.decoupled:
-            return recycle_pipeline_time(plan, profile, cluster, floor_s=self.fault_free_s)
-        estimate = estimate_plan(plan, profile, cluster)
-        return estimate.pipeline_time_s if estimate.fits_memory else None
-
     def _speed(self, plan: ExecutionPlan, cluster: ClusterState) -> tuple[float, float, bool]:
         """(step seconds, samples/s, fits memory) of ``plan`` under ReCycle's schedule."""
-        estimate = estimate_plan(plan, self.context.profile, cluster)
-        pipeline_s = self._pipeline_time(plan, cluster)
-        if pipeline_s is None:
-            return estimate.step_time_s, estimate.samples_per_s, False
-        step_s = pipeline_s + estimate.sync_time_s
-        return step_s, estimate.samples_per_step / step_s, True
+        estimate = estimate_plan(plan, self.context.profile, cluster, decouple=self.decoupled,
+                                 staggered=self.decoupled)
+        return estimate.step_time_s, estimate.samples_per_s, estimate.fits_memory
 
     def _reroute(self, cluster: ClusterState, now_s: float, note: str, *, lost_s: float, pause_s: float) -> Outcome:
         plan = reroute_plan(self.base, failed_workers=cluster.failed_workers, profile=self.context.profile)
+        why = "no peer left for a stage"
         if plan is not None:
             step_s, samples_per_s, fits = self._speed(with_sync(plan, self.context.profile), cluster)
             if fits:
                 self.step_s = step_s
                 return Outcome(pause_s=pause_s, samples_per_s=samples_per_s, lost_s=lost_s, note=f"{note}: rerouted")
-        outcome, plan, step_s = restart_onto_symmetric(
-            self.context, cluster, now_s, f"{note}: no peer left for a stage"
-        )
+            why = "a peer would run out of memory"
+        outcome, plan, step_s = restart_onto_symmetric(self.context, cluster, now_s, f"{note}: {why}")
         if plan is not None:
             self.base, self.step_s = plan, step_s
-            self.fault_free_s = estimate_plan(plan, self.context.profile, cluster).pipeline_time_s
         return outcome
 
     def _copy_s(self, transfers: tuple[Transfer, ...], cluster: ClusterState) -> float:
         return transfer_time(transfers, profile=self.context.profile, cluster=cluster, storage_bandwidth=1.0)  # no reads
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
+        memo: dict = {}  # prices of equal touched pipelines, for this cluster state only
         normalized = normalize_failures(
             self.base, new_failures=failed, cluster=cluster, profile=self.context.profile,
-            cost=lambda plan: self._pipeline_time(plan, cluster),
+            cost=lambda plan: rerouted_makespan(plan, self.context.profile, cluster, decouple=self.decoupled,
+                                                staggered=self.decoupled, memo=memo),
         )
         self.base = normalized.layout
         copy_s = self._copy_s(normalized.transfers, cluster)
