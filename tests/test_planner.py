@@ -209,6 +209,23 @@ def test_normalization_moves_a_failure_to_where_rerouting_is_cheapest():
         assert decision.chosen.estimate.pipeline_time_s == slots and decision.chosen.transition_s == 1.0
 
 
+def test_a_later_reroute_does_not_repeat_an_earlier_stage_copy():
+    """The plan after a normalization swap carries that swap's stage copy; rerouting it
+    again after the next failure copies nothing, so that failure pays no copy."""
+    plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)
+    cluster = ClusterState(world_size=12, devices_per_node=12).fail_ranks([10])
+    settings = _settings(policy="reroute", reroute_restart_s=1.0, decoupled_weight_grads=False,
+                         staggered_optimizer=False)
+    first = decide(current=with_sync(plan, FIG3), cluster=cluster, profile=FIG3, settings=settings,
+                   failure_model=FailureRateModel(device_mtbf_hours=10), search_time_s=0.0).chosen
+    assert first.plan.transfers and first.transition_s == 11.0
+    assert reroute_plan(first.plan, failed_workers={10, 11}, profile=FIG3).transfers == ()
+    second = decide(current=first.plan, cluster=cluster.fail_ranks([11]), profile=FIG3, settings=settings,
+                    failure_model=FailureRateModel(device_mtbf_hours=10), search_time_s=0.0)
+    rerouted = [c for c in (second.chosen, *second.alternatives) if c.policy == "reroute" and not c.plan.transfers]
+    assert [c.transition_s for c in rerouted] == [1.0]
+
+
 def test_a_repaired_worker_takes_over_a_rerouted_stage():
     """Worker 10 (stage 3 of pipeline 1) failed and its micro-batches are rerouted; when it
     comes back it takes the stage over after a 10 s copy, which beats rerouting on."""

@@ -58,7 +58,7 @@ def timed_step_schedule(
         timing = simulate_pipelines(plan, profile, cluster, graph=graph)
         return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
     touched_ids = sorted(touched_pipelines(plan))
-    chosen, chosen_s = _split_if_faster(sub_plan(plan, touched_ids), profile, cluster, staggered, memo)
+    chosen, chosen_s, _ = _split_if_faster(sub_plan(plan, touched_ids), profile, cluster, staggered, memo)
     if len(touched_ids) == len(plan.pipelines):
         return chosen, chosen_s
     graph = op_graph(plan, profile, cluster)
@@ -119,12 +119,13 @@ def rerouted_makespan(
     touched_ids = touched_pipelines(plan)
     touched = sub_plan(plan, touched_ids)  # without sync or transfers: equal reroutes, equal memo keys
     if decouple and plan.reroutes:
-        timing, touched_s = _split_if_faster(touched, profile, cluster, staggered, memo)
+        timing, touched_s, fits = _split_if_faster(touched, profile, cluster, staggered, memo)
     else:
         graph = op_graph(touched, profile, cluster)
         timing = simulate_pipelines(touched, profile, cluster, graph=graph)
         touched_s = step_time(touched, profile, cluster, timing, staggered=staggered, graph=graph)
-    if not _fits_memory(touched, profile, timing):
+        fits = _fits_memory(touched, profile, timing)
+    if not fits:
         return None
     return max(touched_s, _untouched_makespan(plan, touched_ids, profile, cluster, memo))
 
@@ -152,9 +153,9 @@ def _untouched_makespan(
 
 def _split_if_faster(
     plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool, memo: dict | None
-) -> tuple[PipelineTiming, float]:
+) -> tuple[PipelineTiming, float, bool]:
     """Split op lists if their ``step_time`` beats plain 1F1B's and they fit in memory;
-    the chosen timing and its step time."""
+    the chosen timing, its step time, and whether it fits in memory (plain 1F1B may not)."""
     if memo is None:
         return _choose_split(plan, profile, cluster, staggered)
     key = (plan, staggered)
@@ -165,7 +166,7 @@ def _split_if_faster(
 
 def _choose_split(
     plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool
-) -> tuple[PipelineTiming, float]:
+) -> tuple[PipelineTiming, float, bool]:
     graph = op_graph(plan, profile, cluster)
     plain = simulate_pipelines(plan, profile, cluster, graph=graph)
     best = plain, step_time(plan, profile, cluster, plain, staggered=staggered, graph=graph)
@@ -180,4 +181,4 @@ def _choose_split(
     consider(decoupled.first)
     if staggered and decoupled.period_s < best[1]:  # the list scheduler's staggered steady state does better
         consider(fixed_order_step(plan, profile, cluster, decoupled.last, graph=graph))
-    return best
+    return *best, best[0] is not plain or _fits_memory(plan, profile, plain)

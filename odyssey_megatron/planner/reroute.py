@@ -32,7 +32,7 @@ def reroute_plan(
         ))
         for p in current.pipelines
     ]
-    draft = replace(current, pipelines=tuple(pipelines), reroutes=())
+    draft = replace(current, pipelines=tuple(pipelines), reroutes=(), transfers=())  # current's copies are done
     by_blocks: dict[tuple, list[tuple[int, int, StagePlan]]] = defaultdict(list)
     for pi, si, stage in draft.stage_positions():
         by_blocks[(si, tuple(draft.blocks_of_stage(pi, si, profile)))].append((pi, si, stage))
