@@ -48,6 +48,21 @@ class Decision:
     note: str = ""
 
 
+Draft = tuple[str, ExecutionPlan, PlanEstimate, float, float]
+"""A priced candidate before scoring: policy, plan, estimate, moving seconds, restart seconds."""
+
+
+def _faster(kept: Draft | None, rival: Draft | None) -> Draft | None:
+    """``rival`` where it trains faster than ``kept``. A normalization swap or a refill
+    lasts as long as the failure it works around, well past the next failure that Eq. 8
+    weighs its copy against, and is never revisited once declined; so, as in ReCycle, it
+    is taken whenever it makes the step faster, and Eq. 8 weighs the result against
+    reparallelizing."""
+    if kept is None or rival is None:
+        return rival or kept
+    return rival if rival[2].samples_per_s > kept[2].samples_per_s else kept
+
+
 def _layout_of(plan: ExecutionPlan) -> str:
     return describe_layout([p.layer_counts for p in plan.pipelines])
 
@@ -65,12 +80,12 @@ def decide(
 ) -> Decision:
     """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
 
-    After a failure the candidates are the rerouted plan, the rerouted plan after failure
-    normalization (``planner.normalize``) when that moves a failure, and the best
-    reparallelized ones.
-    When no stage owner failed but idle workers are alive (repaired or spare), keeping the
-    current plan competes with idle workers taking over rerouted stages
-    (``refill_failed_stages``) and with reparallelizing onto all of them; the current plan trains
+    After a failure the candidates are the reroute, after failure normalization
+    (``planner.normalize``) where that makes the step faster (``_faster`` says why), and
+    the best reparallelized ones.
+    When no stage owner failed but idle workers are alive (repaired or spare), the current
+    plan, or idle workers taking over rerouted stages (``refill_failed_stages``) where that
+    is faster, competes with reparallelizing onto all of them; the current plan trains
     while that search runs, so its time is not part of a transition, and by default (see
     ``odyssey.length_sweep``) it sweeps every pipeline length. ``search_time_s`` replaces
     the measured search time in the transition (the simulator needs determinism);
@@ -90,33 +105,32 @@ def decide(
     want_reroute = settings.policy in ("auto", "reroute")
     want_reparallelize = settings.policy in ("auto", "reparallelize")
 
-    drafts: list[tuple[str, ExecutionPlan, PlanEstimate, float, float]] = []  # policy, plan, estimate, moving, restart
+    drafts: list[Draft] = []
     considered = 0
     notes = []
     as_run = dict(  # price plans as the runtime runs them; the memo spares pricing a reroute twice
         decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer, memo={})
     reroute_cost = lambda plan: rerouted_makespan(plan, profile, cluster, **as_run)  # noqa: E731
 
-    def consider_reroute(plan: ExecutionPlan) -> None:
+    def price_reroute(plan: ExecutionPlan) -> Draft | None:
         plan = with_sync(plan, profile)
         try:
             estimate = estimate_plan(plan, profile, cluster, **as_run)
         except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
             notes.append(f"reroute schedule deadlocks: {exc}")
-            return
+            return None
         if not estimate.fits_memory:
             notes.append("reroute exceeds the memory budget on a peer")
-            return
+            return None
         moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
                                storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9)
-        drafts.append(("reroute", plan, estimate, moving, settings.reroute_restart_s))
+        return "reroute", plan, estimate, moving, settings.reroute_restart_s
 
     if not affected:
-        drafts.append((current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0))
+        kept: Draft = (current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0)
         if not idle:
             note = "no stage owner failed"
-            chosen = drafts[0]
-            unchanged = Candidate(chosen[0], current, chosen[2], 0.0, chosen[2].samples_per_s, _layout_of(current))
+            unchanged = Candidate(kept[0], current, kept[2], 0.0, kept[2].samples_per_s, _layout_of(current))
             return Decision(unchanged, (), 0, time.perf_counter() - started, interval, note)
         notes.append(f"{len(idle)} idle worker(s) alive")
         if want_reroute:
@@ -124,8 +138,9 @@ def decide(
                                             cost=reroute_cost)
             if refilled.transfers:  # idle workers take over rerouted stages
                 considered += 1
-                consider_reroute(replace(reroute_plan(refilled.layout, failed_workers=failed, profile=profile),
-                                         transfers=refilled.transfers))
+                kept = _faster(kept, price_reroute(replace(
+                    reroute_plan(refilled.layout, failed_workers=failed, profile=profile), transfers=refilled.transfers)))
+        drafts.append(kept)
 
     if affected and want_reroute:
         considered += 1
@@ -133,15 +148,18 @@ def decide(
         if rerouted is None:
             notes.append("reroute impossible: a stage lost every replica")
         else:
-            consider_reroute(rerouted)
+            reroute = price_reroute(rerouted)
             normalized = normalize_failures(
                 current, new_failures=failed & set(current.workers), cluster=cluster, profile=profile,
                 cost=reroute_cost,
             )
             if normalized.transfers:  # a survivor takes over a failed stage where rerouting costs less
                 considered += 1
-                consider_reroute(replace(reroute_plan(normalized.layout, failed_workers=failed, profile=profile),
-                                         transfers=normalized.transfers))
+                reroute = _faster(reroute, price_reroute(replace(
+                    reroute_plan(normalized.layout, failed_workers=failed, profile=profile),
+                    transfers=normalized.transfers)))
+            if reroute is not None:
+                drafts.append(reroute)
 
     if want_reparallelize or not drafts:
         if not want_reparallelize:
