@@ -179,6 +179,6 @@ def _choose_split(
             best = split, split_s
 
     consider(decoupled.first)
-    if staggered and decoupled.period_s < best[1]:  # the list scheduler's staggered steady state does better
+    if staggered and decoupled.period_s < best[1] * (1 - ROUNDING):  # the list scheduler's steady state is faster
         consider(fixed_order_step(plan, profile, cluster, decoupled.last, graph=graph))
     return *best, best[0] is not plain or _fits_memory(plan, profile, plain)
