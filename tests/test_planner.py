@@ -273,6 +273,19 @@ def test_a_reroute_is_priced_no_faster_than_the_pipelines_it_leaves_alone():
         assert estimate_plan(rerouted, profile, **schedule).pipeline_time_s == 54.0
 
 
+def test_a_reroute_whose_peers_run_out_of_memory_has_no_price():
+    """Paper 003's Fig. 3 layout, worker 4 failed, activations 1 B per micro-batch beside
+    10 B of weights: plain 1F1B op lists hold 5 micro-batches on a peer (15 B), split
+    backwards defer weight gradients only as far as memory allows."""
+    profile = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=10, activation_bytes=1)
+    plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)
+    rerouted = reroute_plan(plan, failed_workers={4}, profile=profile)
+    for budget, plain_s, split_s in [(14, None, None), (15, 33.0, 30.0), (19, 33.0, 29.0)]:
+        budgeted = replace(profile, memory_budget_bytes=budget)
+        assert rerouted_makespan(rerouted, budgeted) == plain_s
+        assert rerouted_makespan(rerouted, budgeted, decouple=True, staggered=True) == split_s
+
+
 def _settings(**kw) -> OdysseyConfig:
     return OdysseyConfig(**kw)
 
@@ -470,3 +483,9 @@ def test_a_failure_with_no_fitting_layout_in_the_window_sweeps_every_pipeline_le
                       failure_model=FailureRateModel(device_mtbf_hours=10))
     assert decision.chosen.policy == "reparallelize" and "swept every pipeline length" in decision.note
     assert decision.chosen.estimate.fits_memory and len(decision.chosen.plan.pipelines) < 4
+    # One failure: rerouting works, but Eq. 8 still needs a reparallelized rival to weigh.
+    decision = decide(current=plan, cluster=ClusterState(world_size=8, devices_per_node=8).fail_ranks([0]),
+                      profile=profile, settings=_settings(dp_search_radius=0),
+                      failure_model=FailureRateModel(device_mtbf_hours=10))
+    assert "swept every pipeline length" in decision.note
+    assert {c.policy for c in (decision.chosen, *decision.alternatives)} == {"reroute", "reparallelize"}
