@@ -139,7 +139,8 @@ def decide(
             if refilled.transfers:  # idle workers take over rerouted stages
                 considered += 1
                 kept = _faster(kept, price_reroute(replace(
-                    reroute_plan(refilled.layout, failed_workers=failed, profile=profile), transfers=refilled.transfers)))
+                    reroute_plan(refilled.layout, failed_workers=failed, profile=profile),
+                    transfers=refilled.transfers)))
         drafts.append(kept)
 
     if affected and want_reroute:
