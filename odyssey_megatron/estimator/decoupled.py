@@ -12,12 +12,11 @@ layers' inputs and output gradients until the W runs), so a peer whose memory ho
 more micro-batches runs a queued W before its next forward.
 
 With ``iterations`` > 1 several steps are list-scheduled back to back and each stage's DP
-peers step their optimizer as soon as they all finished, not after the whole pipeline:
-ReCycle's Staggered Optimizer, as the simulator models it for ReCycle, whose scheduler
-places W ops afresh every step. Odyssey's runtime repeats one step's op lists: the
-first step's, or, with staggered steps, the last one's, which the list scheduler
-ordered for the staggered start of a steady state (``step_schedule`` picks;
-``estimator.staggered`` prices them).
+peers step their optimizer as soon as they all finished, not after the whole pipeline
+(paper 003's Staggered Optimizer). A runtime repeats one step's op lists: the first
+step's, or, with staggered steps, the last one's, which the list scheduler ordered for
+the staggered start of a steady state (``step_schedule`` picks; ``estimator.staggered``
+prices them).
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ runs one schedule per failure set, repeated every iteration (paper 003, 4.2.2), 
 Decoupled BackProp and the Staggered Optimizer as memory allows. The estimator prices
 exactly that for Odyssey's reroutes (``estimator.step_schedule``: fixed op lists, split
 backwards on rerouting peers where they fit, the staggered steady-state period), so
-ReCycle's steps are priced by the same code, and the systems differ only in policy. Normalization (paper 003, 4.2.1;
-``planner.normalize``, which Odyssey's reroute uses too) moves each new failure to the
-stage of its pipeline where rerouting costs least, by swapping roles with a survivor
-that then copies the failed stage from a peer; it is greedy per failure, where the
-paper's dynamic programme may also move earlier failures again. A stage that lost every
+ReCycle's steps are priced by the same code, and the systems differ only in policy.
+Normalization (paper 003, 4.2.1; ``planner.normalize``, which Odyssey's reroute uses
+too) moves each new failure to the stage of its pipeline where rerouting costs least,
+by swapping roles with a survivor that then copies the failed stage from a peer; it is
+greedy per failure, where the paper's dynamic programme may also move earlier failures
+again. A stage that lost every
 replica, or a peer that would run out of memory, means a checkpoint restart on a
 symmetric layout. A repaired worker takes back the slot that names it, after copying
 that stage from a peer.
