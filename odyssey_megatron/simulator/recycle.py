@@ -51,17 +51,19 @@ class ReCycleSystem:
         self.step_s, samples_per_s, _ = self._speed(self.base, cluster)
         return samples_per_s
 
-    def _speed(self, plan: ExecutionPlan, cluster: ClusterState) -> tuple[float, float, bool]:
-        """(step seconds, samples/s, fits memory) of ``plan`` under ReCycle's schedule."""
+    def _speed(self, plan: ExecutionPlan, cluster: ClusterState, memo: dict | None = None) -> tuple[float, float, bool]:
+        """(step seconds, samples/s, fits memory) of ``plan`` under ReCycle's schedule;
+        ``memo`` as in ``estimate_plan``."""
         estimate = estimate_plan(plan, self.context.profile, cluster, decouple=self.decoupled,
-                                 staggered=self.decoupled)
+                                 staggered=self.decoupled, memo=memo)
         return estimate.step_time_s, estimate.samples_per_s, estimate.fits_memory
 
-    def _reroute(self, cluster: ClusterState, now_s: float, note: str, *, lost_s: float, pause_s: float) -> Outcome:
+    def _reroute(self, cluster: ClusterState, now_s: float, note: str, *, lost_s: float, pause_s: float,
+                 memo: dict | None = None) -> Outcome:
         plan = reroute_plan(self.base, failed_workers=cluster.failed_workers, profile=self.context.profile)
         why = "no peer left for a stage"
         if plan is not None:
-            step_s, samples_per_s, fits = self._speed(with_sync(plan, self.context.profile), cluster)
+            step_s, samples_per_s, fits = self._speed(with_sync(plan, self.context.profile), cluster, memo)
             if fits:
                 self.step_s = step_s
                 return Outcome(pause_s=pause_s, samples_per_s=samples_per_s, lost_s=lost_s, note=f"{note}: rerouted")
@@ -75,7 +77,7 @@ class ReCycleSystem:
         return transfer_time(transfers, profile=self.context.profile, cluster=cluster, storage_bandwidth=1.0)  # no reads
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
-        memo: dict = {}  # prices of equal touched pipelines, for this cluster state only
+        memo: dict = {}  # normalization's prices, reused for the chosen reroute; this cluster state only
         normalized = normalize_failures(
             self.base, new_failures=failed, cluster=cluster, profile=self.context.profile,
             cost=lambda plan: rerouted_makespan(plan, self.context.profile, cluster, decouple=self.decoupled,
@@ -84,7 +86,7 @@ class ReCycleSystem:
         self.base = normalized.layout
         copy_s = self._copy_s(normalized.transfers, cluster)
         return self._reroute(cluster, now_s, f"{len(failed)} worker(s) failed",
-                             lost_s=self.step_s / 2, pause_s=self.detection_s + self.reroute_s + copy_s)
+                             lost_s=self.step_s / 2, pause_s=self.detection_s + self.reroute_s + copy_s, memo=memo)
 
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
         profile = self.context.profile
