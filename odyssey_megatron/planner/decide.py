@@ -15,7 +15,7 @@ from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, polic
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync
 
 PLACED_LAYOUTS = 3
 """Fastest layouts that get a Kuhn-Munkres placement, so transition cost can still change the winner."""
@@ -111,9 +111,12 @@ def decide(
     as_run = dict(  # price plans as the runtime runs them; the memo spares pricing a reroute twice
         decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer, memo={})
     reroute_cost = lambda plan: rerouted_makespan(plan, profile, cluster, **as_run)  # noqa: E731
+    holdings = live_holdings(current, cluster=cluster, profile=profile)  # before anything moves
 
     def price_reroute(plan: ExecutionPlan) -> Draft | None:
-        plan = with_sync(plan, profile)
+        """Price a rerouted plan, with the stage copies its swapped-in or idle workers need."""
+        plan = with_sync(replace(plan, transfers=plan_transfers(plan, holdings=holdings, profile=profile,
+                                                                cluster=cluster)), profile)
         try:
             estimate = estimate_plan(plan, profile, cluster, **as_run)
         except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
@@ -136,11 +139,9 @@ def decide(
         if want_reroute:
             refilled = refill_failed_stages(current, idle_workers=idle, cluster=cluster, profile=profile,
                                             cost=reroute_cost)
-            if refilled.transfers:  # idle workers take over rerouted stages
+            if refilled is not current:  # idle workers take over rerouted stages
                 considered += 1
-                kept = _faster(kept, price_reroute(replace(
-                    reroute_plan(refilled.layout, failed_workers=failed, profile=profile),
-                    transfers=refilled.transfers)))
+                kept = _faster(kept, price_reroute(reroute_plan(refilled, failed_workers=failed, profile=profile)))
         drafts.append(kept)
 
     if affected and want_reroute:
@@ -154,11 +155,10 @@ def decide(
                 current, new_failures=failed & set(current.workers), cluster=cluster, profile=profile,
                 cost=reroute_cost,
             )
-            if normalized.transfers:  # a survivor takes over a failed stage where rerouting costs less
+            if normalized is not current:  # a survivor takes over a failed stage where rerouting costs less
                 considered += 1
-                reroute = _faster(reroute, price_reroute(replace(
-                    reroute_plan(normalized.layout, failed_workers=failed, profile=profile),
-                    transfers=normalized.transfers)))
+                reroute = _faster(reroute, price_reroute(
+                    reroute_plan(normalized, failed_workers=failed, profile=profile)))
             if reroute is not None:
                 drafts.append(reroute)
 
@@ -183,7 +183,7 @@ def decide(
             layouts = search.layouts(**window, sweep=True)
         considered += len(layouts)
         for layout in layouts[:PLACED_LAYOUTS]:
-            plan = place_layout(layout, current=current, cluster=cluster, profile=profile)
+            plan = place_layout(layout, current=current, holdings=holdings, cluster=cluster, profile=profile)
             moving = transfer_time(
                 plan.transfers, profile=profile, cluster=cluster,
                 storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
@@ -200,6 +200,8 @@ def decide(
     candidates = []
     alive = len(cluster.alive_workers)
     for policy, plan, estimate, moving, restart in drafts:
+        if plan is not current:
+            check_transfers(plan, holdings=holdings, profile=profile, cluster=cluster)
         transition = paused_search_s + moving + restart if plan is not current else 0.0
         risk = fatal_share(plan.holdings(profile), alive) * settings.checkpoint_restart_penalty_s
         score = policy_score(samples_per_s=estimate.samples_per_s, transition_s=transition, interval_s=interval,

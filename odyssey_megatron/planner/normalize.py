@@ -7,26 +7,21 @@ optimizer state from a same-stage peer) and leave its own stage to be rerouted i
 Each new failure is moved, greedily, to the stage of its pipeline where the caller's
 cost of the rerouted plan is least; a swap must gain, so ties keep the failure in place.
 The same bookkeeping lets idle workers (repaired or spare) take over rerouted stages,
-the costliest first.
+the costliest first. Both return layouts only: the copies a layout needs come from what
+survivors hold before it (``restorer.plan_transfers``), not from the layout itself,
+where a survivor just moved in holds nothing yet and one moved away still holds its old
+stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AbstractSet, Callable, Optional
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, Transfer
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import ModelProfile
-
-
-@dataclass(frozen=True)
-class Normalized:
-    layout: ExecutionPlan
-    """The layout with failures moved (stage owners swapped); reroute it to run it."""
-    transfers: tuple[Transfer, ...]
-    """Stage copies the swapped-in survivors need."""
 
 
 def normalize_failures(
@@ -36,14 +31,15 @@ def normalize_failures(
     cluster: ClusterState,
     profile: ModelProfile,
     cost: Callable[[ExecutionPlan], Optional[float]],
-) -> Normalized:
-    """Move each of ``new_failures`` to its pipeline's cheapest stage. ``cost`` prices a
+) -> ExecutionPlan:
+    """``layout`` with each of ``new_failures`` moved to its pipeline's cheapest stage
+    (``layout`` itself when nothing moves); reroute it to run it. ``cost`` prices a
     rerouted plan (None: infeasible); ``layout`` still names the failed workers."""
     failed = cluster.failed_workers
-    moves: list[tuple[int, int, int]] = []  # pipeline, stage, survivor that takes it over
+    before = layout  # who holds what: a survivor swapped in below holds nothing yet
     for worker in sorted(new_failures):
         slot = _slot_of(layout, worker)
-        if slot is None or not _holders(layout, *slot, failed, profile):
+        if slot is None or not _holders(before, *slot, failed, profile):
             continue  # not a stage owner, or nobody left to copy its stage from
         pi, si = slot
         best_cost, best = _rerouted_cost(layout, failed, profile, cost), None
@@ -53,12 +49,10 @@ def normalize_failures(
             candidate = _swap(layout, pi, si, sj)
             price = _rerouted_cost(candidate, failed, profile, cost)
             if price is not None and (best_cost is None or price < best_cost - 1e-9):
-                best_cost, best = price, (candidate, stage.worker)
+                best_cost, best = price, candidate
         if best is not None:
-            layout = best[0]
-            moves.append((pi, si, best[1]))
-    transfers = tuple(t for pi, si, dst in moves for t in stage_copy(layout, pi, si, dst, cluster, profile))
-    return Normalized(layout, transfers)
+            layout = best
+    return layout
 
 
 def refill_failed_stages(
@@ -68,7 +62,7 @@ def refill_failed_stages(
     cluster: ClusterState,
     profile: ModelProfile,
     cost: Callable[[ExecutionPlan], Optional[float]],
-) -> Normalized:
+) -> ExecutionPlan:
     """Idle workers (repaired, or spare) take over stages whose micro-batches are rerouted,
     each the one whose rerouting ``cost`` most, after a stage copy from a peer. Stages
     nobody can copy from stay rerouted. On a large cluster every price is a whole-plan
@@ -76,17 +70,16 @@ def refill_failed_stages(
     idle workers for every such stage, all are filled in order; and failed stages that
     differ only in their pipeline (same stage, layer split, micro-batch count and failed
     stages) cost alike, so the first of each kind stands for the rest."""
-    moves: list[tuple[int, int, int]] = []
+    before = plan  # who holds what: an idle worker given a stage below holds nothing yet
     workers = sorted(idle_workers)
     for n, worker in enumerate(workers):
         fillable = [(pi, si) for pi, si, stage in plan.stage_positions()
-                    if stage.worker is None and _holders(plan, pi, si, cluster.failed_workers, profile)]
+                    if stage.worker is None and _holders(before, pi, si, cluster.failed_workers, profile)]
         if not fillable:
             break
         if len(workers) - n >= len(fillable):  # a worker for each: all get filled, in any order
             pi, si = fillable[0]
             plan = _assign(plan, pi, si, worker)
-            moves.append((pi, si, worker))
             continue
         options = []
         priced = set()
@@ -104,26 +97,8 @@ def refill_failed_stages(
                 options.append((price, pi, si, filled))
         if not options:
             break
-        _, pi, si, plan = min(options, key=lambda option: option[:3])
-        moves.append((pi, si, worker))
-    transfers = tuple(t for pi, si, dst in moves for t in stage_copy(plan, pi, si, dst, cluster, profile))
-    return Normalized(plan, transfers)
-
-
-def stage_copy(
-    layout: ExecutionPlan, pi: int, si: int, dst: int, cluster: ClusterState, profile: ModelProfile
-) -> tuple[Transfer, ...]:
-    """Weights and optimizer state of stage ``si`` for ``dst``, from a live same-stage peer
-    (one on ``dst``'s node if any), TP shard k from TP rank k. Empty if no peer is live."""
-    peers = [w for w in _holders(layout, pi, si, cluster.failed_workers, profile) if w != dst]
-    if not peers:
-        return ()
-    src = min(peers, key=lambda w: (not cluster.same_node(w, dst), w))
-    return tuple(
-        Transfer(block, src_rank, dst_rank, profile.block(block).state_bytes)
-        for block in layout.blocks_of_stage(pi, si, profile)
-        for src_rank, dst_rank in zip(cluster.worker_ranks(src), cluster.worker_ranks(dst))
-    )
+        plan = min(options, key=lambda option: option[:3])[3]
+    return plan
 
 
 def _rerouted_cost(layout, failed, profile, cost) -> Optional[float]:

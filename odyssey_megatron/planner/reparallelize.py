@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import allreduce_time
@@ -18,7 +18,7 @@ from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep
-from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.profile import Block, ModelProfile
 from odyssey_megatron.restorer import color_rounds, plan_weight_transfer, sync_units, with_sync
 
 
@@ -175,15 +175,12 @@ def place_layout(
     layout: Layout,
     *,
     current: ExecutionPlan,
+    holdings: Mapping[int, Sequence[Block]],
     cluster: ClusterState,
     profile: ModelProfile,
 ) -> ExecutionPlan:
-    """Put ``layout`` on the survivors with the least weight movement (Kuhn-Munkres)."""
-    failed = cluster.failed_workers
-    holdings = {w: [] for w in cluster.alive_workers}
-    for worker, blocks in current.holdings(profile).items():
-        if worker not in failed:
-            holdings[worker] = blocks
+    """Put ``layout`` on the survivors with the least weight movement (Kuhn-Munkres) from
+    ``holdings``, what each live worker holds under ``current`` (``live_holdings``)."""
     slots, ranges = [], []
     for split in layout.splits:
         stage_layers = stage_ranges(split)

@@ -16,7 +16,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.plan import Transfer
+from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import Block, ModelProfile, block_sort_key
 
 
@@ -73,17 +73,60 @@ def plan_weight_transfer(
     assignment = [0] * len(slots)
     for row, col in zip(rows, cols):
         assignment[col] = workers[row]
-    cost_bytes = int(costs[rows, cols].sum())
+    transfers = _shard_transfers(holdings=holdings, slots=slots, assignment=assignment, profile=profile,
+                                 cluster=cluster)
+    return TransferPlan(assignment=tuple(assignment), transfers=transfers, cost_bytes=int(costs[rows, cols].sum()))
 
-    moves = _choose_sources(
-        workers=workers, holdings=holdings, slots=slots, assignment=assignment, profile=profile, cluster=cluster
-    )
-    transfers = tuple(
+
+def live_holdings(plan: ExecutionPlan, *, cluster: ClusterState, profile: ModelProfile) -> dict[int, list[Block]]:
+    """What every live worker holds while ``plan`` runs: its stage's blocks, or nothing
+    (idle, repaired or spare). A failed worker holds nothing anyone can read."""
+    held: dict[int, list[Block]] = {worker: [] for worker in cluster.alive_workers}
+    for worker, blocks in plan.holdings(profile).items():
+        if worker in held:
+            held[worker] = blocks
+    return held
+
+
+def plan_transfers(
+    plan: ExecutionPlan,
+    *,
+    holdings: Mapping[int, Sequence[Block]],
+    profile: ModelProfile,
+    cluster: ClusterState,
+) -> tuple[Transfer, ...]:
+    """The transfers that give every live stage owner of ``plan`` the blocks of its stage.
+
+    ``holdings`` is what each live worker holds *before* the plan (``live_holdings`` of the
+    plan being left), so a worker that moves to another stage still sends what it held,
+    and one that moves in receives everything it lacks. Each source holds its block
+    already: the transfers form one phase that can run all at once, with no relays and
+    no cycles (``restorer.transfer_check`` verifies that).
+    """
+    failed = cluster.failed_workers
+    owners = [(stage.worker, plan.blocks_of_stage(pi, si, profile))
+              for pi, si, stage in plan.stage_positions() if stage.worker is not None and stage.worker not in failed]
+    return _shard_transfers(holdings=holdings, slots=[blocks for _, blocks in owners],
+                            assignment=[worker for worker, _ in owners], profile=profile, cluster=cluster)
+
+
+def _shard_transfers(
+    *,
+    holdings: Mapping[int, Sequence[Block]],
+    slots: Sequence[Sequence[Block]],
+    assignment: Sequence[int],
+    profile: ModelProfile,
+    cluster: ClusterState,
+) -> tuple[Transfer, ...]:
+    """Rank-level moves that fill ``slots`` on ``assignment``'s workers: sources spread
+    over holders (``_choose_sources``), TP shard k from TP rank k."""
+    moves = _choose_sources(workers=sorted(holdings), holdings=holdings, slots=slots, assignment=assignment,
+                            profile=profile, cluster=cluster)
+    return tuple(
         Transfer(layer=block, src=src_rank, dst=dst_rank, bytes=nbytes)
         for block, src, dst, nbytes in moves
         for src_rank, dst_rank in zip(_shard_sources(src, cluster), cluster.worker_ranks(dst))
     )
-    return TransferPlan(assignment=tuple(assignment), transfers=transfers, cost_bytes=cost_bytes)
 
 
 def _shard_sources(src: Optional[int], cluster: ClusterState) -> tuple[Optional[int], ...]:
@@ -138,6 +181,13 @@ def _choose_sources(
     would finish sending it earliest; ties prefer a same-node sender, then the lowest id.
     Blocks no survivor holds come from the checkpoint (source None).
     """
+    wanted = [
+        (b, dst, profile.block(b).state_bytes)
+        for slot, dst in zip(slots, assignment)
+        for b in sorted(set(slot) - set(holdings[dst]), key=block_sort_key)
+    ]
+    if not wanted:  # a reroute: every owner already holds its stage
+        return []
     holder_lists: dict[Block, list[int]] = {}
     for index, worker in enumerate(workers):
         for b in holdings[worker]:
@@ -145,12 +195,6 @@ def _choose_sources(
     holders = {b: np.array(indices) for b, indices in holder_lists.items()}
     node = np.array([cluster.node_of_worker(w) for w in workers])
     busy_s = np.zeros(len(workers))
-
-    wanted = [
-        (b, dst, profile.block(b).state_bytes)
-        for slot, dst in zip(slots, assignment)
-        for b in sorted(set(slot) - set(holdings[dst]), key=block_sort_key)
-    ]
     order = sorted(range(len(wanted)), key=lambda k: (-wanted[k][2], len(holder_lists.get(wanted[k][0], ())), k))
     sources: list[Optional[int]] = [None] * len(wanted)
     for k in order:

@@ -4,7 +4,7 @@ After a failure the failed stages' micro-batches go to their data-parallel peers
 runs one schedule per failure set, repeated every iteration (paper 003, 4.2.2), with
 Decoupled BackProp and the Staggered Optimizer as memory allows. The estimator prices
 exactly that for Odyssey's reroutes (``estimator.step_schedule``: fixed op lists, split
-backwards on rerouting peers where they fit, the staggered steady-state period), so
+backwards where they pay and fit, the staggered steady-state period), so
 ReCycle's steps are priced by the same code, and the systems differ only in policy.
 Normalization (paper 003, 4.2.1; ``planner.normalize``, which Odyssey's reroute uses
 too) moves each new failure to the stage of its pipeline where rerouting costs least,
@@ -28,8 +28,8 @@ from odyssey_megatron.estimator import estimate_plan, transfer_time
 from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.planner import reroute_plan
-from odyssey_megatron.planner.normalize import normalize_failures, stage_copy
-from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.planner.normalize import normalize_failures
+from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
 from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
@@ -76,24 +76,33 @@ class ReCycleSystem:
     def _copy_s(self, transfers: tuple[Transfer, ...], cluster: ClusterState) -> float:
         return transfer_time(transfers, profile=self.context.profile, cluster=cluster, storage_bandwidth=1.0)  # no reads
 
+    def _copies(self, layout: ExecutionPlan, holdings: dict, cluster: ClusterState) -> tuple[Transfer, ...]:
+        """Stage copies that give ``layout``'s live owners their stages from ``holdings``
+        (none where the layout cannot be rerouted: that is a checkpoint restart)."""
+        profile = self.context.profile
+        rerouted = reroute_plan(layout, failed_workers=cluster.failed_workers, profile=profile)
+        if rerouted is None:
+            return ()
+        return plan_transfers(rerouted, holdings=holdings, profile=profile, cluster=cluster)
+
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
         memo: dict = {}  # normalization's prices, reused for the chosen reroute; this cluster state only
+        holdings = live_holdings(self.base, cluster=cluster, profile=self.context.profile)  # before any swap
         normalized = normalize_failures(
             self.base, new_failures=failed, cluster=cluster, profile=self.context.profile,
             cost=lambda plan: rerouted_makespan(plan, self.context.profile, cluster, decouple=self.decoupled,
                                                 staggered=self.decoupled, memo=memo),
         )
-        self.base = normalized.layout
-        copy_s = self._copy_s(normalized.transfers, cluster)
+        copies = self._copies(normalized, holdings, cluster) if normalized is not self.base else ()
+        self.base = normalized
+        copy_s = self._copy_s(copies, cluster)
         return self._reroute(cluster, now_s, f"{len(failed)} worker(s) failed",
                              lost_s=self.step_s / 2, pause_s=self.detection_s + self.reroute_s + copy_s, memo=memo)
 
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
-        profile = self.context.profile
-        copies = tuple(
-            t for pi, si, stage in self.base.stage_positions() if stage.worker in joined
-            for t in stage_copy(self.base, pi, si, stage.worker, cluster, profile)
-        )
-        copy_s = self._copy_s(copies, cluster)
+        before = cluster.fail_ranks(r for w in joined for r in cluster.worker_ranks(w))  # the joined hold nothing
+        holdings = {w: [] for w in cluster.alive_workers}
+        holdings.update(live_holdings(self.base, cluster=before, profile=self.context.profile))
+        copy_s = self._copy_s(self._copies(self.base, holdings, cluster), cluster)
         return self._reroute(cluster, now_s, f"{len(joined)} worker(s) rejoined", lost_s=0.0,
                              pause_s=self.reroute_s + copy_s)
