@@ -179,9 +179,11 @@ class OdysseyConfig:
     trains while the search runs), always (failures too: better plans, slower decisions) or never
     (the paper's window alone)."""
     decoupled_weight_grads: bool = True
-    """Rerouting peers split each backward and run the weight-gradient half when nothing
-    else is ready, which moves adopted work into pipeline bubbles (paper 003's Decoupled
-    BackProp), where that is faster and fits in memory; false keeps plain 1F1B op lists."""
+    """Workers split each backward and run the weight-gradient half when nothing else is
+    ready, which moves work (a rerouting peer's adopted work above all) into pipeline
+    bubbles (paper 003's Decoupled BackProp), where that is faster and fits in memory;
+    every plan, failure-free or rerouted, gets the same choice. False keeps plain 1F1B
+    op lists."""
     staggered_optimizer: bool = True
     """Each rank steps its optimizer as soon as its own DP peers are done instead of after
     the global gradient norm, so stages that finish early start the next step early

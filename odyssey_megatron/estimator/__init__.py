@@ -65,7 +65,7 @@ def estimate_plan(
     memo: dict | None = None,
 ) -> PlanEstimate:
     """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
-    lets rerouting peers split their backwards; ``staggered`` optimizer steps price the
+    lets workers split their backwards; ``staggered`` optimizer steps price the
     steady-state period where that pays; ``memo`` as in ``timed_step_schedule``); raises
     ScheduleDeadlock if its op lists cannot run. Pipelines that time alike are simulated
     once (``estimator.distinct``)."""

@@ -1,11 +1,13 @@
-"""Rerouted op lists with decoupled weight gradients (paper 003's Decoupled BackProp).
+"""Op lists with decoupled weight gradients (paper 003's Decoupled BackProp).
 
-A rerouting peer does the work of two stages, so it is on the critical path of every
-pipeline it serves, while the pipeline's other stages sit in cool-down bubbles. Splitting
-each of the peer's backwards into the input-gradient part (*B*: the previous stage waits
-for it) and the weight-gradient part (*W*: nothing waits for it) lets the peer hand the
-input gradient on early and run the W later, when no forward or backward is ready, which
-moves its extra work into the bubbles. Workers that adopt nothing keep coupled backwards.
+Splitting each backward into the input-gradient part (*B*: the previous stage waits for
+it) and the weight-gradient part (*W*: nothing waits for it) lets a worker hand the
+input gradient on early and run the W later, when no forward or backward is ready,
+which moves work into the pipeline's bubbles. It matters most to a rerouting peer: it
+does the work of two stages, so it is on the critical path of every pipeline it serves,
+while the pipeline's other stages sit in cool-down bubbles. Every worker splits: a plan
+is priced and run with one choice of schedule options, so a failure-free plan gets the
+same help as a rerouted one and losing a worker never looks like a speed-up.
 
 A deferred W keeps its micro-batch's activations alive (the runtime holds the linear
 layers' inputs and output gradients until the W runs), so a peer whose memory holds no
@@ -50,9 +52,8 @@ def decoupled_pipelines(
     plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, iterations: int = 1,
     graph: OpGraph | None = None,
 ) -> DecoupledTiming:
-    """List-schedule ``plan`` with decoupled weight gradients on rerouting peers; raises
-    ScheduleDeadlock. Without reroutes this is exactly ``simulate_pipelines``. ``graph``:
-    the plan's ``op_graph``, if the caller has it."""
+    """List-schedule ``plan`` with every backward decoupled; raises ScheduleDeadlock.
+    ``graph``: the plan's ``op_graph``, if the caller has it."""
     graph = graph or op_graph(plan, profile, cluster)
     streams, compute, location, needs, consumer = (
         graph.streams, graph.compute, graph.location, graph.needs, graph.consumer)
@@ -62,13 +63,12 @@ def decoupled_pipelines(
             static, activation = stage_memory(profile, *stage.layers, first=si == 0,
                                               last=si == plan.pipelines[pi].num_stages - 1)
             room[stage.worker] = (profile.memory_budget_bytes - static) // activation if activation else float("inf")
-    decoupled = {worker for worker, lists in streams.items() if len(lists) > 1}
     stage_peers: dict[int, list[int]] = defaultdict(list)  # optimizer barrier: the stage's DP group
     for worker, lists in streams.items():
         stage_peers[lists[0][0].stage].append(worker)
 
-    ops_per_iteration = {  # a decoupled worker runs a W per backward besides its stream ops
-        worker: sum(len(ops) + (sum(op.kind != FORWARD for op in ops) if worker in decoupled else 0) for ops in lists)
+    ops_per_iteration = {  # a W per backward besides the stream ops
+        worker: sum(len(ops) + sum(op.kind != FORWARD for op in ops) for ops in lists)
         for worker, lists in streams.items()
     }
     iteration = dict.fromkeys(streams, 0)
@@ -100,12 +100,9 @@ def decoupled_pipelines(
             if op.kind == FORWARD:
                 duration = forward_s
                 live[worker] += 1
-            elif worker in decoupled:
+            else:
                 duration = backward_s * (1 - WEIGHT_GRAD_SHARE)
                 weight_grads[worker].append((backward_s * WEIGHT_GRAD_SHARE, op._replace(kind=WEIGHT_GRAD)))
-            else:
-                duration = backward_s
-                live[worker] -= 1
             cursor[worker][k] += 1
             end_time[k_now][op] = free_at[worker] = now + duration
             successor = consumer.get(op)

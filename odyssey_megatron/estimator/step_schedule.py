@@ -1,7 +1,14 @@
-"""Which op lists one training step runs: plain 1F1B, or decoupled weight gradients on
-rerouting peers where that pays (``estimator.decoupled``), and what a step costs: its
-makespan, or under staggered optimizer steps, where they pay (``staggers``), the
-steady-state period (``estimator.staggered``)."""
+"""Which op lists one training step runs: plain 1F1B, or decoupled weight gradients
+where that pays (``estimator.decoupled``), and what a step costs: its makespan, or under
+staggered optimizer steps, where they pay (``staggers``), the steady-state period
+(``estimator.staggered``).
+
+Every plan gets the same options, a failure-free one as much as a rerouted one, so a
+failure never makes the estimated step faster. A plan falls into independent parts:
+the pipelines a reroute touches (their workers share micro-batches) and the untouched
+rest (each its own 1F1B pipeline); each part picks split or plain op lists by its own
+step time, which keeps the choice for the touched part, the one that differs between
+the reroutes of one layout, a small computation."""
 
 from __future__ import annotations
 
@@ -31,14 +38,13 @@ def step_schedule(
     decouple: bool = False,
     staggered: bool = False,
 ) -> PipelineTiming:
-    """The op lists a step of ``plan`` runs, and their timing: with decoupled weight
-    gradients on rerouting peers when ``decouple`` is on, the plan reroutes, and that is
-    faster (per step: by ``step_time``) than plain 1F1B and fits the memory budget; else
-    plain 1F1B. Split op lists are the first step's of the list schedule or, with
-    ``staggered`` steps, those of a later step, ordered for a staggered start, whichever
-    is faster. The estimator and the runtime both call this, so the schedule priced is
-    the schedule executed. Only the pipelines a reroute touches can differ, so the choice
-    is made on those alone."""
+    """The op lists a step of ``plan`` runs, and their timing: with ``decouple``, each part
+    of the plan (the touched pipelines, the untouched ones) runs decoupled weight
+    gradients where that is faster (per step: by ``step_time``) than plain 1F1B and fits
+    the memory budget; else plain 1F1B. Split op lists are the first step's of the list
+    schedule or, with ``staggered`` steps, those of a later step, ordered for a staggered
+    start, whichever is faster. The estimator and the runtime both call this, so the
+    schedule priced is the schedule executed."""
     return timed_step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)[0]
 
 
@@ -53,20 +59,21 @@ def timed_step_schedule(
 ) -> tuple[PipelineTiming, float]:
     """``step_schedule`` and its ``step_time``, which the choice may already have computed.
     A ``memo`` kept for one decision (one profile and cluster) remembers each choice."""
-    if not (decouple and plan.reroutes):
+    if not decouple:
         graph = op_graph(plan, profile, cluster)
         timing = simulate_pipelines(plan, profile, cluster, graph=graph)
         return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
-    touched_ids = sorted(touched_pipelines(plan))
-    chosen, chosen_s, _ = _split_if_faster(sub_plan(plan, touched_ids), profile, cluster, staggered, memo)
-    if len(touched_ids) == len(plan.pipelines):
-        return chosen, chosen_s
+    touched = touched_pipelines(plan)
+    untouched = set(range(len(plan.pipelines))) - touched
+    if not touched or not untouched:
+        return _split_if_faster(plan, profile, cluster, staggered, memo)[:2]
+    schedule = {}
+    for part in (sub_plan(plan, touched), sub_plan(replace(plan, reroutes=()), untouched)):  # renumbered in order
+        ids = sorted(touched if part.reroutes else untouched)
+        chosen = _split_if_faster(part, profile, cluster, staggered, memo)[0]
+        schedule.update({worker: [op._replace(pipeline=ids[op.pipeline]) for op in ops]
+                         for worker, ops in chosen.schedule.items()})
     graph = op_graph(plan, profile, cluster)
-    schedule = {worker: [op._replace(pipeline=touched_ids[op.pipeline]) for op in ops]
-                for worker, ops in chosen.schedule.items()}
-    for worker, streams in graph.streams.items():
-        if worker not in schedule:  # an untouched pipeline's stage: its own 1F1B list
-            schedule[worker] = streams[0]
     timing = fixed_order_step(plan, profile, cluster, schedule, graph=graph)
     return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
 
@@ -111,14 +118,14 @@ def rerouted_makespan(
 ) -> float | None:
     """Pipeline seconds per step (``step_time``) of the pipelines a reroute touches (those
     with a failed stage and those whose owners adopt micro-batches), but no less than the
-    plain 1F1B makespan of the untouched ones, which bound the step too; None where the
-    touched workers' op lists exceed the memory budget. Comparing reroutes of one layout
-    needs only this (a small share of a large plan), and a reroute whose touched
+    step time of the untouched ones on their own, which bound the step too; None where
+    the touched workers' op lists exceed the memory budget. Comparing reroutes of one
+    layout needs only this (a small share of a large plan), and a reroute whose touched
     pipelines beat the untouched ones gains nothing by beating them further.
     ``decouple``, ``staggered`` and ``memo`` as in ``timed_step_schedule``."""
     touched_ids = touched_pipelines(plan)
     touched = sub_plan(plan, touched_ids)  # without sync or transfers: equal reroutes, equal memo keys
-    if decouple and plan.reroutes:
+    if decouple:
         timing, touched_s, fits = _split_if_faster(touched, profile, cluster, staggered, memo)
     else:
         graph = op_graph(touched, profile, cluster)
@@ -127,27 +134,29 @@ def rerouted_makespan(
         fits = _fits_memory(touched, profile, timing)
     if not fits:
         return None
-    return max(touched_s, _untouched_makespan(plan, touched_ids, profile, cluster, memo))
+    return max(touched_s, _untouched_step(plan, touched_ids, profile, cluster, decouple, staggered, memo))
 
 
 def _fits_memory(plan: ExecutionPlan, profile: ModelProfile, timing: PipelineTiming) -> bool:
     return max(peak_memory(plan, profile, timing.schedule).values(), default=0) <= profile.memory_budget_bytes
 
 
-def _untouched_makespan(
-    plan: ExecutionPlan, touched: set[int], profile: ModelProfile, cluster: ClusterState | None, memo: dict | None
+def _untouched_step(
+    plan: ExecutionPlan, touched: set[int], profile: ModelProfile, cluster: ClusterState | None,
+    decouple: bool, staggered: bool, memo: dict | None,
 ) -> float:
-    """Plain 1F1B makespan of the pipelines not in ``touched`` (0 if there are none)."""
+    """Step time of the pipelines not in ``touched`` on their own, as ``timed_step_schedule``
+    prices them (0 if there are none)."""
     untouched = set(range(len(plan.pipelines))) - touched
     if not untouched:
         return 0.0
     classes = distinct_pipelines(sub_plan(replace(plan, reroutes=()), untouched), cluster)[0]
-    key = ("untouched", classes)
+    key = ("untouched", classes, decouple, staggered)
     if memo is None or key not in memo:
-        makespan = simulate_pipelines(classes, profile, cluster).makespan_s
+        step_s = timed_step_schedule(classes, profile, cluster, decouple=decouple, staggered=staggered)[1]
         if memo is None:
-            return makespan
-        memo[key] = makespan
+            return step_s
+        memo[key] = step_s
     return memo[key]
 
 

@@ -1,7 +1,8 @@
 """Split a backward into its input-gradient and weight-gradient halves (Decoupled BackProp).
 
-A rerouting peer hands the input gradient to the previous stage as soon as it has it and
-computes the weight gradients later, in a bubble (``estimator.decoupled`` decides when).
+A worker hands the input gradient to the previous stage as soon as it has it and
+computes the weight gradients later, in a bubble (``estimator.decoupled`` decides when);
+a rerouting peer, doing two stages' work, gains most.
 Megatron-Core's linear layers compute both halves in one autograd function, and its own
 ``delay_wgrad_compute`` exists only for Transformer Engine layers, so ``split_linear_backward``
 gives every Column- and RowParallelLinear of a stage model a linear function whose

@@ -3,8 +3,8 @@
 Builds, in order: the plan's process groups (collective), the rank's stage model on
 Megatron-Core with parameters from the one deterministic source, Adam over its
 parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1F1B
-when no micro-batch is rerouted, else the Odyssey executor over this worker's op list
-from the estimator (``step_schedule``: with split backwards on rerouting peers when
+when the step is plain 1F1B, else the Odyssey executor over this worker's op list from
+the estimator (``step_schedule``: rerouted micro-batches, and split backwards where
 ``decouple_weight_grads`` is on and that pays). ``train_step`` runs one global batch.
 With ``staggered_optimizer``, where the estimator finds it pays (``staggers``: a shorter
 period), a rank steps without waiting for the global gradient norm
@@ -70,8 +70,9 @@ class PlanRunner:
         staggered_optimizer: bool = True,
         device: torch.device = torch.device("cpu"),
     ):
-        """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted), odyssey
-        (always the op-list executor) or megatron (refused for rerouted plans).
+        """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted or backwards
+        split), odyssey (always the op-list executor) or megatron (refused for rerouted
+        plans; backwards are then never split).
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
         with it. ``decouple_weight_grads`` is ``odyssey.decoupled_weight_grads``,
         ``staggered_optimizer`` is ``odyssey.staggered_optimizer``. ``device``
@@ -96,14 +97,16 @@ class PlanRunner:
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
             overlap=overlap_grad_sync,
         )
+        decouple_weight_grads = decouple_weight_grads and schedule != "megatron"
         timing = step_schedule(plan, profile, decouple=decouple_weight_grads, staggered=staggered_optimizer)
         self.ops = timing.schedule[self.worker]
+        split = any(op.kind == WEIGHT_GRAD for ops in timing.schedule.values() for op in ops)
         self.staggered_optimizer = staggered_optimizer and staggers(plan, profile, None, timing)
         self._snapshots = SnapshotPool(device) if self.staggered_optimizer and max_grad_norm > 0 else None
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
-        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes):
+        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not split):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
             self.executor = MegatronPipelineSchedule(
                 model=self.model,

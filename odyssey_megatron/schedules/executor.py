@@ -7,7 +7,7 @@ peer), so the partner of every message is looked up in the plan, never derived f
 fixed pipeline group. Sends are asynchronous and receives block, which is deadlock-free
 for op lists the estimator produced (it checked them). TP rank k talks to TP rank k.
 
-A worker whose op list has W ops (a rerouting peer, ``estimator.decoupled``) runs its
+A worker whose op list has W ops (split backwards, ``estimator.decoupled``) runs its
 backwards with the weight GEMMs held back (``hooks.weight_grad``) and the W op of a
 micro-batch computes them later, where the estimator put it.
 
