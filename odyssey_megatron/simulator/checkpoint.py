@@ -3,8 +3,8 @@
 Every system checkpoints every ``checkpoint_interval_s`` of wall time (the save cost is
 charged to all systems alike by the engine). A restart loses the progress since the last
 checkpoint, pays ``restart_s + checkpoint_load_s``, and resumes on the best *symmetric*
-DP x PP layout the survivors allow (pipeline length chosen by the estimator; workers that
-do not fit the layout idle).
+DP x PP layout the survivors allow (pipeline length chosen by the estimator, steps priced
+with the job's schedule options; workers that do not fit the layout idle).
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
 from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.simulator.system import RESTARTING, Outcome, SimulationContext
+from odyssey_megatron.simulator.system import RESTARTING, Outcome, SimulationContext, initial_layout
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,9 @@ def split_search(context: SimulationContext) -> SplitSearch:
 
 @lru_cache(maxsize=4096)
 def _best_symmetric_layout(context: SimulationContext, num_workers: int) -> SymmetricLayout | None:
+    # A restarted job numbers its ranks afresh, packed onto the surviving nodes.
+    packed = ClusterState(world_size=num_workers * context.tensor_parallel_size,
+                          tensor_parallel_size=context.tensor_parallel_size, devices_per_node=context.devices_per_node)
     best = None
     for pp in range(1, min(num_workers, context.num_layers) + 1):
         dp = min(num_workers // pp, context.num_micro_batches)
@@ -62,15 +64,13 @@ def _best_symmetric_layout(context: SimulationContext, num_workers: int) -> Symm
         found = split_search(context).best(pp, busiest)
         if found is None:
             continue
-        split, pipeline_s, _ = found
         plan = with_sync(
-            symmetric_plan_on(list(range(dp * pp)), dp=dp, split=split,
+            symmetric_plan_on(list(range(dp * pp)), dp=dp, split=found[0],
                               num_micro_batches=context.num_micro_batches,
                               tensor_parallel_size=context.tensor_parallel_size),
             context.profile,
         )
-        # Identical independent pipelines: the busiest one's time plus the DP sync.
-        step_s = pipeline_s + sync_time(plan, context.profile)
+        step_s = estimate_plan(plan, context.profile, packed, **context.schedule).step_time_s
         rate = context.num_micro_batches * context.profile.samples_per_micro_batch / step_s
         if best is None or rate > best.samples_per_s:
             best = SymmetricLayout(dp, pp, rate)
@@ -115,7 +115,7 @@ def restart_onto_symmetric(
     it resumes on (None if the model no longer fits) and that plan's step time."""
     outcome = restart_from_checkpoint(context, cluster, now_s, note)
     plan = restart_plan(context, cluster)
-    step_s = 0.0 if plan is None else estimate_plan(plan, context.profile, cluster).step_time_s
+    step_s = 0.0 if plan is None else estimate_plan(plan, context.profile, cluster, **context.schedule).step_time_s
     return outcome, plan, step_s
 
 
@@ -128,8 +128,9 @@ class CheckpointRestartSystem:
         self.context = context
 
     def start(self, cluster: ClusterState) -> float:
-        layout = best_symmetric_layout(self.context, len(cluster.alive_workers))
-        return 0.0 if layout is None else layout.samples_per_s
+        """The job's own plan, as every system starts."""
+        return estimate_plan(initial_layout(self.context), self.context.profile, cluster,
+                             **self.context.schedule).samples_per_s
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
         return restart_from_checkpoint(self.context, cluster, now_s, f"{len(failed)} worker(s) failed")

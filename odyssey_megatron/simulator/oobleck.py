@@ -18,7 +18,8 @@ Oobleck's own list would run to millions) only mixes of one or two sizes are kep
 Oobleck's planner ranks them by step time without looking at placement (lone-pipeline
 times plus the layer-granular DP sync, i.e. ``estimate_plan`` without a cluster); the
 fastest wins and pipelines get consecutive workers, smallest template first, as the
-authors' instantiator does.
+authors' instantiator does. The winner then runs, like every system's plan, with the
+job's schedule options (``SimulationContext.schedule``).
 
 Batch distribution (4.2.2, Eq. 6). Eq. 6 balances N_b,i * T_i, T_i being a pipeline's
 time per micro-batch (its planning time at 4S micro-batches over 4S); we hand out
@@ -70,7 +71,7 @@ from odyssey_megatron.planner.layers import stage_ranges
 from odyssey_megatron.profile import Block, block_sort_key
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint, split_search
-from odyssey_megatron.simulator.system import Outcome, SimulationContext
+from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 __all__ = ["OobleckPipeline", "OobleckSystem", "reinstantiate"]
 
@@ -103,11 +104,15 @@ class OobleckSystem:
         tolerated_failures: int = 2,
         reconfigure_s: float = 8.0,
         detection_s: float = 0.0,
+        start_on_job_plan: bool = False,
     ):
         """``reconfigure_s``: rebuild process groups and the model and optimizer on the new
         stages, copies excluded; the work Odyssey's reparallelize pays, so the same default
         (``OdysseyConfig.reparallelize_restart_s``). ``detection_s``: from a failure to the
-        survivors knowing of it (pass the scenario's, as for the other systems)."""
+        survivors knowing of it (pass the scenario's, as for the other systems).
+        ``start_on_job_plan``: start on the job's own DP x PP plan, as every system in a
+        comparison does, where its pipelines are instances of the templates; else on
+        Oobleck's own instantiation."""
         if tolerated_failures < 0:
             raise ValueError(f"tolerated_failures must be >= 0, got {tolerated_failures}")
         if context.num_micro_batches < tolerated_failures + 1:
@@ -119,6 +124,7 @@ class OobleckSystem:
         self.tolerated_failures = tolerated_failures
         self.reconfigure_s = reconfigure_s
         self.detection_s = detection_s
+        self.start_on_job_plan = start_on_job_plan
         self.min_pipeline_workers = self._smallest_pipeline()
         """n0: the fewest workers (stages) a pipeline needs to fit in memory."""
         self.templates: dict[int, tuple[int, ...]] = {}
@@ -144,7 +150,8 @@ class OobleckSystem:
     # -- System protocol -------------------------------------------------------------
 
     def start(self, cluster: ClusterState) -> float:
-        """Generate the templates for the starting cluster and instantiate on it."""
+        """Generate the templates for the starting cluster and instantiate on it, or start on
+        the job's own plan (``start_on_job_plan``)."""
         workers = len(cluster.alive_workers)
         if workers < self.min_workers:
             raise ValueError(
@@ -157,8 +164,23 @@ class OobleckSystem:
             found = search.best(size, PLANNING_MICRO_BATCHES_PER_STAGE * size)
             if found is not None:
                 self._add_template(size, split=found[0], planning_s=found[1])
-        self._instantiate(cluster)
+        pipelines = self._job_pipelines(workers) if self.start_on_job_plan else None
+        if pipelines is not None:
+            self._adopt(cluster, pipelines)
+        else:
+            self._instantiate(cluster)
         return self.samples_per_s
+
+    def _job_pipelines(self, workers: int) -> tuple[OobleckPipeline, ...] | None:
+        """The job's DP x PP plan as Oobleck pipelines; None where they are not template
+        instances (another layer split), leave workers idle or are too few for f + 1."""
+        job = initial_layout(self.context)
+        pipelines = tuple(OobleckPipeline(tuple(s.worker for s in p.stages), p.num_stages) for p in job.pipelines)
+        if (all(self.templates.get(p.num_stages) == p.layer_counts for p in job.pipelines)
+                and all(list(p.workers) == sorted(p.workers) for p in pipelines)
+                and len(job.workers) == workers and len(pipelines) > self.tolerated_failures):
+            return pipelines
+        return None
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
         note = f"{len(failed)} worker(s) failed"
@@ -221,7 +243,7 @@ class OobleckSystem:
         """Run ``pipelines`` with the batch redistributed (5.2); throughput by the shared estimator."""
         self.pipelines = pipelines
         self.micro_batches = self._distribute(tuple(p.num_stages for p in pipelines))
-        estimate = estimate_plan(self.execution_plan(), self.context.profile, cluster)
+        estimate = estimate_plan(self.execution_plan(), self.context.profile, cluster, **self.context.schedule)
         self.step_s = estimate.step_time_s
         self.samples_per_s = estimate.samples_per_s
 

@@ -66,6 +66,8 @@ def simulation_context(scenario: Scenario) -> SimulationContext:
         checkpoint_interval_s=costs.checkpoint_interval_min * 60,
         checkpoint_save_s=costs.checkpoint_save_s,
         checkpoint_load_s=costs.checkpoint_load_s,
+        decouple=recipe.odyssey.decoupled_weight_grads,
+        staggered=recipe.odyssey.staggered_optimizer,
     )
 
 
@@ -102,7 +104,7 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
             yield CheckpointRestartSystem(context)
         elif name == "oobleck":
             yield OobleckSystem(context, tolerated_failures=config.oobleck_tolerated_failures,
-                                detection_s=costs.detection_s)
+                                detection_s=costs.detection_s, start_on_job_plan=True)
 
 
 def healthy_device_seconds(cluster: ClusterState, events: list[ClusterEvent], duration_s: float) -> float:

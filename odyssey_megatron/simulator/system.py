@@ -2,8 +2,9 @@
 
 A system owns its current layout and answers each cluster event with an ``Outcome``:
 how long training pauses, what throughput follows, and how much already-trained time is
-lost (rolled back). Step times come from the shared estimator and profile, so the
-systems differ only by their policies.
+lost (rolled back). Step times come from the shared estimator and profile, priced with
+the job's one set of schedule options, so with no failures every system trains alike
+and the systems differ only by how they handle failures.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class SimulationContext:
     checkpoint_save_s: float
     """Training time each checkpoint costs (synchronous save)."""
     checkpoint_load_s: float
+    decouple: bool = False
+    """``odyssey.decoupled_weight_grads``: split backwards wherever they pay, on every system's plans."""
+    staggered: bool = False
+    """``odyssey.staggered_optimizer``: staggered optimizer steps likewise."""
+
+    @property
+    def schedule(self) -> dict[str, bool]:
+        """``estimate_plan``'s schedule options: how every system's steps run."""
+        return dict(decouple=self.decouple, staggered=self.staggered)
 
 
 def initial_layout(context: SimulationContext, *, max_layer_splits: int = 256) -> ExecutionPlan:
