@@ -48,8 +48,17 @@ class Decision:
     note: str = ""
 
 
-Draft = tuple[str, ExecutionPlan, PlanEstimate, float, float]
-"""A priced candidate before scoring: policy, plan, estimate, moving seconds, restart seconds."""
+@dataclass(frozen=True)
+class Draft:
+    """A priced candidate before Eq. 8 scores it."""
+
+    policy: str
+    plan: ExecutionPlan
+    estimate: PlanEstimate
+    moving_s: float
+    """Moving weights and optimizer state into the plan (``transfer_time``)."""
+    restart_s: float
+    """Rebuilding groups and stages (``odyssey.*_restart_s``)."""
 
 
 def _faster(kept: Draft | None, rival: Draft | None) -> Draft | None:
@@ -60,7 +69,7 @@ def _faster(kept: Draft | None, rival: Draft | None) -> Draft | None:
     reparallelizing."""
     if kept is None or rival is None:
         return rival or kept
-    return rival if rival[2].samples_per_s > kept[2].samples_per_s else kept
+    return rival if rival.estimate.samples_per_s > kept.estimate.samples_per_s else kept
 
 
 def _layout_of(plan: ExecutionPlan) -> str:
@@ -127,13 +136,14 @@ def decide(
             return None
         moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
                                storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9)
-        return "reroute", plan, estimate, moving, settings.reroute_restart_s
+        return Draft("reroute", plan, estimate, moving, settings.reroute_restart_s)
 
     if not affected:
-        kept: Draft = (current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0)
+        kept = Draft(current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0)
         if not idle:
             note = "no stage owner failed"
-            unchanged = Candidate(kept[0], current, kept[2], 0.0, kept[2].samples_per_s, _layout_of(current))
+            unchanged = Candidate(kept.policy, current, kept.estimate, 0.0, kept.estimate.samples_per_s,
+                                  _layout_of(current))
             return Decision(unchanged, (), 0, time.perf_counter() - started, interval, note)
         notes.append(f"{len(idle)} idle worker(s) alive")
         if want_reroute:
@@ -189,7 +199,7 @@ def decide(
                 storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
             )
             estimate = estimate_plan(plan, profile, cluster, **as_run)
-            drafts.append(("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s))
+            drafts.append(Draft("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s))
         if not layouts:
             notes.append("no reparallelized layout fits the memory budget")
 
@@ -199,14 +209,15 @@ def decide(
     paused_search_s = search_s if affected else 0.0
     candidates = []
     alive = len(cluster.alive_workers)
-    for policy, plan, estimate, moving, restart in drafts:
+    for draft in drafts:
+        plan = draft.plan
         if plan is not current:
             check_transfers(plan, holdings=holdings, profile=profile, cluster=cluster)
-        transition = paused_search_s + moving + restart if plan is not current else 0.0
+        transition = paused_search_s + draft.moving_s + draft.restart_s if plan is not current else 0.0
         risk = fatal_share(plan.holdings(profile), alive) * settings.checkpoint_restart_penalty_s
-        score = policy_score(samples_per_s=estimate.samples_per_s, transition_s=transition, interval_s=interval,
+        score = policy_score(samples_per_s=draft.estimate.samples_per_s, transition_s=transition, interval_s=interval,
                              risk_s=risk)
-        candidates.append(Candidate(policy, plan, estimate, transition, score, _layout_of(plan)))
+        candidates.append(Candidate(draft.policy, plan, draft.estimate, transition, score, _layout_of(plan)))
     candidates.sort(key=lambda c: (-c.score, c.plan is not current, c.policy != "reroute"))
     chosen, *others = candidates
     return Decision(chosen, tuple(others), considered, search_s, interval, "; ".join(notes))
