@@ -1,5 +1,7 @@
-"""Megatron-Core integration: accelerator backends now; process groups from a plan,
-model building, layer-granular gradient sync and the CPU shim come with the runtime."""
+"""Megatron-Core integration, one concern a module: accelerator backends (``accelerator``),
+process groups built from a plan (``process_groups``), stage models on GPTModel
+(``model``), layer-granular DP gradient sync and clipping (``grad_sync``), split backwards
+(``weight_grad``) and the reversible CUDA-to-CPU shim for gloo runs (``cpu_shim``)."""
 
 from odyssey_megatron.hooks.accelerator import ACCELERATOR_KINDS, Accelerator, select_accelerator
 
