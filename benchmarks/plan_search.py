@@ -38,7 +38,7 @@ def measure(spec: str, device: str, ranks: int, tp: int, pp: int, repeats: int) 
     ])
     times, join_times, summary = [], [], ""
     for _ in range(repeats):
-        center = DecisionCenter(config)
+        center = DecisionCenter.from_recipe(config)
         started = time.perf_counter()
         decision = center.on_failure(ranks=[ranks // 2 + 1])
         times.append(time.perf_counter() - started)

@@ -132,7 +132,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     try:
-        center = DecisionCenter(config)
+        center = DecisionCenter.from_recipe(config)
     except ValueError as exc:
         raise ConfigError("parallel", str(exc)) from None
     world = config.parallel.num_ranks

@@ -106,7 +106,7 @@ def test_console_script_prints_a_plan_without_traceback():
 def test_plan_json_round_trips_through_execution_plan(capsys):
     from odyssey_megatron.decision_center import DecisionCenter
 
-    center = DecisionCenter(load_config(RECIPE))
+    center = DecisionCenter.from_recipe(load_config(RECIPE))
     center.on_failure(nodes=[1])
     again = ExecutionPlan.from_json(center.plan.to_json())
     assert again == center.plan

@@ -168,7 +168,7 @@ def test_the_tiny_recipe_with_eleven_layers_plans_copies_from_real_holders():
     config = load_config("recipes/llama2_7b/tiny_cpu.yaml", [
         "model.num_layers=11", "parallel.data_parallel_size=3", "parallel.pipeline_model_parallel_size=3",
         "training.global_batch_size=12", "training.micro_batch_size=2"])
-    center = DecisionCenter(config)
+    center = DecisionCenter.from_recipe(config)
     before = center.plan
     decision = center.on_failure(ranks=[1, 2])
     _assert_trustworthy(decision, before, center.cluster, center.profile, before.num_micro_batches)
@@ -197,7 +197,7 @@ def test_repaired_workers_are_put_back_to_work():
     config = load_config("recipes/llama2_7b/gpu_a100_32.yaml", [
         "model.num_layers=30", "parallel.data_parallel_size=6", "parallel.pipeline_model_parallel_size=5",
         "training.global_batch_size=48"])
-    center = DecisionCenter(config)
+    center = DecisionCenter.from_recipe(config)
     settings = config.odyssey
     options = dict(decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer)
     fault_free = estimate_plan(center.plan, center.profile, center.cluster, **options).step_time_s

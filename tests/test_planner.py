@@ -365,7 +365,7 @@ def test_a_join_decision_does_not_pause_for_its_search():
     """After a failure the search runs while nothing trains, so it is part of every new
     plan's transition; after a join the current plan keeps training during the search."""
     config = load_config("recipes/llama2_7b/ascend_910b_32.yaml")
-    center = DecisionCenter(config)
+    center = DecisionCenter.from_recipe(config)
     kwargs = dict(current=center.plan, profile=center.profile, settings=config.odyssey,
                   failure_model=FailureRateModel(device_mtbf_hours=1e4), search_time_s=1000.0)
     joined = decide(cluster=ClusterState(world_size=40, devices_per_node=8), **kwargs)
@@ -415,7 +415,7 @@ def test_decisions_are_valid_plans_within_memory(dp, pp, layers_per_stage, micro
 
 def test_decision_center_on_the_paper_recipe(tmp_path):
     config = load_config("recipes/llama2_7b/ascend_910b_32.yaml")
-    center = DecisionCenter(config)
+    center = DecisionCenter.from_recipe(config)
     assert [p.layer_counts for p in center.plan.pipelines] == [(8, 8, 8, 8)] * 8
     assert center.plan.policy == "initial" and len(center.plan.comm_rounds) == 1
     decision = center.on_failure(ranks=[5])
@@ -429,7 +429,7 @@ def test_decision_center_on_the_paper_recipe(tmp_path):
 
 
 def test_decision_center_takes_a_repaired_rank_back():
-    center = DecisionCenter(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
+    center = DecisionCenter.from_recipe(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
     failed = center.on_failure(ranks=[5])
     assert failed.chosen.policy == "reroute" and 5 not in center.plan.workers
     joined = center.on_join(ranks=[5])
@@ -441,7 +441,7 @@ def test_decision_center_takes_a_repaired_rank_back():
 
 def test_decision_center_learns_the_failure_rate_from_observed_failures():
     config = load_config("recipes/llama2_7b/ascend_910b_32.yaml")
-    learning, fixed = DecisionCenter(config), DecisionCenter(
+    learning, fixed = DecisionCenter.from_recipe(config), DecisionCenter.from_recipe(
         load_config("recipes/llama2_7b/ascend_910b_32.yaml", ["odyssey.learn_failure_rate=false"])
     )
     # Two failures within minutes on a cluster configured for one per device every 10 h.

@@ -20,9 +20,9 @@ from typing import AbstractSet, Sequence
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
+from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide
-from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
+from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
@@ -39,8 +39,9 @@ class OdysseySystem:
         horizon_s: float = float("inf"),
         name: str = "odyssey",
     ):
-        """``event_times`` (all cluster events, sorted) turns on hindsight, the oracle: the
-        interval Eq. 8 sees is the real one, to the next event or the ``horizon_s``."""
+        """``decision_s``: the modelled search time each decision charges. ``event_times``
+        (all cluster events, sorted) turns on hindsight, the oracle: the interval Eq. 8 sees
+        is the real one, to the next event or the ``horizon_s``."""
         self.name = name
         self.context = context
         self.settings = settings
@@ -48,16 +49,15 @@ class OdysseySystem:
         self.decision_s = decision_s
         self.event_times = event_times
         self.horizon_s = horizon_s
-        self.failure_model = FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
-                                              learn=settings.learn_failure_rate)
-        self.plan = initial_layout(context, max_layer_splits=settings.max_layer_splits)
-        self.search = ReparallelizeSearch(context.profile, max_layer_splits=settings.max_layer_splits)
-        self._last_event_s = 0.0
-        self._alive_devices = 0
+        self.center: DecisionCenter | None = None
+        """The decision center the live runtime runs, built on ``start``."""
+        self.step_s = 0.0
 
     def start(self, cluster: ClusterState) -> float:
-        self._alive_devices = cluster.alive_devices
-        estimate = estimate_plan(self.plan, self.context.profile, cluster,
+        plan = initial_layout(self.context, max_layer_splits=self.settings.max_layer_splits)
+        self.center = DecisionCenter(plan=plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
+                                     search_time_s=self.decision_s)
+        estimate = estimate_plan(plan, self.context.profile, cluster,
                                  decouple=self.settings.decoupled_weight_grads,
                                  staggered=self.settings.staggered_optimizer)
         self.step_s = estimate.step_time_s
@@ -71,32 +71,31 @@ class OdysseySystem:
     def _restart(self, cluster: ClusterState, now_s: float, note: str) -> Outcome:
         outcome, plan, step_s = restart_onto_symmetric(self.context, cluster, now_s, note)
         if plan is not None:
-            self.plan, self.step_s = plan, step_s
+            self.center.restart_on(plan)
+            self.step_s = step_s
         return outcome
 
-    def _react(self, cluster: ClusterState, now_s: float, note: str, failures: int) -> Outcome:
-        self.failure_model.observe(failures=failures, device_hours=self._alive_devices * (now_s - self._last_event_s) / 3600)
-        self._last_event_s, self._alive_devices = now_s, cluster.alive_devices
+    def _react(self, decide, cluster: ClusterState, now_s: float, note: str, failures: int) -> Outcome:
+        """Run ``decide`` (the decision center's ``on_failure`` or ``on_join``) and price the pause."""
         lost = self.step_s / 2 if failures else 0.0  # the interrupted step, half done on average
         try:
-            decision = decide(
-                current=self.plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
-                failure_model=self.failure_model, search_time_s=self.decision_s, interval_s=self._interval(now_s),
-                search=self.search,
-            )
+            decision = decide(at_s=now_s, interval_s=self._interval(now_s))
         except UnrecoverableFailure as exc:
             return self._restart(cluster, now_s, f"{note}: {exc}")
         chosen = decision.chosen
         if any(t.src is None for t in chosen.plan.transfers):
             return self._restart(cluster, now_s, f"{note}: a layer survives nowhere")
-        self.plan = chosen.plan
         self.step_s = chosen.estimate.step_time_s
         pause = (self.detection_s if failures else 0.0) + chosen.transition_s
         return Outcome(pause_s=pause, samples_per_s=chosen.estimate.samples_per_s, lost_s=lost,
                        note=f"{note}: {chosen.policy} {chosen.layout}")
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
-        return self._react(cluster, now_s, f"{len(failed)} worker(s) failed", failures=1)
+        ranks = [r for w in sorted(failed) for r in cluster.worker_ranks(w)]
+        return self._react(lambda **kw: self.center.on_failure(ranks=ranks, **kw), cluster, now_s,
+                           f"{len(failed)} worker(s) failed", failures=1)
 
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
-        return self._react(cluster, now_s, f"{len(joined)} worker(s) rejoined", failures=0)
+        ranks = [r for w in sorted(joined) for r in cluster.worker_ranks(w)]
+        return self._react(lambda **kw: self.center.on_join(ranks=ranks, **kw), cluster, now_s,
+                           f"{len(joined)} worker(s) rejoined", failures=0)
