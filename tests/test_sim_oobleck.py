@@ -18,7 +18,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.plan import validate_plan
 from odyssey_megatron.profile import uniform_profile
-from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint
+from odyssey_megatron.simulator.restart import restart_from_checkpoint
 from odyssey_megatron.simulator import oobleck
 from odyssey_megatron.simulator.oobleck import OobleckSystem, reinstantiate
 from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, SimulationContext

@@ -20,7 +20,8 @@ from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_step_time
 from odyssey_megatron.profile import uniform_profile
-from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem, best_symmetric_layout
+from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
+from odyssey_megatron.simulator.restart import best_symmetric_layout
 from odyssey_megatron.simulator.engine import run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
 from odyssey_megatron.simulator.odyssey import OdysseySystem

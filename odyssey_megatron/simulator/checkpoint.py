@@ -1,122 +1,15 @@
-"""Checkpoint-restart: the Varuna-style baseline, and the fallback of the others.
-
-Every system checkpoints every ``checkpoint_interval_s`` of wall time (the save cost is
-charged to all systems alike by the engine). A restart loses the progress since the last
-checkpoint, pays ``restart_s + checkpoint_load_s``, and resumes on the best *symmetric*
-DP x PP layout the survivors allow (pipeline length chosen by the estimator, steps priced
-with the job's schedule options; workers that do not fit the layout idle).
-"""
+"""Checkpoint-restart: the Varuna-style baseline. It restarts from the last checkpoint
+on every failure and every repair (``simulator.restart``), starting, like every system,
+on the job's own plan."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
-from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
-from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
-from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.simulator.system import RESTARTING, Outcome, SimulationContext, initial_layout
-
-
-@dataclass(frozen=True)
-class SymmetricLayout:
-    data_parallel_size: int
-    pipeline_parallel_size: int
-    samples_per_s: float
-
-
-def symmetric_plan_on(workers: list[int], *, dp: int, split: tuple[int, ...], num_micro_batches: int,
-                      tensor_parallel_size: int) -> ExecutionPlan:
-    """DP x PP plan on the first dp * pp ``workers`` (Megatron's order: stage-major)."""
-    pp = len(split)
-    ids = assign_micro_batch_ids(distribute_batch(num_micro_batches, [pp] * dp))
-    pipelines = tuple(
-        PipelinePlan(tuple(StagePlan(workers[s * dp + d], r) for s, r in enumerate(stage_ranges(split))), ids[d])
-        for d in range(dp)
-    )
-    return ExecutionPlan(0, "initial", sum(split), tensor_parallel_size, pipelines)
-
-
-def best_symmetric_layout(context: SimulationContext, num_workers: int) -> SymmetricLayout | None:
-    """The fastest DP x PP <= ``num_workers`` (None if no pipeline fits in memory)."""
-    return _best_symmetric_layout(context, num_workers)
-
-
-@lru_cache(maxsize=None)
-def split_search(context: SimulationContext) -> SplitSearch:
-    """One memoised split search per simulated job."""
-    return SplitSearch(context.profile, limit=256)
-
-
-@lru_cache(maxsize=4096)
-def _best_symmetric_layout(context: SimulationContext, num_workers: int) -> SymmetricLayout | None:
-    # A restarted job numbers its ranks afresh, packed onto the surviving nodes.
-    packed = ClusterState(world_size=num_workers * context.tensor_parallel_size,
-                          tensor_parallel_size=context.tensor_parallel_size, devices_per_node=context.devices_per_node)
-    best = None
-    for pp in range(1, min(num_workers, context.num_layers) + 1):
-        dp = min(num_workers // pp, context.num_micro_batches)
-        busiest = -(-context.num_micro_batches // dp)
-        found = split_search(context).best(pp, busiest)
-        if found is None:
-            continue
-        plan = with_sync(
-            symmetric_plan_on(list(range(dp * pp)), dp=dp, split=found[0],
-                              num_micro_batches=context.num_micro_batches,
-                              tensor_parallel_size=context.tensor_parallel_size),
-            context.profile,
-        )
-        step_s = estimate_plan(plan, context.profile, packed, **context.schedule).step_time_s
-        rate = context.num_micro_batches * context.profile.samples_per_micro_batch / step_s
-        if best is None or rate > best.samples_per_s:
-            best = SymmetricLayout(dp, pp, rate)
-    return best
-
-
-def restart_plan(context: SimulationContext, cluster: ClusterState) -> ExecutionPlan | None:
-    """The plan a job restarted from a checkpoint runs: the best symmetric layout on the
-    lowest-numbered survivors (None if the model no longer fits)."""
-    workers = list(cluster.alive_workers)
-    layout = best_symmetric_layout(context, len(workers))
-    if layout is None:
-        return None
-    busiest = -(-context.num_micro_batches // layout.data_parallel_size)
-    split = split_search(context).best(layout.pipeline_parallel_size, busiest)[0]
-    plan = symmetric_plan_on(workers, dp=layout.data_parallel_size, split=split,
-                             num_micro_batches=context.num_micro_batches,
-                             tensor_parallel_size=context.tensor_parallel_size)
-    return with_sync(plan, context.profile)
-
-
-def time_since_checkpoint(context: SimulationContext, now_s: float) -> float:
-    return now_s % context.checkpoint_interval_s
-
-
-def restart_from_checkpoint(context: SimulationContext, cluster: ClusterState, now_s: float, note: str) -> Outcome:
-    """Roll back to the last checkpoint and restart on the survivors' best symmetric layout."""
-    layout = best_symmetric_layout(context, len(cluster.alive_workers))
-    return Outcome(
-        pause_s=context.restart_s + context.checkpoint_load_s,
-        samples_per_s=0.0 if layout is None else layout.samples_per_s,
-        lost_s=time_since_checkpoint(context, now_s),
-        pause_state=RESTARTING,
-        note=note if layout is not None else f"{note}; the model no longer fits the survivors",
-    )
-
-
-def restart_onto_symmetric(
-    context: SimulationContext, cluster: ClusterState, now_s: float, note: str
-) -> tuple[Outcome, ExecutionPlan | None, float]:
-    """A checkpoint restart for a system that keeps a plan: the outcome, the symmetric plan
-    it resumes on (None if the model no longer fits) and that plan's step time."""
-    outcome = restart_from_checkpoint(context, cluster, now_s, note)
-    plan = restart_plan(context, cluster)
-    step_s = 0.0 if plan is None else estimate_plan(plan, context.profile, cluster, **context.schedule).step_time_s
-    return outcome, plan, step_s
+from odyssey_megatron.simulator.restart import restart_from_checkpoint
+from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
 class CheckpointRestartSystem:

@@ -23,7 +23,7 @@ from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.planner import UnrecoverableFailure
-from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
+from odyssey_megatron.simulator.restart import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 

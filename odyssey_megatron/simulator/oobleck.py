@@ -70,7 +70,7 @@ from odyssey_megatron.planner.batch import assign_micro_batch_ids
 from odyssey_megatron.planner.layers import stage_ranges
 from odyssey_megatron.profile import Block, block_sort_key
 from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.simulator.checkpoint import restart_from_checkpoint, split_search
+from odyssey_megatron.simulator.restart import restart_from_checkpoint, split_search
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 __all__ = ["OobleckPipeline", "OobleckSystem", "reinstantiate"]

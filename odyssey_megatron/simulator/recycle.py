@@ -32,7 +32,7 @@ from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.planner.normalize import normalize_failures
 from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
-from odyssey_megatron.simulator.checkpoint import restart_onto_symmetric
+from odyssey_megatron.simulator.restart import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
