@@ -98,6 +98,8 @@ def load_yaml_mapping(path: str | Path, *, key: str) -> DictConfig:
         kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
         raise ConfigError(key, f"{path} must hold a mapping of sections (key: value), not {kind}")
     depth = _depth(root)
+    if depth is None:
+        raise ConfigError(key, f"{where} an alias refers to the node that holds it")
     if depth > MAX_YAML_DEPTH:
         raise ConfigError(key, f"{where} nested {depth} levels deep; at most {MAX_YAML_DEPTH} are read")
     try:
@@ -116,9 +118,9 @@ def _compose(text: str) -> yaml.Node | None:
     return yaml.compose(text, Loader=loader)
 
 
-def _depth(root: yaml.Node) -> int:
+def _depth(root: yaml.Node) -> int | None:
     """Nesting depth, each shared (aliased) node measured once, without recursion; stops
-    counting past MAX_YAML_DEPTH, and a cycle counts as too deep."""
+    counting past MAX_YAML_DEPTH; None for an alias cycle."""
     too_deep = MAX_YAML_DEPTH + 1
     depth: dict[int, int] = {}
     entered: set[int] = set()
@@ -134,7 +136,7 @@ def _depth(root: yaml.Node) -> int:
         if id(node) in depth:
             continue
         if id(node) in entered:
-            return too_deep
+            return None
         entered.add(id(node))
         stack.append((node, True))
         stack.extend((child, False) for child in children if id(child) not in depth)
@@ -159,6 +161,8 @@ def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
         problem = (exc.problem or exc.context or "invalid YAML").strip()
         if "constructor for the tag" in problem:
             problem += "; tags are not allowed, plain YAML values only"
+        if "expan" in problem:  # omegaconf's alias-expansion limits
+            problem = f"aliases expand past {MAX_YAML_NODES:,} nodes or 100 times the text; write the values out"
         if mark is None:
             return problem
         source_line = text.splitlines()[mark.line] if mark.line < len(text.splitlines()) else ""
