@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from odyssey_megatron import limits
@@ -332,15 +333,21 @@ _OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
     """``key=value`` arguments as a config; a malformed or repeated key is an error, since
     omegaconf would let the last silently win."""
-    seen = set()
+    seen, cli = set(), OmegaConf.create()
     for item in overrides:
         key, equals, _ = item.partition("=")
-        if not equals or not _OVERRIDE_KEY.fullmatch(key.strip()):
+        key = key.strip()
+        if not equals or not _OVERRIDE_KEY.fullmatch(key):
             raise ConfigError(item, "an override must look like section.key=value")
-        if key.strip() in seen:
-            raise ConfigError(key.strip(), "given twice on the command line; give it once")
-        seen.add(key.strip())
-    return OmegaConf.from_dotlist(list(overrides))
+        if key in seen:
+            raise ConfigError(key, "given twice on the command line; give it once")
+        seen.add(key)
+        try:
+            cli = OmegaConf.merge(cli, OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(key, f"the value is not valid YAML: {problem}") from None
+    return cli
 
 
 def _check_shape(layer: Any, schema: DictConfig, prefix: str = "") -> None:
