@@ -109,10 +109,10 @@ def start_wandb(config: ScenarioConfig, out_dir: Path):
                           config={"duration_hours": config.duration_hours, "seed": config.seed},
                           job_type="simulate", reinit="finish_previous")
     except Exception as exc:  # wandb raises its own errors, pydantic's and OSError for bad settings
-        problem = " ".join(str(exc).split())[:300]
-        raise ConfigError("wandb_mode", f"W&B could not start a {config.wandb_mode} run (check wandb_project and "
-                                        f"the WANDB_* environment variables, or set wandb_mode=disabled): "
-                                        f"{problem}") from None
+        problem = " ".join(str(exc).split(" For further information")[0].split())[:200]
+        raise ConfigError("wandb_mode", f"W&B could not start a run in {config.wandb_mode} mode (check "
+                                        "wandb_project and the WANDB_* environment variables, or set "
+                                        f"wandb_mode=disabled): {problem}") from None
 
 
 def log_to_wandb(run, result: SimulationResult, series: dict[str, list[dict]]) -> Path:
