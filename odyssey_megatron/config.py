@@ -4,7 +4,9 @@ Structured omegaconf configs (one dataclass per component) merged in this order:
 schema defaults, the shipped model spec named by ``model.spec``, the recipe YAML, then
 command-line dotlist overrides. ``OmegaConf.to_object`` builds the dataclasses so each
 ``__post_init__`` validates its own fields; cross-section checks live on ``RecipeConfig``.
-Every problem becomes a ``ConfigError`` naming the key and what is allowed.
+Files are read by ``input_files`` (bounded, decoded, one-line YAML errors) and the size and
+cost limits come from ``limits``. Every problem becomes a ``ConfigError`` naming the key
+and what is allowed.
 """
 
 from __future__ import annotations
