@@ -472,3 +472,19 @@ def test_no_traceback_reaches_stderr_of_a_real_process(name, tmp_path, monkeypat
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("odyssey: error:")
+
+
+def test_an_interrupted_simulation_leaves_no_files(tmp_path, monkeypatch, capsys):
+    """Ctrl-C halfway: one line, exit 130, and neither the run folder nor its staging copy."""
+    import odyssey_megatron.simulator.run as run_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    argv = _prepare(Bad(["simulate", "--scenario", "@TMP/s.yaml", "--json"], ()), tmp_path, monkeypatch)
+    before = _snapshot(tmp_path)
+    monkeypatch.setattr(run_module, "run_system", interrupted)
+    assert main(argv) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err == "odyssey: interrupted\n"
+    assert _snapshot(tmp_path) == before
