@@ -26,6 +26,12 @@ RUN_MARKER = "summary.json"
 _MAX_FRESH_NAMES = 10_000
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def _fresh(path: Path) -> Path:
     """``path`` if free, else the first free ``path-2``, ``path-3``, ..."""
     if not os.path.lexists(path):
@@ -84,6 +90,7 @@ class RunDir:
                 directory.mkdir()
                 created.append(directory)
             staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+            staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a run directory is not
         except OSError as exc:
             for directory in reversed(created):
                 directory.rmdir()

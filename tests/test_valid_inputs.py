@@ -134,6 +134,7 @@ def test_run_directories_are_never_overwritten_silently(tmp_path, monkeypatch):
     assert run(args)[0] == 0
     first = tmp_path / "runs/simulate/s-seed0"
     summary = (first / "summary.json").read_bytes()
+    assert first.stat().st_mode & 0o777 == (tmp_path / "runs").stat().st_mode & 0o777  # not private like a temp dir
     assert run(args + ["--seed", "0", "failures.rate_per_device_hour=2"])[0] == 0
     assert (first / "summary.json").read_bytes() == summary
     assert (tmp_path / "runs/simulate/s-seed0-2/summary.json").is_file()
