@@ -342,7 +342,7 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
         if not equals or not _OVERRIDE_KEY.fullmatch(key):
             raise ConfigError(item, "an override must look like section.key=value")
         if key in seen:
-            raise ConfigError(key, "given twice on the command line; give it once")
+            raise ConfigError(key, "set twice among the overrides; give it once")
         seen.add(key)
         try:
             cli = OmegaConf.merge(cli, OmegaConf.from_dotlist([item]))

@@ -2,7 +2,7 @@
 
 They are checked while a recipe or scenario is validated, before any work starts, so
 nothing begins that cannot finish in bounded time and memory; each refusal says the limit
-and why. The figures behind them were measured on one CPU core (Llama-2 7B on 910Bs);
+and why. The figures behind them were measured on a shared 2-core machine (Llama-2 7B on 910Bs);
 raise a limit only with a new measurement.
 """
 

@@ -327,6 +327,7 @@ SCENARIO_CASES = {
     "recipe_overrides bad value": sim("recipe_overrides=[model.num_layers=-1]", culprit="model.num_layers"),
     "recipe_overrides malformed": sim("recipe_overrides=[nonsense]", culprit="nonsense"),
     "recipe_overrides not a list": sim("recipe_overrides=5", culprit="recipe_overrides"),
+    "recipe_overrides twice": sim("recipe_overrides=[training.lr=1,training.lr=2]", culprit=("training.lr", "twice")),
     "unknown key": sim("colour=red", culprit=("colour", "unknown key")),
     "unknown nested key": sim("failures.rate=1", culprit=("failures.rate", "unknown key")),
     "too many events": sim("failures.rate_per_device_hour=1e6", "repairs.enabled=true", "repairs.mean_hours=1e-6",
