@@ -78,8 +78,7 @@ class RunDir:
                 replace = True
             else:
                 replace = True
-        parent, created = path.parent, []
-        missing = []
+        parent, missing, created = path.parent, [], []
         while not os.path.lexists(parent):
             missing.append(parent)
             parent = parent.parent
