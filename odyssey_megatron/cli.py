@@ -2,9 +2,14 @@
 
 ``odyssey plan --config FILE [--failed 3,7] [--failed-nodes 1] [--json] [key=value ...]``
 prints the plan the decision center picks after the given failures, the alternatives it
-beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR] [--json]``
-compares the fault-tolerance systems over a failure scenario. User errors print one line
-and exit 2; an unrecoverable failure exits 3.
+beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR [--force]]
+[--json]`` compares the fault-tolerance systems over a failure scenario.
+
+``main`` is the one place user errors become output: every ConfigError (a file, YAML,
+value, flag, output location or environment problem), argparse's complaints included,
+prints one line and exits 2; an unrecoverable failure exits 3; anything else is a bug and
+keeps its traceback. Flags given twice either accumulate (``--failed``, ``--failed-nodes``)
+or are refused, and JSON output never holds NaN or Infinity.
 """
 
 from __future__ import annotations
@@ -13,42 +18,99 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import NoReturn, Sequence
 
+from odyssey_megatron import limits
 from odyssey_megatron.config import ConfigError, load_config
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 
 GIB = 1024**3
 EXIT_USAGE = 2
 EXIT_UNRECOVERABLE = 3
+EXIT_INTERRUPTED = 130
 
 
-def _int_list(flag: str):
-    def parse(text: str) -> list[int]:
-        try:
-            return [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers like 3,7; got {text!r}") from None
-    return parse
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage-plus-message complaints turned into one ConfigError."""
+
+    def error(self, message: str) -> NoReturn:
+        key, _, problem = message.partition(": ")
+        if key.startswith("argument ") and problem:
+            raise ConfigError(key.removeprefix("argument "), problem)
+        raise ConfigError(self.prog, message)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="odyssey", description="Odyssey fault tolerance for Megatron-Core.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    plan = commands.add_parser("plan", help="show the plan chosen after failures")
-    plan.add_argument("--config", required=True, help="recipe YAML (model, parallel, training, cluster, odyssey)")
-    plan.add_argument("--failed", type=_int_list("--failed"), default=[], metavar="RANKS", help="failed ranks, e.g. 3,7")
-    plan.add_argument("--failed-nodes", type=_int_list("--failed-nodes"), default=[], metavar="NODES",
-                      help="failed nodes (all their ranks), e.g. 1")
-    plan.add_argument("--json", action="store_true", help="print one JSON object")
+class _Once(argparse.Action):
+    """Store a flag's value (or ``const`` for a switch); a second occurrence is an error
+    rather than silently replacing the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given", set())
+        if self.dest in given:
+            parser.error(f"argument {option_string}: given twice; give it once")
+        given.add(self.dest)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def _int_list(text: str) -> list[int]:
+    """``3,7`` as [3, 7]; empty lists and empty items are errors, not 'no failures'."""
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise argparse.ArgumentTypeError(f"needs at least one integer, like 3 or 3,7; got {text!r}")
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"has an empty item in {text!r}; separate integers with single commas")
+    try:
+        return [int(item) for item in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers like 3,7; got {text!r}") from None
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if not 0 <= value <= limits.INT64:
+        raise argparse.ArgumentTypeError(f"must lie in 0..2**63-1; got {value}")
+    return value
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = _Parser(prog="odyssey", description="Odyssey fault tolerance for Megatron-Core.", allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = commands.add_parser("plan", help="show the plan chosen after failures", allow_abbrev=False)
+    plan.add_argument("--config", required=True, action=_Once, help="recipe YAML (model, parallel, training, cluster, odyssey)")
+    plan.add_argument("--failed", type=_int_list, action="extend", default=[], metavar="RANKS",
+                      help="failed ranks, e.g. 3,7; repeat to add more")
+    plan.add_argument("--failed-nodes", type=_int_list, action="extend", default=[], metavar="NODES",
+                      help="failed nodes (all their ranks), e.g. 1; repeat to add more")
+    plan.add_argument("--json", action=_Once, nargs=0, const=True, default=False, help="print one JSON object")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. odyssey.policy=reroute")
-    sim = commands.add_parser("simulate", help="compare Odyssey with Oobleck, ReCycle and checkpoint-restart")
-    sim.add_argument("--scenario", required=True, help="scenario YAML (see configs/scenarios/)")
-    sim.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
-    sim.add_argument("--out", default=None, help="output directory (default: runs/simulate/<scenario>-seed<N>)")
-    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim = commands.add_parser("simulate", help="compare Odyssey with Oobleck, ReCycle and checkpoint-restart",
+                              allow_abbrev=False)
+    sim.add_argument("--scenario", required=True, action=_Once, help="scenario YAML (see configs/scenarios/)")
+    sim.add_argument("--seed", type=_seed, action=_Once, default=None, help="override the scenario's seed")
+    sim.add_argument("--out", action=_Once, default=None,
+                     help="output directory (default: runs/simulate/<scenario>-seed<N>, numbered if taken)")
+    sim.add_argument("--force", action=_Once, nargs=0, const=True, default=False,
+                     help="replace --out if it holds an earlier run")
+    sim.add_argument("--json", action=_Once, nargs=0, const=True, default=False, help="print one JSON object")
     sim.add_argument("overrides", nargs="*", metavar="key=value", help="scenario overrides, e.g. duration_hours=2")
-    return parser
+    return parser, {"plan": plan, "simulate": sim}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command and its arguments; options and ``key=value`` overrides may interleave."""
+    parser, commands = _parsers()
+    if not argv or argv[0] not in commands:
+        return parser.parse_args(argv)  # help, or a one-line error naming the commands
+    return commands[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(command=argv[0]))
+
+
+def dumps(value) -> str:
+    """JSON as the commands print and write it: never NaN or Infinity (those are bugs)."""
+    return json.dumps(value, allow_nan=False)
 
 
 def _candidate_json(c: Candidate) -> dict:
@@ -135,36 +197,42 @@ def _plan_command(args: argparse.Namespace) -> int:
         center = DecisionCenter.from_recipe(config)
     except ValueError as exc:
         raise ConfigError("parallel", str(exc)) from None
+    failed, failed_nodes = sorted(set(args.failed)), sorted(set(args.failed_nodes))
     world = config.parallel.num_ranks
-    bad = [r for r in args.failed if not 0 <= r < world]
+    bad = [r for r in failed if not 0 <= r < world]
     if bad:
         raise ConfigError("--failed", f"ranks must lie in 0..{world - 1}; got {bad}")
     nodes = center.cluster.num_nodes
-    bad = [n for n in args.failed_nodes if not 0 <= n < nodes]
+    bad = [n for n in failed_nodes if not 0 <= n < nodes]
     if bad:
         raise ConfigError("--failed-nodes", f"nodes must lie in 0..{nodes - 1}; got {bad}")
-    decision = center.on_failure(ranks=args.failed, nodes=args.failed_nodes)
+    decision = center.on_failure(ranks=failed, nodes=failed_nodes)
     if args.json:
-        print(json.dumps(decision_json(decision)))
+        print(dumps(decision_json(decision)))
     else:
         what = ", ".join(filter(None, [
-            f"ranks {args.failed}" if args.failed else "",
-            f"nodes {args.failed_nodes}" if args.failed_nodes else "",
+            f"ranks {failed}" if failed else "",
+            f"nodes {failed_nodes}" if failed_nodes else "",
         ])) or "nothing"
         print(_describe(decision, what))
     return 0
 
 
 def _simulate_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from odyssey_megatron.simulator.report import log_to_wandb, summary_json, system_series, write_outputs
-    from odyssey_megatron.simulator.run import simulate
+    from odyssey_megatron.run_dir import RunDir
+    from odyssey_megatron.simulator.report import log_to_wandb, start_wandb, summary_json, system_series, write_outputs
+    from odyssey_megatron.simulator.run import scenario_events, simulate
     from odyssey_megatron.simulator.scenario import load_scenario
 
+    if args.seed is not None and any(o.partition("=")[0].strip() == "seed" for o in args.overrides):
+        raise ConfigError("seed", "given both as --seed and as seed=...; give it once")
+    if args.force and args.out is None:
+        raise ConfigError("--force", "replaces an earlier run's --out directory; give --out with it")
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     scenario = load_scenario(args.scenario, overrides)
-    out = Path(args.out or f"runs/simulate/{Path(args.scenario).stem}-seed{scenario.config.seed}")
+    events = scenario_events(scenario)
+    default_out = Path("runs/simulate") / f"{Path(args.scenario).stem}-seed{scenario.config.seed}"
+    run_dir = RunDir.prepare(args.out or default_out, key="--out", explicit=args.out is not None, force=args.force)
     bars = []
 
     def progress(name: str, num_events: int):
@@ -175,14 +243,20 @@ def _simulate_command(args: argparse.Namespace) -> int:
         bars.append(tqdm(total=num_events, desc=f"{name:<10}", unit="event", file=sys.stderr, leave=True))
         return bars[-1].update
 
-    result = simulate(scenario, progress=None if args.json else progress)
-    for bar in bars:
-        bar.close()
-    series = system_series(result)
-    write_outputs(result, series, out)
-    wandb_dir = log_to_wandb(result, series, out)
+    try:
+        wandb_run = start_wandb(scenario.config, run_dir.staging)
+        result = simulate(scenario, events=events, progress=None if args.json else progress)
+        for bar in bars:
+            bar.close()
+        series = system_series(result)
+        write_outputs(result, series, run_dir.staging)
+        wandb_dir = log_to_wandb(wandb_run, result, series) if wandb_run is not None else None
+    except BaseException:
+        run_dir.discard()
+        raise
+    out = run_dir.commit()
     if args.json:
-        print(json.dumps(summary_json(result)))
+        print(dumps(summary_json(result)))
         return 0
     print(f"{len(result.events)} cluster events over {scenario.config.duration_hours:g} h on "
           f"{scenario.recipe.parallel.num_ranks} devices; fault-free {result.fault_free_throughput:.2f} samples/s, "
@@ -192,27 +266,30 @@ def _simulate_command(args: argparse.Namespace) -> int:
         ratio = result.ratios.get(name)
         print(f"{name:<11} {s.avg_throughput:9.3f} {s.fraction_of_ideal:9.3f} {s.fraction_of_fault_free:13.3f} "
               f"{s.transition_time_s:10.0f}  {'' if ratio is None else f'{ratio:.3f}x'}")
-    print(f"outputs: {out}" + (f"; W&B run: {wandb_dir}" if wandb_dir else ""))
+    wandb_note = f"; W&B run: {out / wandb_dir.relative_to(run_dir.staging)}" if wandb_dir else ""
+    print(f"outputs: {out}{wandb_note}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one command; user errors print one line and return 2 (see the module docstring)."""
     try:
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
         if args.command == "plan":
             return _plan_command(args)
-        if args.command == "simulate":
-            return _simulate_command(args)
+        return _simulate_command(args)
     except ConfigError as exc:
         print(f"odyssey: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except UnrecoverableFailure as exc:
         print(f"odyssey: unrecoverable: {exc}", file=sys.stderr)
         return EXIT_UNRECOVERABLE
+    except KeyboardInterrupt:
+        print("odyssey: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # output piped into `head` and friends: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -4,18 +4,26 @@ Structured omegaconf configs (one dataclass per component) merged in this order:
 schema defaults, the shipped model spec named by ``model.spec``, the recipe YAML, then
 command-line dotlist overrides. ``OmegaConf.to_object`` builds the dataclasses so each
 ``__post_init__`` validates its own fields; cross-section checks live on ``RecipeConfig``.
-Every problem becomes a ``ConfigError`` naming the key and what is allowed.
+Files are read by ``input_files`` (bounded, decoded, one-line YAML errors) and the size and
+cost limits come from ``limits``. Every problem becomes a ``ConfigError`` naming the key
+and what is allowed.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from odyssey_megatron import limits
+from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.input_files import load_yaml_mapping
 from odyssey_megatron.specs import DEVICE_SPECS, MODEL_SPECS
 
 __all__ = [
@@ -30,23 +38,42 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A user error in a config file or override; ``str()`` is the one line to print."""
-
-    def __init__(self, key: str, problem: str):
-        super().__init__(f"{key}: {problem}")
-        self.key = key
-
-
 def require(ok: bool, key: str, problem: str) -> None:
     if not ok:
         raise ConfigError(key, problem)
 
 
+def _key(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name
+
+
+def require_plain_numbers(section: str, obj: Any) -> None:
+    """Every float field finite and every integer within 64 bits. Call first in a
+    ``__post_init__``: inf passes every ``> 0`` check and nan fails them with a confusing
+    message; both surface much later as ZeroDivisionError, OverflowError or NaN output."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(_key(section, f.name), f"must be a finite number; got {value}")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > limits.INT64:
+            raise ConfigError(_key(section, f.name), f"must fit a signed 64-bit integer; got {value}")
+
+
 def require_positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        require(value > 0, f"{section}.{name}", f"must be > 0, got {value}")
+        require(value > 0, _key(section, name), f"must be > 0, got {value}")
+
+
+def require_non_negative(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        require(value >= 0, _key(section, name), f"must be >= 0, got {value}")
+
+
+def require_at_most(section: str, obj: Any, limit: float, why: str, *names: str) -> None:
+    for name in names:
+        limits.require_at_most(_key(section, name), getattr(obj, name), limit, why)
 
 
 def require_one_of(key: str, value: str, allowed: Sequence[str]) -> None:
@@ -75,12 +102,14 @@ class ModelConfig:
     """Compute dtype of parameters and activations: bf16, fp16 or fp32."""
 
     def __post_init__(self) -> None:
+        require_plain_numbers("model", self)
         if self.spec is not None:
             require_one_of("model.spec", self.spec, sorted(MODEL_SPECS))
-        require_positive(
-            "model", self, "num_layers", "hidden_size", "ffn_hidden_size",
-            "num_attention_heads", "num_query_groups", "vocab_size", "seq_length",
-        )
+        dimensions = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                      "vocab_size", "seq_length")
+        require_positive("model", self, "num_layers", *dimensions)
+        require_at_most("model", self, limits.MAX_LAYERS, "per-layer transfers and sync rounds", "num_layers")
+        require_at_most("model", self, limits.MAX_MODEL_DIMENSION, "larger overflows the profile", *dimensions)
         require_one_of("model.params_dtype", self.params_dtype, ["bf16", "fp16", "fp32"])
         require(
             self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
@@ -107,7 +136,10 @@ class ParallelConfig:
     """If given, must equal TP * PP * DP (a guard against a mistyped layout)."""
 
     def __post_init__(self) -> None:
-        require_positive("parallel", self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+        require_plain_numbers("parallel", self)
+        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+        require_positive("parallel", self, *sizes)
+        require_at_most("parallel", self, limits.MAX_WORKERS, "the most workers planned over", *sizes)
         if self.world_size is not None:
             require(
                 self.world_size == self.num_ranks, "parallel.world_size",
@@ -132,7 +164,9 @@ class TrainingConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
+        require_plain_numbers("training", self)
         require_positive("training", self, "global_batch_size", "micro_batch_size", "train_iters", "lr")
+        require_non_negative("training", self, "seed")
         require(
             self.global_batch_size % self.micro_batch_size == 0, "training.global_batch_size",
             f"must be divisible by training.micro_batch_size ({self.micro_batch_size}); got {self.global_batch_size}",
@@ -154,8 +188,10 @@ class ClusterConfig:
     """Accelerators per machine; a node failure takes all of them."""
 
     def __post_init__(self) -> None:
+        require_plain_numbers("cluster", self)
         require_one_of("cluster.device", self.device, sorted(DEVICE_SPECS))
         require_positive("cluster", self, "devices_per_node")
+        require_at_most("cluster", self, limits.MAX_DEVICES_PER_NODE, "larger than any machine", "devices_per_node")
 
 
 @dataclass
@@ -206,17 +242,26 @@ class OdysseyConfig:
     0 gives the paper's Eq. 8."""
 
     def __post_init__(self) -> None:
+        require_plain_numbers("odyssey", self)
         require_one_of("odyssey.policy", self.policy, ["auto", "reroute", "reparallelize"])
         require_one_of("odyssey.length_sweep", self.length_sweep, ["joins", "always", "never"])
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
-        for name in ("dp_search_radius", "pp_search_radius"):
-            value = getattr(self, name)
-            require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
-        for name in ("reroute_restart_s", "reparallelize_restart_s", "checkpoint_restart_penalty_s"):
-            value = getattr(self, name)
-            require(value >= 0, f"odyssey.{name}", f"must be >= 0, got {value}")
+        require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
+                             "reparallelize_restart_s", "checkpoint_restart_penalty_s")
+        require_at_most("odyssey", self, limits.MAX_SEARCH_RADIUS, "candidates grow with the radii",
+                        "dp_search_radius", "pp_search_radius")
+        require_at_most("odyssey", self, limits.MAX_LAYER_SPLITS, "each is priced", "max_layer_splits")
+        require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", "reroute_restart_s",
+                        "reparallelize_restart_s", "checkpoint_restart_penalty_s")
+        require(self.device_mtbf_hours >= 1e-3, "odyssey.device_mtbf_hours",
+                f"must be >= 0.001 (3.6 s); got {self.device_mtbf_hours}")
+        require_at_most("odyssey", self, 1e9, "a hundred thousand years", "device_mtbf_hours")
+        require(self.storage_bandwidth_gb_s >= 1e-3, "odyssey.storage_bandwidth_gb_s",
+                f"must be >= 0.001 (1 MB/s); got {self.storage_bandwidth_gb_s}")
+        require_at_most("odyssey", self, 1e6, "a million GB/s", "storage_bandwidth_gb_s")
         if self.memory_budget_gib is not None:
             require(self.memory_budget_gib > 0, "odyssey.memory_budget_gib", f"must be > 0, got {self.memory_budget_gib}")
+            require_at_most("odyssey", self, 2.0**20, "a PiB per device", "memory_budget_gib")
 
 
 @dataclass
@@ -251,6 +296,11 @@ class RecipeConfig:
             f"must be divisible by training.micro_batch_size * parallel.data_parallel_size ({per_step}); "
             f"got {train.global_batch_size}",
         )
+        limits.check_plan_size(
+            workers=par.pipeline_model_parallel_size * par.data_parallel_size,
+            micro_batches=train.num_micro_batches,
+            micro_batches_per_pipeline=train.num_micro_batches // par.data_parallel_size,
+        )
 
 
 def _known_keys(schema: DictConfig, prefix: str = "") -> list[str]:
@@ -281,6 +331,44 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     return ConfigError(key, message)
 
 
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    """``key=value`` arguments as a config; a malformed or repeated key is an error, since
+    omegaconf would let the last silently win."""
+    seen, cli = set(), OmegaConf.create()
+    for item in overrides:
+        key, equals, _ = item.partition("=")
+        key = key.strip()
+        if not equals or not _OVERRIDE_KEY.fullmatch(key):
+            raise ConfigError(item, "an override must look like section.key=value")
+        if key in seen:
+            raise ConfigError(key, "set twice among the overrides; give it once")
+        seen.add(key)
+        try:
+            cli = OmegaConf.merge(cli, OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(key, f"the value is not valid YAML: {problem}") from None
+    return cli
+
+
+def _check_shape(layer: Any, schema: DictConfig, prefix: str = "") -> None:
+    """Sections must stay mappings, and ``???`` (omegaconf's missing-value marker, which a
+    merge silently drops) is not a value. ``layer`` is a plain container, unresolved."""
+    items = layer.items() if isinstance(layer, dict) else enumerate(layer)
+    for key, value in items:
+        path = f"{prefix}{key}" if isinstance(layer, dict) else f"{prefix.rstrip('.')}[{key}]"
+        if value == "???":
+            raise ConfigError(path, "??? is not a value; give one or leave the key out")
+        expected = schema.get(key) if isinstance(layer, dict) and isinstance(key, str) and key in schema else None
+        if isinstance(expected, DictConfig) and not isinstance(value, dict):
+            raise ConfigError(path, f"is a section and must be a mapping of its keys; got {value!r}")
+        if isinstance(value, (dict, list)):
+            _check_shape(value, expected if isinstance(expected, DictConfig) else DictConfig({}), f"{path}.")
+
+
 def load_structured(
     schema_type: type,
     path: str | Path | None,
@@ -294,19 +382,10 @@ def load_structured(
     problem becomes one ConfigError naming the key; ``flag`` names the file argument."""
     schema = OmegaConf.structured(schema_type)
     try:
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError(flag, f"no such file: {path}")
-            loaded = OmegaConf.load(path)
-            if not isinstance(loaded, DictConfig):
-                raise ConfigError(flag, f"{path} must hold a mapping, not a list")
-        else:
-            loaded = OmegaConf.create()
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(item, "an override must look like section.key=value")
-        cli = OmegaConf.from_dotlist(list(overrides))
+        loaded = load_yaml_mapping(path, key=flag) if path is not None else OmegaConf.create()
+        cli = _parse_overrides(overrides)
+        for layer in (loaded, cli):
+            _check_shape(OmegaConf.to_container(layer, resolve=False), schema)
         layers = defaults(loaded, cli) if defaults is not None else []
         return OmegaConf.to_object(OmegaConf.merge(schema, *layers, loaded, cli))
     except OmegaConfBaseException as exc:
@@ -326,6 +405,7 @@ def _model_spec_layer(recipe: DictConfig, cli: DictConfig) -> list[DictConfig]:
     return [OmegaConf.create({"model": MODEL_SPECS[spec_name]})]
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
-    """Load and validate a recipe; raises ConfigError with a one-line explanation."""
-    return load_structured(RecipeConfig, path, overrides, flag="--config", defaults=_model_spec_layer)
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--config") -> RecipeConfig:
+    """Load and validate a recipe; raises ConfigError with a one-line explanation
+    (``flag`` names the file in it: the command-line flag or the scenario key)."""
+    return load_structured(RecipeConfig, path, overrides, flag=flag, defaults=_model_spec_layer)

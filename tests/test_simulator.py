@@ -297,7 +297,8 @@ def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
             "systems=[odyssey,recycle,checkpoint]", "wandb_mode=disabled", "failures.rate_per_device_hour=0.2"]
     assert main(args + ["--seed", "5"]) == 0
     first = json.loads(capsys.readouterr().out)
-    assert main(args + ["--seed", "5"]) == 0
+    assert main(args + ["--seed", "5"]) == 2  # the run directory is taken
+    assert main(args + ["--seed", "5", "--force"]) == 0
     assert json.loads(capsys.readouterr().out) == first
     for name in ("odyssey", "recycle", "checkpoint"):
         assert set(first["systems"][name]) >= {"avg_throughput", "transition_time_s", "fraction_of_ideal"}

@@ -10,8 +10,10 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.simulator.engine import Timeline
 from odyssey_megatron.simulator.run import SimulationResult
+from odyssey_megatron.simulator.scenario import ScenarioConfig
 
 
 def sample_series(timeline: Timeline, *, interval_s: float, duration_s: float) -> list[dict]:
@@ -67,8 +69,8 @@ def write_outputs(result: SimulationResult, series: dict[str, list[dict]], out_d
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"series": out_dir / "series.json", "summary": out_dir / "summary.json"}
-    paths["series"].write_text(json.dumps(series))
-    paths["summary"].write_text(json.dumps(summary_json(result), indent=2))
+    paths["series"].write_text(json.dumps(series, allow_nan=False))
+    paths["summary"].write_text(json.dumps(summary_json(result), indent=2, allow_nan=False))
 
     figure, axis = plt.subplots(figsize=(7, 3.5))
     first = next(iter(series.values()))
@@ -92,15 +94,30 @@ def write_outputs(result: SimulationResult, series: dict[str, list[dict]], out_d
     return paths
 
 
-def log_to_wandb(result: SimulationResult, series: dict[str, list[dict]], out_dir: Path) -> str | None:
-    """The same series and summary as a W&B run (offline unless the scenario says online)."""
-    config = result.scenario.config
+def start_wandb(config: ScenarioConfig, out_dir: Path):
+    """The W&B run (None when disabled), started before the simulation so that a bad mode,
+    project or WANDB_* environment variable is a one-line error, not lost results."""
     if config.wandb_mode == "disabled":
         return None
-    import wandb
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("wandb_mode", f"{config.wandb_mode} needs the wandb package; install it or set "
+                                        "wandb_mode=disabled") from None
+    try:
+        return wandb.init(project=config.wandb_project, mode=config.wandb_mode, dir=str(out_dir),
+                          config={"duration_hours": config.duration_hours, "seed": config.seed},
+                          job_type="simulate", reinit="finish_previous")
+    except Exception as exc:  # wandb raises its own errors, pydantic's and OSError for bad settings
+        problem = " ".join(str(exc).split(" For further information")[0].split())[:200]
+        raise ConfigError("wandb_mode", f"W&B could not start a run in {config.wandb_mode} mode (check "
+                                        "wandb_project and the WANDB_* environment variables, or set "
+                                        f"wandb_mode=disabled): {problem}") from None
 
-    run = wandb.init(project=config.wandb_project, mode=config.wandb_mode, dir=str(out_dir),
-                     config=summary_json(result)["scenario"], job_type="simulate", reinit="finish_previous")
+
+def log_to_wandb(run, result: SimulationResult, series: dict[str, list[dict]]) -> Path:
+    """The same series and summary into ``run``, finished; returns its directory."""
+    run.config.update(summary_json(result)["scenario"], allow_val_change=True)
     times = [row["time_s"] for row in next(iter(series.values()))]
     for i, time_s in enumerate(times):
         row = {"time_h": time_s / 3600}
@@ -113,6 +130,6 @@ def log_to_wandb(result: SimulationResult, series: dict[str, list[dict]], out_di
             run.summary[f"{name}/{key}"] = value
     for name, ratio in result.ratios.items():
         run.summary[f"ratio/odyssey_over_{name}"] = ratio
-    location = run.dir
+    location = Path(run.dir)
     run.finish()
     return location

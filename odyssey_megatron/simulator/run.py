@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from odyssey_megatron import limits
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ConfigError
 from odyssey_megatron.decision_center import recipe_profile
@@ -43,12 +44,13 @@ class SimulationResult:
     summaries: dict[str, SystemSummary]
 
     @property
-    def ratios(self) -> dict[str, float]:
-        """Odyssey's average throughput over each other system's."""
+    def ratios(self) -> dict[str, float | None]:
+        """Odyssey's average throughput over each other system's; None where that system
+        trained nothing (the ratio has no finite value)."""
         odyssey = self.summaries["odyssey"].avg_throughput if "odyssey" in self.summaries else None
         if odyssey is None:
             return {}
-        return {name: odyssey / s.avg_throughput if s.avg_throughput > 0 else float("inf")
+        return {name: odyssey / s.avg_throughput if s.avg_throughput > 0 else None
                 for name, s in self.summaries.items() if name != "odyssey"}
 
 
@@ -72,15 +74,41 @@ def simulation_context(scenario: Scenario) -> SimulationContext:
 
 
 def scenario_events(scenario: Scenario) -> list[ClusterEvent]:
+    """The scenario's events (drawn or traced), refused when more than a simulation can
+    live through in bounded time (``limits.check_simulation_size``)."""
     config, recipe = scenario.config, scenario.recipe
     devices = recipe.parallel.num_ranks
+    duration = config.duration_hours * 3600
     if config.failures.process == "trace":
-        return read_trace(scenario.resolve(config.failures.trace), num_devices=devices)
-    return generate_events(
-        failures=config.failures, repairs=config.repairs, num_devices=devices,
-        devices_per_node=recipe.cluster.devices_per_node, duration_s=config.duration_hours * 3600,
-        seed=config.seed,
-    )
+        events = read_trace(scenario.resolve(config.failures.trace), num_devices=devices)
+    else:
+        events = generate_events(
+            failures=config.failures, repairs=config.repairs, num_devices=devices,
+            devices_per_node=recipe.cluster.devices_per_node, duration_s=duration,
+            seed=config.seed, max_events=limits.MAX_EVENTS + 1,
+        )
+    workers = devices // recipe.parallel.tensor_model_parallel_size
+    limits.check_simulation_size(events=len(events), workers=workers)
+    return events
+
+
+def _build_systems(scenario: Scenario, context: SimulationContext, events: list[ClusterEvent],
+                   cluster: ClusterState) -> list:
+    """Every system of the scenario, before any runs: a job Oobleck cannot take is a
+    scenario error found now, not after the other systems were simulated."""
+    try:
+        systems = list(_systems(scenario, context, events))
+    except ValueError as exc:  # only Oobleck refuses a job when built
+        raise ConfigError("oobleck_tolerated_failures", f"oobleck cannot run this job: {exc}") from None
+    for system in systems:
+        if isinstance(system, OobleckSystem) and len(cluster.alive_workers) < system.min_workers:
+            raise ConfigError(
+                "oobleck_tolerated_failures",
+                f"oobleck cannot run this job: it needs (f+1)*n0 = {system.min_workers} workers to tolerate "
+                f"{system.tolerated_failures} "
+                f"failure(s) and the job has {len(cluster.alive_workers)}; lower it or drop oobleck from systems",
+            )
+    return systems
 
 
 def _systems(scenario: Scenario, context: SimulationContext, events: list[ClusterEvent]):
@@ -119,12 +147,18 @@ def healthy_device_seconds(cluster: ClusterState, events: list[ClusterEvent], du
     return total + cluster.alive_devices * (duration_s - last)
 
 
-def simulate(scenario: Scenario, *, progress: Callable[[str, int], Callable[[], None]] | None = None) -> SimulationResult:
-    """Run every system of ``scenario``. ``progress(name, num_events)`` is called as each
-    system starts and returns the callback to call after each of its events."""
+def simulate(
+    scenario: Scenario,
+    *,
+    events: list[ClusterEvent] | None = None,
+    progress: Callable[[str, int], Callable[[], None]] | None = None,
+) -> SimulationResult:
+    """Run every system of ``scenario`` through ``events`` (default: ``scenario_events``).
+    ``progress(name, num_events)`` is called as each system starts and returns the
+    callback to call after each of its events."""
     config, recipe = scenario.config, scenario.recipe
     context = simulation_context(scenario)
-    events = scenario_events(scenario)
+    events = scenario_events(scenario) if events is None else events
     duration = config.duration_hours * 3600
     cluster = ClusterState(
         world_size=recipe.parallel.num_ranks,
@@ -133,16 +167,10 @@ def simulate(scenario: Scenario, *, progress: Callable[[str, int], Callable[[], 
     )
     duty = 1.0 - context.checkpoint_save_s / context.checkpoint_interval_s
     timelines = {}
-    for system in _systems(scenario, context, events):
+    for system in _build_systems(scenario, context, events, cluster):
         on_event = progress(system.name, len(events)) if progress is not None else None
-        try:
-            timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
-                                                checkpoint_duty=duty, on_event=on_event)
-        except ValueError as exc:
-            if system.name != "oobleck":
-                raise
-            # Oobleck refuses a job smaller than (f+1) * n0 workers: a scenario error.
-            raise ConfigError("oobleck_tolerated_failures", f"oobleck cannot run this job: {exc}") from None
+        timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
+                                            checkpoint_duty=duty, on_event=on_event)
     fault_free = CheckpointRestartSystem(context).start(cluster) * duty
     ideal = fault_free * healthy_device_seconds(cluster, events, duration) / (cluster.world_size * duration)
     tokens = recipe.model.seq_length

@@ -11,16 +11,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from odyssey_megatron import limits
 from odyssey_megatron.config import (
     ConfigError,
     RecipeConfig,
-    require_one_of,
-    require_positive,
-    require,
     load_config,
     load_structured,
+    require,
+    require_at_most,
+    require_non_negative,
+    require_one_of,
+    require_plain_numbers,
+    require_positive,
 )
 
+_WANDB_FORBIDDEN = "/\\#?%:"
+"""Characters W&B refuses in a project name."""
 SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle")
 BASELINES = ("oobleck", "recycle", "recycle_1f1b", "checkpoint")
 """The systems Odyssey is compared with; the others are Odyssey itself and its variants."""
@@ -42,11 +48,17 @@ class FailureConfig:
     """CSV with columns time_s,device,event (event: fail or join); relative to the scenario file."""
 
     def __post_init__(self) -> None:
+        require_plain_numbers("failures", self)
         require_one_of("failures.process", self.process, ["exponential", "weibull", "trace"])
         require_one_of("failures.unit", self.unit, ["device", "node"])
-        require_positive("failures", self, "rate_per_device_hour", "weibull_shape")
-        require(self.process != "trace" or self.trace is not None, "failures.trace",
-                 "must name a CSV file when failures.process is trace")
+        require_positive("failures", self, "rate_per_device_hour")
+        require_at_most("failures", self, 1e6, "a failure every 3.6 ms", "rate_per_device_hour")
+        require(0.1 <= self.weibull_shape <= 20, "failures.weibull_shape",
+                f"must lie in 0.1..20 (beyond, the mean-preserving scale overflows); got {self.weibull_shape}")
+        require(self.process != "trace" or bool(self.trace), "failures.trace",
+                "must name a CSV file when failures.process is trace")
+        require(self.trace is None or self.process == "trace", "failures.trace",
+                f"is only read when failures.process is trace (it is {self.process}); set both or neither")
 
 
 @dataclass
@@ -56,7 +68,9 @@ class RepairConfig:
     mean_hours: float = 2.0
 
     def __post_init__(self) -> None:
+        require_plain_numbers("repairs", self)
         require_positive("repairs", self, "mean_hours")
+        require_at_most("repairs", self, limits.MAX_HOURS, "a year", "mean_hours")
 
 
 @dataclass
@@ -76,9 +90,12 @@ class CostConfig:
     value keeps results identical under a seed."""
 
     def __post_init__(self) -> None:
+        require_plain_numbers("costs", self)
+        seconds = ("detection_s", "restart_s", "checkpoint_save_s", "checkpoint_load_s", "decision_s")
         require_positive("costs", self, "checkpoint_interval_min")
-        for name in ("detection_s", "restart_s", "checkpoint_save_s", "checkpoint_load_s", "decision_s"):
-            require(getattr(self, name) >= 0, f"costs.{name}", f"must be >= 0, got {getattr(self, name)}")
+        require_non_negative("costs", self, *seconds)
+        require_at_most("costs", self, limits.MAX_SECONDS, "a year, in seconds", *seconds)
+        require_at_most("costs", self, limits.MAX_SECONDS / 60, "a year, in minutes", "checkpoint_interval_min")
         require(self.checkpoint_save_s < self.checkpoint_interval_min * 60, "costs.checkpoint_save_s",
                  "must be shorter than the checkpoint interval")
 
@@ -103,13 +120,24 @@ class ScenarioConfig:
     wandb_project: str = "odyssey-simulator"
 
     def __post_init__(self) -> None:
-        require_positive("scenario", self, "duration_hours", "sample_interval_s")
+        require_plain_numbers("", self)
+        require_positive("", self, "duration_hours", "sample_interval_s")
+        require_non_negative("", self, "seed", "oobleck_tolerated_failures")
+        require_at_most("", self, limits.MAX_HOURS, "a year", "duration_hours")
+        samples = self.duration_hours * 3600 / self.sample_interval_s
+        require(samples <= limits.MAX_SAMPLES, "sample_interval_s",
+                f"gives {samples:,.0f} samples over duration_hours={self.duration_hours:g}; at most "
+                f"{limits.MAX_SAMPLES:,} per system are written; got {self.sample_interval_s:g}")
         require(bool(self.systems), "systems", f"must list at least one of {', '.join(SYSTEMS)}")
         for name in self.systems:
             require_one_of("systems", name, SYSTEMS)
+        twice = sorted({name for name in self.systems if self.systems.count(name) > 1})
+        require(not twice, "systems", f"lists {', '.join(twice)} more than once; list each system once")
+        require(bool(self.recipe), "recipe", "must name a recipe YAML")
         require_one_of("wandb_mode", self.wandb_mode, ["offline", "online", "disabled"])
-        require(self.oobleck_tolerated_failures >= 0, "oobleck_tolerated_failures",
-                f"must be >= 0, got {self.oobleck_tolerated_failures}")
+        bad = sorted(set(self.wandb_project) & set(_WANDB_FORBIDDEN))
+        require(0 < len(self.wandb_project) <= 128 and not bad, "wandb_project",
+                f"must be 1 to 128 characters without any of {' '.join(_WANDB_FORBIDDEN)}; got {self.wandb_project!r}")
 
 
 @dataclass(frozen=True)
@@ -131,5 +159,5 @@ def load_scenario(path: str | Path | None, overrides: Sequence[str] = ()) -> Sce
     recipe_path = base / config.recipe if (base / config.recipe).exists() else Path(config.recipe)
     if not recipe_path.exists():
         raise ConfigError("recipe", f"no such recipe file: {config.recipe}")
-    recipe = load_config(recipe_path, config.recipe_overrides)
+    recipe = load_config(recipe_path, config.recipe_overrides, flag="recipe")
     return Scenario(config=config, recipe=recipe, base_dir=base)
