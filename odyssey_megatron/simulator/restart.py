@@ -53,6 +53,8 @@ def split_search(context: SimulationContext) -> SplitSearch:
 
 @lru_cache(maxsize=4096)
 def _best_symmetric_layout(context: SimulationContext, num_workers: int) -> SymmetricLayout | None:
+    if num_workers == 0:
+        return None
     # A restarted job numbers its ranks afresh, packed onto the surviving nodes.
     packed = ClusterState(world_size=num_workers * context.tensor_parallel_size,
                           tensor_parallel_size=context.tensor_parallel_size, devices_per_node=context.devices_per_node)
