@@ -53,33 +53,46 @@ def require_one_of(key: str, value: str, allowed: Sequence[str]) -> None:
     require(value in allowed, key, f"must be one of {', '.join(allowed)}; got {value!r}")
 
 
+_SPEC_ALLOWED = (
+    f"must be one of {', '.join(sorted(MODEL_SPECS))}, or a path to a Hugging Face config.json "
+    "(or a directory holding one)"
+)
+
+
 @dataclass
 class ModelConfig:
     """Transformer architecture, in Megatron-Core's names (Llama-style: RoPE, SwiGLU, RMSNorm)."""
 
     spec: Optional[str] = None
-    """A shipped architecture (llama2-7b, llama2-13b, llama2-70b) that fills the fields below;
-    fields given in the recipe or on the command line still win."""
+    """A shipped architecture (llama2-7b, llama2-13b, llama2-70b) or a Hugging Face Llama
+    ``config.json`` (or a directory holding one) that fills the fields below; fields given in
+    the recipe or on the command line still win."""
     num_layers: int = 32
     """Transformer layers (embedding and output head come on top)."""
     hidden_size: int = 4096
     ffn_hidden_size: int = 11008
     num_attention_heads: int = 32
-    num_query_groups: int = 32
-    """Key/value heads (grouped-query attention); equal to num_attention_heads for MHA."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads (grouped-query attention); default: num_attention_heads (MHA)."""
     vocab_size: int = 32000
     seq_length: int = 4096
     tie_embeddings: bool = False
     """Share the input embedding with the output projection (Llama-2 does not)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding's frequencies (Megatron's rotary_base)."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon (Megatron's layernorm_epsilon; Llama-2's rms_norm_eps)."""
     params_dtype: str = "bf16"
     """Compute dtype of parameters and activations: bf16, fp16 or fp32."""
 
     def __post_init__(self) -> None:
-        if self.spec is not None:
-            require_one_of("model.spec", self.spec, sorted(MODEL_SPECS))
+        if self.spec is not None and self.spec not in MODEL_SPECS:
+            require(Path(self.spec).exists(), "model.spec", _SPEC_ALLOWED + f"; got {self.spec!r}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
         require_positive(
             "model", self, "num_layers", "hidden_size", "ffn_hidden_size",
-            "num_attention_heads", "num_query_groups", "vocab_size", "seq_length",
+            "num_attention_heads", "num_query_groups", "vocab_size", "seq_length", "rope_theta", "norm_epsilon",
         )
         require_one_of("model.params_dtype", self.params_dtype, ["bf16", "fp16", "fp32"])
         require(
@@ -314,14 +327,34 @@ def load_structured(
         raise _explain(exc, schema) from None
 
 
+def _model_spec_fields(spec_name: str) -> dict[str, Any]:
+    """The architecture named by model.spec: a shipped one, or a Hugging Face Llama
+    config.json read with transformers."""
+    if spec_name in MODEL_SPECS:
+        return dict(MODEL_SPECS[spec_name])
+    if not Path(spec_name).exists():
+        raise ConfigError("model.spec", _SPEC_ALLOWED + f"; got {spec_name!r}")
+    from odyssey_megatron.hooks.hf_llama import read_model_fields  # imports transformers: only when asked
+
+    try:
+        return read_model_fields(spec_name)
+    except ValueError as exc:
+        raise ConfigError("model.spec", str(exc)) from None
+
+
 def _model_spec_layer(recipe: DictConfig, cli: DictConfig) -> list[DictConfig]:
-    """The shipped architecture named by model.spec (command line first), under the recipe."""
+    """The architecture named by model.spec (command line first), under the recipe; and
+    num_query_groups equal to the head count when no layer sets it (the schema's default
+    was filled in for the default head count)."""
     spec_name = OmegaConf.select(cli, "model.spec") or OmegaConf.select(recipe, "model.spec")
-    if spec_name is None:
-        return []
-    if spec_name not in MODEL_SPECS:
-        raise ConfigError("model.spec", f"must be one of {', '.join(sorted(MODEL_SPECS))}; got {spec_name!r}")
-    return [OmegaConf.create({"model": MODEL_SPECS[spec_name]})]
+    spec = _model_spec_fields(spec_name) if spec_name is not None else {}
+    given = [OmegaConf.select(config, "model") for config in (recipe, cli)]
+    layers = [spec] + [OmegaConf.to_container(model) for model in given if isinstance(model, DictConfig)]
+    if not any("num_query_groups" in layer for layer in layers):
+        heads = next((layer["num_attention_heads"] for layer in reversed(layers) if "num_attention_heads" in layer), None)
+        if heads is not None:
+            spec["num_query_groups"] = heads
+    return [OmegaConf.create({"model": spec})] if spec else []
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
