@@ -16,11 +16,12 @@ from typing import Any, Callable, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from odyssey_megatron.specs import DEVICE_SPECS, MODEL_SPECS
+from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
 
 __all__ = [
     "ClusterConfig",
     "ConfigError",
+    "DataConfig",
     "ModelConfig",
     "OdysseyConfig",
     "ParallelConfig",
@@ -172,6 +173,29 @@ class ClusterConfig:
 
 
 @dataclass
+class DataConfig:
+    """Training text and tokenizer (``odyssey_megatron.data``); nothing is ever downloaded."""
+
+    corpus: str = "python-docstrings"
+    """python-docstrings (the standard library's, offline), wikitext-2 or wikitext-103 (from
+    a Hugging Face hub cache), or a local .txt/.jsonl/.parquet file or directory."""
+    tokenizer: Optional[str] = None
+    """A Hugging Face tokenizer directory (Llama's tokenizer.json); default: a byte-level BPE
+    trained on the corpus with at most model.vocab_size tokens."""
+    cache_dir: str = "runs/cache/data"
+    """Where the docstring corpus, the trained tokenizer and the indexed corpus are cached."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.corpus in CORPUS_SPECS or Path(self.corpus).exists(), "data.corpus",
+            f"must be one of {', '.join(CORPUS_SPECS)}, or a local file or directory; got {self.corpus!r}",
+        )
+        if self.tokenizer is not None:
+            require(Path(self.tokenizer).exists(), "data.tokenizer",
+                    f"must be a Hugging Face tokenizer directory or its tokenizer.json; no such path: {self.tokenizer}")
+
+
+@dataclass
 class OdysseyConfig:
     """How Odyssey decides after a failure (paper 001, section IV)."""
 
@@ -239,6 +263,7 @@ class RecipeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     odyssey: OdysseyConfig = field(default_factory=OdysseyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
         par, model, train = self.parallel, self.model, self.training

@@ -143,3 +143,15 @@ def test_a_local_directory_is_read_by_the_same_path(tmp_path):
     (tmp_path / "corpus/c.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match="mixes parquet and text files"):
         load_corpus(str(tmp_path / "corpus"), cache_dir=tmp_path / "cache")
+
+
+def test_the_recipe_data_section_names_a_known_corpus_or_a_path(tmp_path):
+    from odyssey_megatron.config import ConfigError, load_config
+
+    assert load_config(None).data.corpus == "python-docstrings"
+    assert load_config(None, [f"data.corpus={tmp_path}"]).data.corpus == str(tmp_path)
+    with pytest.raises(ConfigError, match=r"^data.corpus: must be one of python-docstrings, wikitext-2, wikitext-103, "
+                                          r"or a local file or directory; got 'wikitext-3'$"):
+        load_config(None, ["data.corpus=wikitext-3"])
+    with pytest.raises(ConfigError, match=r"^data.tokenizer: must be a Hugging Face tokenizer directory"):
+        load_config(None, [f"data.tokenizer={tmp_path / 'llama'}"])

@@ -23,11 +23,10 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["CORPORA", "PYTHON_DOCSTRINGS", "corpus_files", "load_corpus", "python_docstrings"]
+from odyssey_megatron.specs.corpora import CORPUS_SPECS, PYTHON_DOCSTRINGS
 
-PYTHON_DOCSTRINGS = "python-docstrings"
-WIKITEXT = {"wikitext-2": "wikitext-2-raw-v1", "wikitext-103": "wikitext-103-raw-v1"}
-CORPORA = (PYTHON_DOCSTRINGS, *WIKITEXT)
+__all__ = ["corpus_files", "load_corpus", "python_docstrings"]
+
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _WIKITEXT_REPOS = ("datasets--Salesforce--wikitext", "datasets--wikitext")
 _MIN_DOCSTRING_CHARS = 40
@@ -72,7 +71,7 @@ def _wikitext_files(name: str, hub_cache: Optional[Path]) -> list[Path]:
     from huggingface_hub import constants
 
     hub_cache = Path(hub_cache or constants.HF_HUB_CACHE)
-    config = WIKITEXT[name]
+    config = CORPUS_SPECS[name]
     for repo in _WIKITEXT_REPOS:
         files = sorted((hub_cache / repo / "snapshots").glob(f"*/{config}/train-*.parquet"))
         if files:
@@ -104,7 +103,7 @@ def corpus_files(source: str, *, cache_dir: Path, hub_cache: Optional[Path] = No
     """The local files behind ``source`` (see the module docstring)."""
     if source == PYTHON_DOCSTRINGS:
         return [_docstring_file(Path(cache_dir), docstring_root)]
-    if source in WIKITEXT:
+    if source in CORPUS_SPECS:
         return _wikitext_files(source, hub_cache)
     return _local_files(Path(source))
 
