@@ -196,3 +196,17 @@ def test_query_groups_default_to_the_head_count():
     model = load_config(None, ["model.num_attention_heads=40", "model.hidden_size=5120"]).model
     assert model.num_query_groups == 40
     assert load_config(None, ["model.spec=llama2-13b"]).model.num_query_groups == 40
+
+
+def test_the_published_llama2_7b_config_maps_to_the_shipped_spec(tmp_path):
+    from odyssey_megatron.hooks.hf_llama import read_model_fields
+
+    # The config.json of meta-llama/Llama-2-7b-hf (transformers 4.31 era: top-level rope keys).
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 4096,
+        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "transformers_version": "4.31.0.dev0", "use_cache": True, "vocab_size": 32000,
+    }))
+    assert read_model_fields(tmp_path) == MODEL_SPECS["llama2-7b"]
