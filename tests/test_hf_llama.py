@@ -13,6 +13,7 @@ Weight round trips are exact (torch.equal).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -67,9 +68,10 @@ def checkpoint(hf_model, tmp_path_factory):
     return directory
 
 
-def _megatron_logits(rank: int, world_size: int, checkpoint: str) -> dict:
+def _megatron_logits(rank: int, world_size: int, fields: dict, numpy_weights: dict) -> dict:
     """Rank 0: the 7B shape on the meta device, the full model, a [1, 2]-layer chain.
-    Both ranks: the full model as TP=2 shards."""
+    Both ranks: the full model as TP=2 shards. The checkpoint is read once, by the parent
+    (a rank reading it would import transformers only for that)."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -82,7 +84,8 @@ def _megatron_logits(rank: int, world_size: int, checkpoint: str) -> dict:
 
     singles = [dist.new_group([r]) for r in range(world_size)]
     pair = dist.new_group(list(range(world_size)))
-    model, weights = load_hf_checkpoint(checkpoint)
+    model = ModelConfig(**fields)
+    weights = {name: torch.from_numpy(array) for name, array in numpy_weights.items()}
     positions = torch.arange(TOKENS.shape[1]).unsqueeze(0).expand_as(TOKENS)
     n = model.num_layers
     out = {}
@@ -113,7 +116,8 @@ def _megatron_logits(rank: int, world_size: int, checkpoint: str) -> dict:
 
 @pytest.fixture(scope="module")
 def megatron_outputs(checkpoint):
-    return run_world(_megatron_logits, 2, str(checkpoint))
+    model, weights = load_hf_checkpoint(checkpoint)
+    return run_world(_megatron_logits, 2, asdict(model), {name: t.numpy() for name, t in weights.items()})
 
 
 def test_llama2_7b_builds_on_the_meta_device_with_the_published_parameter_count(megatron_outputs):
