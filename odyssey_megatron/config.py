@@ -24,11 +24,12 @@ from omegaconf.errors import OmegaConfBaseException
 from odyssey_megatron import limits
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import load_yaml_mapping
-from odyssey_megatron.specs import DEVICE_SPECS, MODEL_SPECS
+from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
 
 __all__ = [
     "ClusterConfig",
     "ConfigError",
+    "DataConfig",
     "ModelConfig",
     "OdysseyConfig",
     "ParallelConfig",
@@ -80,34 +81,47 @@ def require_one_of(key: str, value: str, allowed: Sequence[str]) -> None:
     require(value in allowed, key, f"must be one of {', '.join(allowed)}; got {value!r}")
 
 
+_SPEC_ALLOWED = (
+    f"must be one of {', '.join(sorted(MODEL_SPECS))}, or a path to a Hugging Face config.json "
+    "(or a directory holding one)"
+)
+
+
 @dataclass
 class ModelConfig:
     """Transformer architecture, in Megatron-Core's names (Llama-style: RoPE, SwiGLU, RMSNorm)."""
 
     spec: Optional[str] = None
-    """A shipped architecture (llama2-7b, llama2-13b, llama2-70b) that fills the fields below;
-    fields given in the recipe or on the command line still win."""
+    """A shipped architecture (llama2-7b, llama2-13b, llama2-70b) or a Hugging Face Llama
+    ``config.json`` (or a directory holding one) that fills the fields below; fields given in
+    the recipe or on the command line still win."""
     num_layers: int = 32
     """Transformer layers (embedding and output head come on top)."""
     hidden_size: int = 4096
     ffn_hidden_size: int = 11008
     num_attention_heads: int = 32
-    num_query_groups: int = 32
-    """Key/value heads (grouped-query attention); equal to num_attention_heads for MHA."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads (grouped-query attention); default: num_attention_heads (MHA)."""
     vocab_size: int = 32000
     seq_length: int = 4096
     tie_embeddings: bool = False
     """Share the input embedding with the output projection (Llama-2 does not)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding's frequencies (Megatron's rotary_base)."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon (Megatron's layernorm_epsilon; Llama-2's rms_norm_eps)."""
     params_dtype: str = "bf16"
     """Compute dtype of parameters and activations: bf16, fp16 or fp32."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("model", self)
-        if self.spec is not None:
-            require_one_of("model.spec", self.spec, sorted(MODEL_SPECS))
+        if self.spec is not None and self.spec not in MODEL_SPECS:
+            require(Path(self.spec).exists(), "model.spec", _SPEC_ALLOWED + f"; got {self.spec!r}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
         dimensions = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                       "vocab_size", "seq_length")
-        require_positive("model", self, "num_layers", *dimensions)
+        require_positive("model", self, "num_layers", *dimensions, "rope_theta", "norm_epsilon")
         require_at_most("model", self, limits.MAX_LAYERS, "per-layer transfers and sync rounds", "num_layers")
         require_at_most("model", self, limits.MAX_MODEL_DIMENSION, "larger overflows the profile", *dimensions)
         require_one_of("model.params_dtype", self.params_dtype, ["bf16", "fp16", "fp32"])
@@ -195,6 +209,29 @@ class ClusterConfig:
 
 
 @dataclass
+class DataConfig:
+    """Training text and tokenizer (``odyssey_megatron.data``); nothing is ever downloaded."""
+
+    corpus: str = "python-docstrings"
+    """python-docstrings (the standard library's, offline), wikitext-2 or wikitext-103 (from
+    a Hugging Face hub cache), or a local .txt/.jsonl/.parquet file or directory."""
+    tokenizer: Optional[str] = None
+    """A Hugging Face tokenizer directory (Llama's tokenizer.json); default: a byte-level BPE
+    trained on the corpus with at most model.vocab_size tokens."""
+    cache_dir: str = "runs/cache/data"
+    """Where the docstring corpus, the trained tokenizer and the indexed corpus are cached."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.corpus in CORPUS_SPECS or Path(self.corpus).exists(), "data.corpus",
+            f"must be one of {', '.join(CORPUS_SPECS)}, or a local file or directory; got {self.corpus!r}",
+        )
+        if self.tokenizer is not None:
+            require(Path(self.tokenizer).exists(), "data.tokenizer",
+                    f"must be a Hugging Face tokenizer directory or its tokenizer.json; no such path: {self.tokenizer}")
+
+
+@dataclass
 class OdysseyConfig:
     """How Odyssey decides after a failure (paper 001, section IV)."""
 
@@ -273,6 +310,7 @@ class RecipeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     odyssey: OdysseyConfig = field(default_factory=OdysseyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
         par, model, train = self.parallel, self.model, self.training
@@ -395,14 +433,34 @@ def load_structured(
         raise _explain(exc, schema) from None
 
 
+def _model_spec_fields(spec_name: str) -> dict[str, Any]:
+    """The architecture named by model.spec: a shipped one, or a Hugging Face Llama
+    config.json read with transformers."""
+    if spec_name in MODEL_SPECS:
+        return dict(MODEL_SPECS[spec_name])
+    if not Path(spec_name).exists():
+        raise ConfigError("model.spec", _SPEC_ALLOWED + f"; got {spec_name!r}")
+    from odyssey_megatron.hooks.hf_llama import read_model_fields  # imports transformers: only when asked
+
+    try:
+        return read_model_fields(spec_name)
+    except ValueError as exc:
+        raise ConfigError("model.spec", str(exc)) from None
+
+
 def _model_spec_layer(recipe: DictConfig, cli: DictConfig) -> list[DictConfig]:
-    """The shipped architecture named by model.spec (command line first), under the recipe."""
+    """The architecture named by model.spec (command line first), under the recipe; and
+    num_query_groups equal to the head count when no layer sets it (the schema's default
+    was filled in for the default head count)."""
     spec_name = OmegaConf.select(cli, "model.spec") or OmegaConf.select(recipe, "model.spec")
-    if spec_name is None:
-        return []
-    if spec_name not in MODEL_SPECS:
-        raise ConfigError("model.spec", f"must be one of {', '.join(sorted(MODEL_SPECS))}; got {spec_name!r}")
-    return [OmegaConf.create({"model": MODEL_SPECS[spec_name]})]
+    spec = _model_spec_fields(spec_name) if spec_name is not None else {}
+    given = [OmegaConf.select(config, "model") for config in (recipe, cli)]
+    layers = [spec] + [OmegaConf.to_container(model) for model in given if isinstance(model, DictConfig)]
+    if not any("num_query_groups" in layer for layer in layers):
+        heads = next((layer["num_attention_heads"] for layer in reversed(layers) if "num_attention_heads" in layer), None)
+        if heads is not None:
+            spec["num_query_groups"] = heads
+    return [OmegaConf.create({"model": spec})] if spec else []
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--config") -> RecipeConfig:

@@ -39,3 +39,20 @@ def test_model_parallel_rng_is_a_separate_reproducible_stream():
     assert not torch.equal(forked, plain)  # its own stream, not the default one
     assert torch.equal(after_fork, plain)  # the default stream did not move
     assert torch.equal(forked, again)  # seeded: the same in every run
+
+
+def test_meta_device_blocks_still_work_when_the_shim_comes_first():
+    # torch caches the factories a device block redirects on first use, so only a fresh
+    # process where the shim is installed before any device block shows the problem.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from odyssey_megatron.hooks.cpu_shim import CpuShim\n"
+        "CpuShim().install()\n"
+        "with torch.device('meta'):\n"
+        "    print(torch.empty(2).device.type, torch.nn.Linear(2, 2).weight.device.type)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["meta", "meta"]

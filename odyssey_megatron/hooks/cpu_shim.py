@@ -17,6 +17,7 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._device
 from megatron.core.tensor_parallel import random as megatron_random
 
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "randn", "rand")
@@ -87,6 +88,10 @@ class CpuShim:
             raise RuntimeError("the CPU shim is already installed")
         self._patch(torch.cuda, "current_device", lambda: "cpu")
         self._patch(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+        # A ``with torch.device("meta")`` block recognises factories by identity in a set
+        # torch builds once, on first use; built after patching, it would hold our
+        # wrappers and miss the real factories they call, so build it first.
+        torch.utils._device._device_constructors()
         for name in _FACTORIES:
             self._patch(torch, name, _redirect_device(getattr(torch, name)))
         tracker = CpuRNGStatesTracker()

@@ -6,7 +6,10 @@ transformer layers as the plan gives it, so any uneven split works without Megat
 global pipeline state. Parameters are initialised from one source: every tensor of the
 *full* model is drawn from a generator seeded by the recipe seed and the tensor's
 global name, and each rank keeps its slice (its layers, its TP shard). The same layer is
-therefore identical on every pipeline and equal to a single-process model's.
+therefore identical on every pipeline and equal to a single-process model's. The source
+can also be a whole-model state dict in global names (an imported Hugging Face checkpoint,
+a run's final weights): ``stage_state_dict`` slices it for a stage and TP rank, and
+``merge_stage_state_dicts`` puts the stages' slices back together.
 
 Tied embeddings: a last stage that is not also the first keeps its own copy of the word
 embeddings as ``output_layer.weight``, drawn from the embedding's source; the copies
@@ -19,6 +22,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -61,6 +65,7 @@ def transformer_config(model: ModelConfig, *, num_layers: int, tensor_parallel_s
         num_query_groups=model.num_query_groups,
         kv_channels=model.hidden_size // model.num_attention_heads,
         normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
@@ -90,8 +95,11 @@ def build_stage_model(
     *,
     pg_collection: ProcessGroupCollection,
     seed: int,
+    weights: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> GPTModel:
-    """The GPTModel for ``stage`` with parameters from the one deterministic source.
+    """The GPTModel for ``stage`` with parameters from the one deterministic source:
+    ``weights`` (a whole-model state dict in global names) when given, else drawn from ``seed``.
+    Built under ``torch.device("meta")`` it only has shapes, and nothing is initialised.
 
     ``pg_collection.pp`` must be a size-1 group: the stage is a whole model to Megatron;
     the Odyssey executor, not Megatron's globals, moves activations between stages.
@@ -108,10 +116,14 @@ def build_stage_model(
         parallel_output=False,
         share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type="rope",
+        rotary_base=model.rope_theta,
         pg_collection=pg_collection,
     )
     mark_tensor_parallel_weights(gpt)
-    init_stage_parameters(gpt, stage=stage, seed=seed, tp_rank=pg_collection.tp.rank(), tp_size=tp)
+    if weights is not None:
+        load_stage_parameters(gpt, weights, stage=stage, tp_rank=pg_collection.tp.rank(), tp_size=tp)
+    else:
+        init_stage_parameters(gpt, stage=stage, seed=seed, tp_rank=pg_collection.tp.rank(), tp_size=tp)
     return gpt
 
 
@@ -129,6 +141,18 @@ def mark_tensor_parallel_weights(gpt: torch.nn.Module) -> None:
 
 TIED_OUTPUT = "output_layer.weight"
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+# The dimension Megatron's parallel layers split across TP ranks, by parameter name suffix:
+# ColumnParallelLinear and VocabParallelEmbedding split outputs (0), RowParallelLinear
+# inputs (1); norms are replicated.
+_TP_DIM = {
+    "word_embeddings.weight": 0,
+    "linear_qkv.weight": 0,
+    "linear_fc1.weight": 0,
+    "output_layer.weight": 0,
+    "linear_proj.weight": 1,
+    "linear_fc2.weight": 1,
+}
 
 
 def is_tied(gpt: torch.nn.Module) -> bool:
@@ -143,6 +167,11 @@ def global_name(local_name: str, layer_offset: int, *, tied: bool = False) -> st
     return _LAYER_KEY.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
 
 
+def tensor_parallel_dim(name: str) -> Optional[int]:
+    """The dimension TP splits the parameter called ``name`` along; None if replicated."""
+    return next((dim for suffix, dim in _TP_DIM.items() if name.endswith(suffix)), None)
+
+
 def _full_shape(param: torch.nn.Parameter, tp_size: int) -> list[int]:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
@@ -150,10 +179,10 @@ def _full_shape(param: torch.nn.Parameter, tp_size: int) -> list[int]:
     return shape
 
 
-def _shard(full: torch.Tensor, param: torch.nn.Parameter, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+def _shard(full: torch.Tensor, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+    dim = tensor_parallel_dim(name)
+    if dim is None or tp_size == 1:
         return full
-    dim = param.partition_dim
     if name.endswith("linear_fc1.weight"):
         # SwiGLU: the full weight is [gate; up]; each rank holds [gate shard; up shard].
         gate, up = full.chunk(2, dim=dim)
@@ -161,11 +190,24 @@ def _shard(full: torch.Tensor, param: torch.nn.Parameter, name: str, tp_rank: in
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
+def _unshard(shards: list[torch.Tensor], name: str) -> torch.Tensor:
+    """The inverse of ``_shard`` over every TP rank's shard, in TP rank order."""
+    dim = tensor_parallel_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if name.endswith("linear_fc1.weight"):
+        halves = [shard.chunk(2, dim=dim) for shard in shards]
+        return torch.cat([torch.cat([g for g, _ in halves], dim=dim), torch.cat([u for _, u in halves], dim=dim)], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
 def init_stage_parameters(gpt: torch.nn.Module, *, stage: StageSpec, seed: int, tp_rank: int, tp_size: int) -> None:
     """Norm weights 1; every other tensor N(0, INIT_STD) drawn for the full model from a
     generator seeded by (seed, global name), then sliced to this rank's shard."""
     with torch.no_grad():
         for name, param in gpt.named_parameters():
+            if param.is_meta:
+                continue
             full_name = global_name(name, stage.layers[0], tied=is_tied(gpt))
             if "norm" in full_name and param.dim() == 1:
                 param.fill_(1.0)
@@ -173,4 +215,81 @@ def init_stage_parameters(gpt: torch.nn.Module, *, stage: StageSpec, seed: int, 
             generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{full_name}".encode()))
             full = torch.empty(_full_shape(param, tp_size), dtype=torch.float32)
             full.normal_(0.0, INIT_STD, generator=generator)
-            param.copy_(_shard(full, param, name, tp_rank, tp_size).to(param.dtype))
+            param.copy_(_shard(full, name, tp_rank, tp_size).to(param.dtype))
+
+
+def _local_name(full_name: str, stage: StageSpec) -> Optional[str]:
+    """The stage's own name for a global parameter, or None if the stage does not hold it."""
+    layer = _LAYER_KEY.match(full_name)
+    if layer is not None:
+        index = int(layer.group(1))
+        if not stage.layers[0] <= index < stage.layers[1]:
+            return None
+        return _LAYER_KEY.sub(f"decoder.layers.{index - stage.layers[0]}.", full_name)
+    if full_name.startswith("embedding."):
+        return full_name if stage.first else None
+    return full_name if stage.last else None
+
+
+def stage_state_dict(
+    full: Mapping[str, torch.Tensor], *, stage: StageSpec, tp_rank: int, tp_size: int, tied: bool
+) -> dict[str, torch.Tensor]:
+    """``stage``'s parameters (its names, this TP rank's shards) out of a whole-model state
+    dict in global names. With tied embeddings a last stage that is not the first gets the
+    embedding as its ``output_layer.weight``."""
+    local = {}
+    for full_name, tensor in full.items():
+        name = _local_name(full_name, stage)
+        if name is not None:
+            local[name] = _shard(tensor, name, tp_rank, tp_size)
+    if tied and stage.last and not stage.first:
+        local[TIED_OUTPUT] = _shard(full[EMBEDDING_WEIGHT], TIED_OUTPUT, tp_rank, tp_size)
+    return local
+
+
+def load_stage_parameters(
+    gpt: torch.nn.Module, full: Mapping[str, torch.Tensor], *, stage: StageSpec, tp_rank: int, tp_size: int
+) -> None:
+    """Copy the stage's slice of ``full`` into ``gpt``; every parameter must be there with its shape."""
+    state = stage_state_dict(full, stage=stage, tp_rank=tp_rank, tp_size=tp_size, tied=is_tied(gpt))
+    params = dict(gpt.named_parameters())
+    if set(state) != set(params):
+        missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise ValueError(f"weights do not fit stage {stage}: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if state[name].shape != param.shape:
+                raise ValueError(f"weights: {name} has shape {tuple(state[name].shape)}, the stage needs {tuple(param.shape)}")
+            param.copy_(state[name])
+
+
+@dataclass(frozen=True)
+class StageShard:
+    """One rank's parameters: its stage, its TP rank, and its state dict in the stage's own names."""
+
+    stage: StageSpec
+    tp_rank: int
+    tp_size: int
+    state: Mapping[str, torch.Tensor]
+
+
+def merge_stage_state_dicts(shards: Iterable[StageShard], *, tied: bool) -> dict[str, torch.Tensor]:
+    """The whole-model state dict in global names from every stage's shards (the inverse of
+    ``stage_state_dict``). Replicas (DP peers, a tied output copy) hold equal tensors; the
+    first one seen is kept. Raises ValueError if a tensor lacks a TP rank's shard."""
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    sizes: dict[str, int] = {}
+    for shard in shards:
+        for name, tensor in shard.state.items():
+            full_name = global_name(name, shard.stage.layers[0], tied=tied)
+            pieces.setdefault(full_name, {}).setdefault(shard.tp_rank, tensor)
+            sizes[full_name] = shard.tp_size if tensor_parallel_dim(full_name) is not None else 1
+    full = {}
+    for name, by_rank in pieces.items():
+        if sizes[name] == 1:
+            full[name] = by_rank[min(by_rank)]
+            continue
+        if sorted(by_rank) != list(range(sizes[name])):
+            raise ValueError(f"{name}: shards of TP ranks {sorted(by_rank)}, need 0..{sizes[name] - 1}")
+        full[name] = _unshard([by_rank[r] for r in range(sizes[name])], name)
+    return full

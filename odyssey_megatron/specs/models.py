@@ -1,7 +1,9 @@
 """Llama-2 architectures, in Megatron's argument names.
 
-Values follow the published Llama-2 configs (Touvron et al., 2023): 7B and 13B use
-multi-head attention, 70B uses grouped-query attention with 8 KV groups.
+Values follow the published Llama-2 configs (Touvron et al., 2023, and the Hugging Face
+``config.json`` of meta-llama/Llama-2-*-hf): 7B and 13B use multi-head attention, 70B uses
+grouped-query attention with 8 KV groups; all use RoPE base 10000, RMSNorm epsilon 1e-5,
+SwiGLU, untied embeddings and a 32000-token vocabulary.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         seq_length=4096,
         tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_epsilon=1e-5,
     ),
     "llama2-13b": dict(
         num_layers=40,
@@ -28,6 +32,8 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         seq_length=4096,
         tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_epsilon=1e-5,
     ),
     "llama2-70b": dict(
         num_layers=80,
@@ -38,6 +44,8 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         seq_length=4096,
         tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_epsilon=1e-5,
     ),
 }
 

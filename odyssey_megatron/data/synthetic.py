@@ -1,7 +1,5 @@
-"""Micro-batches addressed by (step, global micro-batch id).
-
-Any rank can fetch any micro-batch, so a pipeline's data follows its micro-batch ids
-wherever a plan puts them: after a re-plan no sample is skipped or seen twice.
+"""Random token micro-batches addressed by (step, global micro-batch id), for tests that
+need shapes and determinism but no text (the real workload is ``data.indexed``).
 """
 
 from __future__ import annotations
