@@ -7,8 +7,8 @@ beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR
 
 ``main`` is the one place user errors become output: every ConfigError (a file, YAML,
 value, flag, output location or environment problem), argparse's complaints included,
-prints one line and exits 2; an unrecoverable failure exits 3; anything else is a bug and
-keeps its traceback. Flags given twice either accumulate (``--failed``, ``--failed-nodes``)
+prints one line and exits 2; an unrecoverable failure exits 3; results written whose W&B
+logging then failed exit 4, kept on disk; anything else is a bug and keeps its traceback. Flags given twice either accumulate (``--failed``, ``--failed-nodes``)
 or are refused, and JSON output never holds NaN or Infinity.
 """
 
@@ -28,6 +28,8 @@ from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 GIB = 1024**3
 EXIT_USAGE = 2
 EXIT_UNRECOVERABLE = 3
+EXIT_WANDB = 4
+"""The run's results were written but logging them to W&B failed."""
 EXIT_INTERRUPTED = 130
 
 
@@ -250,11 +252,19 @@ def _simulate_command(args: argparse.Namespace) -> int:
             bar.close()
         series = system_series(result)
         write_outputs(result, series, run_dir.staging)
-        wandb_dir = log_to_wandb(wandb_run, result, series) if wandb_run is not None else None
     except BaseException:
         run_dir.discard()
         raise
+    wandb_dir = wandb_error = None
+    if wandb_run is not None:
+        try:
+            wandb_dir = log_to_wandb(wandb_run, result, series)
+        except Exception as exc:  # noqa: BLE001 - W&B's own failure must not cost the results written
+            wandb_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
     out = run_dir.commit()
+    if wandb_error is not None:
+        print(f"odyssey: error: W&B logging failed ({wandb_error}); the results are in {out}", file=sys.stderr)
+        return EXIT_WANDB
     if args.json:
         print(dumps(summary_json(result)))
         return 0

@@ -312,3 +312,20 @@ def test_oobleck_that_cannot_start_is_a_scenario_error(capsys):
             "recipe_overrides=[parallel.data_parallel_size=2,training.global_batch_size=16]"]
     assert main(args) == 2
     assert capsys.readouterr().err.startswith("odyssey: error: oobleck_tolerated_failures: oobleck cannot run")
+
+
+def test_a_wandb_failure_after_the_run_keeps_the_results(tmp_path, monkeypatch, capsys):
+    """W&B can fail while logging (a full disk, a killed service) after the simulation ran:
+    the results stay on disk and the failure is one line, exit 4."""
+    from odyssey_megatron.simulator import report
+
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device\nand a second line")
+
+    monkeypatch.setattr(report, "log_to_wandb", broken)
+    out = tmp_path / "run"
+    code = main(["simulate", "--scenario", SCENARIO, "--out", str(out), "duration_hours=0.5", "systems=[odyssey]",
+                 "wandb_mode=offline"])
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("odyssey:")]  # not W&B or tqdm
+    assert code == 4 and len(ours) == 1 and "W&B logging failed (OSError: No space left on device)" in ours[0]
+    assert json.loads((out / "summary.json").read_text())["systems"]["odyssey"]["avg_throughput"] > 0
