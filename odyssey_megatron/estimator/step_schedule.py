@@ -68,8 +68,9 @@ def timed_step_schedule(
     if not touched or not untouched:
         return _split_if_faster(plan, profile, cluster, staggered, memo)[:2]
     schedule = {}
-    for part in (sub_plan(plan, touched), sub_plan(replace(plan, reroutes=()), untouched)):  # renumbered in order
-        ids = sorted(touched if part.reroutes else untouched)
+    parts = ((sorted(touched), sub_plan(plan, touched)),
+             (sorted(untouched), sub_plan(replace(plan, reroutes=()), untouched)))
+    for ids, part in parts:  # each part's pipelines are renumbered in order
         chosen = _split_if_faster(part, profile, cluster, staggered, memo)[0]
         schedule.update({worker: [op._replace(pipeline=ids[op.pipeline]) for op in ops]
                          for worker, ops in chosen.schedule.items()})
