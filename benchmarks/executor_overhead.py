@@ -32,7 +32,7 @@ from odyssey_megatron.planner.layers import stage_ranges
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.runtime.local_world import run_world
+from odyssey_megatron.testing.local_world import run_world
 
 MODEL = ModelConfig(num_layers=8, hidden_size=256, ffn_hidden_size=688, num_attention_heads=8, num_query_groups=8,
                     vocab_size=1024, seq_length=128, params_dtype="fp32")

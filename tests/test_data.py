@@ -18,7 +18,7 @@ import torch
 from odyssey_megatron.data import IndexedTokens, PreparedData, prepare_data
 from odyssey_megatron.data.corpus import load_corpus
 from odyssey_megatron.data.tokenizer import load_megatron_tokenizer, load_tokenizer, prepare_tokenizer
-from odyssey_megatron.runtime.local_world import run_world
+from odyssey_megatron.testing.local_world import run_world
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -26,7 +26,7 @@ from odyssey_megatron.hooks.hf_llama import (
     save_hf_checkpoint,
 )
 from odyssey_megatron.hooks.model import StageShard, StageSpec, merge_stage_state_dicts, stage_state_dict
-from odyssey_megatron.runtime.local_world import run_world
+from odyssey_megatron.testing.local_world import run_world
 from odyssey_megatron.specs import MODEL_SPECS
 
 pytestmark = pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.runtime.local_world import run_world
+from odyssey_megatron.testing.local_world import run_world
 from runtime_cases import LR, last_stage_steps_first, reference, run_plan
 
 pytestmark = pytest.mark.timeout(600)
