@@ -75,27 +75,26 @@ class OdysseySystem:
             self.step_s = step_s
         return outcome
 
-    def _react(self, decide, cluster: ClusterState, now_s: float, note: str, failures: int) -> Outcome:
-        """Run ``decide`` (the decision center's ``on_failure`` or ``on_join``) and price the pause."""
-        lost = self.step_s / 2 if failures else 0.0  # the interrupted step, half done on average
+    def _react(self, cluster: ClusterState, now_s: float, note: str, *, workers: AbstractSet[int],
+               failed: bool) -> Outcome:
+        """Tell the decision center that ``workers`` failed (or rejoined) and price the pause."""
+        ranks = [r for w in sorted(workers) for r in cluster.worker_ranks(w)]
+        report = self.center.on_failure if failed else self.center.on_join
+        lost = self.step_s / 2 if failed else 0.0  # the interrupted step, half done on average
         try:
-            decision = decide(at_s=now_s, interval_s=self._interval(now_s))
+            decision = report(ranks=ranks, at_s=now_s, interval_s=self._interval(now_s))
         except UnrecoverableFailure as exc:
             return self._restart(cluster, now_s, f"{note}: {exc}")
         chosen = decision.chosen
         if any(t.src is None for t in chosen.plan.transfers):
             return self._restart(cluster, now_s, f"{note}: a layer survives nowhere")
         self.step_s = chosen.estimate.step_time_s
-        pause = (self.detection_s if failures else 0.0) + chosen.transition_s
+        pause = (self.detection_s if failed else 0.0) + chosen.transition_s
         return Outcome(pause_s=pause, samples_per_s=chosen.estimate.samples_per_s, lost_s=lost,
                        note=f"{note}: {chosen.policy} {chosen.layout}")
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
-        ranks = [r for w in sorted(failed) for r in cluster.worker_ranks(w)]
-        return self._react(lambda **kw: self.center.on_failure(ranks=ranks, **kw), cluster, now_s,
-                           f"{len(failed)} worker(s) failed", failures=1)
+        return self._react(cluster, now_s, f"{len(failed)} worker(s) failed", workers=failed, failed=True)
 
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
-        ranks = [r for w in sorted(joined) for r in cluster.worker_ranks(w)]
-        return self._react(lambda **kw: self.center.on_join(ranks=ranks, **kw), cluster, now_s,
-                           f"{len(joined)} worker(s) rejoined", failures=0)
+        return self._react(cluster, now_s, f"{len(joined)} worker(s) rejoined", workers=joined, failed=False)
