@@ -9,6 +9,7 @@ raise a limit only with a new measurement.
 from __future__ import annotations
 
 from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.units import SECONDS_PER_HOUR
 
 MAX_WORKERS = 16_384
 """TP groups the decision center plans over. Planning grows faster than linearly with
@@ -29,7 +30,7 @@ MAX_SEARCH_RADIUS = 64
 """Algorithm 1's R_dp and R_pp: candidates grow with their product."""
 MAX_LAYER_SPLITS = 65_536
 """Remainder placements priced per pipeline length."""
-MAX_SECONDS = 365 * 24 * 3600.0
+MAX_SECONDS = 365 * 24 * SECONDS_PER_HOUR
 """Any time or cost in seconds (restarts, penalties, checkpoint intervals): a year."""
 MAX_HOURS = 365 * 24.0
 """Simulated duration, MTBF, repair time: a year of training."""

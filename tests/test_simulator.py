@@ -22,11 +22,11 @@ from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.restart import best_symmetric_layout
-from odyssey_megatron.simulator.engine import run_system
+from odyssey_megatron.simulator.engine import Segment, Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
 from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
-from odyssey_megatron.simulator.run import simulate
+from odyssey_megatron.simulator.run import fault_scaled_ideal, simulate
 from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig, load_scenario
 from odyssey_megatron.simulator.system import (
     RECOVERING,
@@ -279,6 +279,19 @@ def test_with_no_failures_every_system_trains_alike():
     assert ablation < min(rates.values())
 
 
+def test_the_fault_scaled_ideal_bounds_every_system():
+    """The ideal trains without pauses at the fault-free rate times the healthy share, or
+    at a system's rate where that is higher (a worker lost from a pipeline with bubbles
+    costs less than its share): 4 devices, one lost halfway through 100 s, fault-free 10
+    samples/s; a system pauses 10 s, then trains at 9 > 7.5."""
+    cluster = ClusterState(world_size=4, tensor_parallel_size=1, devices_per_node=4)
+    events = [ClusterEvent(50.0, FAIL, (3,))]
+    timeline = Timeline("fast", [Segment(0, 50, TRAINING, 10.0, 4), Segment(50, 60, RECOVERING, 0.0, 3),
+                                 Segment(60, 100, TRAINING, 9.0, 3)])
+    assert fault_scaled_ideal(10.0, cluster, events, [], 100.0) == pytest.approx(8.75)
+    assert fault_scaled_ideal(10.0, cluster, events, [timeline], 100.0) == pytest.approx(9.35)
+
+
 def test_a_trace_file_drives_the_events(tmp_path):
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,device,event\n600,3,fail\n600,4,fail\n1800,3,join\n")
@@ -302,6 +315,7 @@ def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == first
     for name in ("odyssey", "recycle", "checkpoint"):
         assert set(first["systems"][name]) >= {"avg_throughput", "transition_time_s", "fraction_of_ideal"}
+        assert 0 < first["systems"][name]["fraction_of_ideal"] <= 1 + 1e-12
     assert set(first["ratios"]) == {"recycle", "checkpoint"}
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "series.json").exists()
 

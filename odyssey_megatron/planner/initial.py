@@ -7,6 +7,7 @@ from odyssey_megatron.planner.batch import assign_micro_batch_ids
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.units import GIB
 
 
 def initial_plan(
@@ -27,7 +28,7 @@ def initial_plan(
     if best is None:
         raise ValueError(
             f"no split of {profile.num_layers} layers over {pipeline_parallel_size} stages fits "
-            f"the memory budget of {profile.memory_budget_bytes / 2**30:.1f} GiB per device"
+            f"the memory budget of {profile.memory_budget_bytes / GIB:.1f} GiB per device"
         )
     ranges = stage_ranges(best[0])
     ids = assign_micro_batch_ids([per_pipeline] * data_parallel_size)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SECONDS_PER_HOUR = 3600.0
+from odyssey_megatron.units import SECONDS_PER_HOUR
+
 
 
 def policy_score(*, samples_per_s: float, transition_s: float, interval_s: float, risk_s: float = 0.0) -> float:

@@ -21,6 +21,7 @@ from odyssey_megatron import limits
 from odyssey_megatron.config import ConfigError
 from odyssey_megatron.input_files import read_text
 from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig
+from odyssey_megatron.units import SECONDS_PER_HOUR
 
 FAIL = "fail"
 JOIN = "join"
@@ -64,7 +65,7 @@ def generate_events(
     else:
         units = [(d,) for d in range(num_devices)]
         rate = failures.rate_per_device_hour
-    queue = [(_lifetime_h(rng, failures, rate) * 3600.0, FAIL, i) for i in range(len(units))]
+    queue = [(_lifetime_h(rng, failures, rate) * SECONDS_PER_HOUR, FAIL, i) for i in range(len(units))]
     heapq.heapify(queue)
     events = []
     while queue and (max_events is None or len(events) < max_events):
@@ -73,9 +74,9 @@ def generate_events(
             continue
         events.append(ClusterEvent(t, kind, units[unit]))
         if kind == FAIL and repairs.enabled:
-            heapq.heappush(queue, (t + rng.exponential(repairs.mean_hours) * 3600.0, JOIN, unit))
+            heapq.heappush(queue, (t + rng.exponential(repairs.mean_hours) * SECONDS_PER_HOUR, JOIN, unit))
         elif kind == JOIN:
-            heapq.heappush(queue, (t + _lifetime_h(rng, failures, rate) * 3600.0, FAIL, unit))
+            heapq.heappush(queue, (t + _lifetime_h(rng, failures, rate) * SECONDS_PER_HOUR, FAIL, unit))
     return events
 
 

@@ -14,6 +14,7 @@ from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.simulator.engine import Timeline
 from odyssey_megatron.simulator.run import SimulationResult
 from odyssey_megatron.simulator.scenario import ScenarioConfig
+from odyssey_megatron.units import SECONDS_PER_HOUR
 
 
 def sample_series(timeline: Timeline, *, interval_s: float, duration_s: float) -> list[dict]:
@@ -39,7 +40,7 @@ def sample_series(timeline: Timeline, *, interval_s: float, duration_s: float) -
 def system_series(result: SimulationResult) -> dict[str, list[dict]]:
     """Every system's sampled series, at the scenario's interval."""
     config = result.scenario.config
-    duration = config.duration_hours * 3600
+    duration = config.duration_hours * SECONDS_PER_HOUR
     return {name: sample_series(t, interval_s=config.sample_interval_s, duration_s=duration)
             for name, t in result.timelines.items()}
 
@@ -74,7 +75,7 @@ def write_outputs(result: SimulationResult, series: dict[str, list[dict]], out_d
 
     figure, axis = plt.subplots(figsize=(7, 3.5))
     first = next(iter(series.values()))
-    axis.step([r["time_s"] / 3600 for r in first], [r["active_devices"] for r in first], where="post")
+    axis.step([r["time_s"] / SECONDS_PER_HOUR for r in first], [r["active_devices"] for r in first], where="post")
     axis.set(xlabel="time (h)", ylabel="active devices", title="Active devices over time")
     figure.tight_layout()
     paths["active_devices"] = out_dir / "active_devices.png"
@@ -83,7 +84,7 @@ def write_outputs(result: SimulationResult, series: dict[str, list[dict]], out_d
 
     figure, axis = plt.subplots(figsize=(7, 3.5))
     for name, rows in series.items():
-        axis.plot([r["time_s"] / 3600 for r in rows], [r["samples_per_s"] for r in rows], label=name, linewidth=1)
+        axis.plot([r["time_s"] / SECONDS_PER_HOUR for r in rows], [r["samples_per_s"] for r in rows], label=name, linewidth=1)
     axis.axhline(result.fault_free_throughput, color="grey", linestyle=":", label="fault-free")
     axis.set(xlabel="time (h)", ylabel="samples/s", title="Training throughput over time")
     axis.legend(fontsize=8)
@@ -120,7 +121,7 @@ def log_to_wandb(run, result: SimulationResult, series: dict[str, list[dict]]) -
     run.config.update(summary_json(result)["scenario"], allow_val_change=True)
     times = [row["time_s"] for row in next(iter(series.values()))]
     for i, time_s in enumerate(times):
-        row = {"time_h": time_s / 3600}
+        row = {"time_h": time_s / SECONDS_PER_HOUR}
         for name, rows in series.items():
             row[f"{name}/samples_per_s"] = rows[i]["samples_per_s"]
             row[f"{name}/active_devices"] = rows[i]["active_devices"]

@@ -3,6 +3,7 @@ system, and summarise against the fault-free and fault-scaled ideals."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -18,6 +19,7 @@ from odyssey_megatron.simulator.oobleck import OobleckSystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
 from odyssey_megatron.simulator.scenario import Scenario
 from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, SimulationContext
+from odyssey_megatron.units import SECONDS_PER_HOUR
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class SystemSummary:
     """Time paused: recovering in memory or restarting from a checkpoint."""
     restart_time_s: float
     fraction_of_ideal: float
-    """Of the fault-scaled ideal: fault-free throughput times the share of healthy devices."""
+    """Of the fault-scaled ideal (``fault_scaled_ideal``); never above 1."""
     fraction_of_fault_free: float
     lost_samples: float
 
@@ -78,7 +80,7 @@ def scenario_events(scenario: Scenario) -> list[ClusterEvent]:
     live through in bounded time (``limits.check_simulation_size``)."""
     config, recipe = scenario.config, scenario.recipe
     devices = recipe.parallel.num_ranks
-    duration = config.duration_hours * 3600
+    duration = config.duration_hours * SECONDS_PER_HOUR
     if config.failures.process == "trace":
         events = read_trace(scenario.resolve(config.failures.trace), num_devices=devices)
     else:
@@ -114,7 +116,7 @@ def _build_systems(scenario: Scenario, context: SimulationContext, events: list[
 def _systems(scenario: Scenario, context: SimulationContext, events: list[ClusterEvent]):
     config = scenario.config
     costs = config.costs
-    duration = config.duration_hours * 3600
+    duration = config.duration_hours * SECONDS_PER_HOUR
     for name in config.systems:
         if name in ("odyssey", "oracle"):
             # What a checkpoint restart really costs in this scenario.
@@ -135,16 +137,36 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
                                 detection_s=costs.detection_s, start_on_job_plan=True)
 
 
-def healthy_device_seconds(cluster: ClusterState, events: list[ClusterEvent], duration_s: float) -> float:
-    """Integral of usable devices over time (a device counts while its TP group is whole)."""
-    total, last = 0.0, 0.0
+def fault_scaled_ideal(
+    fault_free: float, cluster: ClusterState, events: list[ClusterEvent], timelines: list[Timeline], duration_s: float
+) -> float:
+    """Average samples/s of a system that never pauses: at every moment the fault-free
+    throughput times the share of devices healthy then (a device counts while its TP
+    group is whole), or, where a system trains faster than that share (losing a worker
+    of a pipeline with bubbles costs less than its share), that system's rate. No system
+    can exceed it: its rate is below this one at every moment."""
+    world = cluster.world_size
+    healthy = [(0.0, cluster.alive_devices)]  # (from, devices) steps
     for event in events:
         if event.time_s >= duration_s:
             break
-        total += cluster.alive_devices * (event.time_s - last)
-        last = event.time_s
         cluster = cluster.fail_ranks(event.devices) if event.kind == FAIL else cluster.repair_ranks(event.devices)
-    return total + cluster.alive_devices * (duration_s - last)
+        healthy.append((event.time_s, cluster.alive_devices))
+    bounds = sorted({0.0, duration_s, *(t for t, _ in healthy),
+                     *(b for line in timelines for seg in line.segments for b in (seg.start_s, seg.end_s))})
+    steps = [t for t, _ in healthy]
+    segment_starts = [[seg.start_s for seg in line.segments] for line in timelines]
+    total = 0.0
+    for start, end in zip(bounds, bounds[1:]):
+        if start >= duration_s:
+            break
+        rate = fault_free * healthy[bisect.bisect_right(steps, start) - 1][1] / world
+        for line, starts in zip(timelines, segment_starts):
+            index = bisect.bisect_right(starts, start) - 1
+            if index >= 0 and line.segments[index].end_s > start:
+                rate = max(rate, line.segments[index].samples_per_s)
+        total += rate * (end - start)
+    return total / duration_s
 
 
 def simulate(
@@ -159,7 +181,7 @@ def simulate(
     config, recipe = scenario.config, scenario.recipe
     context = simulation_context(scenario)
     events = scenario_events(scenario) if events is None else events
-    duration = config.duration_hours * 3600
+    duration = config.duration_hours * SECONDS_PER_HOUR
     cluster = ClusterState(
         world_size=recipe.parallel.num_ranks,
         tensor_parallel_size=recipe.parallel.tensor_model_parallel_size,
@@ -172,7 +194,7 @@ def simulate(
         timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
                                             checkpoint_duty=duty, on_event=on_event)
     fault_free = CheckpointRestartSystem(context).start(cluster) * duty
-    ideal = fault_free * healthy_device_seconds(cluster, events, duration) / (cluster.world_size * duration)
+    ideal = fault_scaled_ideal(fault_free, cluster, events, list(timelines.values()), duration)
     tokens = recipe.model.seq_length
     summaries = {}
     for name, timeline in timelines.items():

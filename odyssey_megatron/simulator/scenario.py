@@ -24,6 +24,7 @@ from odyssey_megatron.config import (
     require_plain_numbers,
     require_positive,
 )
+from odyssey_megatron.units import SECONDS_PER_HOUR
 
 _WANDB_FORBIDDEN = "/\\#?%:"
 """Characters W&B refuses in a project name."""
@@ -124,7 +125,7 @@ class ScenarioConfig:
         require_positive("", self, "duration_hours", "sample_interval_s")
         require_non_negative("", self, "seed", "oobleck_tolerated_failures")
         require_at_most("", self, limits.MAX_HOURS, "a year", "duration_hours")
-        samples = self.duration_hours * 3600 / self.sample_interval_s
+        samples = self.duration_hours * SECONDS_PER_HOUR / self.sample_interval_s
         require(samples <= limits.MAX_SAMPLES, "sample_interval_s",
                 f"gives {samples:,.0f} samples over duration_hours={self.duration_hours:g}; at most "
                 f"{limits.MAX_SAMPLES:,} per system are written; got {self.sample_interval_s:g}")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 1024**3
+from odyssey_megatron.units import GIB
+
 GB = 1e9
 
 
