@@ -27,6 +27,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, SyncUnit
+from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.step_schedule import step_schedule, step_time
 from odyssey_megatron.planner.layers import stage_ranges
 from odyssey_megatron.planner.reroute import reroute_plan
@@ -60,11 +61,14 @@ def one_layer_at_a_time(plan: ExecutionPlan) -> ExecutionPlan:
 
 
 def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
+    """A rank of ``plan`` running the step program the decision center would publish
+    (split backwards where they pay; never for Megatron's 1F1B)."""
     from odyssey_megatron.runtime.plan_runner import PlanRunner
 
-    return PlanRunner(plan=plan, rank=rank, ranks=RankMap.identity(world, 1), model=MODEL,
-                      micro_batch_size=MICRO_BATCH_SIZE, profile=uniform_profile(num_layers=MODEL.num_layers),
-                      seed=1, lr=1e-4, schedule=schedule, overlap_grad_sync=overlap, staggered_optimizer=staggered)
+    program = step_program(plan, uniform_profile(num_layers=MODEL.num_layers), decouple=schedule != "megatron",
+                           staggered=staggered)
+    return PlanRunner(plan=plan, program=program, rank=rank, ranks=RankMap.identity(world, 1), model=MODEL,
+                      micro_batch_size=MICRO_BATCH_SIZE, seed=1, lr=1e-4, schedule=schedule, overlap_grad_sync=overlap)
 
 
 def executor_vs_megatron(rank: int, world: int, plan_json: str, steps: int) -> dict[str, list[float]]:

@@ -24,8 +24,8 @@ from typing import NoReturn, Sequence
 from odyssey_megatron import limits
 from odyssey_megatron.config import ConfigError, load_config
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
+from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
-GIB = 1024**3
 EXIT_USAGE = 2
 EXIT_UNRECOVERABLE = 3
 EXIT_WANDB = 4
@@ -126,15 +126,12 @@ def _candidate_json(c: Candidate) -> dict:
     }
 
 
-def decision_json(decision: Decision) -> dict:
+def decision_json(decision: Decision, published: dict) -> dict:
+    """The chosen plan as published (``DecisionCenter.published``: with its step program,
+    so a rank can run it from this JSON alone) and what the decision weighed."""
     chosen = decision.chosen
-    plan = chosen.plan
-    plan_dict = plan.to_dict()
     return {
-        "policy": chosen.policy,
-        "generation": plan.generation,
-        "pipelines": plan_dict["pipelines"],
-        "reroutes": plan_dict["reroutes"],
+        **published,
         "est_step_time_s": chosen.estimate.step_time_s,
         "est_pipeline_time_s": chosen.estimate.pipeline_time_s,
         "est_sync_time_s": chosen.estimate.sync_time_s,
@@ -144,9 +141,6 @@ def decision_json(decision: Decision) -> dict:
         "samples_per_s": chosen.estimate.samples_per_s,
         "tokens_per_s": chosen.estimate.tokens_per_s,
         "score": chosen.score,
-        "transfers": plan_dict["transfers"],
-        "sync_units": plan_dict["sync_units"],
-        "comm_rounds": plan_dict["comm_rounds"],
         "search_time_s": decision.search_time_s,
         "expected_interval_s": decision.expected_interval_s,
         "candidates_considered": decision.candidates_considered,
@@ -164,19 +158,19 @@ def _describe(decision: Decision, failed: str) -> str:
         f"  step time   {est.step_time_s:.3f} s = pipeline {est.pipeline_time_s:.3f} s + DP sync {est.sync_time_s:.3f} s"
         f"  ({est.samples_per_s:.2f} samples/s, {est.tokens_per_s:,.0f} tokens/s)",
         f"  transition  {c.transition_s:.2f} s  ({len(plan.transfers)} transfers, {moved / GIB:.2f} GiB moved)",
-        f"  Eq. 8 score {c.score:.3f}  (expected time to next failure {decision.expected_interval_s / 3600:.2f} h)",
+        f"  Eq. 8 score {c.score:.3f}  (expected time to next failure {decision.expected_interval_s / SECONDS_PER_HOUR:.2f} h)",
         f"  DP sync     {len(plan.sync_units)} units in {len(plan.comm_rounds)} rounds",
-        "  pipelines (stage: ranks layers peak GiB):",
+        "  pipelines (stage: worker layers peak GiB):",
     ]
     for pi, pipeline in enumerate(plan.pipelines):
         stages = []
         for stage, peak in zip(pipeline.stages, est.peak_memory_bytes[pi]):
-            owner = "failed" if stage.worker is None else ",".join(map(str, plan.ranks(stage.worker)))
+            owner = "failed" if stage.worker is None else str(stage.worker)
             memory = "-" if peak is None else f"{peak / GIB:.1f}"
             stages.append(f"[{owner}] {stage.layers[0]}-{stage.layers[1]} {memory}")
         lines.append(f"    p{pi} ({len(pipeline.micro_batches)} mb): " + " | ".join(stages))
     for r in plan.reroutes:
-        lines.append(f"    reroute p{r.pipeline} stage {r.stage}: {len(r.micro_batches)} mb -> ranks {plan.ranks(r.worker)}")
+        lines.append(f"    reroute p{r.pipeline} stage {r.stage}: {len(r.micro_batches)} mb -> worker {r.worker}")
     lines.append(f"  memory budget {est.memory_budget_bytes / GIB:.1f} GiB per device")
     if decision.alternatives:
         lines.append("alternatives:")
@@ -210,7 +204,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         raise ConfigError("--failed-nodes", f"nodes must lie in 0..{nodes - 1}; got {bad}")
     decision = center.on_failure(ranks=failed, nodes=failed_nodes)
     if args.json:
-        print(dumps(decision_json(decision)))
+        print(dumps(decision_json(decision, center.published())))
     else:
         what = ", ".join(filter(None, [
             f"ranks {failed}" if failed else "",

@@ -2,7 +2,9 @@
 
 The live controller and the simulator both drive this object: build it from a recipe
 (``DecisionCenter.from_recipe``) or around a running plan, call ``on_failure`` with what
-the fault detector saw, run the plan it returns.
+the fault detector saw, and publish the plan it returns with its step program
+(``published``): the op lists and flags the plan was priced with, which ranks run as they
+are.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ from typing import Iterable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, RecipeConfig
+from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import Decision, FailureRateModel, decide, initial_plan
-from odyssey_megatron.planner.policy import SECONDS_PER_HOUR
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.profile import ModelProfile, analytic_profile
+from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.specs import device_spec
-
-GIB = 1024**3
+from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 
 def recipe_profile(config: RecipeConfig) -> ModelProfile:
@@ -68,6 +70,8 @@ class DecisionCenter:
                                               learn=settings.learn_failure_rate)
         self.search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
         self._last_event_s = 0.0
+        self._program: tuple[ExecutionPlan, StepProgram] | None = None
+        """The plan the program was last computed for, and the program."""
 
     @classmethod
     def from_recipe(cls, config: RecipeConfig, *, profile: ModelProfile | None = None) -> "DecisionCenter":
@@ -116,6 +120,21 @@ class DecisionCenter:
     def restart_on(self, plan: ExecutionPlan) -> None:
         """The job restarted from a checkpoint onto ``plan`` (no in-memory recovery existed)."""
         self.plan = plan
+
+    @property
+    def program(self) -> StepProgram:
+        """The current plan's step program: the op lists and flags (split backward,
+        staggered optimizer) its estimate priced, picked once per plan. Computed when
+        first asked for: the simulator never runs one."""
+        if self._program is None or self._program[0] is not self.plan:
+            self._program = self.plan, step_program(self.plan, self.profile, self.cluster,
+                                                    decouple=self.settings.decoupled_weight_grads,
+                                                    staggered=self.settings.staggered_optimizer)
+        return self._program[1]
+
+    def published(self) -> dict:
+        """The current plan as the controller publishes it: JSON-ready, with its step program."""
+        return publish(self.plan, self.program)
 
     def _observe(self, *, failures: int, at_s: float | None) -> None:
         if at_s is None:

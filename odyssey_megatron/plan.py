@@ -6,7 +6,13 @@ is ``None`` has failed and its micro-batches are *rerouted*: ``reroutes`` names,
 micro-batch, the worker of a same-stage peer in another pipeline that runs it. DP
 gradient sync is described by ``sync_units`` (blocks held by the same set of workers)
 grouped into ``comm_rounds``; ``transfers`` move weights and optimizer state before the
-plan starts. The controller publishes plans as JSON, never pickle.
+plan starts. The controller publishes plans as JSON, never pickle, together with their
+step program (``schedules.program``).
+
+A plan names *workers*: a worker is a TP group, with an id fixed at launch (worker w
+starts with ranks w*TP .. w*TP+TP-1), which it keeps when the world shrinks. A process's
+*rank* is its place in the current world; ``hooks.process_groups.RankMap`` maps workers
+to ranks where groups are built, and nothing in a plan is a rank.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Any, Iterator, Optional
 from odyssey_megatron.profile import Block, ModelProfile
 
 POLICIES = ("initial", "reroute", "reparallelize")
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+"""2: stages name workers only (1 also listed launch-time ranks)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,8 @@ class SyncUnit:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Move one block's weights and optimizer state (one TP shard) between ranks.
+    """Move one block's weights and optimizer state (one TP shard) between workers
+    (TP rank k of ``src`` to TP rank k of ``dst``).
 
     ``layer`` is a transformer layer index, "embedding" or "output". ``src`` is None when
     no survivor holds the block: the shard is read from the last checkpoint instead.
@@ -137,18 +145,11 @@ class ExecutionPlan:
                 return r.worker
         raise KeyError(f"no worker runs micro-batch {micro_batch} of pipeline {pipeline} stage {stage}")
 
-    def ranks(self, worker: int) -> list[int]:
-        tp = self.tensor_parallel_size
-        return list(range(worker * tp, (worker + 1) * tp))
-
     # -- JSON ------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["format_version"] = PLAN_FORMAT_VERSION
-        for pipeline in data["pipelines"]:
-            for stage in pipeline["stages"]:
-                stage["ranks"] = [] if stage["worker"] is None else self.ranks(stage["worker"])
         data["comm_rounds"] = [list(r) for r in self.comm_rounds]
         return data
 

@@ -1,11 +1,16 @@
-"""Small plan builders shared by the tests."""
+"""Small plan builders and random-case strategies shared by the tests."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
+from hypothesis import strategies as st
+
+from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.layers import stage_ranges
+from odyssey_megatron.profile import BlockCost, ModelProfile, uniform_profile
 
 
 def symmetric_plan(*, dp: int, pp: int, num_layers: int, micro_batches_per_pipeline: int) -> ExecutionPlan:
@@ -39,3 +44,39 @@ def asymmetric_plan(
         tensor_parallel_size=1,
         pipelines=tuple(pipelines),
     )
+
+
+def costly_edges_profile(num_layers: int, *, tie_embeddings: bool = False, budget: int = 1 << 62) -> ModelProfile:
+    """Identical layers (F=1, B=2, 100 B of state, 1 B of activations) and a costly
+    embedding and head, so stage copies of first and last stages differ."""
+    base = uniform_profile(num_layers=num_layers, forward_s=1.0, backward_s=2.0, layer_state_bytes=100,
+                           activation_bytes=1, memory_budget_bytes=budget, bandwidth=10.0)
+    edge = BlockCost(0.5, 1.0, 60, 0, 0, 1)
+    return replace(base, embedding=edge, output=edge, tie_embeddings=tie_embeddings)
+
+
+@st.composite
+def layouts(draw):
+    """A failure-free layout: 1-4 pipelines of 1-4 stages, possibly of different lengths,
+    uneven layer splits and micro-batch counts, on TP 1 or 2, with or without tied
+    embeddings; plus the cluster (spare workers included) and profile. Pipelines with
+    the same split get the same number of micro-batches, as the planner balances them:
+    otherwise losing the whole of an overloaded pipeline and spreading its micro-batches
+    over its peers would rightly make the step faster."""
+    num_layers = draw(st.integers(2, 8))
+    shapes = {}  # one or two distinct layer splits: pipelines of one split are each other's peers
+    for length in draw(st.lists(st.integers(1, min(4, num_layers)), min_size=1, max_size=2)):
+        cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), min_size=length - 1, max_size=length - 1)))
+        bounds = [0, *cuts, num_layers]
+        shapes.setdefault(tuple(b - a for a, b in zip(bounds, bounds[1:])), draw(st.integers(1, 4)))
+    chosen = draw(st.lists(st.sampled_from(sorted(shapes.items())), min_size=1, max_size=4))
+    splits = [split for split, _ in chosen]
+    micro_batches = [count for _, count in chosen]
+    lengths = [len(split) for split in splits]
+    tp = draw(st.sampled_from([1, 2]))
+    workers = sum(lengths) + draw(st.integers(0, 2))
+    plan = replace(asymmetric_plan(splits, micro_batches), tensor_parallel_size=tp)
+    cluster = ClusterState(world_size=workers * tp, tensor_parallel_size=tp,
+                           devices_per_node=tp * draw(st.sampled_from([1, 2, 4, 8])))
+    profile = costly_edges_profile(num_layers, tie_embeddings=draw(st.booleans()))
+    return plan, cluster, profile

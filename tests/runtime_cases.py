@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model, global_name
 from odyssey_megatron.hooks.process_groups import RankMap
-from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.schedules.program import read_published
 
 TINY = dict(num_layers=6, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
             vocab_size=128, seq_length=16, params_dtype="fp32")
@@ -67,28 +68,27 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
 
 
 def run_plan(
-    rank: int, world_size: int, plan_json: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool,
-    overlap: bool, decouple: bool, staggered: bool,
+    rank: int, world_size: int, published: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool,
+    overlap: bool,
 ) -> dict:
-    """Train STEPS steps of ``plan`` on this rank; report losses, first-step grads (synced
-    and clipped; staggered: synced, and clipped only later, if at all), final params."""
+    """Train STEPS steps of the ``published`` plan (its JSON alone: the plan and its step
+    program) on this rank; report losses, first-step grads (synced and clipped;
+    staggered: synced, and clipped only later, if at all), final params."""
     from odyssey_megatron.runtime.plan_runner import PlanRunner
 
-    plan = ExecutionPlan.from_json(plan_json)
+    plan, program = read_published(json.loads(published))
     runner = PlanRunner(
         plan=plan,
+        program=program,
         rank=rank,
         ranks=RankMap.of(workers, plan.tensor_parallel_size),
         model=tiny_model(plan.num_layers, tie_embeddings),
         micro_batch_size=MICRO_BATCH_SIZE,
-        profile=uniform_profile(num_layers=plan.num_layers),
         seed=SEED,
         lr=LR,
         max_grad_norm=MAX_GRAD_NORM,
         schedule=schedule,
         overlap_grad_sync=overlap,
-        decouple_weight_grads=decouple,
-        staggered_optimizer=staggered,
     )
     source, losses, first_grads, early = data(), [], None, []
     for step in range(STEPS):
@@ -112,7 +112,7 @@ def run_plan(
     }
 
 
-def last_stage_steps_first(rank: int, world_size: int, plan_json: str, staggered: bool, marker: str) -> bool:
+def last_stage_steps_first(rank: int, world_size: int, published: str, marker: str) -> bool:
     """The last stage writes ``marker`` once it has taken its first optimizer step; the
     first stages, before taking their own, wait for the marker (a few seconds when no
     staggering is expected). Returns whether this rank saw it (a last stage: False)."""
@@ -121,11 +121,10 @@ def last_stage_steps_first(rank: int, world_size: int, plan_json: str, staggered
 
     from odyssey_megatron.runtime.plan_runner import PlanRunner
 
-    plan = ExecutionPlan.from_json(plan_json)
+    plan, program = read_published(json.loads(published))
     runner = PlanRunner(
-        plan=plan, rank=rank, ranks=RankMap.identity(world_size, 1), model=tiny_model(plan.num_layers),
-        micro_batch_size=MICRO_BATCH_SIZE, profile=uniform_profile(num_layers=plan.num_layers), seed=SEED, lr=LR,
-        max_grad_norm=MAX_GRAD_NORM, staggered_optimizer=staggered,
+        plan=plan, program=program, rank=rank, ranks=RankMap.identity(world_size, 1), model=tiny_model(plan.num_layers),
+        micro_batch_size=MICRO_BATCH_SIZE, seed=SEED, lr=LR, max_grad_norm=MAX_GRAD_NORM,
     )
     source, seen = data(), False
     losses = runner.forward_backward(lambda m: source.micro_batch(0, m))
@@ -134,7 +133,7 @@ def last_stage_steps_first(rank: int, world_size: int, plan_json: str, staggered
         with open(marker, "w"):
             pass
     else:
-        deadline = time.monotonic() + (60 if staggered else 3)
+        deadline = time.monotonic() + (60 if program.staggered_optimizer else 3)
         while not (seen := os.path.exists(marker)) and time.monotonic() < deadline:
             time.sleep(0.05)
         runner.finish_step(losses)

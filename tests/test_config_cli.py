@@ -81,7 +81,7 @@ def test_plan_json_has_the_documented_fields(capsys):
         assert key in out
     assert out["policy"] == "reparallelize"  # a whole stage (node 1 = ranks 8-15) is gone: no peers
     stage = out["pipelines"][0]["stages"][0]
-    assert set(stage) >= {"ranks", "layers"} and len(stage["layers"]) == 2
+    assert set(stage) == {"worker", "layers"} and len(stage["layers"]) == 2
     assert sum(len(p["micro_batches"]) for p in out["pipelines"]) == 64
     assert [len(p["stages"]) for p in out["pipelines"]] == [len(m) for m in out["est_peak_memory_bytes"]]
     assert all(set(t) == {"layer", "src", "dst", "bytes"} for t in out["transfers"])

@@ -14,6 +14,7 @@ PURE_MODULES = [
     "odyssey_megatron.restorer",
     "odyssey_megatron.simulator.run",
     "odyssey_megatron.schedules.ops",
+    "odyssey_megatron.schedules.program",
 ]
 
 

@@ -207,7 +207,7 @@ def test_plan_json_round_trip():
     again = ExecutionPlan.from_json(plan.to_json())
     assert again == plan
     stage = plan.to_dict()["pipelines"][1]["stages"][1]
-    assert stage["worker"] is None and stage["ranks"] == []
+    assert stage == {"worker": None, "layers": (2, 4)}  # workers only: ranks change as the world shrinks
 
 
 @settings(max_examples=25, deadline=None)

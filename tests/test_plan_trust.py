@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import asymmetric_plan, symmetric_plan
+from helpers import asymmetric_plan, costly_edges_profile, layouts, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter
@@ -26,20 +26,11 @@ from odyssey_megatron.plan import Transfer, validate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, initial_plan, reroute_plan
 from odyssey_megatron.planner.normalize import normalize_failures
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
-from odyssey_megatron.profile import BlockCost, ModelProfile, uniform_profile
+from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import TransferError, check_transfers, live_holdings, plan_transfers
 
 OPTIONS = [dict(), dict(decouple=True), dict(decouple=True, staggered=True)]
 """Every combination of schedule options a plan may be priced and run with."""
-
-
-def _profile(num_layers: int, *, tie_embeddings: bool = False, budget: int = 1 << 62) -> ModelProfile:
-    """Identical layers (F=1, B=2, 100 B of state, 1 B of activations) and a costly
-    embedding and head, so stage copies of first and last stages differ."""
-    base = uniform_profile(num_layers=num_layers, forward_s=1.0, backward_s=2.0, layer_state_bytes=100,
-                           activation_bytes=1, memory_budget_bytes=budget, bandwidth=10.0)
-    edge = BlockCost(0.5, 1.0, 60, 0, 0, 1)
-    return replace(base, embedding=edge, output=edge, tie_embeddings=tie_embeddings)
 
 
 def _decide(current, cluster, profile, policy, **settings):
@@ -67,7 +58,7 @@ def test_the_validator_refuses_a_copy_between_two_workers_that_hold_nothing():
     code sent layers 4-6 and the head 5 -> 3 and 3 -> 5: neither holds them, worker 7
     does. The validator refuses that list and accepts the one planned now, where worker
     7, the only holder, sends both copies."""
-    profile = _profile(7)
+    profile = costly_edges_profile(7)
     layout = asymmetric_plan([(2, 2, 3)] * 3, [1, 1, 1], worker_of=lambda d, s: 3 * s + d)
     cluster = ClusterState(world_size=9, devices_per_node=9).fail_ranks([6, 8])
     holdings = live_holdings(layout, cluster=cluster, profile=profile)
@@ -83,7 +74,7 @@ def test_the_validator_refuses_a_copy_between_two_workers_that_hold_nothing():
 
 
 def test_the_validator_names_each_way_a_transfer_list_can_be_wrong():
-    profile = _profile(4)
+    profile = costly_edges_profile(4)
     layout = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)  # stage s of pipeline d: 2s + d
     cluster = ClusterState(world_size=6, devices_per_node=6).fail_ranks([1])
     holdings = live_holdings(layout, cluster=cluster, profile=profile)  # worker 4 idle, holds nothing
@@ -108,7 +99,7 @@ def test_the_validator_names_each_way_a_transfer_list_can_be_wrong():
 
 def test_the_validator_refuses_a_rerouting_peer_of_another_stage():
     """A failed stage's micro-batches may only go to a worker holding that stage's blocks."""
-    profile = _profile(4)
+    profile = costly_edges_profile(4)
     plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)
     cluster = ClusterState(world_size=4, devices_per_node=4).fail_ranks([1])
     rerouted = reroute_plan(plan, failed_workers={1}, profile=profile)
@@ -120,7 +111,7 @@ def test_the_validator_refuses_a_rerouting_peer_of_another_stage():
 
 
 def test_tensor_parallel_shards_go_rank_k_to_rank_k():
-    profile = _profile(4)
+    profile = costly_edges_profile(4)
     layout = replace(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2), tensor_parallel_size=2)
     cluster = ClusterState(world_size=10, tensor_parallel_size=2, devices_per_node=10).fail_ranks([2])  # worker 1
     holdings = live_holdings(layout, cluster=cluster, profile=profile)
@@ -141,7 +132,7 @@ def test_normalized_reroute_copies_from_the_only_real_holder():
     """7 layers, DP3 x PP3 (2, 2, 3), one micro-batch per pipeline, workers 6 and 8 fail,
     ``odyssey.policy=reroute``: worker 7 is the only live holder of stage 2, so whatever
     the survivors swap, every copy of stage 2 comes from it."""
-    profile = _profile(7)
+    profile = costly_edges_profile(7)
     plan = asymmetric_plan([(2, 2, 3)] * 3, [1, 1, 1], worker_of=lambda d, s: 3 * s + d)
     cluster = ClusterState(world_size=9, devices_per_node=9).fail_ranks([6, 8])
     decision = _decide(plan, cluster, profile, "reroute")
@@ -154,7 +145,7 @@ def test_a_survivor_moved_away_still_sends_what_it_held():
     """13 layers, DP2 x PP4 (4, 3, 3, 3), ranks 2 and 7 fail, reroute. Whatever worker
     takes over a stage receives it from a worker that held it before the swaps, also
     when that holder itself moved to another stage."""
-    profile = _profile(13)
+    profile = costly_edges_profile(13)
     plan = asymmetric_plan([(4, 3, 3, 3)] * 2, [1, 1], worker_of=lambda d, s: 2 * s + d)
     cluster = ClusterState(world_size=8, devices_per_node=8).fail_ranks([2, 7])
     for options in ({}, {"decoupled_weight_grads": False, "staggered_optimizer": False}):
@@ -213,34 +204,7 @@ def test_repaired_workers_are_put_back_to_work():
 # -- properties on random clusters ----------------------------------------------------
 
 
-@st.composite
-def layouts(draw):
-    """A failure-free layout: 1-4 pipelines of 1-4 stages, possibly of different lengths,
-    uneven layer splits and micro-batch counts, on TP 1 or 2, with or without tied
-    embeddings; plus the cluster (spare workers included) and profile. Pipelines with
-    the same split get the same number of micro-batches, as the planner balances them:
-    otherwise losing the whole of an overloaded pipeline and spreading its micro-batches
-    over its peers would rightly make the step faster."""
-    num_layers = draw(st.integers(2, 8))
-    shapes = {}  # one or two distinct layer splits: pipelines of one split are each other's peers
-    for length in draw(st.lists(st.integers(1, min(4, num_layers)), min_size=1, max_size=2)):
-        cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), min_size=length - 1, max_size=length - 1)))
-        bounds = [0, *cuts, num_layers]
-        shapes.setdefault(tuple(b - a for a, b in zip(bounds, bounds[1:])), draw(st.integers(1, 4)))
-    chosen = draw(st.lists(st.sampled_from(sorted(shapes.items())), min_size=1, max_size=4))
-    splits = [split for split, _ in chosen]
-    micro_batches = [count for _, count in chosen]
-    lengths = [len(split) for split in splits]
-    tp = draw(st.sampled_from([1, 2]))
-    workers = sum(lengths) + draw(st.integers(0, 2))
-    plan = replace(asymmetric_plan(splits, micro_batches), tensor_parallel_size=tp)
-    cluster = ClusterState(world_size=workers * tp, tensor_parallel_size=tp,
-                           devices_per_node=tp * draw(st.sampled_from([1, 2, 4, 8])))
-    profile = _profile(num_layers, tie_embeddings=draw(st.booleans()))
-    return plan, cluster, profile
-
-
-@pytest.mark.parametrize("profile", [uniform_profile(num_layers=4), _profile(4)], ids=["textbook", "costly-edges"])
+@pytest.mark.parametrize("profile", [uniform_profile(num_layers=4), costly_edges_profile(4)], ids=["textbook", "costly-edges"])
 def test_no_small_symmetric_reroute_beats_its_failure_free_plan(profile):
     """Brute force over DP2-3 x PP2-4 (one layer per stage on the textbook profile, its
     share of four on the other), one to three micro-batches per pipeline, every pair of

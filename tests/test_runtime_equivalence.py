@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from helpers import asymmetric_plan, symmetric_plan
+from odyssey_megatron.cli import dumps
+from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.testing.local_world import run_world
 from runtime_cases import LR, last_stage_steps_first, reference, run_plan
 
@@ -35,13 +38,20 @@ def _shard_of(full: torch.Tensor, name: str, like: torch.Tensor, tp_rank: int, t
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True, staggered=False):
-    profile = replace(uniform_profile(num_layers=plan.num_layers), tie_embeddings=tie_embeddings)
+def published_json(plan, profile, *, decouple=True, staggered=False) -> str:
+    """``plan`` as the decision center publishes it: with sync units and the step program
+    it prices (``odyssey.decoupled_weight_grads``, ``odyssey.staggered_optimizer``)."""
     plan = with_sync(plan, profile)
+    return dumps(publish(plan, step_program(plan, profile, decouple=decouple, staggered=staggered)))
+
+
+def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True, staggered=False):
+    """Runs each rank from the published JSON alone; Megatron's 1F1B is published plain."""
+    profile = replace(uniform_profile(num_layers=plan.num_layers), tie_embeddings=tie_embeddings)
+    published = published_json(plan, profile, decouple=decouple and schedule != "megatron", staggered=staggered)
     expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches, tie_embeddings)[0]
     world = len(workers) * plan.tensor_parallel_size
-    results = run_world(run_plan, world, plan.to_json(), tuple(workers), schedule, tie_embeddings, overlap, decouple,
-                        staggered)
+    results = run_world(run_plan, world, published, tuple(workers), schedule, tie_embeddings, overlap)
     for step in range(len(expected["losses"])):
         got = {}
         for r in results:
@@ -126,6 +136,6 @@ def test_staggered_steps_do_not_wait_for_the_whole_pipeline(staggered, tmp_path)
     profile = uniform_profile(num_layers=4)
     plan = reroute_plan(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2), failed_workers={3},
                         profile=profile)
-    seen = run_world(last_stage_steps_first, 3, with_sync(plan, profile).to_json(), staggered,
+    seen = run_world(last_stage_steps_first, 3, published_json(plan, profile, staggered=staggered),
                      str(tmp_path / "stepped"))
     assert seen[0] is seen[1] is staggered  # worker 2 is the last stage

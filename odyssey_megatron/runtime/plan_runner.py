@@ -3,13 +3,12 @@
 Builds, in order: the plan's process groups (collective), the rank's stage model on
 Megatron-Core with parameters from the one deterministic source, Adam over its
 parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1F1B
-when the step is plain 1F1B, else the Odyssey executor over this worker's op list from
-the estimator (``step_schedule``: rerouted micro-batches, and split backwards where
-``decouple_weight_grads`` is on and that pays). ``train_step`` runs one global batch.
-With ``staggered_optimizer``, where the estimator finds it pays (``staggers``: a shorter
-period), a rank steps without waiting for the global gradient norm
-(``runtime.staggered_step``), so it starts the next step as soon as its own DP peers are
-done; ``settle`` ends the last such step.
+when the step is plain 1F1B, else the Odyssey executor over this worker's op list in
+the plan's step program (``schedules.program``: rerouted micro-batches, split backwards,
+exactly as the decision center priced them). ``train_step`` runs one global batch.
+Where the program staggers optimizer steps, a rank steps without waiting for the global
+gradient norm (``runtime.staggered_step``), so it starts the next step as soon as its
+own DP peers are done; ``settle`` ends the last such step.
 """
 
 from __future__ import annotations
@@ -20,18 +19,17 @@ from typing import Callable
 import torch
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.estimator.step_schedule import staggers, step_schedule
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, local_grad_square, parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.runtime.retake_snapshot import RetakeSnapshot, SnapshotPool
 from odyssey_megatron.runtime.staggered_step import StaggeredStep
 from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
 from odyssey_megatron.schedules.megatron_1f1b import MegatronPipelineSchedule
 from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
+from odyssey_megatron.schedules.program import StepProgram
 
 SCHEDULES = ("auto", "odyssey", "megatron")
 
@@ -56,31 +54,34 @@ class PlanRunner:
         self,
         *,
         plan: ExecutionPlan,
+        program: StepProgram,
         rank: int,
         ranks: RankMap,
         model: ModelConfig,
         micro_batch_size: int,
-        profile: ModelProfile,
         seed: int,
         lr: float,
         max_grad_norm: float = 1.0,
         schedule: str = "auto",
         overlap_grad_sync: bool = False,
-        decouple_weight_grads: bool = True,
-        staggered_optimizer: bool = True,
         device: torch.device = torch.device("cpu"),
     ):
-        """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted or backwards
-        split), odyssey (always the op-list executor) or megatron (refused for rerouted
-        plans; backwards are then never split).
-        ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
-        with it. ``decouple_weight_grads`` is ``odyssey.decoupled_weight_grads``,
-        ``staggered_optimizer`` is ``odyssey.staggered_optimizer``. ``device``
-        is this rank's accelerator device (``hooks.select_accelerator``)."""
+        """``program`` is the plan's step program (published with it). ``schedule``: auto
+        (Megatron's 1F1B unless micro-batches are rerouted or backwards split), odyssey
+        (always the op-list executor) or megatron (refused for rerouted plans and split
+        backwards). ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as
+        backward is done with it. ``device`` is this rank's accelerator device
+        (``hooks.select_accelerator``)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+        if program.generation != plan.generation:
+            raise ValueError(f"step program of generation {program.generation} given for plan generation "
+                             f"{plan.generation}")
         if schedule == "megatron" and plan.reroutes:
             raise ValueError("Megatron's 1F1B cannot run a plan with rerouted micro-batches")
+        if schedule == "megatron" and program.split_backward:
+            raise ValueError("Megatron's 1F1B cannot run split backwards; publish the step program with "
+                             "odyssey.decoupled_weight_grads=false")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self.max_grad_norm = max_grad_norm
         self._speculative: StaggeredStep | None = None
@@ -97,16 +98,13 @@ class PlanRunner:
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
             overlap=overlap_grad_sync,
         )
-        decouple_weight_grads = decouple_weight_grads and schedule != "megatron"
-        timing = step_schedule(plan, profile, decouple=decouple_weight_grads, staggered=staggered_optimizer)
-        self.ops = timing.schedule[self.worker]
-        split = any(op.kind == WEIGHT_GRAD for ops in timing.schedule.values() for op in ops)
-        self.staggered_optimizer = staggered_optimizer and staggers(plan, profile, None, timing)
+        self.ops = list(program.ops_of(self.worker))
+        self.staggered_optimizer = program.staggered_optimizer
         self._snapshots = SnapshotPool(device) if self.staggered_optimizer and max_grad_norm > 0 else None
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
-        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not split):
+        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not program.split_backward):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
             self.executor = MegatronPipelineSchedule(
                 model=self.model,
