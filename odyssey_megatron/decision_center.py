@@ -4,18 +4,28 @@ The live controller and the simulator both drive this object: build it from a re
 (``DecisionCenter.from_recipe``) or around a running plan, call ``on_failure`` with what
 the fault detector saw, and publish the plan it returns with its step program
 (``published``): the op lists and flags the plan was priced with, which ranks run as they
-are.
+are. Between failures, ``prepare`` prices the decisions for the likely next ones, so the
+next decision is Eq. 8 over candidates already priced.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, RecipeConfig
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.planner import Decision, FailureRateModel, decide, initial_plan
+from odyssey_megatron.planner import (
+    Decision,
+    Drafts,
+    FailureRateModel,
+    UnrecoverableFailure,
+    choose,
+    draft_candidates,
+    initial_plan,
+)
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.profile import ModelProfile, analytic_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
@@ -70,6 +80,11 @@ class DecisionCenter:
                                               learn=settings.learn_failure_rate)
         self.search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
         self._last_event_s = 0.0
+        self._prepared: tuple[ExecutionPlan, ClusterState, dict[frozenset[int], Drafts]] | None = None
+        """Decisions priced in advance (``prepare``): for this plan on this cluster, per set
+        of failed workers after the next failure."""
+        self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
+        """``prepare``'s own caches: it may run in a thread beside ``on_failure``."""
         self._program: tuple[ExecutionPlan, StepProgram] | None = None
         """The plan the program was last computed for, and the program."""
 
@@ -106,8 +121,9 @@ class DecisionCenter:
         the simulator's oracle knows it). Raises UnrecoverableFailure.
         """
         self._observe(failures=1, at_s=at_s)
+        before = self.cluster
         self.cluster = self.cluster.fail_ranks(ranks).fail_nodes(nodes)
-        return self._decide(interval_s)
+        return self._decide(interval_s, prepared=self._prepared_drafts(before))
 
     def on_join(self, *, ranks: Iterable[int], at_s: float | None = None, interval_s: float | None = None) -> Decision:
         """Mark repaired or replacement ``ranks`` alive, decide whether to use them (the
@@ -120,6 +136,52 @@ class DecisionCenter:
     def restart_on(self, plan: ExecutionPlan) -> None:
         """The job restarted from a checkpoint onto ``plan`` (no in-memory recovery existed)."""
         self.plan = plan
+
+    def likely_failures(self) -> list[frozenset[int]]:
+        """The next failures worth preparing for: each live worker of the plan alone, then
+        each node that holds one (its live workers), as sets of failed workers."""
+        workers = self.plan.workers
+        nodes = sorted({self.cluster.node_of_worker(w) for w in workers})
+        alive = set(self.cluster.alive_workers)
+        on_node = [frozenset(w for w in alive if self.cluster.node_of_worker(w) == n) for n in nodes]
+        return [frozenset([w]) for w in workers] + [case for case in on_node if len(case) > 1]
+
+    def prepare(self, cases: Iterable[frozenset[int]] | None = None, *,
+                stop: Callable[[], bool] = lambda: False) -> int:
+        """Price in advance the decisions for ``cases`` (sets of workers that may fail
+        next; default ``likely_failures``), so that ``on_failure`` for one of them only
+        weighs the priced candidates by Eq. 8, with the failure rate of that moment: a
+        lookup. Meant to run after every plan change, in a background thread of the
+        controller: it stops between cases once ``stop()`` is true or the plan or cluster
+        has changed, and keeps what it priced so far. Returns the cases priced."""
+        plan, cluster = self.plan, self.cluster
+        if self._prepared is None or self._prepared[0] is not plan or self._prepared[1] is not cluster:
+            self._prepared = plan, cluster, {}
+        prepared = self._prepared[2]
+        done = 0
+        for workers in self.likely_failures() if cases is None else cases:
+            if stop() or self.plan is not plan or self.cluster is not cluster:
+                break
+            after = cluster.fail_ranks(r for w in workers for r in cluster.worker_ranks(w))
+            if after.failed_workers in prepared or not after.alive_workers:
+                continue
+            try:
+                prepared[after.failed_workers] = draft_candidates(current=plan, cluster=after, profile=self.profile,
+                                                                  settings=self.settings, search=self._prepare_search)
+            except UnrecoverableFailure:
+                continue  # decided cold, where the failure gets its one-line reason
+            done += 1
+        return done
+
+    def _prepared_drafts(self, before: ClusterState) -> Drafts | None:
+        """The drafts ``prepare`` priced for the current failure, if any (for this plan,
+        the cluster as it was just before it, and exactly these failed workers)."""
+        if self._prepared is None:
+            return None
+        plan, cluster, prepared = self._prepared
+        if plan is not self.plan or cluster is not before:
+            return None
+        return prepared.get(self.cluster.failed_workers)
 
     @property
     def program(self) -> StepProgram:
@@ -145,16 +207,15 @@ class DecisionCenter:
         self.failure_model.observe(failures=failures, device_hours=exposure)
         self._last_event_s = at_s
 
-    def _decide(self, interval_s: float | None) -> Decision:
-        decision = decide(
-            current=self.plan,
-            cluster=self.cluster,
-            profile=self.profile,
-            settings=self.settings,
-            failure_model=self.failure_model,
-            search_time_s=self.search_time_s,
-            interval_s=interval_s,
-            search=self.search,
-        )
+    def _decide(self, interval_s: float | None, *, prepared: Drafts | None = None) -> Decision:
+        """Price the candidates (or take the ``prepared`` ones) and weigh them by Eq. 8."""
+        started = time.perf_counter()
+        drafts = prepared or draft_candidates(current=self.plan, cluster=self.cluster, profile=self.profile,
+                                              settings=self.settings, search=self.search)
+        interval = interval_s if interval_s is not None else \
+            self.failure_model.expected_interval_s(self.cluster.alive_devices)
+        search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
+        decision = choose(drafts, profile=self.profile, settings=self.settings, interval_s=interval,
+                          search_time_s=search_s)
         self.plan = decision.chosen.plan
         return decision

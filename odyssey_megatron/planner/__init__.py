@@ -1,7 +1,15 @@
 """Planner: candidate execution plans after a failure and the policy choice (paper 001, IV-A, Eq. 8)."""
 
 from odyssey_megatron.planner.batch import distribute_batch
-from odyssey_megatron.planner.decide import Candidate, Decision, UnrecoverableFailure, decide
+from odyssey_megatron.planner.decide import (
+    Candidate,
+    Decision,
+    Drafts,
+    UnrecoverableFailure,
+    choose,
+    decide,
+    draft_candidates,
+)
 from odyssey_megatron.planner.initial import initial_plan
 from odyssey_megatron.planner.policy import FailureRateModel, policy_score
 from odyssey_megatron.planner.reroute import reroute_plan
@@ -9,10 +17,13 @@ from odyssey_megatron.planner.reroute import reroute_plan
 __all__ = [
     "Candidate",
     "Decision",
+    "Drafts",
     "FailureRateModel",
     "UnrecoverableFailure",
+    "choose",
     "decide",
     "distribute_batch",
+    "draft_candidates",
     "initial_plan",
     "policy_score",
     "reroute_plan",

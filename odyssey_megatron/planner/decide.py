@@ -61,6 +61,24 @@ class Draft:
     """Rebuilding groups and stages (``odyssey.*_restart_s``)."""
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """Every candidate of one decision, priced, before Eq. 8 weighs them (``choose``)."""
+
+    current: ExecutionPlan
+    drafts: tuple[Draft, ...]
+    considered: int
+    """Strategies estimated (plus the reroute plan)."""
+    notes: tuple[str, ...]
+    affected: bool
+    """A stage owner failed: training is paused while the decision is made."""
+    unchanged: bool
+    """Nothing failed that the plan uses and no worker is idle: the plan goes on."""
+    alive_workers: int
+    pricing_s: float
+    """Seconds spent pricing."""
+
+
 def _faster(kept: Draft | None, rival: Draft | None) -> Draft | None:
     """``rival`` where it trains faster than ``kept``. A normalization swap or a refill
     lasts as long as the failure it works around, well past the next failure that Eq. 8
@@ -89,6 +107,29 @@ def decide(
 ) -> Decision:
     """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
 
+    ``draft_candidates`` prices the candidates, ``choose`` weighs them by Eq. 8.
+    ``search_time_s`` replaces the measured search time in the transition (the simulator
+    needs determinism); ``interval_s`` replaces the failure model's expected time to the
+    next failure (the hindsight oracle knows it).
+    """
+    drafts = draft_candidates(current=current, cluster=cluster, profile=profile, settings=settings, search=search)
+    interval = interval_s if interval_s is not None else failure_model.expected_interval_s(cluster.alive_devices)
+    return choose(drafts, profile=profile, settings=settings, interval_s=interval,
+                  search_time_s=drafts.pricing_s if search_time_s is None else search_time_s)
+
+
+def draft_candidates(
+    *,
+    current: ExecutionPlan,
+    cluster: ClusterState,
+    profile: ModelProfile,
+    settings: OdysseyConfig,
+    search: ReparallelizeSearch | None = None,
+) -> Drafts:
+    """Every candidate successor of ``current`` on ``cluster``, priced and its transfers
+    checked, before Eq. 8 weighs them (the costly part of a decision, and what a decision
+    prepared in advance keeps); raises UnrecoverableFailure when there is none.
+
     After a failure the candidates are the reroute, after failure normalization
     (``planner.normalize``) where that makes the step faster (``_faster`` says why), and
     the best reparallelized ones.
@@ -96,19 +137,15 @@ def decide(
     plan, or idle workers taking over rerouted stages (``refill_failed_stages``) where that
     is faster, competes with reparallelizing onto all of them; the current plan trains
     while that search runs, so its time is not part of a transition, and by default (see
-    ``odyssey.length_sweep``) it sweeps every pipeline length. ``search_time_s`` replaces
-    the measured search time in the transition (the simulator needs determinism);
-    ``interval_s`` replaces the failure model's expected time to the next failure (the
-    hindsight oracle knows it). A ``search`` kept by the caller carries its pipeline
-    cost caches from one decision to the next (same profile and settings).
-    When no layout near the current DP degree fits in memory, the search sweeps every
-    pipeline length before giving up on reparallelizing.
+    ``odyssey.length_sweep``) it sweeps every pipeline length. A ``search`` kept by the
+    caller carries its pipeline cost caches from one decision to the next (same profile
+    and settings). When no layout near the current DP degree fits in memory, the search
+    sweeps every pipeline length before giving up on reparallelizing.
     Every plan is priced as the runtime runs it (``odyssey.decoupled_weight_grads``,
     ``odyssey.staggered_optimizer``).
     """
     started = time.perf_counter()
     failed = cluster.failed_workers
-    interval = interval_s if interval_s is not None else failure_model.expected_interval_s(cluster.alive_devices)
     affected = bool(failed & set(current.workers))
     idle = set(cluster.alive_workers) - set(current.workers)
     want_reroute = settings.policy in ("auto", "reroute")
@@ -141,10 +178,8 @@ def decide(
     if not affected:
         kept = Draft(current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0)
         if not idle:
-            note = "no stage owner failed"
-            unchanged = Candidate(kept.policy, current, kept.estimate, 0.0, kept.estimate.samples_per_s,
-                                  _layout_of(current))
-            return Decision(unchanged, (), 0, time.perf_counter() - started, interval, note)
+            return Drafts(current, (kept,), 0, ("no stage owner failed",), affected=False, unchanged=True,
+                          alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
         notes.append(f"{len(idle)} idle worker(s) alive")
         if want_reroute:
             refilled = refill_failed_stages(current, idle_workers=idle, cluster=cluster, profile=profile,
@@ -205,19 +240,35 @@ def decide(
 
     if not drafts:
         raise UnrecoverableFailure("; ".join(notes) or "no candidate plan")
-    search_s = time.perf_counter() - started if search_time_s is None else search_time_s
-    paused_search_s = search_s if affected else 0.0
-    candidates = []
-    alive = len(cluster.alive_workers)
     for draft in drafts:
+        if draft.plan is not current:
+            check_transfers(draft.plan, holdings=holdings, profile=profile, cluster=cluster)
+    return Drafts(current, tuple(drafts), considered, tuple(notes), affected=affected, unchanged=False,
+                  alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
+
+
+def choose(drafts: Drafts, *, profile: ModelProfile, settings: OdysseyConfig, interval_s: float,
+           search_time_s: float) -> Decision:
+    """Score every draft by Eq. 8 and pick the best: throughput, less the transition
+    (search time while training is paused, moving state, restarting) and the expected
+    cost of a next failure no in-memory recovery survives, over ``interval_s``, the
+    expected time to the next failure. Cheap: a decision prepared in advance is this
+    call with the interval at the time of the failure."""
+    current = drafts.current
+    if drafts.unchanged:
+        kept = drafts.drafts[0]
+        goes_on = Candidate(kept.policy, current, kept.estimate, 0.0, kept.estimate.samples_per_s, _layout_of(current))
+        return Decision(goes_on, (), 0, search_time_s, interval_s, "; ".join(drafts.notes))
+    paused_search_s = search_time_s if drafts.affected else 0.0
+    alive = drafts.alive_workers
+    candidates = []
+    for draft in drafts.drafts:
         plan = draft.plan
-        if plan is not current:
-            check_transfers(plan, holdings=holdings, profile=profile, cluster=cluster)
         transition = paused_search_s + draft.moving_s + draft.restart_s if plan is not current else 0.0
         risk = fatal_share(plan.holdings(profile), alive) * settings.checkpoint_restart_penalty_s
-        score = policy_score(samples_per_s=draft.estimate.samples_per_s, transition_s=transition, interval_s=interval,
-                             risk_s=risk)
+        score = policy_score(samples_per_s=draft.estimate.samples_per_s, transition_s=transition,
+                             interval_s=interval_s, risk_s=risk)
         candidates.append(Candidate(draft.policy, plan, draft.estimate, transition, score, _layout_of(plan)))
     candidates.sort(key=lambda c: (-c.score, c.plan is not current, c.policy != "reroute"))
     chosen, *others = candidates
-    return Decision(chosen, tuple(others), considered, search_s, interval, "; ".join(notes))
+    return Decision(chosen, tuple(others), drafts.considered, search_time_s, interval_s, "; ".join(drafts.notes))

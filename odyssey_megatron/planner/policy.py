@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
 
-
 def policy_score(*, samples_per_s: float, transition_s: float, interval_s: float, risk_s: float = 0.0) -> float:
     """Eq. 8: throughput times the effective-time ratio of the interval to the next failure,
     less ``risk_s``, the expected time the next failure costs beyond an in-memory recovery."""
