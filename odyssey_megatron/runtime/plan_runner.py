@@ -23,7 +23,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator.step_schedule import staggers, step_schedule
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, local_grad_square, parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
-from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
+from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, megatron_pipeline
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -70,9 +70,10 @@ class PlanRunner:
         staggered_optimizer: bool = True,
         device: torch.device = torch.device("cpu"),
     ):
-        """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted or backwards
-        split), odyssey (always the op-list executor) or megatron (refused for rerouted
-        plans; backwards are then never split).
+        """``schedule``: auto (Megatron's 1F1B unless micro-batches are rerouted, backwards
+        split or the pipeline's stage ranks do not ascend), odyssey (always the op-list
+        executor) or megatron (refused where auto would not pick it for those plans;
+        backwards are then never split).
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
         with it. ``decouple_weight_grads`` is ``odyssey.decoupled_weight_grads``,
         ``staggered_optimizer`` is ``odyssey.staggered_optimizer``. ``device``
@@ -81,6 +82,8 @@ class PlanRunner:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if schedule == "megatron" and plan.reroutes:
             raise ValueError("Megatron's 1F1B cannot run a plan with rerouted micro-batches")
+        if schedule == "megatron" and not all(megatron_pipeline(p, ranks) for p in plan.pipelines):
+            raise ValueError("Megatron's 1F1B needs every pipeline's stage ranks in ascending order")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self.max_grad_norm = max_grad_norm
         self._speculative: StaggeredStep | None = None
@@ -106,7 +109,8 @@ class PlanRunner:
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
-        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not split):
+        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not split
+                                      and self.groups.pipeline_group is not None):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
             self.executor = MegatronPipelineSchedule(
                 model=self.model,
