@@ -60,11 +60,12 @@ def one_layer_at_a_time(plan: ExecutionPlan) -> ExecutionPlan:
 
 
 def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
-    from odyssey_megatron.runtime.plan_runner import PlanRunner
+    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
 
-    return PlanRunner(plan=plan, rank=rank, ranks=RankMap.identity(world, 1), model=MODEL,
+    ranks = RankMap.identity(world, 1)
+    return PlanRunner(plan=plan, rank=rank, ranks=ranks, model=MODEL,
                       micro_batch_size=MICRO_BATCH_SIZE, profile=uniform_profile(num_layers=MODEL.num_layers),
-                      seed=1, lr=1e-4, schedule=schedule, overlap_grad_sync=overlap, staggered_optimizer=staggered)
+                      state=initial_state(plan=plan, rank=rank, ranks=ranks, model=MODEL, seed=1), lr=1e-4, schedule=schedule, overlap_grad_sync=overlap, staggered_optimizer=staggered)
 
 
 def executor_vs_megatron(rank: int, world: int, plan_json: str, steps: int) -> dict[str, list[float]]:

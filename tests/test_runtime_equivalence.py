@@ -135,11 +135,12 @@ def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
     """A process group orders its members by rank, Megatron's 1F1B takes group rank i for
     stage i; ``auto`` runs such a pipeline on the executor (``test_training_state``)."""
     from odyssey_megatron.hooks.process_groups import RankMap
-    from odyssey_megatron.runtime.plan_runner import PlanRunner
+    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
     from runtime_cases import MICRO_BATCH_SIZE, SEED, tiny_model
 
     plan = asymmetric_plan([(2, 2)], [2], worker_of=lambda d, s: 1 - s)
+    ranks, model = RankMap.identity(2, 1), tiny_model(4)
     with pytest.raises(ValueError, match="ascending order"):
-        PlanRunner(plan=plan, rank=0, ranks=RankMap.identity(2, 1), model=tiny_model(4),
-                   micro_batch_size=MICRO_BATCH_SIZE, profile=uniform_profile(num_layers=4), lr=LR,
-                   schedule="megatron", seed=SEED)
+        PlanRunner(plan=plan, rank=0, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
+                   profile=uniform_profile(num_layers=4), lr=LR, schedule="megatron",
+                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))
