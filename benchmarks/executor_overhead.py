@@ -62,13 +62,16 @@ def one_layer_at_a_time(plan: ExecutionPlan) -> ExecutionPlan:
 
 def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
     """A rank of ``plan`` running the step program the decision center would publish
-    (split backwards where they pay; never for Megatron's 1F1B)."""
-    from odyssey_megatron.runtime.plan_runner import PlanRunner
+    (split backwards where they pay; never for Megatron's 1F1B), from the seed's state."""
+    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
 
     program = step_program(plan, uniform_profile(num_layers=MODEL.num_layers), decouple=schedule != "megatron",
                            staggered=staggered)
-    return PlanRunner(plan=plan, program=program, rank=rank, ranks=RankMap.identity(world, 1), model=MODEL,
-                      micro_batch_size=MICRO_BATCH_SIZE, seed=1, lr=1e-4, schedule=schedule, overlap_grad_sync=overlap)
+    ranks = RankMap.identity(world, 1)
+    return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=MODEL,
+                      micro_batch_size=MICRO_BATCH_SIZE,
+                      state=initial_state(plan=plan, rank=rank, ranks=ranks, model=MODEL, seed=1), lr=1e-4,
+                      schedule=schedule, overlap_grad_sync=overlap)
 
 
 def executor_vs_megatron(rank: int, world: int, plan_json: str, steps: int) -> dict[str, list[float]]:

@@ -37,9 +37,10 @@ def _snapshot(model: torch.nn.Module, layer_offset: int, grads: bool) -> dict[st
     }
 
 
-def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: int, tie_embeddings: bool) -> dict:
+def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: int, tie_embeddings: bool,
+              steps: int = STEPS) -> dict:
     """One process, the whole model, every micro-batch: loss / M per micro-batch, global
-    norm clipping (first-step grads are taken after it), Adam."""
+    norm clipping (first-step grads are taken after it), Adam (final moments too)."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -50,7 +51,7 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
                               seed=SEED)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     source, losses, first_grads, clipped = data(), [], None, 0
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         step_losses = {}
         for m in range(num_micro_batches):
@@ -64,7 +65,10 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
         if first_grads is None:
             first_grads = _snapshot(model, 0, grads=True)
         optimizer.step()
-    return {"losses": losses, "grads": first_grads, "params": _snapshot(model, 0, grads=False), "clipped": clipped}
+    moments = {kind: {global_name(name, 0, tied=tie_embeddings): optimizer.state[p][kind].clone()
+                      for name, p in model.named_parameters()} for kind in ("exp_avg", "exp_avg_sq")}
+    return {"losses": losses, "grads": first_grads, "params": _snapshot(model, 0, grads=False), "clipped": clipped,
+            **moments}
 
 
 def run_plan(
@@ -74,17 +78,18 @@ def run_plan(
     """Train STEPS steps of the ``published`` plan (its JSON alone: the plan and its step
     program) on this rank; report losses, first-step grads (synced and clipped;
     staggered: synced, and clipped only later, if at all), final params."""
-    from odyssey_megatron.runtime.plan_runner import PlanRunner
+    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
 
     plan, program = read_published(json.loads(published))
+    ranks, model = RankMap.of(workers, plan.tensor_parallel_size), tiny_model(plan.num_layers, tie_embeddings)
     runner = PlanRunner(
         plan=plan,
         program=program,
         rank=rank,
-        ranks=RankMap.of(workers, plan.tensor_parallel_size),
-        model=tiny_model(plan.num_layers, tie_embeddings),
+        ranks=ranks,
+        model=model,
         micro_batch_size=MICRO_BATCH_SIZE,
-        seed=SEED,
+        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
         lr=LR,
         max_grad_norm=MAX_GRAD_NORM,
         schedule=schedule,
@@ -119,12 +124,14 @@ def last_stage_steps_first(rank: int, world_size: int, published: str, marker: s
     import os
     import time
 
-    from odyssey_megatron.runtime.plan_runner import PlanRunner
+    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
 
     plan, program = read_published(json.loads(published))
+    ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
     runner = PlanRunner(
-        plan=plan, program=program, rank=rank, ranks=RankMap.identity(world_size, 1), model=tiny_model(plan.num_layers),
-        micro_batch_size=MICRO_BATCH_SIZE, seed=SEED, lr=LR, max_grad_norm=MAX_GRAD_NORM,
+        plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
+        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED), lr=LR,
+        max_grad_norm=MAX_GRAD_NORM,
     )
     source, seen = data(), False
     losses = runner.forward_backward(lambda m: source.micro_batch(0, m))

@@ -139,3 +139,18 @@ def test_staggered_steps_do_not_wait_for_the_whole_pipeline(staggered, tmp_path)
     seen = run_world(last_stage_steps_first, 3, published_json(plan, profile, staggered=staggered),
                      str(tmp_path / "stepped"))
     assert seen[0] is seen[1] is staggered  # worker 2 is the last stage
+
+
+def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
+    """A process group orders its members by rank, Megatron's 1F1B takes group rank i for
+    stage i; ``auto`` runs such a pipeline on the executor (``test_training_state``)."""
+    from odyssey_megatron.hooks.process_groups import RankMap
+    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
+    from runtime_cases import MICRO_BATCH_SIZE, SEED, tiny_model
+
+    plan = asymmetric_plan([(2, 2)], [2], worker_of=lambda d, s: 1 - s)
+    ranks, model = RankMap.identity(2, 1), tiny_model(4)
+    with pytest.raises(ValueError, match="ascending order"):
+        PlanRunner(plan=plan, program=step_program(plan, uniform_profile(num_layers=4)), rank=0, ranks=ranks,
+                   model=model, micro_batch_size=MICRO_BATCH_SIZE, lr=LR, schedule="megatron",
+                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))

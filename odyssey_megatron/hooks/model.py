@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -94,11 +94,12 @@ def build_stage_model(
     stage: StageSpec,
     *,
     pg_collection: ProcessGroupCollection,
-    seed: int,
+    seed: Optional[int] = None,
     weights: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> GPTModel:
     """The GPTModel for ``stage`` with parameters from the one deterministic source:
-    ``weights`` (a whole-model state dict in global names) when given, else drawn from ``seed``.
+    ``weights`` (a whole-model state dict in global names) when given, else drawn from ``seed``;
+    with neither they are left uninitialised for the caller to load (``hooks.training_state``).
     Built under ``torch.device("meta")`` it only has shapes, and nothing is initialised.
 
     ``pg_collection.pp`` must be a size-1 group: the stage is a whole model to Megatron;
@@ -122,7 +123,7 @@ def build_stage_model(
     mark_tensor_parallel_weights(gpt)
     if weights is not None:
         load_stage_parameters(gpt, weights, stage=stage, tp_rank=pg_collection.tp.rank(), tp_size=tp)
-    else:
+    elif seed is not None:
         init_stage_parameters(gpt, stage=stage, seed=seed, tp_rank=pg_collection.tp.rank(), tp_size=tp)
     return gpt
 
@@ -201,21 +202,52 @@ def _unshard(shards: list[torch.Tensor], name: str) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
+def initial_shard(full_name: str, full_shape: Sequence[int], *, seed: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The one source's initial value of a parameter, in fp32, sliced to a TP rank's shard:
+    norm weights 1; every other tensor N(0, INIT_STD) drawn for the full model from a
+    generator seeded by (seed, global name)."""
+    if "norm" in full_name and len(full_shape) == 1:
+        return torch.ones(tuple(full_shape), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{full_name}".encode()))
+    full = torch.empty(tuple(full_shape), dtype=torch.float32)
+    full.normal_(0.0, INIT_STD, generator=generator)
+    return _shard(full, full_name, tp_rank, tp_size)
+
+
 def init_stage_parameters(gpt: torch.nn.Module, *, stage: StageSpec, seed: int, tp_rank: int, tp_size: int) -> None:
-    """Norm weights 1; every other tensor N(0, INIT_STD) drawn for the full model from a
-    generator seeded by (seed, global name), then sliced to this rank's shard."""
+    """Every parameter of ``gpt`` from ``initial_shard``."""
     with torch.no_grad():
         for name, param in gpt.named_parameters():
             if param.is_meta:
                 continue
             full_name = global_name(name, stage.layers[0], tied=is_tied(gpt))
-            if "norm" in full_name and param.dim() == 1:
-                param.fill_(1.0)
-                continue
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{full_name}".encode()))
-            full = torch.empty(_full_shape(param, tp_size), dtype=torch.float32)
-            full.normal_(0.0, INIT_STD, generator=generator)
-            param.copy_(_shard(full, name, tp_rank, tp_size).to(param.dtype))
+            param.copy_(initial_shard(full_name, _full_shape(param, tp_size), seed=seed, tp_rank=tp_rank,
+                                      tp_size=tp_size).to(param.dtype))
+
+
+def stage_parameter_shapes(model: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ...]]:
+    """Global name -> full (unsharded) shape of every parameter ``build_stage_model`` gives
+    ``stage`` (Llama on the local spec: RMSNorm weights, fused QKV, SwiGLU's [gate; up])."""
+    hidden, heads, groups = model.hidden_size, model.num_attention_heads, model.num_query_groups
+    head_dim = hidden // heads
+    layer = {
+        "input_layernorm.weight": (hidden,),
+        "self_attention.linear_qkv.weight": ((heads + 2 * groups) * head_dim, hidden),
+        "self_attention.linear_proj.weight": (hidden, heads * head_dim),
+        "pre_mlp_layernorm.weight": (hidden,),
+        "mlp.linear_fc1.weight": (2 * model.ffn_hidden_size, hidden),
+        "mlp.linear_fc2.weight": (hidden, model.ffn_hidden_size),
+    }
+    shapes = {}
+    if stage.first or (stage.last and model.tie_embeddings):
+        shapes[EMBEDDING_WEIGHT] = (model.vocab_size, hidden)
+    for index in range(*stage.layers):
+        shapes.update({f"decoder.layers.{index}.{name}": shape for name, shape in layer.items()})
+    if stage.last:
+        shapes[FINAL_NORM] = (hidden,)
+        if not model.tie_embeddings:
+            shapes["output_layer.weight"] = (model.vocab_size, hidden)
+    return shapes
 
 
 def _local_name(full_name: str, stage: StageSpec) -> Optional[str]:

@@ -9,7 +9,7 @@ both require it), and keeps only its own. A rank gets:
 - one DP group per sync unit it belongs to, per TP rank: the k-th ranks of the unit's
   workers all-reduce shard k;
 - its pipeline's PP group (per TP rank), for Megatron's own 1F1B schedule, when no
-  stage of that pipeline has failed;
+  stage of that pipeline has failed and the stages' ranks ascend (``megatron_pipeline``);
 - a group of every rank for the global gradient norm.
 
 Plans name workers; ``RankMap`` says which process ranks a worker has in the current
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,23 @@ class RankMap:
         return self.workers[rank // self.tensor_parallel_size]
 
 
+def megatron_pipeline(pipeline: PipelinePlan, ranks: RankMap) -> bool:
+    """Whether Megatron's 1F1B can run ``pipeline``: every stage live, and stage i at group
+    rank i, which needs ascending ranks since ``dist.new_group`` orders members by rank (a
+    recovery's assignment may put a higher rank before a lower one)."""
+    if any(stage.worker is None for stage in pipeline.stages):
+        return False
+    order = [ranks.rank(stage.worker) for stage in pipeline.stages]
+    return order == sorted(order)
+
+
 @dataclass
 class PlanGroups:
     pg_collection: ProcessGroupCollection
     unit_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     """Sync unit index -> this rank's DP group for it (units of two or more workers only)."""
     pipeline_group: dist.ProcessGroup | None = None
-    """This rank's pipeline (same TP rank on every stage), if none of its stages failed."""
+    """This rank's pipeline (same TP rank on every stage), if ``megatron_pipeline``."""
     norm_group: dist.ProcessGroup | None = None
     """Every rank: the global gradient norm's all-reduce, which may be in flight while
     the next step's point-to-point traffic runs on the default group."""
@@ -108,7 +118,7 @@ def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> Plan
     norm_group = create(list(range(ranks.world_size)))
     pipeline_group = None
     for pipeline in plan.pipelines:
-        if any(stage.worker is None for stage in pipeline.stages):
+        if not megatron_pipeline(pipeline, ranks):
             continue
         for k in range(tp):
             group = create([ranks.rank(stage.worker, k) for stage in pipeline.stages])

@@ -1,14 +1,16 @@
 """One rank's training state under one plan generation.
 
 Builds, in order: the plan's process groups (collective), the rank's stage model on
-Megatron-Core with parameters from the one deterministic source, Adam over its
-parameters, the layer-granular gradient sync, and the schedule: Megatron's own 1F1B
-when the step is plain 1F1B, else the Odyssey executor over this worker's op list in
-the plan's step program (``schedules.program``: rerouted micro-batches, split backwards,
-exactly as the decision center priced them). ``train_step`` runs one global batch.
-Where the program staggers optimizer steps, a rank steps without waiting for the global
-gradient norm (``runtime.staggered_step``), so it starts the next step as soon as its
-own DP peers are done; ``settle`` ends the last such step.
+Megatron-Core and Adam over it, both loaded from the rank's per-block ``TrainingState``
+(``hooks.training_state``; ``initial_state`` draws it from the seed once), the
+layer-granular gradient sync, and the schedule: Megatron's own 1F1B when the step is
+plain 1F1B, else the Odyssey executor over this worker's op list in the plan's step
+program (``schedules.program``: rerouted micro-batches, split backwards, exactly as the
+decision center priced them). ``train_step`` runs one global batch. Where the program
+staggers optimizer steps, a rank steps without waiting for the global gradient norm
+(``runtime.staggered_step``), so it starts the next step as soon as its own DP peers are
+done; ``settle`` ends the last such step. ``training_state`` reads the blocks back, to
+carry them into the next plan generation.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, local_grad_square, parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
-from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups
+from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, megatron_pipeline
+from odyssey_megatron.hooks.training_state import StageOptimizer, TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.retake_snapshot import RetakeSnapshot, SnapshotPool
@@ -49,6 +52,14 @@ def stage_of_worker(plan: ExecutionPlan, worker: int) -> StageSpec:
     raise ValueError(f"worker {worker} owns no stage in plan generation {plan.generation}")
 
 
+def initial_state(*, plan: ExecutionPlan, rank: int, ranks: RankMap, model: ModelConfig, seed: int,
+                  device: torch.device = torch.device("cpu")) -> TrainingState:
+    """What ``rank`` starts a run on ``plan`` from: its stage's blocks drawn from ``seed``."""
+    tp = plan.tensor_parallel_size
+    return TrainingState.initial(model, stage_of_worker(plan, ranks.worker(rank)), seed=seed, tp_rank=rank % tp,
+                                 tp_size=tp, device=device)
+
+
 class PlanRunner:
     def __init__(
         self,
@@ -59,7 +70,7 @@ class PlanRunner:
         ranks: RankMap,
         model: ModelConfig,
         micro_batch_size: int,
-        seed: int,
+        state: TrainingState,
         lr: float,
         max_grad_norm: float = 1.0,
         schedule: str = "auto",
@@ -67,11 +78,12 @@ class PlanRunner:
         device: torch.device = torch.device("cpu"),
     ):
         """``program`` is the plan's step program (published with it). ``schedule``: auto
-        (Megatron's 1F1B unless micro-batches are rerouted or backwards split), odyssey
-        (always the op-list executor) or megatron (refused for rerouted plans and split
-        backwards). ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as
-        backward is done with it. ``device`` is this rank's accelerator device
-        (``hooks.select_accelerator``)."""
+        (Megatron's 1F1B unless micro-batches are rerouted, backwards split or the
+        pipeline's stage ranks do not ascend), odyssey (always the op-list executor) or
+        megatron (refused where auto would not pick it). ``state`` holds exactly this
+        rank's stage's blocks; the runner trains its tensors in place.
+        ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
+        with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if program.generation != plan.generation:
@@ -82,6 +94,8 @@ class PlanRunner:
         if schedule == "megatron" and program.split_backward:
             raise ValueError("Megatron's 1F1B cannot run split backwards; publish the step program with "
                              "odyssey.decoupled_weight_grads=false")
+        if schedule == "megatron" and not all(megatron_pipeline(p, ranks) for p in plan.pipelines):
+            raise ValueError("Megatron's 1F1B needs every pipeline's stage ranks in ascending order")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self.max_grad_norm = max_grad_norm
         self._speculative: StaggeredStep | None = None
@@ -90,10 +104,11 @@ class PlanRunner:
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
         self.stage = stage_of_worker(plan, self.worker)
         self.device = device
-        self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection, seed=seed)
+        self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection)
         self.model.to(device)
+        self._stage_optimizer = StageOptimizer(state, self.model, self.stage, lr=lr)
         self.params = parameters_by_block(self.model, self.stage)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.optimizer = self._stage_optimizer.adam
         self.grad_sync = LayerGradSync(
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
             overlap=overlap_grad_sync,
@@ -104,7 +119,8 @@ class PlanRunner:
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
-        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not program.split_backward):
+        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not program.split_backward
+                                      and self.groups.pipeline_group is not None):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
             self.executor = MegatronPipelineSchedule(
                 model=self.model,
@@ -146,7 +162,8 @@ class PlanRunner:
         return losses
 
     def _run_ops(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # fp32 masters of a bf16/fp16 model
         self._take_snapshot()
         self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
         on_device = lambda m: {k: v.to(self.device) for k, v in batches(m).items()}  # noqa: E731
@@ -176,6 +193,7 @@ class PlanRunner:
         self.grad_sync.sync()
         if self.staggered_optimizer and apply:
             square = local_grad_square(plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank)
+            self._stage_optimizer.grads_to_masters()
             self._speculative = StaggeredStep(self.optimizer, square, max_norm=self.max_grad_norm,
                                               group=self.groups.norm_group, snapshot=self._snapshot)
             self._snapshot = None
@@ -185,6 +203,7 @@ class PlanRunner:
             group=self.groups.norm_group,
         )
         if apply:
+            self._stage_optimizer.grads_to_masters()
             self.optimizer.step()
         return StepResult(losses=losses, grad_norm=norm)
 
@@ -192,6 +211,14 @@ class PlanRunner:
         """End the staggered step in flight, if any (collective): before the parameters
         are read, saved or handed to another plan. Returns its global norm."""
         return self._settle()[0] if self._speculative is not None else None
+
+    def training_state(self) -> TrainingState:
+        """This rank's blocks as trained so far, for the next plan generation: the runner's
+        own tensors, not copies, so the runner is done with them (export copies to keep
+        training here). Only after ``settle``: a staggered step may still be retaken."""
+        if self._speculative is not None:
+            raise RuntimeError("a staggered step is in flight: settle() before reading the training state")
+        return self._stage_optimizer.state()
 
     def _settle(self) -> tuple[float, bool]:
         norm, retaken = self._speculative.settle(pending=self._snapshot)

@@ -1,0 +1,227 @@
+"""One rank's training state, block by block, so that it outlives a plan generation.
+
+Recovery moves blocks (``profile.Block``: a transformer layer, "embedding" or "output"):
+a rank keeps the blocks its next stage still needs, drops the rest and receives the
+missing ones (the restorer's ``Transfer``: one block's weights and optimizer state, one
+TP shard). So the state is kept per block, in global parameter names (a layer's tensors
+are named alike on whichever stage holds it; a tied output copy is the embedding), and a
+block exports to the flat dict of tensors a transfer sends or a checkpoint file holds:
+
+    param/<global name>       fp32 weights: the master copy where the model trains in bf16/fp16
+    exp_avg/<global name>     Adam's first moment (fp32)
+    exp_avg_sq/<global name>  Adam's second moment (fp32)
+    step                      Adam's step count (int64; a block's tensors step together)
+
+``TrainingState.initial`` draws a stage's blocks from the seed once, exactly as
+``hooks.model.init_stage_parameters`` does; after that the state, not the seed, is the
+source. ``StageOptimizer`` is Adam over a stage model built around a state's tensors: it
+trains them in place and reads them back per block.
+
+There is no RNG state to carry: the Llama stages have no dropout (``transformer_config``
+sets both rates to 0) and a step draws no random number. Megatron forks its
+model-parallel RNG stream around attention dropout, but dropout with p=0 draws nothing,
+and training data are addressed by (step, micro-batch), not drawn.
+``tests/test_training_state.py`` checks that training leaves the global generator and
+every tracker stream as it found them; a model with dropout would need them here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.hooks.grad_sync import block_of
+from odyssey_megatron.hooks.model import StageSpec, global_name, initial_shard, is_tied, stage_parameter_shapes
+from odyssey_megatron.profile import Block, block_sort_key
+
+__all__ = ["BlockState", "StageOptimizer", "TrainingState"]
+
+PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param", "exp_avg", "exp_avg_sq", "step"
+_KINDS = (PARAM, EXP_AVG, EXP_AVG_SQ)
+_GLOBAL = StageSpec((0, 0), first=True, last=True)
+"""Global names are the local names of a stage at layer offset 0."""
+
+
+@dataclass
+class BlockState:
+    """One block's TP shard on this rank: weights and Adam state by global parameter name."""
+
+    params: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    step: int
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The flat dict a transfer sends: the tensors themselves, not copies."""
+        tensors = {STEP: torch.tensor(self.step, dtype=torch.int64)}
+        for kind, named in zip(_KINDS, (self.params, self.exp_avg, self.exp_avg_sq)):
+            tensors.update({f"{kind}/{name}": tensor for name, tensor in named.items()})
+        return tensors
+
+    @classmethod
+    def from_tensors(cls, block: Block, tensors: Mapping[str, torch.Tensor]) -> "BlockState":
+        """The inverse of ``to_tensors``; ValueError naming the key if ``tensors`` is not
+        one block's complete fp32 state."""
+        step = tensors.get(STEP)
+        if step is None or step.dim() != 0 or step.is_floating_point() or step.is_complex() or int(step) < 0:
+            raise ValueError(f"block {block!r}: {STEP}: need a non-negative integer scalar tensor")
+        named: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in _KINDS}
+        for key, tensor in tensors.items():
+            if key == STEP:
+                continue
+            kind, _, name = key.partition("/")
+            if kind not in named or not name:
+                raise ValueError(f"block {block!r}: {key}: keys are {STEP} or <{'|'.join(_KINDS)}>/<parameter name>")
+            try:
+                owner = block_of(name, _GLOBAL)
+            except ValueError:
+                owner = None
+            if owner != block:
+                raise ValueError(f"block {block!r}: {key}: not a parameter of this block")
+            if tensor.dtype != torch.float32:
+                raise ValueError(f"block {block!r}: {key}: dtype {tensor.dtype}, the state holds torch.float32")
+            named[kind][name] = tensor
+        names = set(named[PARAM])
+        if not names:
+            raise ValueError(f"block {block!r}: no {PARAM}/<parameter name> tensors")
+        for kind in (EXP_AVG, EXP_AVG_SQ):
+            missing, unmatched = sorted(names - set(named[kind])), sorted(set(named[kind]) - names)
+            if missing:
+                raise ValueError(f"block {block!r}: {kind}/{missing[0]}: missing")
+            if unmatched:
+                raise ValueError(f"block {block!r}: {kind}/{unmatched[0]}: no {PARAM}/{unmatched[0]} for it")
+        for name in sorted(names):
+            shapes = {kind: tuple(named[kind][name].shape) for kind in _KINDS}
+            if len(set(shapes.values())) > 1:
+                raise ValueError(f"block {block!r}: {name}: shapes differ across {shapes}")
+        return cls(named[PARAM], named[EXP_AVG], named[EXP_AVG_SQ], int(step))
+
+
+class TrainingState:
+    """The blocks one rank holds: of each, this rank's TP shard."""
+
+    def __init__(self, blocks: Mapping[Block, BlockState] | None = None):
+        self.blocks: dict[Block, BlockState] = dict(blocks or {})
+
+    @classmethod
+    def initial(
+        cls, model: ModelConfig, stage: StageSpec, *, seed: int, tp_rank: int, tp_size: int,
+        device: torch.device = torch.device("cpu"),
+    ) -> "TrainingState":
+        """``stage``'s blocks before training: weights drawn from ``seed`` (``initial_shard``),
+        zero moments, step 0 (what Adam starts from)."""
+        blocks: dict[Block, BlockState] = {}
+        for name, shape in stage_parameter_shapes(model, stage).items():
+            param = initial_shard(name, shape, seed=seed, tp_rank=tp_rank, tp_size=tp_size).to(device)
+            state = blocks.setdefault(block_of(name, _GLOBAL), BlockState({}, {}, {}, 0))
+            state.params[name] = param
+            state.exp_avg[name] = torch.zeros_like(param)
+            state.exp_avg_sq[name] = torch.zeros_like(param)
+        return cls(blocks)
+
+    def held(self) -> list[Block]:
+        """The blocks held, in model order."""
+        return sorted(self.blocks, key=block_sort_key)
+
+    def export(self, block: Block) -> dict[str, torch.Tensor]:
+        """``block`` as flat tensors (``BlockState.to_tensors``), to send or save."""
+        if block not in self.blocks:
+            raise ValueError(f"block {block!r} is not held here; held: {self.held()}")
+        return self.blocks[block].to_tensors()
+
+    def receive(self, block: Block, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hold ``block`` from exported tensors (a transfer or a checkpoint), replacing any
+        copy held; the tensors are kept, not copied."""
+        self.blocks[block] = BlockState.from_tensors(block, tensors)
+
+    def keep(self, blocks: Iterable[Block]) -> None:
+        """Drop every held block not in ``blocks`` (those the next stage does not hold)."""
+        wanted = set(blocks)
+        for block in [b for b in self.blocks if b not in wanted]:
+            del self.blocks[block]
+
+
+class StageOptimizer:
+    """Adam over a stage model whose weights, moments and steps come from a ``TrainingState``.
+
+    In fp32 the model's parameters take the state's tensors over (no copy) and Adam steps
+    them. In bf16/fp16 the state's tensors are fp32 master weights: Adam steps them from
+    the model's gradients (``grads_to_masters``) and every step writes their rounded
+    values into the model."""
+
+    def __init__(self, state: TrainingState, gpt: torch.nn.Module, stage: StageSpec, *, lr: float):
+        """Loads ``gpt`` (built for ``stage``, parameters uninitialised) from ``state``, which
+        must hold exactly the stage's blocks, with every parameter's shape."""
+        tied = is_tied(gpt)
+        located = {name: (global_name(name, stage.layers[0], tied=tied), block_of(name, stage, tied=tied))
+                   for name, _ in gpt.named_parameters()}
+        needed = {block for _, block in located.values()}
+        if set(state.blocks) != needed:
+            missing, extra = sorted(needed - set(state.blocks), key=block_sort_key), sorted(
+                set(state.blocks) - needed, key=block_sort_key)
+            raise ValueError(f"training state for stage {stage}: missing blocks {missing} (receive them), "
+                             f"extra blocks {extra} (keep drops them)")
+        for block in needed:
+            names = {full for full, b in located.values() if b == block}
+            held = set(state.blocks[block].params)
+            if held != names:
+                raise ValueError(f"training state block {block!r}: holds {sorted(held - names)} the stage has not, "
+                                 f"lacks {sorted(names - held)}")
+        self._masters: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        """(model parameter, its fp32 master) where the model is not fp32."""
+        self._located: list[tuple[str, Block, torch.nn.Parameter]] = []
+        """(global name, block, the parameter Adam steps) per stage parameter."""
+        moments = []
+        with torch.no_grad():
+            for name, param in gpt.named_parameters():
+                full, block = located[name]
+                source = state.blocks[block]
+                weights = source.params[full]
+                if tuple(weights.shape) != tuple(param.shape):
+                    raise ValueError(f"training state block {block!r}: {PARAM}/{full} has shape "
+                                     f"{tuple(weights.shape)}, the stage needs {tuple(param.shape)}")
+                if param.dtype == torch.float32:
+                    param.data = weights.to(param.device)
+                    stepped = param
+                else:
+                    stepped = torch.nn.Parameter(weights.to(param.device))
+                    param.copy_(stepped)
+                    self._masters.append((param, stepped))
+                self._located.append((full, block, stepped))
+                moments.append((stepped, source.step, source.exp_avg[full], source.exp_avg_sq[full]))
+        self.adam = torch.optim.Adam([p for _, _, p in self._located], lr=lr)
+        for stepped, step, exp_avg, exp_avg_sq in moments:
+            # What Adam's first step would create, with the state's values.
+            self.adam.state[stepped] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                        "exp_avg": exp_avg.to(stepped.device),
+                                        "exp_avg_sq": exp_avg_sq.to(stepped.device)}
+        if self._masters:
+            self.adam.register_step_post_hook(lambda *_: self._publish())
+
+    def grads_to_masters(self) -> None:
+        """Call once per step after the gradients are final (synced, clipped where clipping
+        runs first) and before Adam steps: the masters take the model's gradients in fp32."""
+        for param, master in self._masters:
+            master.grad = None if param.grad is None else param.grad.float()
+
+    def _publish(self) -> None:
+        with torch.no_grad():
+            for param, master in self._masters:
+                param.copy_(master)
+
+    def state(self) -> TrainingState:
+        """The stage's blocks as trained so far: the tensors Adam steps, not copies."""
+        blocks: dict[Block, BlockState] = {}
+        for full, block, stepped in self._located:
+            adam = self.adam.state[stepped]
+            step = int(adam["step"])
+            state = blocks.setdefault(block, BlockState({}, {}, {}, step))
+            if state.step != step:
+                raise RuntimeError(f"block {block!r}: {full} took {step} steps, the block's others {state.step}")
+            state.params[full] = stepped.detach()
+            state.exp_avg[full] = adam["exp_avg"]
+            state.exp_avg_sq[full] = adam["exp_avg_sq"]
+        return TrainingState(blocks)
