@@ -464,7 +464,7 @@ def _model_spec_fields(spec_name: str) -> dict[str, Any]:
     config.json read with transformers."""
     if spec_name in MODEL_SPECS:
         return dict(MODEL_SPECS[spec_name])
-    if not Path(spec_name).exists():
+    if not isinstance(spec_name, str) or not Path(spec_name).exists():  # YAML reads model.spec=-1 as an int
         raise ConfigError("model.spec", _SPEC_ALLOWED + f"; got {spec_name!r}")
     from odyssey_megatron.hooks.hf_llama import read_model_fields  # imports transformers: only when asked
 
