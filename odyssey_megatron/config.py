@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from odyssey_megatron import limits
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import load_yaml_mapping
+from odyssey_megatron.runtime.protocol import TIMEOUT_ORDER, Timeouts
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
 
 __all__ = [
@@ -277,6 +278,22 @@ class OdysseyConfig:
     """What a checkpoint restart costs (relaunch, load, half a checkpoint interval of lost work).
     Eq. 8 charges it times the chance that the next failure hits a layer's only live holder;
     0 gives the paper's Eq. 8."""
+    heartbeat_interval: float = 0.1
+    """Seconds between two heartbeats of a worker, a launcher or the controller through the
+    store (nvidia-resiliency-ext's name). Shortest of the four timeouts, which must grow in
+    this order: heartbeat_interval < heartbeat_timeout < collective_timeout < recovery_timeout."""
+    heartbeat_timeout: float = 1.0
+    """Seconds without a new heartbeat after which a worker counts as hung (its launcher
+    kills it), a launcher's node as lost, and the controller as gone (workers and launchers
+    then exit, leaving no orphans) (nvidia-resiliency-ext's name)."""
+    collective_timeout: float = 30.0
+    """Seconds a collective or point-to-point transfer may wait before it raises (the
+    process groups' timeout); longer than heartbeat_timeout, so a hung peer is named by the
+    fault detector before the survivors' collectives give up on it."""
+    recovery_timeout: float = 120.0
+    """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
+    abandoned; longer than collective_timeout, so a collective stuck inside a recovery
+    fails within it and the decision restarts with the new survivors."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
@@ -299,6 +316,15 @@ class OdysseyConfig:
         if self.memory_budget_gib is not None:
             require(self.memory_budget_gib > 0, "odyssey.memory_budget_gib", f"must be > 0, got {self.memory_budget_gib}")
             require_at_most("odyssey", self, 2.0**20, "a PiB per device", "memory_budget_gib")
+        require(self.heartbeat_interval >= 0.01, "odyssey.heartbeat_interval",
+                f"must be >= 0.01 (10 ms; shorter floods the store); got {self.heartbeat_interval}")
+        require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", *TIMEOUT_ORDER)
+        self.timeouts  # checks their order
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The runtime's timeouts, shortest first (``runtime.protocol``)."""
+        return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER})
 
 
 @dataclass
@@ -438,7 +464,7 @@ def _model_spec_fields(spec_name: str) -> dict[str, Any]:
     config.json read with transformers."""
     if spec_name in MODEL_SPECS:
         return dict(MODEL_SPECS[spec_name])
-    if not Path(spec_name).exists():
+    if not isinstance(spec_name, str) or not Path(spec_name).exists():  # YAML reads model.spec=-1 as an int
         raise ConfigError("model.spec", _SPEC_ALLOWED + f"; got {spec_name!r}")
     from odyssey_megatron.hooks.hf_llama import read_model_fields  # imports transformers: only when asked
 

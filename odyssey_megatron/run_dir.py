@@ -7,19 +7,25 @@ place (same file system, so atomic): the destination holds a complete result or 
 and ``discard`` leaves no trace. An existing run directory is never overwritten silently:
 a default name moves on to a fresh one (``-2``, ``-3``, ...), an explicit one is refused
 unless ``force`` is given and it holds an earlier run.
+
+A live run also writes files while it runs, for operators and tests to read meanwhile:
+``write_json`` replaces a file atomically (a reader never sees half of it) and
+``append_jsonl`` adds one record per line, flushed at once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from odyssey_megatron.errors import ConfigError
 
-__all__ = ["RUN_MARKER", "RunDir"]
+__all__ = ["RUN_MARKER", "RunDir", "append_jsonl", "write_json"]
 
 RUN_MARKER = "summary.json"
 """The file every finished run holds; ``force`` replaces only directories that have it."""
@@ -116,3 +122,16 @@ class RunDir:
                 directory.rmdir()
             except OSError:
                 break
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Replace ``path`` with ``value`` as JSON through a temporary file beside it."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(value, indent=2, allow_nan=False) + "\n")
+    os.replace(temporary, path)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` as one line of JSON."""
+    with path.open("a") as out:
+        out.write(json.dumps(record, allow_nan=False) + "\n")

@@ -179,7 +179,8 @@ RECIPE_KEYS = {
     "odyssey.length_sweep": ["always", "never"], "odyssey.decoupled_weight_grads": ["false"],
     "odyssey.staggered_optimizer": ["false"], "odyssey.max_layer_splits": [], "odyssey.memory_budget_gib": [],
     "odyssey.reroute_restart_s": [], "odyssey.reparallelize_restart_s": [], "odyssey.storage_bandwidth_gb_s": [],
-    "odyssey.checkpoint_restart_penalty_s": [],
+    "odyssey.checkpoint_restart_penalty_s": [], "odyssey.heartbeat_interval": ["0.05", "0.01"],
+    "odyssey.heartbeat_timeout": ["0.2", "5"], "odyssey.collective_timeout": ["10"], "odyssey.recovery_timeout": ["600"],
 }
 SCENARIO_KEYS = {
     "duration_hours": [], "seed": [], "sample_interval_s": ["600"], "failures.process": ["weibull", "trace"],

@@ -1,0 +1,211 @@
+"""The controller: the one process that outlives every worker. It hosts the rendezvous
+TCPStore, runs the fault detector, records the run and publishes plans.
+
+A daemon thread polls twice per heartbeat interval: it writes the controller's own
+heartbeat (workers and launchers exit when it stops, so a lost controller leaves no
+orphans), drains the inbox, reads every watched heartbeat in one round trip, and turns the
+detector's verdicts into ``events.jsonl`` records, kill orders for the failed ranks'
+launchers, and ``Failure`` items for the owner (the training orchestrator) to act on with
+``next_failure``. The thread never waits on the owner, so a long decision delays neither
+heartbeats nor detection.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
+from odyssey_megatron.runtime.control.run_record import RunRecord
+from odyssey_megatron.runtime.protocol import (
+    CONTROLLER_HEARTBEAT,
+    INBOX,
+    Heartbeat,
+    Message,
+    NodeLeft,
+    NodeRegistration,
+    PlanPublished,
+    ProtocolError,
+    RankExit,
+    RankFailureReport,
+    RankRegistration,
+    StaleGenerationError,
+    Timeouts,
+    kill_orders_key,
+    parse_inbox,
+    plan_key,
+)
+
+__all__ = ["Controller"]
+
+log = logging.getLogger(__name__)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host`` alone: TCPStore binds every interface when it opens its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(socket.SOMAXCONN)
+    return sock
+
+
+class Controller:
+    """Hosts the store on ``host:port`` (port 0: a free one, see ``port``) and watches
+    every rank and node that registers there. Call ``start`` once, ``stop`` at the end."""
+
+    # -- configuration
+    timeouts: Timeouts
+    record: RunRecord
+    # -- the store it hosts
+    store: dist.TCPStore
+    host: str
+    port: int
+    # -- detection, on the polling thread
+    detector: Detector
+    # -- plans
+    published_generation: int
+    """The newest generation published; -1 before the first."""
+
+    def __init__(self, *, host: str, port: int, timeouts: Timeouts, run_dir: Path):
+        self.timeouts = timeouts
+        self.record = RunRecord(run_dir)
+        self._socket = _listening_socket(host, port)
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False, use_libuv=True,
+                                   master_listen_fd=self._socket.fileno(),
+                                   timeout=datetime.timedelta(seconds=timeouts.recovery_timeout))
+        self._seq = 0
+        self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
+        self.detector = Detector(timeouts.heartbeat_timeout)
+        self.published_generation = -1
+        self._failures: queue.Queue[Failure] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll_loop, name="odyssey-controller", daemon=True)
+        self._crash: Optional[BaseException] = None
+        self.record.event("controller_started", host=host, port=self.port)
+        log.info("controller: store on %s:%d", host, self.port)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def next_failure(self, timeout: float) -> Optional[Failure]:
+        """The next failure detected, waiting up to ``timeout`` s; None if none came.
+        Raises if the polling thread died (it logged why)."""
+        try:
+            return self._failures.get(timeout=timeout)
+        except queue.Empty:
+            if self._crash is not None:
+                raise RuntimeError("the controller's polling thread died") from self._crash
+            return None
+
+    def publish_plan(self, plan: ExecutionPlan) -> None:
+        """Publish ``plan`` as JSON under its generation's key; generations go up one by
+        one, so an older or repeated one is refused (a decision overtaken by a newer one)."""
+        if plan.generation != self.published_generation + 1:
+            problem = "stale" if plan.generation <= self.published_generation else "not the next one"
+            raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
+                                       f"{self.published_generation} was published last")
+        self.record.plan(plan)
+        self.store.set(plan_key(plan.generation), PlanPublished(plan, time.time()).to_json())
+        self.published_generation = plan.generation
+        self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers))
+        log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
+
+    # -- the polling thread ----------------------------------------------------------------
+
+    def _beat(self, store: dist.Store) -> None:
+        store.set(CONTROLLER_HEARTBEAT, Heartbeat(self._seq, time.time()).to_json())
+        self._seq += 1
+
+    def _poll_loop(self) -> None:
+        store = self.store.clone()
+        period = self.timeouts.poll_interval
+        next_poll = time.monotonic()
+        try:
+            while not self._stop.wait(max(0.0, next_poll - time.monotonic())):
+                next_poll = max(next_poll + period, time.monotonic())
+                self._poll(store)
+        except BaseException as exc:
+            log.exception("controller: polling thread failed; workers will exit when its heartbeat stops")
+            self._crash = exc
+
+    def _poll(self, store: dist.Store) -> None:
+        self._beat(store)
+        workers_changed = False
+        for _ in range(store.queue_len(INBOX)):
+            raw = store.queue_pop(INBOX, block=False)
+            try:
+                workers_changed |= self._take(store, parse_inbox(raw))
+            except ProtocolError as exc:
+                log.warning("controller: dropped a malformed inbox message: %s", exc)
+        keys = self.detector.heartbeat_keys()
+        if keys and not store.check(keys):  # a sender that broke protocol: multi_get would wait on it
+            keys = [key for key in keys if store.check([key])]
+        beats = {}
+        for key, raw in zip(keys, store.multi_get(keys) if keys else []):
+            try:
+                beats[key] = Heartbeat.from_json(raw)
+            except ProtocolError as exc:
+                log.warning("controller: malformed heartbeat under %s: %s", key, exc)
+        workers_changed |= self.detector.observe(beats, time.monotonic())
+        for failure in self.detector.check(time.monotonic(), time.time()):
+            self._report(store, failure)
+            workers_changed = True
+        if workers_changed:
+            self.record.workers(self.detector.workers())
+
+    def _take(self, store: dist.Store, msg: Message) -> bool:
+        """Hand one inbox message to the detector; True if workers.json changes."""
+        now, wall = time.monotonic(), time.time()
+        if isinstance(msg, NodeRegistration):
+            self.detector.node_joined(msg, now, wall)
+            self.record.event("node_joined", node=msg.node, pid=msg.pid, host=msg.host, ranks=list(msg.ranks))
+            log.info("controller: node %d joined (launcher pid %d on %s, ranks %s)", msg.node, msg.pid, msg.host,
+                     list(msg.ranks))
+        elif isinstance(msg, RankRegistration):
+            self.detector.rank_joined(msg, now)
+            self.record.event("rank_joined", rank=msg.rank, pid=msg.pid, host=msg.host, node=msg.node)
+        elif isinstance(msg, RankExit):
+            self.record.event("rank_exit", rank=msg.rank, node=msg.node, exitcode=msg.exitcode,
+                              exited_at=msg.exited_at, detail=describe_exit(msg.exitcode))
+            failure = self.detector.rank_exited(msg, wall)
+            if failure is not None:
+                self._report(store, failure)
+        elif isinstance(msg, RankFailureReport):
+            failure = self.detector.rank_reported(msg, wall)
+            if failure is not None:
+                self._report(store, failure)
+        elif isinstance(msg, NodeLeft):
+            self.detector.node_left(msg)
+            self.record.event("node_left", node=msg.node, left_at=msg.left_at)
+            return False
+        return True
+
+    def _report(self, store: dist.Store, failure: Failure) -> None:
+        """Record a failure, order the kill of failed ranks that may still run, and queue it."""
+        self.record.event("failure", **failure.to_record())
+        log.warning("controller: ranks %s failed (%s): %s; detected %.3f s after", list(failure.ranks),
+                    failure.cause.value, failure.detail, failure.detected_at - failure.failed_at)
+        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR):
+            for rank in failure.ranks:
+                store.queue_push(kill_orders_key(self.detector.node_of(rank)), str(rank))
+        self._failures.put(failure)

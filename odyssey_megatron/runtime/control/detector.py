@@ -1,0 +1,206 @@
+"""The fault detector's judgement, apart from any store or process: which ranks failed,
+seen how, and when.
+
+The controller feeds it what arrives (registrations, exits, failure reports, departures,
+heartbeats) with its own clocks and turns its verdicts into records and kill orders; being
+plain Python, every rule is unit-tested with made-up times. Ranks fail four ways:
+
+- **exit**: its launcher saw the process end (a clean exit, status 0, is no failure);
+- **error**: the worker reported an error of its own and can not go on;
+- **heartbeat**: its heartbeats stopped while its launcher lived on: hung (SIGSTOP, a
+  deadlock holding the GIL); its launcher kills it;
+- **node**: the launcher stopped beating: the node is lost with every rank on it.
+
+A rank's heartbeats and its launcher's stop together when a node dies, and the rank's
+may be seen to stop a poll earlier. So a silent rank counts as hung only once its
+launcher has beaten after the rank's deadline; until then the node may still turn out
+lost, and then all its ranks fail as one node failure.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from odyssey_megatron.runtime.protocol import (
+    Heartbeat,
+    HeartbeatWatch,
+    NodeLeft,
+    NodeRegistration,
+    RankExit,
+    RankFailureReport,
+    RankRegistration,
+    node_heartbeat_key,
+    rank_heartbeat_key,
+)
+
+__all__ = ["Cause", "Detector", "Failure", "describe_exit"]
+
+
+class Cause(str, Enum):
+    EXIT = "exit"
+    ERROR = "error"
+    HEARTBEAT = "heartbeat"
+    NODE = "node"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Ranks that failed together, seen one way; times are wall-clock seconds."""
+
+    cause: Cause
+    ranks: tuple[int, ...]
+    node: Optional[int]
+    """The lost node (cause ``node``), else None."""
+    failed_at: float
+    """Best estimate of the failure: the exit as its launcher saw it, the report, or the
+    last heartbeat sent (the sender's clock)."""
+    detected_at: float
+    detail: str
+
+    def to_record(self) -> dict:
+        return {"cause": self.cause.value, "ranks": list(self.ranks), "node": self.node, "failed_at": self.failed_at,
+                "detected_at": self.detected_at, "detail": self.detail}
+
+
+class _State(str, Enum):
+    STARTING = "starting"
+    """Announced by its launcher, not registered yet: no heartbeat to watch."""
+    ALIVE = "alive"
+    FAILED = "failed"
+    EXITED = "exited"
+    LEFT = "left"
+    """A node whose launcher finished after all its ranks exited."""
+
+
+@dataclass
+class _Rank:
+    node: int
+    state: _State = _State.STARTING
+    pid: Optional[int] = None
+    host: Optional[str] = None
+    generation: Optional[int] = None
+    watch: Optional[HeartbeatWatch] = None
+
+
+@dataclass
+class _Node:
+    ranks: tuple[int, ...]
+    pid: int
+    host: str
+    registered_at: float
+    watch: HeartbeatWatch
+    state: _State = _State.ALIVE
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode >= 0:
+        return f"exit status {exitcode}"
+    try:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"killed by signal {-exitcode}"
+
+
+class Detector:
+    """Every rank's and node's liveness; methods take the controller's monotonic ``now``
+    (heartbeat ages) and wall-clock ``wall`` (records)."""
+
+    def __init__(self, heartbeat_timeout: float):
+        self.heartbeat_timeout = heartbeat_timeout
+        self.ranks: dict[int, _Rank] = {}
+        self.nodes: dict[int, _Node] = {}
+
+    # -- what arrives in the inbox ---------------------------------------------------
+
+    def node_joined(self, msg: NodeRegistration, now: float, wall: float) -> None:
+        self.nodes[msg.node] = _Node(msg.ranks, msg.pid, msg.host, wall, HeartbeatWatch(self.heartbeat_timeout, now))
+        for rank in msg.ranks:
+            self.ranks[rank] = _Rank(node=msg.node)
+
+    def rank_joined(self, msg: RankRegistration, now: float) -> None:
+        rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))
+        rank.state, rank.pid, rank.host = _State.ALIVE, msg.pid, msg.host
+        rank.watch = HeartbeatWatch(self.heartbeat_timeout, now)
+
+    def rank_exited(self, msg: RankExit, wall: float) -> Optional[Failure]:
+        rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))
+        live = rank.state in (_State.STARTING, _State.ALIVE)
+        rank.state = _State.EXITED
+        if not live or msg.exitcode == 0:
+            return None
+        return Failure(Cause.EXIT, (msg.rank,), None, msg.exited_at, wall, describe_exit(msg.exitcode))
+
+    def rank_reported(self, msg: RankFailureReport, wall: float) -> Optional[Failure]:
+        rank = self.ranks.get(msg.rank)
+        if rank is None or rank.state not in (_State.STARTING, _State.ALIVE):
+            return None
+        rank.state = _State.FAILED
+        return Failure(Cause.ERROR, (msg.rank,), None, msg.reported_at, wall, msg.error)
+
+    def node_left(self, msg: NodeLeft) -> None:
+        if msg.node in self.nodes:
+            self.nodes[msg.node].state = _State.LEFT
+
+    # -- heartbeats ----------------------------------------------------------------------
+
+    def heartbeat_keys(self) -> list[str]:
+        """Keys of every watched heartbeat: live ranks and live nodes."""
+        ranks = [rank_heartbeat_key(r) for r, rank in self.ranks.items() if rank.state == _State.ALIVE]
+        return ranks + [node_heartbeat_key(n) for n, node in self.nodes.items() if node.state == _State.ALIVE]
+
+    def observe(self, beats: dict[str, Heartbeat], now: float) -> bool:
+        """Take in heartbeats read under ``heartbeat_keys``; True when a rank's plan generation changed."""
+        changed = False
+        for r, rank in self.ranks.items():
+            beat = beats.get(rank_heartbeat_key(r))
+            if beat is not None and rank.watch is not None:
+                rank.watch.see(beat, now)
+                changed |= beat.generation != rank.generation
+                rank.generation = beat.generation
+        for n, node in self.nodes.items():
+            beat = beats.get(node_heartbeat_key(n))
+            if beat is not None:
+                node.watch.see(beat, now)
+        return changed
+
+    def check(self, now: float, wall: float) -> list[Failure]:
+        """Failures by silence: one per lost node, then one for all ranks newly found hung."""
+        failures = []
+        for n, node in self.nodes.items():
+            if node.state == _State.ALIVE and node.watch.stale(now):
+                node.state = _State.FAILED
+                lost = tuple(r for r in node.ranks if self.ranks[r].state in (_State.STARTING, _State.ALIVE))
+                for r in lost:
+                    self.ranks[r].state = _State.FAILED
+                last = node.watch.last.sent_at if node.watch.last else node.registered_at
+                failures.append(Failure(Cause.NODE, lost, n, last, wall,
+                                        f"launcher pid {node.pid} on {node.host} silent for over "
+                                        f"{self.heartbeat_timeout} s"))
+        hung = [r for r, rank in self.ranks.items() if rank.state == _State.ALIVE and self._hung(rank, now)]
+        if hung:
+            for r in hung:
+                self.ranks[r].state = _State.FAILED
+            last = min(self.ranks[r].watch.last.sent_at if self.ranks[r].watch.last else wall for r in hung)
+            failures.append(Failure(Cause.HEARTBEAT, tuple(hung), None, last, wall,
+                                    f"no heartbeat for over {self.heartbeat_timeout} s while its launcher lived"))
+        return failures
+
+    def _hung(self, rank: _Rank, now: float) -> bool:
+        if not rank.watch.stale(now):
+            return False
+        node = self.nodes.get(rank.node)
+        return node is None or node.watch.changed_at > rank.watch.changed_at + self.heartbeat_timeout
+
+    # -- views ---------------------------------------------------------------------------
+
+    def node_of(self, rank: int) -> int:
+        return self.ranks[rank].node
+
+    def workers(self) -> dict[int, dict]:
+        """Rank -> pid, host, node, generation, state, for ``workers.json``."""
+        return {r: {"pid": rank.pid, "host": rank.host, "node": rank.node, "generation": rank.generation,
+                    "state": rank.state.value}
+                for r, rank in sorted(self.ranks.items())}

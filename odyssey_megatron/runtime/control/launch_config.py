@@ -1,0 +1,90 @@
+"""Where this node sits in the job, in torchrun's names: ``--nnodes``, ``--node-rank``,
+``--master-addr``, ``--master-port`` (or the ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT`` environment variables a scheduler sets) and ``--nproc-per-node``.
+
+A flag given wins over its environment variable, which wins over the default; an error
+names whichever of the two the bad value came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from odyssey_megatron import limits
+from odyssey_megatron.errors import ConfigError
+
+__all__ = ["LAUNCH_FLAGS", "LaunchConfig"]
+
+LAUNCH_FLAGS = {
+    "nnodes": ("--nnodes", "NNODES"),
+    "node_rank": ("--node-rank", "NODE_RANK"),
+    "master_addr": ("--master-addr", "MASTER_ADDR"),
+    "master_port": ("--master-port", "MASTER_PORT"),
+    "nproc_per_node": ("--nproc-per-node", None),
+}
+"""Field -> (flag, environment variable or None)."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    nnodes: int = 1
+    node_rank: int = 0
+    """This node, 0 .. nnodes-1; node 0 also runs the controller."""
+    master_addr: str = "127.0.0.1"
+    """Where node 0's controller hosts the store: the only address it binds (loopback by default)."""
+    master_port: int = 0
+    """The store's port; 0 lets node 0 pick a free one (one node only: the others could not know it)."""
+    nproc_per_node: int = 1
+    """Worker processes this node starts (one per device)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def ranks(self) -> range:
+        """This node's ranks: ``node_rank * nproc_per_node`` onwards."""
+        return range(self.node_rank * self.nproc_per_node, (self.node_rank + 1) * self.nproc_per_node)
+
+    @classmethod
+    def resolve(cls, flags: Mapping[str, Optional[str]], environ: Mapping[str, str]) -> "LaunchConfig":
+        """From flag values as typed (``flags[field]``, None or absent when not given) and the environment."""
+        values, sources = {}, {}
+        for name, (flag, env) in LAUNCH_FLAGS.items():
+            if flags.get(name) is not None:
+                values[name], sources[name] = flags[name], flag
+            elif env is not None and env in environ:
+                values[name], sources[name] = environ[env], env
+            else:
+                sources[name] = flag
+
+        def integer(name: str, low: int, high: int) -> int:
+            text = values[name]
+            try:
+                value = int(text)
+            except ValueError:
+                raise ConfigError(sources[name], f"must be an integer; got {text!r}") from None
+            if not low <= value <= high:
+                raise ConfigError(sources[name], f"must lie in {low}..{high}; got {value}")
+            return value
+
+        fields = {}
+        if "nnodes" in values:
+            fields["nnodes"] = integer("nnodes", 1, limits.MAX_WORKERS)
+        nnodes = fields.get("nnodes", cls.nnodes)
+        if "node_rank" in values:
+            fields["node_rank"] = integer("node_rank", 0, nnodes - 1)
+        if "nproc_per_node" in values:
+            fields["nproc_per_node"] = integer("nproc_per_node", 1, limits.MAX_DEVICES_PER_NODE)
+        if "master_port" in values:
+            fields["master_port"] = integer("master_port", 0, 65535)
+        if "master_addr" in values:
+            addr = values["master_addr"]
+            if not addr or any(c.isspace() for c in addr):
+                raise ConfigError(sources["master_addr"], f"must be a host name or IP address; got {addr!r}")
+            fields["master_addr"] = addr
+        if nnodes > 1 and fields.get("master_port", 0) == 0:
+            raise ConfigError(sources["master_port"], f"must name a port (not 0) when there are {nnodes} nodes: "
+                                                      "the others cannot learn one that node 0 picks")
+        return cls(**fields)

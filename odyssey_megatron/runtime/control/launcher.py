@@ -1,0 +1,150 @@
+"""The node launcher: starts this node's worker processes and reports on them; unlike
+torchrun it never kills survivors when one dies and restarts nothing by itself.
+
+It waits on the workers' process sentinels, so an exit is seen at once and reported to the
+controller's inbox. Twice per heartbeat interval it also beats for the node (its silence is
+how the controller learns the node is lost), kills the ranks the controller ordered killed
+(hung or failed: a failed worker never comes back into a collective), and reads the
+controller's heartbeat: when that stops, or the store is gone, it kills its workers and
+exits, within the heartbeat timeout. Its workers die with it when it is killed (see
+``runtime.rank.controller_link``), so a lost node leaves no orphans either.
+
+Workers start with multiprocessing's spawn, from the launcher's main thread (the kernel's
+parent-death signal follows the thread that started a child).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from odyssey_megatron.runtime.control.detector import describe_exit
+from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+from odyssey_megatron.runtime.protocol import (
+    CONTROLLER_HEARTBEAT,
+    EXIT_CONTROLLER_LOST,
+    INBOX,
+    Heartbeat,
+    HeartbeatWatch,
+    NodeLeft,
+    NodeRegistration,
+    ProtocolError,
+    RankExit,
+    Timeouts,
+    WorkerLaunch,
+    kill_orders_key,
+    node_heartbeat_key,
+)
+
+__all__ = ["NodeLauncher"]
+
+log = logging.getLogger(__name__)
+
+
+class _ControllerLost(Exception):
+    pass
+
+
+class NodeLauncher:
+    """One node's launcher; ``run`` returns its exit status: 0 once every worker has
+    exited, ``EXIT_CONTROLLER_LOST`` if the controller went away first."""
+
+    config: LaunchConfig
+    timeouts: Timeouts
+    target: Callable[[WorkerLaunch], None]
+    """The worker's main function, importable by name (spawn pickles it by reference)."""
+
+    def __init__(self, config: LaunchConfig, *, timeouts: Timeouts, target: Callable[[WorkerLaunch], None]):
+        self.config, self.timeouts, self.target = config, timeouts, target
+        self._workers: dict[int, multiprocessing.Process] = {}
+        self._seq = 0
+
+    def run(self) -> int:
+        node = self.config.node_rank
+        try:
+            # A launcher may start before node 0's controller: wait for it up to the recovery timeout.
+            store = dist.TCPStore(self.config.master_addr, self.config.master_port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout))
+            store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
+            self._beat(store)
+            store.queue_push(INBOX, NodeRegistration(node, os.getpid(), socket.gethostname(),
+                                                     tuple(self.config.ranks)).to_json())
+            self._start_workers()
+            self._watch(store)
+        except (dist.DistError, ProtocolError, _ControllerLost) as exc:
+            log.error("node %d: lost the controller (%s); stopping its workers", node, str(exc).splitlines()[0])
+            return EXIT_CONTROLLER_LOST
+        finally:
+            self._kill_all()
+        store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
+        log.info("node %d: all workers exited", node)
+        return 0
+
+    def _start_workers(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        for local_rank, rank in enumerate(self.config.ranks):
+            launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
+                                  world_size=self.config.world_size, store_host=self.config.master_addr,
+                                  store_port=self.config.master_port, launcher_pid=os.getpid(),
+                                  timeouts=self.timeouts)
+            process = context.Process(target=self.target, args=(launch,), name=f"odyssey-rank{rank}")
+            process.start()
+            self._workers[rank] = process
+            log.info("node %d: started rank %d (pid %d)", self.config.node_rank, rank, process.pid)
+
+    def _watch(self, store: dist.Store) -> None:
+        """Until every worker has exited: report exits at once, poll the store meanwhile."""
+        controller = HeartbeatWatch(self.timeouts.heartbeat_timeout, time.monotonic())
+        next_poll = next_beat = time.monotonic()
+        while self._workers:
+            by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
+            ready = multiprocessing.connection.wait(list(by_sentinel), timeout=max(0.0, next_poll - time.monotonic()))
+            for sentinel in ready:
+                self._reap(store, by_sentinel[sentinel])
+            now = time.monotonic()
+            if now < next_poll:
+                continue
+            next_poll = max(next_poll + self.timeouts.poll_interval, now)
+            if now >= next_beat:
+                self._beat(store)
+                next_beat = max(next_beat + self.timeouts.heartbeat_interval, now)
+            controller.see(Heartbeat.from_json(store.get(CONTROLLER_HEARTBEAT)), now)
+            if controller.stale(now):
+                raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.heartbeat_timeout} s")
+            orders = kill_orders_key(self.config.node_rank)
+            for _ in range(store.queue_len(orders)):
+                self._kill(int(store.queue_pop(orders, block=False)))
+
+    def _reap(self, store: dist.Store, rank: int) -> None:
+        process = self._workers.pop(rank)
+        process.join()
+        exited_at = time.time()
+        store.queue_push(INBOX, RankExit(rank, self.config.node_rank, process.exitcode, exited_at).to_json())
+        log.log(logging.INFO if process.exitcode == 0 else logging.WARNING, "node %d: rank %d (pid %d) exited: %s",
+                self.config.node_rank, rank, process.pid, describe_exit(process.exitcode))
+
+    def _kill(self, rank: int) -> None:
+        process = self._workers.get(rank)
+        if process is not None:
+            log.warning("node %d: killing rank %d (pid %d) on the controller's order", self.config.node_rank, rank,
+                        process.pid)
+            process.kill()
+
+    def _kill_all(self) -> None:
+        for process in self._workers.values():
+            process.kill()
+        for process in self._workers.values():
+            process.join()
+        self._workers.clear()
+
+    def _beat(self, store: dist.Store) -> None:
+        store.set(node_heartbeat_key(self.config.node_rank), Heartbeat(self._seq, time.time()).to_json())
+        self._seq += 1

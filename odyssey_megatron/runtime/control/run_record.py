@@ -1,0 +1,39 @@
+"""The live part of a run directory, written by the controller while the run goes on:
+``events.jsonl`` (one JSON object per line: joins, failures, exits, plans),
+``workers.json`` (rank -> pid, host, node, generation, state; rewritten whenever one
+changes, so operators and tests can find a worker) and ``plan-<generation>.json``.
+The controller's polling thread and its owner both write; a lock keeps lines whole."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.run_dir import append_jsonl, write_json
+
+__all__ = ["RunRecord"]
+
+
+class RunRecord:
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.events_path = self.directory / "events.jsonl"
+        self.workers_path = self.directory / "workers.json"
+        self._lock = threading.Lock()
+
+    def event(self, event: str, **fields: Any) -> None:
+        """Append one event, stamped with the wall-clock ``time`` it was recorded."""
+        with self._lock:
+            append_jsonl(self.events_path, {"event": event, "time": time.time(), **fields})
+
+    def workers(self, table: dict[int, dict]) -> None:
+        with self._lock:
+            write_json(self.workers_path, {str(rank): row for rank, row in table.items()})
+
+    def plan(self, plan: ExecutionPlan) -> None:
+        with self._lock:
+            write_json(self.directory / f"plan-{plan.generation}.json", plan.to_dict())

@@ -1,0 +1,313 @@
+"""What a worker and the processes that outlive it agree on, and nothing else: the store
+keys, the JSON messages and the timeouts with their order.
+
+The rank side (``runtime.rank``) and the control side (``runtime.control``) import this
+module and never each other. Everything crosses the controller's TCPStore as JSON (never
+pickle: a store is a network service). Senders stamp messages with their wall clock;
+receivers judge liveness on their own monotonic clock, by watching a heartbeat's sequence
+number change (``HeartbeatWatch``), so clock skew between nodes never fails a worker.
+
+A *rank* here is a worker process's rank fixed at launch (``node * nproc_per_node +
+local_rank``); plan worker ``w`` (a TP group) is ranks ``w*TP .. w*TP+TP-1``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Optional
+
+from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.plan import ExecutionPlan
+
+__all__ = [
+    "CONTROLLER_HEARTBEAT",
+    "EXIT_CONTROLLER_LOST",
+    "INBOX",
+    "TIMEOUT_ORDER",
+    "Heartbeat",
+    "HeartbeatWatch",
+    "Message",
+    "NodeLeft",
+    "NodeRegistration",
+    "PlanPublished",
+    "ProtocolError",
+    "RankExit",
+    "RankFailureReport",
+    "RankRegistration",
+    "StaleGenerationError",
+    "Timeouts",
+    "WorkerLaunch",
+    "generation_prefix",
+    "kill_orders_key",
+    "node_heartbeat_key",
+    "parse_inbox",
+    "plan_key",
+    "rank_heartbeat_key",
+]
+
+# -- timeouts ------------------------------------------------------------------------
+
+TIMEOUT_ORDER = ("heartbeat_interval", "heartbeat_timeout", "collective_timeout", "recovery_timeout")
+"""Shortest first, each strictly shorter than the next. Several beats may be lost before a
+peer counts as gone; a hung peer is named by its missed heartbeats before the survivors'
+collectives time out on their own; and a recovery, which waits on collectives (group
+init, transfers), sees a stuck one fail inside its own window, so the decision can restart
+with the new survivors instead of the whole recovery timing out."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The recipe's ``odyssey.`` timeouts in seconds (documented there), checked for order."""
+
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    collective_timeout: float
+    recovery_timeout: float
+
+    def __post_init__(self) -> None:
+        for shorter, longer in zip(TIMEOUT_ORDER, TIMEOUT_ORDER[1:]):
+            a, b = getattr(self, shorter), getattr(self, longer)
+            if not a < b:
+                raise ConfigError(
+                    f"odyssey.{longer}",
+                    f"must be greater than odyssey.{shorter} ({a}); got {b} (the order is {' < '.join(TIMEOUT_ORDER)})",
+                )
+
+    @property
+    def poll_interval(self) -> float:
+        """How often a receiver looks at heartbeats and queues: twice per beat, so a change
+        is seen within half a period."""
+        return self.heartbeat_interval / 2
+
+
+# -- store keys ----------------------------------------------------------------------
+
+INBOX = "control/inbox"
+"""Queue of registrations, exits, failure reports and departures, read by the controller only."""
+CONTROLLER_HEARTBEAT = "heartbeat/controller"
+
+
+def rank_heartbeat_key(rank: int) -> str:
+    return f"heartbeat/rank/{rank}"
+
+
+def node_heartbeat_key(node: int) -> str:
+    return f"heartbeat/node/{node}"
+
+
+def kill_orders_key(node: int) -> str:
+    """Queue of ranks the controller declared failed and node ``node``'s launcher must kill."""
+    return f"control/kill/node/{node}"
+
+
+def generation_prefix(generation: int) -> str:
+    """Every key of one plan generation lives under this prefix (process groups too, through
+    a ``PrefixStore``), so nothing of an aborted generation is read by the next."""
+    return f"gen{generation}/"
+
+
+def plan_key(generation: int) -> str:
+    return generation_prefix(generation) + "plan"
+
+
+EXIT_CONTROLLER_LOST = 75
+"""Exit status of a worker or launcher that lost its controller (EX_TEMPFAIL)."""
+
+# -- messages ------------------------------------------------------------------------
+
+
+class ProtocolError(ValueError):
+    """A message that is not valid JSON of the expected kind and fields."""
+
+
+class StaleGenerationError(ProtocolError):
+    """A plan that is not newer than the one its reader (or publisher) already has."""
+
+
+def _conforms(value: Any, annotation: str) -> bool:
+    optional = annotation.startswith("Optional[")
+    base = annotation.removeprefix("Optional[").removesuffix("]") if optional else annotation
+    if value is None:
+        return optional
+    if base == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if base == "str":
+        return isinstance(value, str)
+    if base == "tuple[int, ...]":
+        return isinstance(value, (list, tuple)) and all(_conforms(v, "int") for v in value)
+    raise TypeError(f"no JSON check for {annotation}")
+
+
+class Message:
+    """A JSON message: a ``kind`` tag plus the dataclass fields, each type-checked on parse."""
+
+    KIND: ClassVar[str]
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.KIND, **asdict(self)}, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("kind") != cls.KIND:
+            raise ProtocolError(f"expected a {cls.KIND!r} message; got {str(data)[:200]}")
+        values = {}
+        for f in fields(cls):
+            if f.name not in data or not _conforms(data[f.name], f.type):
+                raise ProtocolError(f"{cls.KIND} message: field {f.name!r} must be {f.type}; got {data.get(f.name)!r}")
+            values[f.name] = tuple(data[f.name]) if f.type == "tuple[int, ...]" else data[f.name]
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Any:
+        return cls.from_dict(_loads(text))
+
+
+def _loads(text: str | bytes) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"not a JSON message: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Written over the sender's heartbeat key every ``heartbeat_interval``."""
+
+    KIND = "heartbeat"
+    seq: int
+    sent_at: float
+    generation: Optional[int] = None
+    """The plan generation a worker runs; None before its first plan and for launchers and the controller."""
+
+
+@dataclass(frozen=True)
+class RankRegistration(Message):
+    """A worker process announcing itself, after its first heartbeat is in the store."""
+
+    KIND = "register_rank"
+    rank: int
+    pid: int
+    host: str
+    node: int
+
+
+@dataclass(frozen=True)
+class NodeRegistration(Message):
+    """A node launcher announcing itself and the ranks it will start, after its first heartbeat."""
+
+    KIND = "register_node"
+    node: int
+    pid: int
+    host: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankExit(Message):
+    """A launcher saw a worker process end; ``exitcode`` < 0 is the killing signal, negated."""
+
+    KIND = "rank_exit"
+    rank: int
+    node: int
+    exitcode: int
+    exited_at: float
+
+
+@dataclass(frozen=True)
+class RankFailureReport(Message):
+    """A worker that cannot go on (an error of its own) names itself failed; its launcher
+    then kills it on the controller's order."""
+
+    KIND = "rank_failure"
+    rank: int
+    generation: Optional[int]
+    error: str
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class NodeLeft(Message):
+    """A launcher whose workers have all exited leaves; its silence is then no node failure."""
+
+    KIND = "node_left"
+    node: int
+    left_at: float
+
+
+_INBOX_KINDS = {cls.KIND: cls for cls in (RankRegistration, NodeRegistration, RankExit, RankFailureReport, NodeLeft)}
+
+
+def parse_inbox(text: str | bytes) -> Message:
+    """One message from ``INBOX``, of whichever kind it is."""
+    data = _loads(text)
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in _INBOX_KINDS:
+        raise ProtocolError(f"unknown inbox message kind {kind!r}; expected one of {', '.join(_INBOX_KINDS)}")
+    return _INBOX_KINDS[kind].from_dict(data)
+
+
+@dataclass(frozen=True)
+class PlanPublished:
+    """A plan under ``plan_key(plan.generation)``; generations are published one after another."""
+
+    plan: ExecutionPlan
+    published_at: float
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "plan", "published_at": self.published_at, "plan": self.plan.to_dict()},
+                          allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, current_generation: int) -> "PlanPublished":
+        """Parse, refusing a plan not newer than ``current_generation`` (the reader's; -1 before any)."""
+        data = _loads(text)
+        if not isinstance(data, dict) or data.get("kind") != "plan" or not _conforms(data.get("published_at"), "float"):
+            raise ProtocolError(f"expected a 'plan' message with published_at; got {str(data)[:200]}")
+        try:
+            plan = ExecutionPlan.from_dict(data["plan"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"plan message: malformed plan: {exc!r}") from None
+        if plan.generation <= current_generation:
+            raise StaleGenerationError(f"plan generation {plan.generation} is stale: generation {current_generation} "
+                                       "is already running")
+        return cls(plan=plan, published_at=data["published_at"])
+
+
+# -- liveness ------------------------------------------------------------------------
+
+
+@dataclass
+class HeartbeatWatch:
+    """One receiver's view of one sender: when (receiver's monotonic clock) the sender's
+    sequence number last changed. Stale once it has not changed for ``timeout`` seconds."""
+
+    timeout: float
+    changed_at: float
+    """Monotonic time of the last change; the start of watching counts as one."""
+    last: Optional[Heartbeat] = None
+
+    def see(self, beat: Heartbeat, now: float) -> None:
+        if self.last is None or beat.seq != self.last.seq:
+            self.last = beat
+            self.changed_at = now
+
+    def stale(self, now: float) -> bool:
+        return now - self.changed_at > self.timeout
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What a launcher hands a worker process it starts (pickled by multiprocessing, locally)."""
+
+    rank: int
+    local_rank: int
+    node: int
+    world_size: int
+    store_host: str
+    store_port: int
+    launcher_pid: int
+    timeouts: Timeouts

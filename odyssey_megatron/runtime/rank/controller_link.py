@@ -1,0 +1,126 @@
+"""A worker's tie to the controller: registration, heartbeats, failure reports, plans.
+
+The heartbeat runs on a daemon thread with its own store connection, so it beats while the
+training thread computes or sits in a collective. Each beat also reads the controller's
+heartbeat; when that stops changing for ``heartbeat_timeout``, or the store connection
+breaks, the controller is gone and the thread ends the process at once (``os._exit``:
+the training thread may be blocked where no exception reaches it). On Linux the worker
+also asks the kernel for SIGKILL when its launcher dies, so a lost node leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.protocol import (
+    CONTROLLER_HEARTBEAT,
+    EXIT_CONTROLLER_LOST,
+    INBOX,
+    Heartbeat,
+    HeartbeatWatch,
+    PlanPublished,
+    ProtocolError,
+    RankFailureReport,
+    RankRegistration,
+    WorkerLaunch,
+    plan_key,
+    rank_heartbeat_key,
+)
+
+__all__ = ["ControllerLink"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its launcher dies (Linux; elsewhere a
+    worker of a killed launcher lives until the controller goes)."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher_pid:  # the launcher died before the tie was made
+        os._exit(EXIT_CONTROLLER_LOST)
+
+
+class ControllerLink:
+    """Construct in the worker process with what its launcher handed it; ``start`` once,
+    before anything else talks to the controller."""
+
+    launch: WorkerLaunch
+    store: dist.TCPStore
+    """The worker's main connection (registration, reports, plans); waits up to the recovery timeout."""
+    generation: Optional[int]
+    """The plan generation the worker runs, sent with every heartbeat; set it on adopting a plan."""
+
+    def __init__(self, launch: WorkerLaunch):
+        self.launch = launch
+        self.generation = None
+        self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
+        self._beats = self.store.clone()
+        self._beats.set_timeout(datetime.timedelta(seconds=launch.timeouts.heartbeat_timeout))
+        self._seq = 0
+        self._thread = threading.Thread(target=self._beat_loop, name="odyssey-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Tie to the launcher, register (after a first heartbeat, so the controller finds
+        one) and start beating."""
+        _die_with_launcher(self.launch.launcher_pid)
+        self._beat(self.store)  # on the registration's connection, so the store has it first
+        self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
+                                                      self.launch.node).to_json())
+        self._thread.start()
+
+    def report_failure(self, error: str) -> None:
+        """Name this worker failed by an error of its own; its launcher then kills it."""
+        report = RankFailureReport(self.launch.rank, self.generation, error, time.time())
+        self.store.queue_push(INBOX, report.to_json())
+
+    def wait_plan(self, *, newer_than: int) -> ExecutionPlan:
+        """Wait (up to the recovery timeout) for plan generation ``newer_than + 1`` and
+        return it; a message carrying an older generation is refused (StaleGenerationError)."""
+        key = plan_key(newer_than + 1)
+        self.store.wait([key])
+        return PlanPublished.from_json(self.store.get(key), current_generation=newer_than).plan
+
+    def _beat(self, store: dist.Store) -> None:
+        beat = Heartbeat(self._seq, time.time(), self.generation)
+        store.set(rank_heartbeat_key(self.launch.rank), beat.to_json())
+        self._seq += 1
+
+    def _beat_loop(self) -> None:
+        timeouts = self.launch.timeouts
+        controller = HeartbeatWatch(timeouts.heartbeat_timeout, time.monotonic())
+        next_beat = time.monotonic() + timeouts.heartbeat_interval
+        while True:  # until the process ends; a clean exit is reported by the launcher
+            time.sleep(max(0.0, next_beat - time.monotonic()))
+            next_beat = max(next_beat + timeouts.heartbeat_interval, time.monotonic())
+            try:
+                self._beat(self._beats)
+                controller.see(Heartbeat.from_json(self._beats.get(CONTROLLER_HEARTBEAT)), time.monotonic())
+            except (dist.DistError, ProtocolError) as exc:
+                self._controller_lost(f"store unreachable: {str(exc).splitlines()[0]}")
+            if controller.stale(time.monotonic()):
+                self._controller_lost(f"no controller heartbeat for over {timeouts.heartbeat_timeout} s")
+
+    def _controller_lost(self, why: str) -> None:
+        log.error("rank %d: controller lost (%s); exiting", self.launch.rank, why)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_CONTROLLER_LOST)

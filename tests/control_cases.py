@@ -1,0 +1,150 @@
+"""Scaffolding for the control-side tests: a controller process, one launcher process per
+"node" and workers that register, heartbeat, adopt the published plan and then wait, all
+with the real classes; tests see them the way an operator does, through ``workers.json``
+and ``events.jsonl``. Spawned processes import this module, so it imports only what they
+need (torch comes with the store)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.runtime.control.controller import Controller
+from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+from odyssey_megatron.runtime.control.launcher import NodeLauncher
+from odyssey_megatron.runtime.protocol import Timeouts, WorkerLaunch
+from odyssey_megatron.runtime.rank.controller_link import ControllerLink
+
+LIFETIME_S = 120
+"""Every process of a cluster ends by itself after this, should a test fail to end it."""
+
+
+def _log_to_stderr(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s: %(message)s")
+
+
+def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None) -> None:
+    """Register, heartbeat, adopt plan generation 0, then wait; ``reporting_rank`` reports
+    an error of its own instead and hangs."""
+    _log_to_stderr(f"rank {launch.rank}")
+    link = ControllerLink(launch)
+    link.start()
+    link.generation = link.wait_plan(newer_than=-1).generation
+    if launch.rank == reporting_rank:
+        link.report_failure("RuntimeError: injected")
+    time.sleep(LIFETIME_S)
+
+
+def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str, port_out: multiprocessing.Queue) -> None:
+    _log_to_stderr("controller")
+    controller = Controller(host="127.0.0.1", port=0, timeouts=timeouts, run_dir=run_dir)
+    controller.start()
+    controller.publish_plan(ExecutionPlan.from_json(plan_json))
+    port_out.put(controller.port)
+    time.sleep(LIFETIME_S)
+
+
+def _launcher_main(config: LaunchConfig, timeouts: Timeouts, target: Callable[[WorkerLaunch], None]) -> None:
+    _log_to_stderr(f"launcher {config.node_rank}")
+    sys.exit(NodeLauncher(config, timeouts=timeouts, target=target).run())
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state (R, S, T stopped, Z zombie...), None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def alive(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z", "X")
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.01) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not within {timeout} s")
+
+
+class LocalCluster:
+    """A controller and ``nodes`` launchers of ``per_node`` workers on this machine,
+    started by ``with`` and every process of it killed on leaving."""
+
+    def __init__(self, run_dir: Path, *, nodes: int, per_node: int, timeouts: Timeouts,
+                 reporting_rank: int | None = None):
+        self.run_dir, self.nodes, self.per_node, self.timeouts = run_dir, nodes, per_node, timeouts
+        self.target = partial(idle_worker, reporting_rank=reporting_rank)
+        self.controller: multiprocessing.Process | None = None
+        self.launchers: list[multiprocessing.Process] = []
+
+    def __enter__(self) -> "LocalCluster":
+        context = multiprocessing.get_context("spawn")
+        port_out = context.Queue()
+        workers = range(self.nodes * self.per_node)  # data parallel over every rank, one micro-batch each
+        plan = ExecutionPlan(generation=0, policy="initial", num_layers=2, tensor_parallel_size=1,
+                             pipelines=tuple(PipelinePlan((StagePlan(w, (0, 2)),), (w,)) for w in workers))
+        self.controller = context.Process(target=_controller_main,
+                                          args=(self.run_dir, self.timeouts, plan.to_json(), port_out))
+        self.controller.start()
+        try:
+            port = port_out.get(timeout=60)
+            for node in range(self.nodes):
+                flags = {"nnodes": str(self.nodes), "node_rank": str(node), "master_port": str(port),
+                         "nproc_per_node": str(self.per_node)}
+                config = LaunchConfig.resolve(flags, environ={})
+                launcher = context.Process(target=_launcher_main, args=(config, self.timeouts, self.target))
+                launcher.start()
+                self.launchers.append(launcher)
+            wait_for(self._ready, timeout=60, what="every worker registered and, unless failed, running generation 0")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        workers = self.workers()
+        for process in [self.controller, *self.launchers]:
+            if process is not None and process.is_alive():
+                process.kill()
+            if process is not None:
+                process.join(timeout=10)
+        for row in workers.values():  # a worker outlives its launcher only if the test failed
+            if row["pid"] is not None and alive(row["pid"]):
+                os.kill(row["pid"], signal.SIGKILL)
+
+    def _ready(self) -> bool:
+        workers = self.workers()
+        return (len(workers) == self.nodes * self.per_node
+                and all(w["pid"] is not None for w in workers.values())
+                and all(w["generation"] == 0 for w in workers.values() if w["state"] == "alive"))
+
+    def workers(self) -> dict[int, dict]:
+        path = self.run_dir / "workers.json"
+        return {int(rank): row for rank, row in json.loads(path.read_text()).items()} if path.exists() else {}
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # a line still being written has no \n
+        records = [json.loads(line) for line in lines]
+        return [r for r in records if kind is None or r["event"] == kind]
+
+    def wait_event(self, kind: str, *, timeout: float, **match: Any) -> dict:
+        def found():
+            return next((e for e in self.events(kind) if all(e.get(k) == v for k, v in match.items())), None)
+
+        return wait_for(found, timeout=timeout, what=f"a {kind} event with {match}")

@@ -1,0 +1,318 @@
+"""The control side of the live runtime (issue 16): launcher, controller, fault detector and
+the protocol they share with workers.
+
+With real processes (a controller, launchers, workers that register, heartbeat and adopt
+the published plan) the invariants are: a failure is reported once, with the right ranks
+and the way it was seen, and within its bound (an exit at once, a hang or a lost node
+within the heartbeat timeout plus polling slack); survivors are never touched; and nothing
+outlives a lost controller or launcher. The detector's rules are also checked alone with
+made-up times. Latencies use the recipe's default timeouts (100 ms beats, 1 s timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import time
+import pytest
+import torch.distributed as dist
+
+from control_cases import LocalCluster, alive, process_state, wait_for
+from odyssey_megatron.config import ConfigError, OdysseyConfig
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.runtime.control.controller import Controller
+from odyssey_megatron.runtime.control.detector import Cause, Detector
+from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+from odyssey_megatron.runtime.protocol import (
+    EXIT_CONTROLLER_LOST,
+    INBOX,
+    Heartbeat,
+    NodeLeft,
+    NodeRegistration,
+    PlanPublished,
+    ProtocolError,
+    RankExit,
+    RankFailureReport,
+    RankRegistration,
+    StaleGenerationError,
+    Timeouts,
+    WorkerLaunch,
+    kill_orders_key,
+    node_heartbeat_key,
+    parse_inbox,
+    plan_key,
+    rank_heartbeat_key,
+)
+from odyssey_megatron.runtime.rank.controller_link import ControllerLink
+
+TIMEOUTS = OdysseyConfig().timeouts
+SLACK_S = 1.0
+"""Polling (half a beat each at the controller and the launcher) plus scheduling on a
+loaded 2-core machine."""
+_SILENCE_NOTICED = TIMEOUTS.heartbeat_timeout - TIMEOUTS.heartbeat_interval
+"""The earliest a silence can be noticed after a failure: the timeout runs from the last
+beat seen, which may precede the failure by up to one interval."""
+
+
+def _plan(generation: int) -> ExecutionPlan:
+    return ExecutionPlan(generation=generation, policy="initial", num_layers=2, tensor_parallel_size=1,
+                         pipelines=(PipelinePlan((StagePlan(0, (0, 2)),), (0,)),))
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_is_reported_as_exited_at_once_and_the_others_are_untouched(tmp_path):
+    with LocalCluster(tmp_path, nodes=1, per_node=4, timeouts=TIMEOUTS) as cluster:
+        before = cluster.workers()
+        killed_at = time.time()
+        os.kill(before[2]["pid"], signal.SIGKILL)
+        failure = cluster.wait_event("failure", timeout=10)
+        latency = failure["detected_at"] - killed_at
+        print(f"SIGKILL -> detected: {latency * 1000:.0f} ms")
+        assert (failure["cause"], failure["ranks"], failure["detail"]) == ("exit", [2], "killed by SIGKILL")
+        assert latency < TIMEOUTS.heartbeat_timeout  # the launcher saw the exit; no heartbeat had to be missed
+        time.sleep(2 * TIMEOUTS.heartbeat_timeout)  # long enough for any wrong verdict on the survivors
+        assert len(cluster.events("failure")) == 1
+        after = cluster.workers()
+        assert after[2]["state"] == "exited"
+        for rank in (0, 1, 3):
+            assert after[rank] == before[rank] and alive(before[rank]["pid"])
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_reporting_an_error_and_a_stopped_one_are_failed_and_killed_by_their_launcher(tmp_path):
+    with LocalCluster(tmp_path, nodes=1, per_node=3, timeouts=TIMEOUTS, reporting_rank=2) as cluster:
+        error = cluster.wait_event("failure", timeout=10)
+        assert (error["cause"], error["ranks"], error["detail"]) == ("error", [2], "RuntimeError: injected")
+        assert cluster.wait_event("rank_exit", timeout=5, rank=2)["detail"] == "killed by SIGKILL"
+
+        pid = cluster.workers()[1]["pid"]
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        hang = cluster.wait_event("failure", timeout=10, cause="heartbeat")
+        latency = hang["detected_at"] - stopped_at
+        print(f"SIGSTOP -> detected: {latency * 1000:.0f} ms")
+        assert hang["ranks"] == [1]
+        assert _SILENCE_NOTICED <= latency < TIMEOUTS.heartbeat_timeout + SLACK_S
+        killed = cluster.wait_event("rank_exit", timeout=5, rank=1)
+        assert killed["detail"] == "killed by SIGKILL" and process_state(pid) is None  # killed and reaped
+        assert len(cluster.events("failure")) == 2 and alive(cluster.workers()[0]["pid"])
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_launcher_is_one_node_failure_and_a_lost_controller_takes_everything_down(tmp_path):
+    with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=TIMEOUTS) as cluster:
+        workers = cluster.workers()
+        killed_at = time.time()
+        cluster.launchers[1].kill()
+        wait_for(lambda: not alive(workers[2]["pid"]) and not alive(workers[3]["pid"]), timeout=SLACK_S,
+                 what="node 1's workers die with their launcher")
+        failure = cluster.wait_event("failure", timeout=10)
+        latency = failure["detected_at"] - killed_at
+        print(f"launcher SIGKILL -> node failure detected: {latency * 1000:.0f} ms")
+        assert (failure["cause"], failure["node"], failure["ranks"]) == ("node", 1, [2, 3])
+        assert _SILENCE_NOTICED <= latency < TIMEOUTS.heartbeat_timeout + SLACK_S
+        time.sleep(TIMEOUTS.heartbeat_timeout)
+        assert len(cluster.events("failure")) == 1
+        assert alive(workers[0]["pid"]) and alive(workers[1]["pid"]) and cluster.launchers[0].is_alive()
+
+        killed_at = time.monotonic()
+        cluster.controller.kill()
+        wait_for(lambda: not alive(workers[0]["pid"]) and not alive(workers[1]["pid"]),
+                 timeout=TIMEOUTS.heartbeat_timeout, what="node 0's workers gone")
+        workers_gone = time.monotonic() - killed_at
+        # The launcher stops its workers as fast, then exits: Python takes about a second to
+        # unload torch here.
+        wait_for(lambda: not cluster.launchers[0].is_alive(), timeout=5, what="node 0's launcher gone")
+        print(f"controller SIGKILL -> workers gone: {workers_gone * 1000:.0f} ms, "
+              f"launcher gone: {(time.monotonic() - killed_at) * 1000:.0f} ms")
+        assert cluster.launchers[0].exitcode == EXIT_CONTROLLER_LOST
+
+
+# -- the store and plans, in this process -----------------------------------------------
+
+
+def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
+    launch = WorkerLaunch(rank=0, local_rank=0, node=0, world_size=1, store_host="127.0.0.1",
+                          store_port=controller.port, launcher_pid=os.getpid(), timeouts=TIMEOUTS)
+    link = ControllerLink(launch)  # not started: no registration, no heartbeat thread
+    controller.publish_plan(_plan(0))
+    assert link.wait_plan(newer_than=-1) == _plan(0)
+    with pytest.raises(StaleGenerationError, match="generation 0 is stale"):
+        controller.publish_plan(_plan(0))
+    with pytest.raises(StaleGenerationError, match="generation 2 is not the next one"):
+        controller.publish_plan(_plan(2))
+    controller.publish_plan(_plan(1))
+    assert link.wait_plan(newer_than=0) == _plan(1)
+    # A message under the next generation's key that carries an old plan: the worker refuses it.
+    controller.store.set(plan_key(2), PlanPublished(_plan(1), time.time()).to_json())
+    with pytest.raises(StaleGenerationError, match="plan generation 1 is stale: generation 1 is already running"):
+        link.wait_plan(newer_than=1)
+    assert sorted(p.name for p in tmp_path.glob("plan-*.json")) == ["plan-0.json", "plan-1.json"]
+    assert ExecutionPlan.from_json((tmp_path / "plan-1.json").read_text()) == _plan(1)
+
+
+def test_the_controller_turns_inbox_messages_into_failures_records_and_kill_orders(tmp_path, caplog):
+    slow = Timeouts(heartbeat_interval=0.1, heartbeat_timeout=60.0, collective_timeout=90.0, recovery_timeout=120.0)
+    controller = Controller(host="127.0.0.1", port=0, timeouts=slow, run_dir=tmp_path)
+    controller.start()
+    client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    for key in (node_heartbeat_key(0), rank_heartbeat_key(0), rank_heartbeat_key(1)):
+        client.set(key, _beat(0).to_json())
+    for msg in (NodeRegistration(0, 10, "h", (0, 1)), RankRegistration(0, 20, "h", 0), RankRegistration(1, 21, "h", 0)):
+        client.queue_push(INBOX, msg.to_json())
+    client.queue_push(INBOX, b"\x80 not json")  # dropped with a warning; the controller goes on
+    client.queue_push(INBOX, RankFailureReport(1, None, "boom", 5.0).to_json())
+    error = controller.next_failure(timeout=10)
+    assert (error.cause, error.ranks, error.detail) == (Cause.ERROR, (1,), "boom")
+    assert client.queue_pop(kill_orders_key(0), block=False) == b"1"
+    client.queue_push(INBOX, RankExit(0, 0, -9, 6.0).to_json())
+    exit_failure = controller.next_failure(timeout=10)
+    assert (exit_failure.cause, exit_failure.ranks, exit_failure.failed_at) == (Cause.EXIT, (0,), 6.0)
+    assert controller.next_failure(timeout=0.3) is None
+    controller.stop()
+    assert "dropped a malformed inbox message" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records] == ["controller_started", "node_joined", "rank_joined", "rank_joined",
+                                             "failure", "rank_exit", "failure"]
+    workers = json.loads((tmp_path / "workers.json").read_text())
+    assert {rank: row["state"] for rank, row in workers.items()} == {"0": "exited", "1": "failed"}
+
+
+def test_the_store_listens_on_the_configured_address_only(tmp_path):
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
+    socket.create_connection(("127.0.0.1", controller.port), timeout=5).close()
+    with pytest.raises(ConnectionRefusedError):  # another loopback address, same port: nothing there
+        socket.create_connection(("127.0.0.2", controller.port), timeout=5)
+
+
+def test_a_taken_port_is_an_error_at_once(tmp_path):
+    first = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path / "a")
+    with pytest.raises(OSError, match="in use"):
+        Controller(host="127.0.0.1", port=first.port, timeouts=TIMEOUTS, run_dir=tmp_path / "b")
+
+
+# -- the detector's rules, with made-up times --------------------------------------------
+
+T = TIMEOUTS.heartbeat_timeout
+
+
+def _beat(seq: int, generation: int | None = None) -> Heartbeat:
+    return Heartbeat(seq, 1000.0 + seq, generation)
+
+
+def _detector_with_node(ranks=(0, 1)) -> Detector:
+    detector = Detector(T)
+    detector.node_joined(NodeRegistration(0, 10, "h", tuple(ranks)), now=0.0, wall=1000.0)
+    for rank in ranks:
+        detector.rank_joined(RankRegistration(rank, 20 + rank, "h", 0), now=0.0)
+    return detector
+
+
+def test_a_silent_rank_is_hung_only_once_its_launcher_beat_after_its_deadline():
+    detector = _detector_with_node()
+    detector.observe({rank_heartbeat_key(0): _beat(1), rank_heartbeat_key(1): _beat(1), node_heartbeat_key(0): _beat(1)},
+                     now=0.25)
+    # Rank 1 goes silent after t=0.25; rank 0 and the launcher beat until t=1.25 (rank 1's deadline), then pause.
+    detector.observe({rank_heartbeat_key(0): _beat(2), node_heartbeat_key(0): _beat(2)}, now=1.25)
+    assert detector.check(now=1.5, wall=2000.0) == []  # rank 1 is late, but its launcher has not beaten since
+    detector.observe({rank_heartbeat_key(0): _beat(3), node_heartbeat_key(0): _beat(3)}, now=1.5)
+    [failure] = detector.check(now=1.5, wall=2000.0)
+    assert (failure.cause, failure.ranks, failure.failed_at, failure.detected_at) == (Cause.HEARTBEAT, (1,), 1001.0, 2000.0)
+    assert detector.workers()[1]["state"] == "failed" and detector.workers()[0]["state"] == "alive"
+
+
+def test_a_silent_launcher_fails_its_node_with_every_live_rank_at_once():
+    detector = _detector_with_node((0, 1, 2))
+    detector.rank_exited(RankExit(2, 0, 0, 1000.5), wall=1000.5)  # a clean exit: no failure, not lost later
+    detector.observe({rank_heartbeat_key(0): _beat(1), rank_heartbeat_key(1): _beat(1), node_heartbeat_key(0): _beat(1)},
+                     now=0.5)
+    assert detector.check(now=0.5 + T, wall=2000.0) == []  # exactly the timeout is not over it
+    [failure] = detector.check(now=0.75 + T, wall=2000.0)
+    assert (failure.cause, failure.node, failure.ranks, failure.failed_at) == (Cause.NODE, 0, (0, 1), 1001.0)
+    assert detector.heartbeat_keys() == [] and detector.check(now=10.0, wall=2001.0) == []
+
+
+def test_exits_and_reports_fail_a_rank_once():
+    detector = _detector_with_node((0, 1, 2, 3))
+    assert detector.rank_exited(RankExit(0, 0, 0, 1.0), wall=2.0) is None  # status 0: finished
+    exit_failure = detector.rank_exited(RankExit(1, 0, -9, 1.0), wall=2.0)
+    assert (exit_failure.cause, exit_failure.ranks, exit_failure.detail) == (Cause.EXIT, (1,), "killed by SIGKILL")
+    error = detector.rank_reported(RankFailureReport(2, 0, "boom", 3.0), wall=4.0)
+    assert (error.cause, error.ranks, error.failed_at, error.detail) == (Cause.ERROR, (2,), 3.0, "boom")
+    assert detector.rank_exited(RankExit(2, 0, -9, 5.0), wall=5.0) is None  # killed on order: already failed
+    assert detector.rank_reported(RankFailureReport(1, 0, "late", 6.0), wall=6.0) is None
+    assert detector.rank_exited(RankExit(3, 0, 1, 7.0), wall=7.0).detail == "exit status 1"
+    detector.node_left(NodeLeft(0, 8.0))
+    assert detector.heartbeat_keys() == []
+
+
+def test_heartbeats_carry_the_generation_each_worker_runs():
+    detector = _detector_with_node()
+    assert detector.observe({rank_heartbeat_key(0): _beat(1)}, now=0.1) is False  # still no plan
+    assert detector.observe({rank_heartbeat_key(0): _beat(2, generation=0)}, now=0.2) is True
+    assert [row["generation"] for row in detector.workers().values()] == [0, None]
+
+
+# -- messages, timeouts and the launch configuration -------------------------------------
+
+
+def test_messages_round_trip_and_malformed_ones_are_refused():
+    for msg in (RankRegistration(3, 99, "h", 1), NodeRegistration(1, 98, "h", (2, 3)), RankExit(3, 1, -9, 1.5),
+                RankFailureReport(3, None, "boom", 2.0), NodeLeft(1, 3.0)):
+        assert parse_inbox(msg.to_json()) == msg
+    assert Heartbeat.from_json(_beat(4, generation=2).to_json()) == _beat(4, generation=2)
+    with pytest.raises(ProtocolError, match="unknown inbox message kind 'shutdown'"):
+        parse_inbox('{"kind": "shutdown"}')
+    with pytest.raises(ProtocolError, match="field 'rank' must be int"):
+        parse_inbox('{"kind": "rank_exit", "rank": "3", "node": 1, "exitcode": 0, "exited_at": 1.0}')
+    with pytest.raises(ProtocolError, match="field 'ranks' must be tuple"):
+        parse_inbox('{"kind": "register_node", "node": 1, "pid": 2, "host": "h", "ranks": [1.5]}')
+    with pytest.raises(ProtocolError, match="not a JSON message"):
+        Heartbeat.from_json(b"\x80(pickle")
+    with pytest.raises(ProtocolError, match="malformed plan"):
+        PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "plan": {"generation": 1}}', current_generation=0)
+
+
+@pytest.mark.parametrize("override, culprit", [
+    ({"heartbeat_timeout": 0.1}, "odyssey.heartbeat_timeout: must be greater than odyssey.heartbeat_interval (0.1)"),
+    ({"collective_timeout": 1.0}, "odyssey.collective_timeout: must be greater than odyssey.heartbeat_timeout (1.0)"),
+    ({"recovery_timeout": 5.0}, "odyssey.recovery_timeout: must be greater than odyssey.collective_timeout (30.0)"),
+    ({"heartbeat_interval": 0.001}, "odyssey.heartbeat_interval: must be >= 0.01"),
+])
+def test_timeouts_must_grow_in_their_order(override, culprit):
+    with pytest.raises(ConfigError) as error:
+        OdysseyConfig(**override)
+    assert str(error.value).startswith(culprit) and "\n" not in str(error.value)
+
+
+def test_launch_config_reads_torchrun_flags_then_environment_then_defaults():
+    assert LaunchConfig.resolve({}, {}) == LaunchConfig(1, 0, "127.0.0.1", 0, 1)
+    env = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    config = LaunchConfig.resolve({"nproc_per_node": "8"}, env)
+    assert config == LaunchConfig(4, 3, "10.0.0.1", 29500, 8)
+    assert config.world_size == 32 and list(config.ranks) == list(range(24, 32))
+    flags = {"nnodes": "2", "node_rank": "1", "master_addr": "node0", "master_port": "1234", "nproc_per_node": None}
+    assert LaunchConfig.resolve(flags, env) == LaunchConfig(2, 1, "node0", 1234, 1)  # a flag wins over its variable
+
+
+@pytest.mark.parametrize("flags, env, culprit", [
+    ({"node_rank": "2", "nnodes": "2", "master_port": "1"}, {}, "--node-rank: must lie in 0..1; got 2"),
+    ({}, {"NNODES": "2", "NODE_RANK": "x", "MASTER_PORT": "1"}, "NODE_RANK: must be an integer; got 'x'"),
+    ({"nnodes": "2"}, {}, "--master-port: must name a port (not 0) when there are 2 nodes"),
+    ({}, {"NNODES": "2", "MASTER_PORT": "0"}, "MASTER_PORT: must name a port (not 0) when there are 2 nodes"),
+    ({"master_port": "70000"}, {}, "--master-port: must lie in 0..65535; got 70000"),
+    ({"nnodes": "0"}, {}, "--nnodes: must lie in 1..16384; got 0"),
+    ({"nproc_per_node": "0"}, {}, "--nproc-per-node: must lie in 1..1024; got 0"),
+    ({}, {"MASTER_ADDR": " "}, "MASTER_ADDR: must be a host name or IP address"),
+])
+def test_bad_launch_settings_are_one_line_naming_the_flag_or_variable(flags, env, culprit):
+    with pytest.raises(ConfigError) as error:
+        LaunchConfig.resolve(flags, env)
+    assert str(error.value).startswith(culprit) and "\n" not in str(error.value)
