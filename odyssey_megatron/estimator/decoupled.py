@@ -29,14 +29,11 @@ from dataclasses import dataclass
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.memory import stage_memory
-from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, ScheduleDeadlock, op_graph, ready_head
+from odyssey_megatron.estimator.pipeline import LegacyOpGraph, PipelineTiming, legacy_op_graph, ready_head
+from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE, OpGraph, ScheduleDeadlock, op_graph, replay
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
-
-WEIGHT_GRAD_SHARE = 0.5
-"""Share of a backward spent on weight gradients: one of the two GEMMs of each linear layer."""
-
 
 @dataclass(frozen=True)
 class DecoupledTiming:
@@ -54,7 +51,30 @@ def decoupled_pipelines(
 ) -> DecoupledTiming:
     """List-schedule ``plan`` with every backward decoupled; raises ScheduleDeadlock.
     ``graph``: the plan's ``op_graph``, if the caller has it."""
-    graph = graph or op_graph(plan, profile, cluster)
+    room = {}  # micro-batches whose activations fit beside a stage owner's weights
+    stage_peers: dict[int, set[int]] = defaultdict(set)  # optimizer barrier: the stage's DP group
+    for pi, si, stage in plan.stage_positions():
+        if stage.worker is not None:
+            static, activation = stage_memory(profile, *stage.layers, first=si == 0,
+                                              last=si == plan.pipelines[pi].num_stages - 1)
+            room[stage.worker] = (profile.memory_budget_bytes - static) // activation if activation else float("inf")
+            stage_peers[si].add(stage.worker)
+    run = replay(graph or op_graph(plan, profile, cluster), split_backward=True, room=room, iterations=iterations,
+                 optimizer_groups=[frozenset(peers) for peers in stage_peers.values()])
+    ends = run.step_end_s
+    first = PipelineTiming(makespan_s=ends[0], pipeline_end_s=run.pipeline_end_s, worker_busy_s=run.busy_s,
+                           schedule=run.first)
+    period = ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
+    return DecoupledTiming(first, period, run.last)
+
+
+def legacy_decoupled_pipelines(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, iterations: int = 1,
+    graph: LegacyOpGraph | None = None,
+) -> DecoupledTiming:
+    """List-schedule ``plan`` with every backward decoupled; raises ScheduleDeadlock.
+    ``graph``: the plan's ``op_graph``, if the caller has it."""
+    graph = graph or legacy_op_graph(plan, profile, cluster)
     streams, compute, location, needs, consumer = (
         graph.streams, graph.compute, graph.location, graph.needs, graph.consumer)
     room = {}  # micro-batches whose activations fit beside a stage owner's weights

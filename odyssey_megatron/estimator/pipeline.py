@@ -22,11 +22,8 @@ from typing import Callable, Sequence
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.estimator.replay import OpGraph, ScheduleDeadlock, op_graph, p2p_time, replay
 from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams, dependency, one_f_one_b
-
-
-class ScheduleDeadlock(RuntimeError):
-    """The op lists wait on each other in a cycle: the plan cannot run as compiled."""
 
 
 @dataclass(frozen=True)
@@ -41,14 +38,8 @@ class PipelineTiming:
     """Each worker's ops in the order they ran: what the executor runs."""
 
 
-def p2p_time(profile: ModelProfile, *, same_node: bool) -> float:
-    if profile.p2p_bytes == 0:
-        return 0.0
-    return profile.link_latency_s + profile.p2p_bytes / profile.bandwidth(same_node)
-
-
 @dataclass(frozen=True)
-class OpGraph:
+class LegacyOpGraph:
     """What a list scheduler over a plan's streams needs. Every schedule of one plan runs
     each op on the same worker, so one graph serves them all (plain, split, replayed)."""
 
@@ -64,10 +55,10 @@ class OpGraph:
     """The op consuming each op's output."""
 
 
-def op_graph(
+def legacy_op_graph(
     plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None,
     streams: dict[int, list[list[Op]]] | None = None,
-) -> OpGraph:
+) -> LegacyOpGraph:
     """The ``OpGraph`` of ``streams`` (by default the plan's ``compile_streams``)."""
     if streams is None:
         streams = compile_streams(plan)
@@ -95,25 +86,36 @@ def op_graph(
         dep_worker = location.get(dep)
         needs[op] = (dep, 0.0 if dep_worker is None else link_s(dep_worker, worker))
         consumer[dep] = op
-    return OpGraph(streams, compute, location, needs, consumer)
+    return LegacyOpGraph(streams, compute, location, needs, consumer)
 
 
 def simulate_pipelines(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, graph: OpGraph | None = None
+) -> PipelineTiming:
+    """Run the Eq. 11 programme over ``plan``, rerouting peers interleaving their streams
+    by list scheduling. ``graph``: the plan's ``op_graph``, if the caller has it. Raises
+    ScheduleDeadlock."""
+    run = replay(graph or op_graph(plan, profile, cluster))
+    return PipelineTiming(makespan_s=max(run.pipeline_end_s, default=0.0), pipeline_end_s=run.pipeline_end_s,
+                          worker_busy_s=run.busy_s, schedule=run.first)
+
+
+def legacy_simulate_pipelines(
     plan: ExecutionPlan,
     profile: ModelProfile,
     cluster: ClusterState | None = None,
     *,
     schedule: dict[int, list[Op]] | None = None,
-    graph: OpGraph | None = None,
+    graph: LegacyOpGraph | None = None,
 ) -> PipelineTiming:
     """Run the Eq. 11 programme over ``plan``; a given ``schedule`` fixes each worker's
     order, otherwise streams are interleaved by list scheduling. ``graph``: the plan's
     ``op_graph``, if the caller has it. Raises ScheduleDeadlock."""
     if schedule is not None:
         streams = {worker: [list(ops)] for worker, ops in schedule.items()}
-        graph = op_graph(plan, profile, cluster, streams)
+        graph = legacy_op_graph(plan, profile, cluster, streams)
     elif graph is None:
-        graph = op_graph(plan, profile, cluster)
+        graph = legacy_op_graph(plan, profile, cluster)
     streams, compute, location, needs, consumer = (
         graph.streams, graph.compute, graph.location, graph.needs, graph.consumer)
 

@@ -28,8 +28,8 @@ from collections import defaultdict, deque
 from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.estimator.decoupled import WEIGHT_GRAD_SHARE
-from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, ScheduleDeadlock, op_graph
+from odyssey_megatron.estimator.pipeline import LegacyOpGraph, PipelineTiming, legacy_op_graph
+from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE, OpGraph, ScheduleDeadlock, op_graph, replay
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
@@ -73,7 +73,10 @@ def staggered_period(
     as ``step_schedule`` returns it) under staggered optimizer steps, retake snapshots
     included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
     has it."""
-    ends = _replay(plan, profile, cluster, schedule, iterations=iterations, fixed_start=False, graph=graph)[0]
+    playing = {worker for worker, ops in schedule.items() if ops}
+    ends = replay(graph or op_graph(plan, profile, cluster), schedule, iterations=iterations,
+                  optimizer_groups=sync_groups(plan, profile, playing), speculative=True,
+                  snapshot_s=retake_snapshot_s(plan, profile), snapshot_in_line=not profile.host_copy_async).step_end_s
     return ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
 
 
@@ -84,6 +87,40 @@ def fixed_order_step(
     schedule: dict[int, list[Op]],
     *,
     graph: OpGraph | None = None,
+) -> PipelineTiming:
+    """One step of ``schedule`` run as given, every worker starting at once and stepping
+    its optimizer after the global norm (no staggering, no snapshots): the makespan the
+    runtime's executor gets from op lists chosen for another start (Eq. 11 on fixed
+    lists); raises ScheduleDeadlock."""
+    run = replay(graph or op_graph(plan, profile, cluster), schedule)
+    return PipelineTiming(makespan_s=run.step_end_s[0], pipeline_end_s=run.pipeline_end_s, worker_busy_s=run.busy_s,
+                          schedule=schedule)
+
+
+def legacy_staggered_period(
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None,
+    schedule: dict[int, list[Op]],
+    *,
+    iterations: int = ITERATIONS,
+    graph: LegacyOpGraph | None = None,
+) -> float:
+    """Steady-state seconds per step of ``schedule`` (each worker's op list, F, B and W,
+    as ``step_schedule`` returns it) under staggered optimizer steps, retake snapshots
+    included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
+    has it."""
+    ends = _replay(plan, profile, cluster, schedule, iterations=iterations, fixed_start=False, graph=graph)[0]
+    return ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
+
+
+def legacy_fixed_order_step(
+    plan: ExecutionPlan,
+    profile: ModelProfile,
+    cluster: ClusterState | None,
+    schedule: dict[int, list[Op]],
+    *,
+    graph: LegacyOpGraph | None = None,
 ) -> PipelineTiming:
     """One step of ``schedule`` run as given, every worker starting at once and stepping
     its optimizer after the global norm (no staggering, no snapshots): the makespan the
@@ -102,12 +139,12 @@ def _replay(
     *,
     iterations: int,
     fixed_start: bool,
-    graph: OpGraph | None,
+    graph: LegacyOpGraph | None,
 ) -> tuple[list[float], list[float], dict[int, float]]:
     """When each of ``iterations`` staggered steps' last worker ended; with
     ``fixed_start`` (one step, no snapshots) also when each pipeline's last op ended and
     each worker's compute seconds."""
-    graph = graph or op_graph(plan, profile, cluster)
+    graph = graph or legacy_op_graph(plan, profile, cluster)
     compute, needs = graph.compute, graph.needs
     schedule = {worker: ops for worker, ops in schedule.items() if ops}
     groups = sync_groups(plan, profile, schedule.keys())
