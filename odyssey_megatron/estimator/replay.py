@@ -25,25 +25,27 @@ optimizer group it belongs to finished this one (paper 003's Staggered Optimizer
 finished the previous step (the global norm is in), and optimizer snapshots per worker.
 
 Data model: a plan's ops are indexed once (``OpGraph``: integer ids, one flat list per
-attribute, dependency and consumer as ids); a replay keeps per worker a cursor into each
-of its streams and processes wakeups in time order with a heap, so it costs
-O(ops log ops). A worker wakes when it becomes free and when the output of an op it may
-wait for arrives; on a fixed list only those two times matter, so the times equal the
-recurrence above whatever order the wakeups come in.
+attribute, dependency and consumer edges as ids), and every replay of the plan shares
+them. A replay keeps a record per worker (``_Worker``: a cursor into each of its
+streams, when it is free, its deferred W ops) and per step (``_Step``: when each op
+ended, who finished). A worker whose next op is forced runs it as soon as its
+dependency is timed; a worker with a choice makes it at a wakeup, in time order
+(``_Replayer``). O(ops log ops).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, compile_streams, dependency
+from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, compile_streams, dependency, settles
 
+INF = float("inf")
 WEIGHT_GRAD_SHARE = 0.5
 """Share of a backward spent on weight gradients: one of the two GEMMs of each linear layer."""
 
@@ -86,7 +88,8 @@ class OpGraph:
     forward: list[bool]
     """Whether each op is a forward."""
     dependency: list[int]
-    """The op each op waits for on another stage; -1 for none (first-stage forwards, W)."""
+    """The op each op waits for (``schedules.ops.dependency``); -1 for none (first-stage
+    forwards, W)."""
     link_s: list[float]
     """Transfer seconds from each op's dependency's worker to its own (0 on one worker)."""
     consumer: list[int]
@@ -126,47 +129,46 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
     num_stream_ops = len(ops)
     weight_grad = [-1] * num_stream_ops
     for i in range(num_stream_ops):
-        if ops[i].kind == BACKWARD:
+        if ops[i][0] == BACKWARD:
             weight_grad[i] = len(ops)
             ops.append(Op(WEIGHT_GRAD, *ops[i][1:]))
             worker.append(worker[i])
     index = {op: i for i, op in enumerate(ops)}
 
     link_cache: dict[tuple[int, int], float] = {}
-
-    def link(a: int, b: int) -> float:
-        if (a, b) not in link_cache:
-            same_node = cluster is None or cluster.same_node(workers[a], workers[b])
-            link_cache[a, b] = 0.0 if a == b else p2p_time(profile, same_node=same_node)
-        return link_cache[a, b]
-
     n = len(ops)
     dep, link_s, consumer = [-1] * n, [0.0] * n, [-1] * n
     whole_s, split_s = [0.0] * n, [0.0] * n
+    pipeline, forward, settling = [0] * n, [False] * n, [False] * n
     for i, op in enumerate(ops):
-        forward_s, backward_s = compute[op.pipeline, op.stage]
-        if op.kind == FORWARD:
+        kind, pi, si, _ = op
+        forward_s, backward_s = compute[pi, si]
+        pipeline[i], forward[i] = pi, kind == FORWARD
+        settling[i] = settles(op, num_stages=num_stages[pi])
+        if kind == FORWARD:
             whole_s[i] = split_s[i] = forward_s
-        elif op.kind == BACKWARD:
+        elif kind == BACKWARD:
             whole_s[i], split_s[i] = backward_s, backward_s * (1 - WEIGHT_GRAD_SHARE)
         else:
             whole_s[i] = split_s[i] = backward_s * WEIGHT_GRAD_SHARE
-        if i >= num_stream_ops:
-            continue
-        d = dependency(op, num_stages=num_stages[op.pipeline])
+            continue  # a W waits for nothing on another stage
+        d = dependency(op, num_stages=num_stages[pi])
         if d is None:
             continue
         if d not in index:
             raise ScheduleDeadlock(f"{op} waits for {d}, which no worker runs")
-        dep[i] = index[d]
-        link_s[i] = link(worker[dep[i]], worker[i])
-        consumer[dep[i]] = i
+        dep[i] = j = index[d]
+        consumer[j] = i
+        pair = worker[j], worker[i]
+        if pair not in link_cache:
+            same_node = cluster is None or cluster.same_node(workers[pair[0]], workers[pair[1]])
+            link_cache[pair] = 0.0 if pair[0] == pair[1] else p2p_time(profile, same_node=same_node)
+        link_s[i] = link_cache[pair]
     return OpGraph(
         ops=tuple(ops), index=index, workers=workers, plan_order=tuple(workers.index(w) for w in streams),
-        num_pipelines=len(plan.pipelines), streams=tuple(stream_ids),
-        worker=worker, pipeline=[op.pipeline for op in ops], forward=[op.kind == FORWARD for op in ops], dependency=dep,
-        link_s=link_s, consumer=consumer, whole_s=whole_s, split_s=split_s, weight_grad=weight_grad,
-        settles=[op.kind != FORWARD or op.stage < num_stages[op.pipeline] - 1 for op in ops],
+        num_pipelines=len(plan.pipelines), streams=tuple(stream_ids), worker=worker, pipeline=pipeline,
+        forward=forward, dependency=dep, link_s=link_s, consumer=consumer, whole_s=whole_s, split_s=split_s,
+        weight_grad=weight_grad, settles=settling,
     )
 
 
@@ -211,164 +213,273 @@ def replay(
     step's start, beside compute (the step ends no earlier than the copy) or, with
     ``snapshot_in_line``, before the step's first op.
     """
-    ops, worker_of, pipeline_of, forward = graph.ops, graph.worker, graph.pipeline, graph.forward
-    dependency_of, link_s, consumer, settles = graph.dependency, graph.link_s, graph.consumer, graph.settles
-    workers = graph.workers
-    num_workers = len(workers)
-    defer = schedule is None and split_backward
-    local = {w: i for i, w in enumerate(workers)}
     if schedule is None:
-        streams, playing = graph.streams, graph.plan_order
-        split = [split_backward] * num_workers
+        streams, playing, split = graph.streams, graph.plan_order, [split_backward] * len(graph.workers)
     else:
         streams, split = _fixed_streams(graph, schedule)
+        local = {w: i for i, w in enumerate(graph.workers)}
         playing = tuple(local[w] for w, ops in schedule.items() if ops)
-    seconds = [graph.split_s if s else graph.whole_s for s in split]
-    per_step = [sum(len(s) for s in lists) for lists in streams]
-    if defer:  # a W per B
-        per_step = [n + sum(not forward[i] for s in lists for i in s) for n, lists in zip(per_step, streams)]
-    capacity = [float("inf")] * num_workers
-    for worker, r in (room or {}).items():
-        capacity[local[worker]] = r
-    snapshot = [0.0] * num_workers
-    for worker, s in (snapshot_s or {}).items():
-        if worker in local:
-            snapshot[local[worker]] = s
-    groups = [[local[w] for w in group if w in local] for group in optimizer_groups]
-    member_of: list[list[int]] = [[] for _ in range(num_workers)]
+    defer = schedule is None and split_backward
+    member_of: list[list[int]] = [[] for _ in graph.workers]
+    groups = [[graph.workers.index(w) for w in group if w in graph.workers] for group in optimizer_groups]
     for g, group in enumerate(groups):
         for w in group:
             member_of[w].append(g)
-
-    # Per worker: its step, cursor per stream, ops run in the step, when it is free.
-    step = [iterations if not streams[w] else 0 for w in range(num_workers)]
-    cursor = [[0] * len(lists) for lists in streams]
-    ran = [0] * num_workers
-    free_at = [0.0] * num_workers
-    deferred: list[deque[int]] = [deque() for _ in range(num_workers)]
-    live = [0] * num_workers  # micro-batches holding activations (split backwards)
-    settled = [False] * num_workers  # passed this step's first op that waits for the norm
-    held = [False] * num_workers  # waiting at that op for the norm
-    snapshot_end = [0.0] * num_workers
-    finish = [0.0] * num_workers  # end of the worker's last step, snapshot included
-    # Per step: when each op ended, who finished, when the last op anywhere ended (the
-    # global norm), who waits for it, and per optimizer group who finished and when.
-    end: list[list[float | None]] = [[None] * len(ops) for _ in range(iterations)]
-    finished = [0] * iterations
-    norm_at = [0.0] * iterations
-    waiting_norm: list[list[tuple[float, int]]] = [[] for _ in range(iterations)]
-    group_done = [[0] * len(groups) for _ in range(iterations)]
-    group_end = [[0.0] * len(groups) for _ in range(iterations)]
-    step_end = [0.0] * iterations
-    pipeline_end = [0.0] * graph.num_pipelines
-    busy = [0.0] * num_workers
-    first: list[list[int]] = [[] for _ in range(num_workers)]
-    last: list[list[int]] = [[] for _ in range(num_workers)]
-    wakeups: list[tuple[float, int]] = []
-
-    def start_step(w: int, k: int, at: float) -> None:
-        step[w], ran[w], settled[w] = k, 0, False
-        cursor[w] = [0] * len(cursor[w])
-        snapshot_end[w] = at + snapshot[w]
-        free_at[w] = snapshot_end[w] if snapshot_in_line else at
-        heapq.heappush(wakeups, (free_at[w], w))
-
-    def finish_step(w: int, k: int) -> None:
-        """``w`` ran its last op of step ``k``: release who waited for it."""
-        last_end = free_at[w]
-        finish[w] = max(last_end, snapshot_end[w])  # the optimizer step waits for the snapshot
-        step_end[k] = max(step_end[k], finish[w])
-        finished[k] += 1
-        norm_at[k] = max(norm_at[k], last_end)
-        if finished[k] == len(playing):
-            for at, h in waiting_norm[k]:
-                held[h] = False
-                heapq.heappush(wakeups, (at, h))  # it was ready then; only the norm was missing
-        if k + 1 == iterations:
-            step[w] = iterations
-            return
-        if not member_of[w]:
-            start_step(w, k + 1, finish[w])
-        for g in member_of[w]:  # the DP all-reduce needs the gradients only
-            group_done[k][g] += 1
-            group_end[k][g] = max(group_end[k][g], last_end)
-            if group_done[k][g] < len(groups[g]):
-                continue
-            for m in groups[g]:
-                if step[m] == k and all(group_done[k][h] == len(groups[h]) for h in member_of[m]):
-                    start_step(m, k + 1, max([finish[m], *(group_end[k][h] for h in member_of[m])]))
-
-    for w in playing:
-        start_step(w, 0, 0.0)
-    while wakeups:
-        now, w = heapq.heappop(wakeups)
-        k = step[w]
-        if now < free_at[w] or k == iterations or ran[w] == per_step[w] or held[w]:
-            continue  # busy, done, waiting for its optimizer groups or for the norm
-        end_k = end[k]
-        op, from_stream, position = -1, -1, 0
-        for s, stream in enumerate(streams[w]):  # the ready head earliest in 1F1B order
-            p = cursor[w][s]
-            if p == len(stream) or (op >= 0 and p >= position):
-                continue
-            i = stream[p]
-            d = dependency_of[i]
-            if d >= 0:
-                dep_end = end_k[d]
-                if dep_end is None or dep_end + link_s[i] > now:
-                    continue
-            op, from_stream, position = i, s, p
-        if defer and deferred[w] and (op < 0 or forward[op] and live[w] >= capacity[w]):
-            op, from_stream = deferred[w][0], -1  # idle, or memory full: a deferred W first
-        if op < 0:
-            continue  # a completion elsewhere will wake this worker
-        duration = seconds[w][op]
-        if speculative and k and not settled[w] and settles[op]:
-            if finished[k - 1] < len(playing):
-                held[w] = True
-                waiting_norm[k - 1].append((now, w))
-                continue
-            settled[w] = True
-            norm = norm_at[k - 1]  # a forward computes, then holds its output until the norm is in
-            done = max(now + duration, norm) if forward[op] else max(now, norm) + duration
-        else:
-            done = now + duration
-        if from_stream < 0:
-            deferred[w].popleft()
-            live[w] -= 1
-        else:
-            cursor[w][from_stream] += 1
-            if forward[op]:
-                live[w] += 1
-            elif defer:
-                deferred[w].append(graph.weight_grad[op])
-        end_k[op] = free_at[w] = done
-        ran[w] += 1
-        if k == 0:
-            first[w].append(op)
-            busy[w] += duration
-            if done > pipeline_end[pipeline_of[op]]:
-                pipeline_end[pipeline_of[op]] = done
-        if k == iterations - 1:
-            last[w].append(op)
-        heapq.heappush(wakeups, (done, w))
-        c = consumer[op]
-        if c >= 0 and worker_of[c] != w:
-            heapq.heappush(wakeups, (done + link_s[c], worker_of[c]))
-        if ran[w] == per_step[w]:
-            finish_step(w, k)
-
-    stuck = [w for w in playing if step[w] < iterations]
-    if stuck:
-        heads = [ops[s[cursor[w][j]]] for w in stuck for j, s in enumerate(streams[w]) if cursor[w][j] < len(s)]
-        raise ScheduleDeadlock(f"ops wait on each other in a cycle: {heads[:4]}")
+    workers = [
+        _Worker(
+            index=w, streams=streams[w], seconds=graph.split_s if split[w] else graph.whole_s,
+            ops_per_step=sum(len(ids) + (sum(not graph.forward[i] for i in ids) if defer else 0) for ids in streams[w]),
+            room=(room or {}).get(worker, INF), snapshot_s=(snapshot_s or {}).get(worker, 0.0), groups=member_of[w],
+        )
+        for w, worker in enumerate(graph.workers)
+    ]
+    run = _Replayer(graph, workers, [workers[w] for w in playing], groups, defer=defer, iterations=iterations,
+                    speculative=speculative, snapshot_in_line=snapshot_in_line)
+    run.run()
+    names = graph.workers
     return Replay(
-        step_end_s=tuple(step_end),
-        pipeline_end_s=tuple(pipeline_end),
-        busy_s={workers[w]: busy[w] for w in playing},
-        first={workers[w]: [ops[i] for i in first[w]] for w in playing},
-        last={workers[w]: [ops[i] for i in last[w]] for w in playing},
+        step_end_s=tuple(step.end_s for step in run.steps),
+        pipeline_end_s=tuple(run.pipeline_end),
+        busy_s={names[w.index]: w.busy_s for w in run.playing},
+        first={names[w.index]: [graph.ops[i] for i in w.first] for w in run.playing},
+        last={names[w.index]: [graph.ops[i] for i in w.last] for w in run.playing},
     )
+
+
+@dataclass(eq=False, slots=True)
+class _Worker:
+    """One worker during a replay: what it runs, and where it is."""
+
+    index: int
+    """Local index (``OpGraph.workers``); wakeups at one time go in its order."""
+    streams: tuple[list[int], ...]
+    """Op ids: the streams it list-schedules, or its one fixed list."""
+    seconds: list[float]
+    """Compute seconds per op id: ``OpGraph.whole_s``, or ``split_s`` if it splits backwards."""
+    ops_per_step: int
+    """Ops it runs per step (a W per B where the replay defers them)."""
+    room: float
+    """Micro-batches whose activations fit beside its weights."""
+    snapshot_s: float
+    """Seconds its optimizer snapshot takes each step."""
+    groups: list[int]
+    """The optimizer groups it belongs to."""
+    step: int = 0
+    cursor: list[int] = field(default_factory=list)
+    """Per stream, the position of its next op."""
+    open_streams: int = 0
+    """Streams not yet run out in this step."""
+    ran: int = 0
+    """Ops run in this step."""
+    free_at: float = 0.0
+    """When its last op ends (or, at a step's start, when it may start)."""
+    deferred: deque[int] = field(default_factory=deque)
+    """W ops waiting for a bubble."""
+    live: int = 0
+    """Micro-batches holding activations."""
+    settled: bool = False
+    """Whether it passed this step's first op that waits for the previous step's norm."""
+    held: bool = False
+    """Whether it waits at that op for the norm."""
+    snapshot_end: float = 0.0
+    finish: float = 0.0
+    """When its last step ended, snapshot included."""
+    busy_s: float = 0.0
+    """Compute seconds in the first step."""
+    first: list[int] = field(default_factory=list)
+    """Op ids in the order the first step ran them."""
+    last: list[int] = field(default_factory=list)
+    """Op ids in the order the last step ran them."""
+
+    def forced(self) -> bool:
+        """Whether its next op is forced: it is in a step, with one stream left and no W deferred."""
+        return self.ran < self.ops_per_step and self.open_streams <= 1 and not self.deferred
+
+
+@dataclass(eq=False, slots=True)
+class _Step:
+    """One step during a replay."""
+
+    end: list[float | None]
+    """When each op (by id) ended; None if it has not run yet."""
+    group_done: list[int]
+    """Per optimizer group, members that finished the step."""
+    group_end: list[float]
+    """Per optimizer group, when the last of them finished its last op."""
+    finished: int = 0
+    """Workers that finished the step."""
+    norm_at: float = 0.0
+    """When the last op anywhere ended: the global norm is in."""
+    waiting_norm: list[tuple[float, _Worker]] = field(default_factory=list)
+    """Workers held for the norm in the next step, and since when."""
+    end_s: float = 0.0
+    """When the last worker finished it, snapshot included."""
+
+
+class _Replayer:
+    """The wakeup loop of one ``replay``.
+
+    A worker whose next op is forced (one stream left, no W deferred) runs it as soon as
+    its dependency is timed, at ``max(free, dependency end + link)``. A worker with a
+    choice makes it at a wakeup (when it becomes free, when an input arrives), taken in
+    time order from a heap: every op that starts earlier has been timed by then (op
+    times are positive), so the choice sees each input that has arrived, as a
+    simulation advancing all workers in time order would.
+    """
+
+    def __init__(self, graph: OpGraph, workers: list[_Worker], playing: list[_Worker], groups: list[list[int]], *,
+                 defer: bool, iterations: int, speculative: bool, snapshot_in_line: bool):
+        self.graph, self.workers, self.playing, self.groups = graph, workers, playing, groups
+        self.defer, self.iterations, self.speculative, self.snapshot_in_line = (
+            defer, iterations, speculative, snapshot_in_line)
+        self.steps = [_Step([None] * len(graph.ops), [0] * len(groups), [0.0] * len(groups))
+                      for _ in range(iterations)]
+        self.pipeline_end = [0.0] * graph.num_pipelines
+        self.forced: deque[_Worker] = deque()
+        self.wakeups: list[tuple[float, int]] = []  # (time, local index) of workers with a choice
+        for worker in workers:
+            worker.step = iterations  # sits out unless it plays
+        for worker in playing:
+            self.start_step(worker, 0, 0.0)
+
+    def wake(self, worker: _Worker, at: float) -> None:
+        """``worker`` may act from ``at``: at once if its next op is forced, else at ``at``
+        (unless it is busy until later: its own wakeup comes then)."""
+        if worker.forced():
+            self.forced.append(worker)
+        elif at >= worker.free_at:
+            heapq.heappush(self.wakeups, (at, worker.index))
+
+    def start_step(self, worker: _Worker, k: int, at: float) -> None:
+        worker.step, worker.ran, worker.settled = k, 0, False
+        worker.cursor = [0] * len(worker.streams)
+        worker.open_streams = sum(1 for ids in worker.streams if ids)
+        worker.snapshot_end = at + worker.snapshot_s
+        worker.free_at = worker.snapshot_end if self.snapshot_in_line else at
+        self.wake(worker, worker.free_at)
+
+    def finish_step(self, worker: _Worker, k: int) -> None:
+        """``worker`` ran its last op of step ``k``: release who waited for it."""
+        step, last_end = self.steps[k], worker.free_at
+        worker.finish = max(last_end, worker.snapshot_end)  # the optimizer step waits for the snapshot
+        step.end_s = max(step.end_s, worker.finish)
+        step.finished += 1
+        step.norm_at = max(step.norm_at, last_end)
+        if step.finished == len(self.playing):
+            for at, held in step.waiting_norm:
+                held.held = False
+                self.wake(held, at)  # it was ready then; only the norm was missing
+        if k + 1 == self.iterations:
+            worker.step = self.iterations
+            return
+        if not worker.groups:
+            self.start_step(worker, k + 1, worker.finish)
+        for g in worker.groups:  # the DP all-reduce needs the gradients only
+            step.group_done[g] += 1
+            step.group_end[g] = max(step.group_end[g], last_end)
+            if step.group_done[g] < len(self.groups[g]):
+                continue
+            for member in map(self.workers.__getitem__, self.groups[g]):
+                if member.step == k and all(step.group_done[h] == len(self.groups[h]) for h in member.groups):
+                    self.start_step(member, k + 1, max([member.finish, *(step.group_end[h] for h in member.groups)]))
+
+    def run(self) -> None:
+        """Time every op of every step; raises ScheduleDeadlock."""
+        graph, workers, forced, wakeups = self.graph, self.workers, self.forced, self.wakeups
+        dependency_of, link_s, consumer, worker_of = graph.dependency, graph.link_s, graph.consumer, graph.worker
+        forward, settles, weight_grad, pipeline_of = graph.forward, graph.settles, graph.weight_grad, graph.pipeline
+        defer, speculative, iterations = self.defer, self.speculative, self.iterations
+        while forced or wakeups:
+            if forced:
+                worker, now = forced.popleft(), None
+            else:
+                now, w = heapq.heappop(wakeups)
+                worker = workers[w]
+            k = worker.step
+            if k == iterations or worker.ran == worker.ops_per_step or worker.held:
+                continue  # done, or waiting for its optimizer groups or for the norm
+            end = self.steps[k].end
+            streams, cursor, queued = worker.streams, worker.cursor, worker.deferred
+            while True:  # run its ops while it can run them now
+                if worker.open_streams <= 1 and not queued:  # forced: the next op of its open stream
+                    s = 0 if len(streams) == 1 else next(j for j, ids in enumerate(streams) if cursor[j] < len(ids))
+                    op = streams[s][cursor[s]]
+                    start = worker.free_at
+                    d = dependency_of[op]
+                    if d >= 0:
+                        if end[d] is None:
+                            break  # timing its dependency wakes it
+                        if end[d] + link_s[op] > start:
+                            start = end[d] + link_s[op]
+                else:  # a choice, made at a wakeup
+                    if now is None or now < worker.free_at:
+                        break  # busy; its own wakeup is queued
+                    op, s, position, soonest = -1, -1, 0, INF
+                    for j, ids in enumerate(streams):  # the ready head earliest in 1F1B order, own stream first
+                        p = cursor[j]
+                        if p == len(ids) or (op >= 0 and p >= position):
+                            continue
+                        i = ids[p]
+                        d = dependency_of[i]
+                        if d >= 0:
+                            if end[d] is None:
+                                continue
+                            if end[d] + link_s[i] > now:  # on its way
+                                soonest = min(soonest, end[d] + link_s[i])
+                                continue
+                        op, s, position = i, j, p
+                    if queued and (op < 0 or forward[op] and worker.live >= worker.room):
+                        op, s = queued[0], -1  # idle, or memory full: a deferred W first
+                    if op < 0:  # idle until an input on its way arrives (or one not yet sent: its wake)
+                        if soonest < INF:
+                            heapq.heappush(wakeups, (soonest, worker.index))
+                        break
+                    start = now
+                seconds = worker.seconds[op]
+                if speculative and k and not worker.settled and settles[op]:
+                    previous = self.steps[k - 1]
+                    if previous.finished < len(self.playing):
+                        worker.held = True
+                        previous.waiting_norm.append((start, worker))
+                        break
+                    worker.settled = True  # a forward computes, then holds its output until the norm is in
+                    done = max(start + seconds, previous.norm_at) if forward[op] else max(start, previous.norm_at) + seconds
+                else:
+                    done = start + seconds
+                if s < 0:
+                    queued.popleft()
+                    worker.live -= 1
+                else:
+                    cursor[s] += 1
+                    if cursor[s] == len(streams[s]):
+                        worker.open_streams -= 1
+                    if forward[op]:
+                        worker.live += 1
+                    elif defer:
+                        queued.append(weight_grad[op])
+                end[op] = worker.free_at = done
+                worker.ran += 1
+                if k == 0:
+                    worker.first.append(op)
+                    worker.busy_s += seconds
+                    if done > self.pipeline_end[pipeline_of[op]]:
+                        self.pipeline_end[pipeline_of[op]] = done
+                if k == iterations - 1:
+                    worker.last.append(op)
+                c = consumer[op]
+                if c >= 0 and worker_of[c] != worker.index:
+                    self.wake(workers[worker_of[c]], done + link_s[c])
+                if worker.ran == worker.ops_per_step:
+                    self.finish_step(worker, k)
+                    break
+                if worker.open_streams > 1 or queued:
+                    heapq.heappush(wakeups, (done, worker.index))  # its next choice waits for the clock
+                    break
+        stuck = [worker for worker in self.playing if worker.step < iterations]
+        if stuck:
+            heads = [graph.ops[ids[worker.cursor[j]]] for worker in stuck for j, ids in enumerate(worker.streams)
+                     if worker.cursor[j] < len(ids)]
+            raise ScheduleDeadlock(f"ops wait on each other in a cycle: {heads[:4]}")
 
 
 def _fixed_streams(
