@@ -18,8 +18,9 @@ from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
-from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
-from odyssey_megatron.estimator.staggered import fixed_order_step, staggered_period
+from odyssey_megatron.estimator.pipeline import fixed_order_step, lone_pipeline_time, simulate_pipelines
+from odyssey_megatron.estimator.replay import ScheduleDeadlock, p2p_time
+from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.estimator.step_schedule import staggers, step_schedule, timed_step_schedule
 from odyssey_megatron.schedules.ops import Op, settle_point
 from odyssey_megatron.estimator.transition import transfer_time

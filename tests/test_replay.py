@@ -4,12 +4,18 @@ steps (``decoupled_pipelines``), and fixed lists, one step or staggered steps
 (``fixed_order_step``, ``staggered_period``).
 
 Exact equality, not approximate: every time is the same max-plus expression over the
-same floats, so any difference is a changed rule, not rounding. Random plans cover
+same floats, so any difference is a changed rule, not rounding. Random cases cover
 symmetric and uneven layouts, uneven micro-batch counts, reroutes after random failures,
 tied embeddings (workers in several optimizer groups), links that differ across nodes,
 memory budgets that force weight gradients early, retake snapshots beside compute or in
 line, one to four steps, and fixed lists that mix split and plain workers or are
 shuffled into deadlock.
+
+Two checks. The old loops' results on 404 seeded cases are frozen as fingerprints
+(``replay_golden.json``: ``record`` with the old functions passed in, at commit 916a829;
+beside the engine, a hypothesis test over random seeds compared the two live before the
+old loops went). And a brute-force reference, a fixed point of the recurrence, times
+fixed lists independently of the engine.
 """
 
 from __future__ import annotations
@@ -18,18 +24,24 @@ import hashlib
 import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.estimator import decoupled, pipeline, staggered
-from odyssey_megatron.estimator.pipeline import PipelineTiming
-from odyssey_megatron.estimator.replay import ScheduleDeadlock
+from odyssey_megatron.estimator.decoupled import decoupled_pipelines
+from odyssey_megatron.estimator.pipeline import PipelineTiming, fixed_order_step, simulate_pipelines
+from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE, ScheduleDeadlock, p2p_time
+from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import BlockCost, uniform_profile
-from odyssey_megatron.schedules.ops import Op
+from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, dependency
+
+GOLDEN = json.loads(Path(__file__).with_name("replay_golden.json").read_text())
+"""Per seed: fingerprints of the case and of each entry point's results under the old loops."""
 
 
 def random_case(rng: random.Random):
@@ -66,7 +78,8 @@ def random_case(rng: random.Random):
 
 
 def _digest(value) -> str:
-    """A short fingerprint of times (exact, as float.hex), op orders and the order workers are listed in."""
+    """A short fingerprint of times (exact, as float.hex), op orders and the order workers
+    are listed in."""
     def plain(v):
         if isinstance(v, float):
             return v.hex()
@@ -77,12 +90,11 @@ def _digest(value) -> str:
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return v
-    return hashlib.sha256(json.dumps(plain(value)).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(plain(value)).encode()).hexdigest()[:12]
 
 
-def _timing(t: PipelineTiming) -> dict:
-    return {"makespan_s": t.makespan_s.hex(),
-            "detail": _digest([t.pipeline_end_s, t.worker_busy_s, t.schedule])}
+def _timing(t: PipelineTiming) -> list:
+    return [t.makespan_s, t.pipeline_end_s, t.worker_busy_s, t.schedule]
 
 
 def _or_deadlock(price):
@@ -92,11 +104,12 @@ def _or_deadlock(price):
         return "deadlock"
 
 
-def record(rng: random.Random, simulate, decouple, fixed, period) -> dict:
-    """What the four entry points (``simulate_pipelines``, ``decoupled_pipelines``,
-    ``fixed_order_step``, ``staggered_period`` or their stand-ins) give on one random case:
-    times exactly, op orders as digests; fixed lists are the plain and split ones, a mix
-    per worker, and one with a shuffled worker."""
+def record(seed: int, simulate, decouple, fixed, period) -> dict[str, str]:
+    """Fingerprints of what the four entry points (``simulate_pipelines``,
+    ``decoupled_pipelines``, ``fixed_order_step``, ``staggered_period``, or the old loops)
+    give on random case ``seed``, and of the case itself. Fixed lists are the plain and
+    split ones, a mix per worker, and one with a shuffled worker (a deadlock, mostly)."""
+    rng = random.Random(seed)
     plan, profile, cluster, iterations = random_case(rng)
     plain = simulate(plan, profile, cluster)
     split = decouple(plan, profile, cluster, iterations=iterations)
@@ -107,20 +120,83 @@ def record(rng: random.Random, simulate, decouple, fixed, period) -> dict:
     shuffled[victim] = rng.sample(shuffled[victim], len(shuffled[victim]))
     lists["shuffled"] = shuffled
     return {
-        "plain": _timing(plain),
-        "split": {"first": _timing(split.first), "period_s": split.period_s.hex(), "last": _digest(split.last)},
-        "fixed": {name: _or_deadlock(lambda: _timing(fixed(plan, profile, cluster, ops)))
-                  for name, ops in lists.items()},
-        "staggered": {name: _or_deadlock(lambda: period(plan, profile, cluster, ops, iterations=iterations).hex())
-                      for name, ops in lists.items()},
+        "case": _digest([plan.to_json(), repr(profile), repr(cluster), iterations]),
+        "plain": _digest(_timing(plain)),
+        "split": _digest([_timing(split.first), split.period_s, split.last]),
+        "fixed": _digest({name: _or_deadlock(lambda: _timing(fixed(plan, profile, cluster, ops)))
+                          for name, ops in lists.items()}),
+        "staggered": _digest({name: _or_deadlock(lambda: period(plan, profile, cluster, ops, iterations=iterations))
+                              for name, ops in lists.items()}),
     }
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.parametrize("seed", list(GOLDEN), ids=str)
+def test_the_engine_prices_like_the_old_loops(seed):
+    got = record(int(seed), simulate_pipelines, decoupled_pipelines, fixed_order_step, staggered_period)
+    assert got["case"] == GOLDEN[seed]["case"], "the generator builds another case now (planner or helpers changed)"
+    assert got == GOLDEN[seed]
+
+
+def brute_force_step(plan, profile, cluster, schedule) -> tuple[float, tuple[float, ...]] | str:
+    """(makespan, end per pipeline) of one step of fixed op lists, or "deadlock": sweep
+    every worker's list, timing each op whose predecessor on its worker and whose
+    dependency are timed, at max(predecessor's end, dependency's end + transfer), until
+    a sweep times nothing."""
+    num_stages = [p.num_stages for p in plan.pipelines]
+    location = {op: worker for worker, ops in schedule.items() for op in ops}
+    end: dict[Op, float] = {}
+    progress = True
+    while progress:
+        progress = False
+        for worker, ops in schedule.items():
+            split = any(op.kind == WEIGHT_GRAD for op in ops)
+            for i, op in enumerate(ops):
+                if op in end:
+                    continue
+                if i and ops[i - 1] not in end:
+                    break
+                start = end[ops[i - 1]] if i else 0.0
+                dep = None if op.kind == WEIGHT_GRAD else dependency(op, num_stages=num_stages[op.pipeline])
+                if dep is not None:
+                    if dep not in end:
+                        break
+                    same_node = cluster is None or cluster.same_node(location[dep], worker)
+                    link_s = 0.0 if location[dep] == worker else p2p_time(profile, same_node=same_node)
+                    start = max(start, end[dep] + link_s)
+                stage = plan.pipelines[op.pipeline].stages[op.stage]
+                forward_s, backward_s = profile.stage_compute(*stage.layers, first=op.stage == 0,
+                                                              last=op.stage == num_stages[op.pipeline] - 1)
+                seconds = {FORWARD: forward_s, WEIGHT_GRAD: backward_s * WEIGHT_GRAD_SHARE,
+                           BACKWARD: backward_s * (1 - WEIGHT_GRAD_SHARE) if split else backward_s}[op.kind]
+                end[op] = start + seconds
+                progress = True
+    if len(end) < sum(len(ops) for ops in schedule.values()):
+        return "deadlock"
+    pipeline_end = [0.0] * len(plan.pipelines)
+    for op, t in end.items():
+        pipeline_end[op.pipeline] = max(pipeline_end[op.pipeline], t)
+    return max(end.values(), default=0.0), tuple(pipeline_end)
+
+
+@settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**32))
-def test_the_engine_prices_like_each_old_loop(seed):
-    new = record(random.Random(seed), pipeline.simulate_pipelines, decoupled.decoupled_pipelines,
-                 staggered.fixed_order_step, staggered.staggered_period)
-    old = record(random.Random(seed), pipeline.legacy_simulate_pipelines, decoupled.legacy_decoupled_pipelines,
-                 staggered.legacy_fixed_order_step, staggered.legacy_staggered_period)
-    assert new == old
+def test_fixed_lists_time_like_a_brute_force_fixed_point(seed):
+    """Fixed lists (the plain and split ones the list scheduler chose, a mix, a shuffle)
+    replay to the brute-force times, and the chosen lists to the times the list
+    scheduler reported for them."""
+    rng = random.Random(seed)
+    plan, profile, cluster, iterations = random_case(rng)
+    plain = simulate_pipelines(plan, profile, cluster)
+    split = decoupled_pipelines(plan, profile, cluster, iterations=iterations)
+    shuffled = dict(plain.schedule)
+    victim = rng.choice(sorted(shuffled))
+    shuffled[victim] = rng.sample(shuffled[victim], len(shuffled[victim]))
+    mixed = {w: (split.last if rng.random() < 0.5 else plain.schedule)[w] for w in plain.schedule}
+    for ops in (plain.schedule, split.first.schedule, split.last, mixed, shuffled):
+        expected = brute_force_step(plan, profile, cluster, ops)
+        got = _or_deadlock(lambda: fixed_order_step(plan, profile, cluster, ops))
+        assert got == expected if got == "deadlock" else (got.makespan_s, got.pipeline_end_s) == expected
+    for listed in (plain, split.first):
+        again = fixed_order_step(plan, profile, cluster, listed.schedule)
+        assert (again.makespan_s, again.pipeline_end_s, again.worker_busy_s) == (
+            listed.makespan_s, listed.pipeline_end_s, listed.worker_busy_s)
