@@ -443,7 +443,8 @@ class _Replayer:
                         previous.waiting_norm.append((start, worker))
                         break
                     worker.settled = True  # a forward computes, then holds its output until the norm is in
-                    done = max(start + seconds, previous.norm_at) if forward[op] else max(start, previous.norm_at) + seconds
+                    norm_at = previous.norm_at
+                    done = max(start + seconds, norm_at) if forward[op] else max(start, norm_at) + seconds
                 else:
                     done = start + seconds
                 if s < 0:
