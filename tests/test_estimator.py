@@ -18,7 +18,8 @@ from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
-from odyssey_megatron.estimator.pipeline import ScheduleDeadlock, lone_pipeline_time, p2p_time, simulate_pipelines
+from odyssey_megatron.estimator.pipeline import fixed_order_step, lone_pipeline_time, simulate_pipelines
+from odyssey_megatron.estimator.replay import ScheduleDeadlock, p2p_time
 from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.estimator.step_schedule import staggers, step_schedule, timed_step_schedule
 from odyssey_megatron.schedules.ops import Op, settle_point
@@ -160,7 +161,7 @@ def test_out_of_order_ops_are_reported_as_deadlock():
     schedule = simulate_pipelines(plan, profile).schedule
     schedule[0] = list(reversed(schedule[0]))  # backwards before forwards
     with pytest.raises(ScheduleDeadlock):
-        simulate_pipelines(plan, profile, schedule=schedule)
+        fixed_order_step(plan, profile, None, schedule)
 
 
 def test_asymmetric_pipelines_take_the_slowest():

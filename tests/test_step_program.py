@@ -20,7 +20,7 @@ from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.program import step_program
-from odyssey_megatron.estimator.staggered import fixed_order_step
+from odyssey_megatron.estimator.pipeline import fixed_order_step
 from odyssey_megatron.estimator.step_schedule import step_time
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.profile import uniform_profile

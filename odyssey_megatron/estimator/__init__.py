@@ -15,7 +15,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
-from odyssey_megatron.estimator.pipeline import ScheduleDeadlock
+from odyssey_megatron.estimator.replay import ScheduleDeadlock
 from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan

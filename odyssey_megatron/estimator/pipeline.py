@@ -1,32 +1,19 @@
-"""Pipeline time by dynamic programming over op lists (paper 001, Eq. 10-11).
-
-The start of an op is the later of the end of the previous op on its worker and the end
-of its dependency on another stage plus the point-to-point transfer between them:
-
-    t_start(op) = max(t_end(prev op on worker), t_end(dependency) + t_p2p)
-
-A worker with one stream (every worker of a plan without rerouting) runs it in order, so
-this is exactly Eq. 11. A rerouting peer has several streams; whenever it is free it runs
-the ready stream head that comes earliest in its stream's 1F1B order (own stream first
-on ties), which is list scheduling over the same recurrence. Ops are processed in time
-order with a heap, so the programme costs O(ops log ops); the order each worker ended up
-with is returned as the schedule to execute. Step time is the latest end (Eq. 10).
+"""Pipeline time of one step (paper 001, Eq. 10-11), from the op lists ``estimator.replay``
+replays: the plan's streams list-scheduled (a rerouting peer interleaves the streams it
+adopts; the order each worker ended up with is the schedule to execute), or op lists
+fixed beforehand. Step time is the latest end (Eq. 10).
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.replay import OpGraph, ScheduleDeadlock, op_graph, replay
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, Op, compile_streams, dependency, one_f_one_b
-
-
-class ScheduleDeadlock(RuntimeError):
-    """The op lists wait on each other in a cycle: the plan cannot run as compiled."""
+from odyssey_megatron.schedules.ops import FORWARD, Op, one_f_one_b
 
 
 @dataclass(frozen=True)
@@ -41,149 +28,32 @@ class PipelineTiming:
     """Each worker's ops in the order they ran: what the executor runs."""
 
 
-def p2p_time(profile: ModelProfile, *, same_node: bool) -> float:
-    if profile.p2p_bytes == 0:
-        return 0.0
-    return profile.link_latency_s + profile.p2p_bytes / profile.bandwidth(same_node)
-
-
-@dataclass(frozen=True)
-class OpGraph:
-    """What a list scheduler over a plan's streams needs. Every schedule of one plan runs
-    each op on the same worker, so one graph serves them all (plain, split, replayed)."""
-
-    streams: dict[int, list[list[Op]]]
-    """``compile_streams``: each worker's own stream, then the streams it adopts."""
-    compute: dict[tuple[int, int], tuple[float, float]]
-    """(forward, backward) seconds per (pipeline, stage)."""
-    location: dict[Op, int]
-    """The worker running each op."""
-    needs: dict[Op, tuple[Op | None, float]]
-    """Each op's dependency and the transfer time from the dependency's worker."""
-    consumer: dict[Op, Op]
-    """The op consuming each op's output."""
-
-
-def op_graph(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None,
-    streams: dict[int, list[list[Op]]] | None = None,
-) -> OpGraph:
-    """The ``OpGraph`` of ``streams`` (by default the plan's ``compile_streams``)."""
-    if streams is None:
-        streams = compile_streams(plan)
-    num_stages = [p.num_stages for p in plan.pipelines]
-    compute: dict[tuple[int, int], tuple[float, float]] = {}
-    for pi, si, stage in plan.stage_positions():
-        start, end = stage.layers
-        compute[pi, si] = profile.stage_compute(start, end, first=si == 0, last=si == num_stages[pi] - 1)
-    location = {op: worker for worker, lists in streams.items() for ops in lists for op in ops}
-    link_cache: dict[tuple[int, int], float] = {}
-
-    def link_s(a: int, b: int) -> float:
-        if (a, b) not in link_cache:
-            same_node = cluster is None or cluster.same_node(a, b)
-            link_cache[a, b] = 0.0 if a == b else p2p_time(profile, same_node=same_node)
-        return link_cache[a, b]
-
-    needs: dict[Op, tuple[Op | None, float]] = {}
-    consumer: dict[Op, Op] = {}
-    for op, worker in location.items():
-        dep = dependency(op, num_stages=num_stages[op.pipeline])
-        if dep is None:
-            needs[op] = (None, 0.0)
-            continue
-        dep_worker = location.get(dep)
-        needs[op] = (dep, 0.0 if dep_worker is None else link_s(dep_worker, worker))
-        consumer[dep] = op
-    return OpGraph(streams, compute, location, needs, consumer)
-
-
 def simulate_pipelines(
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None, *, graph: OpGraph | None = None
+) -> PipelineTiming:
+    """One step of ``plan`` with whole backwards, rerouting peers interleaving their
+    streams by list scheduling. ``graph``: the plan's ``op_graph``, if the caller has it.
+    Raises ScheduleDeadlock."""
+    run = replay(graph or op_graph(plan, profile, cluster))
+    return PipelineTiming(makespan_s=max(run.pipeline_end_s, default=0.0), pipeline_end_s=run.pipeline_end_s,
+                          worker_busy_s=run.busy_s, schedule=run.first)
+
+
+def fixed_order_step(
     plan: ExecutionPlan,
     profile: ModelProfile,
-    cluster: ClusterState | None = None,
+    cluster: ClusterState | None,
+    schedule: dict[int, list[Op]],
     *,
-    schedule: dict[int, list[Op]] | None = None,
     graph: OpGraph | None = None,
 ) -> PipelineTiming:
-    """Run the Eq. 11 programme over ``plan``; a given ``schedule`` fixes each worker's
-    order, otherwise streams are interleaved by list scheduling. ``graph``: the plan's
-    ``op_graph``, if the caller has it. Raises ScheduleDeadlock."""
-    if schedule is not None:
-        streams = {worker: [list(ops)] for worker, ops in schedule.items()}
-        graph = op_graph(plan, profile, cluster, streams)
-    elif graph is None:
-        graph = op_graph(plan, profile, cluster)
-    streams, compute, location, needs, consumer = (
-        graph.streams, graph.compute, graph.location, graph.needs, graph.consumer)
-
-    end_time: dict[Op, float] = {}
-    cursor = {worker: [0] * len(lists) for worker, lists in streams.items()}
-    free_at = {worker: 0.0 for worker in streams}
-    busy = {worker: 0.0 for worker in streams}
-    order: dict[int, list[Op]] = {worker: [] for worker in streams}
-    wakeups = [(0.0, worker) for worker in streams]
-    heapq.heapify(wakeups)
-    remaining = len(location)
-    while wakeups:
-        now, worker = heapq.heappop(wakeups)
-        if now < free_at[worker]:
-            continue  # busy; its own completion wakes it
-        ready = ready_head(streams[worker], cursor[worker], needs, end_time.get, now)
-        if ready is None:
-            continue  # a completion elsewhere will wake this worker
-        k, op = ready
-        forward_s, backward_s = compute[op.pipeline, op.stage]
-        duration = forward_s if op.kind == FORWARD else backward_s
-        end_time[op] = free_at[worker] = now + duration
-        busy[worker] += duration
-        cursor[worker][k] += 1
-        order[worker].append(op)
-        remaining -= 1
-        heapq.heappush(wakeups, (free_at[worker], worker))
-        successor = consumer.get(op)
-        if successor is not None and location[successor] != worker:
-            heapq.heappush(wakeups, (free_at[worker] + needs[successor][1], location[successor]))
-    if remaining:
-        stuck = {w: lists for w, lists in streams.items() if any(c < len(o) for c, o in zip(cursor[w], lists))}
-        heads = sorted((w, ops[c]) for w, lists in stuck.items() for c, ops in zip(cursor[w], lists) if c < len(ops))
-        raise ScheduleDeadlock(f"ops wait on each other in a cycle: {heads[:4]}")
-
-    pipeline_end = [0.0] * len(plan.pipelines)
-    for op, t in end_time.items():
-        pipeline_end[op.pipeline] = max(pipeline_end[op.pipeline], t)
-    return PipelineTiming(
-        makespan_s=max(pipeline_end, default=0.0),
-        pipeline_end_s=tuple(pipeline_end),
-        worker_busy_s=busy,
-        schedule=order,
-    )
-
-
-def ready_head(
-    streams: list[list[Op]],
-    positions: list[int],
-    needs: dict[Op, tuple[Op | None, float]],
-    end_of: Callable[[Op], float | None],
-    now: float,
-) -> tuple[int, Op] | None:
-    """(stream index, op): of one worker's stream heads, the one whose dependency's output
-    has arrived by ``now`` and that comes earliest in its stream's 1F1B order, own stream
-    first on ties (the list-scheduling rule). ``end_of`` is None for an op not yet run."""
-    best = None
-    for k, ops in enumerate(streams):
-        position = positions[k]
-        if position == len(ops):
-            continue
-        op = ops[position]
-        dep, link = needs[op]
-        if dep is not None:
-            dep_end = end_of(dep)
-            if dep_end is None or dep_end + link > now:
-                continue
-        if best is None or (position, k) < best[:2]:
-            best = (position, k, op)
-    return None if best is None else best[1:]
+    """One step of ``schedule`` run as given (a list holding W ops splits its backwards),
+    every worker starting at once and stepping its optimizer after the global norm (no
+    staggering, no snapshots): the makespan the runtime's executor gets from op lists
+    chosen for another start (Eq. 11 on fixed lists); raises ScheduleDeadlock."""
+    run = replay(graph or op_graph(plan, profile, cluster), schedule)
+    return PipelineTiming(makespan_s=run.step_end_s[0], pipeline_end_s=run.pipeline_end_s, worker_busy_s=run.busy_s,
+                          schedule=schedule)
 
 
 def lone_pipeline_time(

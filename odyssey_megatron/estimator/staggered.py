@@ -24,15 +24,14 @@ clip gradients, and the runtime snapshots whenever they do.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.estimator.decoupled import WEIGHT_GRAD_SHARE
-from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, ScheduleDeadlock, op_graph
+from odyssey_megatron.estimator.replay import OpGraph, op_graph, replay
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
+from odyssey_megatron.schedules.ops import Op
 
 ITERATIONS = 2
 """Steps replayed back to back: the period is the time from the first step's end to the
@@ -73,136 +72,8 @@ def staggered_period(
     as ``step_schedule`` returns it) under staggered optimizer steps, retake snapshots
     included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
     has it."""
-    ends = _replay(plan, profile, cluster, schedule, iterations=iterations, fixed_start=False, graph=graph)[0]
+    playing = {worker for worker, ops in schedule.items() if ops}
+    ends = replay(graph or op_graph(plan, profile, cluster), schedule, iterations=iterations,
+                  optimizer_groups=sync_groups(plan, profile, playing), speculative=True,
+                  snapshot_s=retake_snapshot_s(plan, profile), snapshot_in_line=not profile.host_copy_async).step_end_s
     return ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)
-
-
-def fixed_order_step(
-    plan: ExecutionPlan,
-    profile: ModelProfile,
-    cluster: ClusterState | None,
-    schedule: dict[int, list[Op]],
-    *,
-    graph: OpGraph | None = None,
-) -> PipelineTiming:
-    """One step of ``schedule`` run as given, every worker starting at once and stepping
-    its optimizer after the global norm (no staggering, no snapshots): the makespan the
-    runtime's executor gets from op lists chosen for another start (Eq. 11 on fixed
-    lists); raises ScheduleDeadlock."""
-    ends, pipeline_end, busy = _replay(plan, profile, cluster, schedule, iterations=1, fixed_start=True, graph=graph)
-    return PipelineTiming(makespan_s=ends[0], pipeline_end_s=tuple(pipeline_end), worker_busy_s=busy,
-                          schedule=schedule)
-
-
-def _replay(
-    plan: ExecutionPlan,
-    profile: ModelProfile,
-    cluster: ClusterState | None,
-    schedule: dict[int, list[Op]],
-    *,
-    iterations: int,
-    fixed_start: bool,
-    graph: OpGraph | None,
-) -> tuple[list[float], list[float], dict[int, float]]:
-    """When each of ``iterations`` staggered steps' last worker ended; with
-    ``fixed_start`` (one step, no snapshots) also when each pipeline's last op ended and
-    each worker's compute seconds."""
-    graph = graph or op_graph(plan, profile, cluster)
-    compute, needs = graph.compute, graph.needs
-    schedule = {worker: ops for worker, ops in schedule.items() if ops}
-    groups = sync_groups(plan, profile, schedule.keys())
-    member_of: dict[int, list[int]] = defaultdict(list)
-    for g, group in enumerate(groups):
-        for worker in group:
-            member_of[worker].append(g)
-    group_done = [[0] * iterations for _ in groups]  # members finished, per step
-    group_end = [[0.0] * iterations for _ in groups]  # when the last of them finished
-    split = {worker for worker, ops in schedule.items() if any(op.kind == WEIGHT_GRAD for op in ops)}
-
-    def timed(worker: int, op: Op) -> tuple[Op, Op | None, float, float]:
-        """(op, its dependency, the transfer after it, the op's seconds)."""
-        forward_s, backward_s = compute[op.pipeline, op.stage]
-        if op.kind == WEIGHT_GRAD:
-            return op, None, 0.0, backward_s * WEIGHT_GRAD_SHARE
-        dep, link_s = needs[op]
-        if op.kind == FORWARD:
-            return op, dep, link_s, forward_s
-        return op, dep, link_s, backward_s * (1 - WEIGHT_GRAD_SHARE) if worker in split else backward_s
-
-    runs = {worker: [timed(worker, op) for op in ops] for worker, ops in schedule.items()}
-    num_stages = [p.num_stages for p in plan.pipelines]
-    settles_at = {worker: settle_point(ops, num_stages) for worker, ops in schedule.items()}
-    snapshot_s = dict.fromkeys(schedule, 0.0) if fixed_start else retake_snapshot_s(plan, profile)
-    in_line = not profile.host_copy_async
-    end: list[dict[Op, float]] = [{} for _ in range(iterations)]  # per step
-    waiting_op: list[dict[Op, list[int]]] = [defaultdict(list) for _ in range(iterations)]
-    waiting_group: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(iterations)]
-    finished: dict[int, list[float]] = {worker: [] for worker in schedule}
-    all_done = [0] * iterations  # workers finished, per step
-    norm_at = [0.0] * iterations  # when the last of them finished: the global norm is in
-    waiting_norm: list[list[int]] = [[] for _ in range(iterations)]
-    started = dict.fromkeys(schedule, -1)
-    position = dict.fromkeys(schedule, 0)
-    step = dict.fromkeys(schedule, 0)
-    free_at = dict.fromkeys(schedule, 0.0)
-    snapshot_end = dict.fromkeys(schedule, 0.0)
-    pipeline_end = [0.0] * len(plan.pipelines)
-    busy = {worker: sum(timed_op[3] for timed_op in run) for worker, run in runs.items()} if fixed_start else {}
-    queue = deque(schedule)
-    while queue:
-        worker = queue.popleft()
-        run, k, pos, now = runs[worker], step[worker], position[worker], free_at[worker]
-        while k < iterations:
-            if pos == 0 and started[worker] < k:
-                if k > 0:
-                    late = next((g for g in member_of[worker] if group_done[g][k - 1] < len(groups[g])), None)
-                    if late is not None:
-                        waiting_group[k - 1][late].append(worker)
-                        break
-                    now = max([now, *(group_end[g][k - 1] for g in member_of[worker])])
-                started[worker] = k
-                snapshot_end[worker] = now + snapshot_s[worker]
-                if in_line:
-                    now = snapshot_end[worker]
-            op, dep, link_s, seconds = run[pos]
-            if dep is not None:
-                dep_end = end[k].get(dep)
-                if dep_end is None:
-                    waiting_op[k][dep].append(worker)
-                    break
-                now = max(now, dep_end + link_s)
-            if k > 0 and pos == settles_at[worker]:
-                if all_done[k - 1] < len(schedule):
-                    waiting_norm[k - 1].append(worker)
-                    break
-                if op.kind == FORWARD:  # computes, then holds its output until the norm is in
-                    now = max(now + seconds, norm_at[k - 1])
-                else:
-                    now = max(now, norm_at[k - 1]) + seconds
-            else:
-                now += seconds
-            end[k][op] = now
-            if fixed_start:
-                pipeline_end[op.pipeline] = max(pipeline_end[op.pipeline], now)
-            woken = waiting_op[k].pop(op, None)
-            if woken:
-                queue.extend(woken)
-            pos += 1
-            if pos == len(run):
-                for g in member_of[worker]:  # the DP all-reduce needs the gradients only
-                    group_done[g][k] += 1
-                    group_end[g][k] = max(group_end[g][k], now)
-                    if group_done[g][k] == len(groups[g]):
-                        queue.extend(waiting_group[k].pop(g, ()))
-                all_done[k] += 1
-                norm_at[k] = max(norm_at[k], now)
-                if all_done[k] == len(schedule):
-                    queue.extend(waiting_norm[k])
-                now = max(now, snapshot_end[worker])  # the optimizer step waits for the snapshot
-                finished[worker].append(now)
-                pos, k = 0, k + 1
-        step[worker], position[worker], free_at[worker] = k, pos, now
-    if any(s < iterations for s in step.values()):
-        raise ScheduleDeadlock("staggered op lists wait on each other in a cycle")
-    ends = [max((times[k] for times in finished.values()), default=0.0) for k in range(iterations)]
-    return ends, pipeline_end, busy

@@ -18,8 +18,9 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.estimator.distinct import distinct_pipelines, sub_plan, touched_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
-from odyssey_megatron.estimator.pipeline import OpGraph, PipelineTiming, op_graph, simulate_pipelines
-from odyssey_megatron.estimator.staggered import fixed_order_step, staggered_period
+from odyssey_megatron.estimator.pipeline import PipelineTiming, fixed_order_step, simulate_pipelines
+from odyssey_megatron.estimator.replay import OpGraph, op_graph
+from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import WEIGHT_GRAD

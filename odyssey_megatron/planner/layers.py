@@ -11,7 +11,8 @@ import itertools
 from math import comb
 
 from odyssey_megatron.estimator.memory import stage_memory
-from odyssey_megatron.estimator.pipeline import lone_pipeline_time, p2p_time
+from odyssey_megatron.estimator.pipeline import lone_pipeline_time
+from odyssey_megatron.estimator.replay import p2p_time
 from odyssey_megatron.profile import ModelProfile
 
 

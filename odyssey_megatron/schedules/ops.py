@@ -35,14 +35,17 @@ class Op(NamedTuple):
     micro_batch: int
 
 
+def settles(op: Op, *, num_stages: int) -> bool:
+    """Whether a worker whose last optimizer step is still speculative
+    (``runtime.rank.staggered_step``) may not finish ``op`` before that step settles: it
+    writes weight gradients (a backward or weight gradient) or sends its result (a
+    forward below its pipeline's last stage; it may compute, not send)."""
+    return op.kind != FORWARD or op.stage < num_stages - 1
+
+
 def settle_point(ops: Sequence[Op], num_stages: Sequence[int]) -> int:
-    """Index of the first op in ``ops`` that a worker whose last optimizer step is still
-    speculative (``runtime.rank.staggered_step``) may not finish before that step settles:
-    the first that writes weight gradients (a backward or weight gradient) or sends its
-    result (a forward below its pipeline's last stage; it may compute, not send).
-    ``len(ops)`` if none does."""
-    return next((i for i, op in enumerate(ops)
-                 if op.kind != FORWARD or op.stage < num_stages[op.pipeline] - 1), len(ops))
+    """Index of the first op in ``ops`` that ``settles``; ``len(ops)`` if none does."""
+    return next((i for i, op in enumerate(ops) if settles(op, num_stages=num_stages[op.pipeline])), len(ops))
 
 
 def one_f_one_b(items: Sequence, *, stage: int, num_stages: int) -> list[tuple[str, object]]:
