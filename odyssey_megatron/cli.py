@@ -186,11 +186,12 @@ def _describe(decision: Decision, failed: str) -> str:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
 
     config = load_config(args.config, args.overrides)
+    profile = recipe_profile(config)
     try:
-        center = DecisionCenter.from_recipe(config)
+        center = DecisionCenter.from_recipe(config, profile=profile)
     except ValueError as exc:
         raise ConfigError("parallel", str(exc)) from None
     failed, failed_nodes = sorted(set(args.failed)), sorted(set(args.failed_nodes))

@@ -294,6 +294,11 @@ class OdysseyConfig:
     """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
     abandoned; longer than collective_timeout, so a collective stuck inside a recovery
     fails within it and the decision restarts with the new survivors."""
+    profile: Optional[str] = None
+    """A profile JSON file (``odyssey profile`` writes one, ``profile_file`` describes it)
+    the decision center prices plans with, instead of the analytic profile of
+    cluster.device; it must have been measured for this recipe's model, micro-batch size
+    and TP size."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
@@ -313,6 +318,8 @@ class OdysseyConfig:
         require(self.storage_bandwidth_gb_s >= 1e-3, "odyssey.storage_bandwidth_gb_s",
                 f"must be >= 0.001 (1 MB/s); got {self.storage_bandwidth_gb_s}")
         require_at_most("odyssey", self, 1e6, "a million GB/s", "storage_bandwidth_gb_s")
+        require(self.profile is None or bool(self.profile.strip()), "odyssey.profile",
+                "must name a profile JSON file (odyssey profile writes one); got an empty string")
         if self.memory_budget_gib is not None:
             require(self.memory_budget_gib > 0, "odyssey.memory_budget_gib", f"must be > 0, got {self.memory_budget_gib}")
             require_at_most("odyssey", self, 2.0**20, "a PiB per device", "memory_budget_gib")
