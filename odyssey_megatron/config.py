@@ -201,12 +201,20 @@ class ClusterConfig:
     """A shipped device spec: ascend-910b, a100-80gb, h100-80gb or cpu."""
     devices_per_node: int = 8
     """Accelerators per machine; a node failure takes all of them."""
+    emulate_device: Optional[str] = None
+    """Device-time emulation for runs of the runtime (``runtime.rank.emulation``): every
+    forward, backward, weight-gradient op, P2P message and DP all-reduce takes the time this
+    profile gives it (real work done, then padded by waiting), so CPU ranks sharing a few
+    cores behave like devices of that profile. A shipped device name (its analytic profile
+    of the recipe's model) or a profile JSON file (``profile_file``); default: off, real time."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("cluster", self)
         require_one_of("cluster.device", self.device, sorted(DEVICE_SPECS))
         require_positive("cluster", self, "devices_per_node")
         require_at_most("cluster", self, limits.MAX_DEVICES_PER_NODE, "larger than any machine", "devices_per_node")
+        require(self.emulate_device is None or bool(self.emulate_device.strip()), "cluster.emulate_device",
+                f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile JSON file; got an empty string")
 
 
 @dataclass

@@ -47,7 +47,7 @@ class BlockCost:
     weight_grad_s: float | None = None
     """Of ``backward_s``, the weight-gradient half when the backward is split
     (``hooks.weight_grad``), as the profiler measured it; None where unmeasured (the
-    estimator assumes ``estimator.decoupled.WEIGHT_GRAD_SHARE``)."""
+    estimator assumes ``estimator.replay.WEIGHT_GRAD_SHARE``)."""
 
     @property
     def static_bytes(self) -> int:
