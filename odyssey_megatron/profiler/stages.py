@@ -1,6 +1,6 @@
 """Time and memory of one pipeline stage on this process's device: the profiler's compute half.
 
-A stage is measured as the executor runs it (``schedules.executor``): Megatron's
+A stage is measured as the executor runs it (``runtime.rank.executor``): Megatron's
 ``forward_step`` and ``backward_step`` on a real stage model, a middle or last stage fed
 a random activation, a non-last stage given a random output gradient. Each pass is timed
 by ``Accelerator.time`` (device events, or CPU time on CPU); passes after the warm-up
@@ -30,7 +30,7 @@ from odyssey_megatron.hooks.grad_sync import parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
 from odyssey_megatron.hooks.weight_grad import WeightGradStore, split_linear_backward
 from odyssey_megatron.profile import Block
-from odyssey_megatron.schedules.executor import stage_forward
+from odyssey_megatron.runtime.rank.executor import stage_forward
 
 _KEY = "profile"
 """The one micro-batch key the split backward holds its weight GEMMs under."""

@@ -8,7 +8,7 @@ like devices of that profile wherever its times exceed the real ones; an op whos
 work takes longer *overruns* (``EmulatedClock.overruns`` counts them, and a run with
 overruns is not a faithful emulation). Figures from this mode are emulated, not measured.
 
-The executor (``schedules.executor``) and the gradient sync (``hooks.grad_sync``) call an
+The executor (``runtime.rank.executor``) and the gradient sync (``hooks.grad_sync``) call an
 ``OpClock``. The base class is real time: its hooks do nothing and cost nothing.
 ``EmulatedClock`` pads, with the estimator's own cost of each op, so an emulated step
 runs what the estimator prices: a stage's forward and backward are its blocks' times
