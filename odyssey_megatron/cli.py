@@ -3,7 +3,9 @@
 ``odyssey plan --config FILE [--failed 3,7] [--failed-nodes 1] [--json] [key=value ...]``
 prints the plan the decision center picks after the given failures, the alternatives it
 beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR [--force]]
-[--json]`` compares the fault-tolerance systems over a failure scenario.
+[--json]`` compares the fault-tolerance systems over a failure scenario. ``odyssey profile
+--config FILE [--out FILE [--force]] [--repeats N] [key=value ...]`` measures the recipe's
+model on this machine and writes the profile file ``odyssey.profile`` reads.
 
 ``main`` is the one place user errors become output: every ConfigError (a file, YAML,
 value, flag, output location or environment problem), argparse's complaints included,
@@ -78,6 +80,20 @@ def _seed(text: str) -> int:
     return value
 
 
+DEFAULT_REPEATS = 20
+MAX_REPEATS = 10_000
+
+
+def _repeats(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if not 1 <= value <= MAX_REPEATS:
+        raise argparse.ArgumentTypeError(f"must lie in 1..{MAX_REPEATS}; got {value}")
+    return value
+
+
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = _Parser(prog="odyssey", description="Odyssey fault tolerance for Megatron-Core.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -99,7 +115,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                      help="replace --out if it holds an earlier run")
     sim.add_argument("--json", action=_Once, nargs=0, const=True, default=False, help="print one JSON object")
     sim.add_argument("overrides", nargs="*", metavar="key=value", help="scenario overrides, e.g. duration_hours=2")
-    return parser, {"plan": plan, "simulate": sim}
+    prof = commands.add_parser("profile", help="measure the recipe's model on this machine: a profile file",
+                               allow_abbrev=False)
+    prof.add_argument("--config", required=True, action=_Once, help="recipe YAML (model, parallel, training, cluster)")
+    prof.add_argument("--out", action=_Once, default=None, help="profile JSON to write (default: print it)")
+    prof.add_argument("--force", action=_Once, nargs=0, const=True, default=False,
+                      help="replace --out if it holds an earlier profile")
+    prof.add_argument("--repeats", type=_repeats, action=_Once, default=DEFAULT_REPEATS,
+                      help=f"timed passes per measurement, after the warm-up (default {DEFAULT_REPEATS})")
+    prof.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.num_layers=4")
+    return parser, {"plan": plan, "simulate": sim, "profile": prof}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -186,11 +211,12 @@ def _describe(decision: Decision, failed: str) -> str:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
 
     config = load_config(args.config, args.overrides)
+    profile = recipe_profile(config)
     try:
-        center = DecisionCenter.from_recipe(config)
+        center = DecisionCenter.from_recipe(config, profile=profile)
     except ValueError as exc:
         raise ConfigError("parallel", str(exc)) from None
     failed, failed_nodes = sorted(set(args.failed)), sorted(set(args.failed_nodes))
@@ -275,12 +301,49 @@ def _simulate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_command(args: argparse.Namespace) -> int:
+    from odyssey_megatron.profile_file import check_output, profile_json, write_profile
+
+    if args.force and args.out is None:
+        raise ConfigError("--force", "replaces an earlier profile at --out; give --out with it")
+    config = load_config(args.config, args.overrides)
+    out = check_output(args.out, key="--out", force=args.force) if args.out is not None else None
+    from odyssey_megatron.profiler import measure_profile  # torch and Megatron: once the arguments are good
+
+    measured = measure_profile(config, repeats=args.repeats)
+    data = profile_json(measured.profile, measured_for=measured.measured_for, source=measured.source)
+    if out is None:
+        print(dumps(data))
+        return 0
+    write_profile(out, data)
+    print(_describe_profile(measured, out))
+    return 0
+
+
+def _describe_profile(measured, out: Path) -> str:
+    profile, source = measured.profile, measured.source
+    ms = lambda seconds: f"{seconds * 1e3:.3f} ms"  # noqa: E731
+    lines = [f"profiled on {source['device']} in {source['seconds']:.1f} s ({source['timer']}, "
+             f"median of {source['repeats']} after {source['warmup']} warm-up)"]
+    for name, block in (("layer", profile.layers[0]), ("embedding", profile.embedding), ("output", profile.output)):
+        lines.append(f"  {name:<9} forward {ms(block.forward_s)}, backward {ms(block.backward_s)} (weight gradients "
+                     f"{ms(block.weight_grad_s)}), activations {block.activation_bytes / 2**20:.2f} MiB, state "
+                     f"{block.state_bytes / 2**20:.2f} MiB")
+    lines.append(f"  links     P2P {profile.intra_node_bandwidth / 1e9:.2f} GB/s + {profile.link_latency_s * 1e6:.0f} us;"
+                 f" all-reduce {(profile.allreduce_bandwidth or profile.intra_node_bandwidth) / 1e9:.2f} GB/s + "
+                 f"{(profile.allreduce_latency_s or profile.link_latency_s) * 1e6:.0f} us ({source['links']})")
+    lines.append(f"written to {out}; use it with odyssey.profile={out}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; user errors print one line and return 2 (see the module docstring)."""
     try:
         args = parse_args(sys.argv[1:] if argv is None else list(argv))
         if args.command == "plan":
             return _plan_command(args)
+        if args.command == "profile":
+            return _profile_command(args)
         return _simulate_command(args)
     except ConfigError as exc:
         print(f"odyssey: error: {exc}", file=sys.stderr)

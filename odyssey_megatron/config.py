@@ -201,12 +201,20 @@ class ClusterConfig:
     """A shipped device spec: ascend-910b, a100-80gb, h100-80gb or cpu."""
     devices_per_node: int = 8
     """Accelerators per machine; a node failure takes all of them."""
+    emulate_device: Optional[str] = None
+    """Device-time emulation for runs of the runtime (``runtime.rank.emulation``): every
+    forward, backward, weight-gradient op, P2P message and DP all-reduce takes the time this
+    profile gives it (real work done, then padded by waiting), so CPU ranks sharing a few
+    cores behave like devices of that profile. A shipped device name (its analytic profile
+    of the recipe's model) or a profile JSON file (``profile_file``); default: off, real time."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("cluster", self)
         require_one_of("cluster.device", self.device, sorted(DEVICE_SPECS))
         require_positive("cluster", self, "devices_per_node")
         require_at_most("cluster", self, limits.MAX_DEVICES_PER_NODE, "larger than any machine", "devices_per_node")
+        require(self.emulate_device is None or bool(self.emulate_device.strip()), "cluster.emulate_device",
+                f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile JSON file; got an empty string")
 
 
 @dataclass
@@ -294,6 +302,11 @@ class OdysseyConfig:
     """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
     abandoned; longer than collective_timeout, so a collective stuck inside a recovery
     fails within it and the decision restarts with the new survivors."""
+    profile: Optional[str] = None
+    """A profile JSON file (``odyssey profile`` writes one, ``profile_file`` describes it)
+    the decision center prices plans with, instead of the analytic profile of
+    cluster.device; it must have been measured for this recipe's model, micro-batch size
+    and TP size."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
@@ -313,6 +326,8 @@ class OdysseyConfig:
         require(self.storage_bandwidth_gb_s >= 1e-3, "odyssey.storage_bandwidth_gb_s",
                 f"must be >= 0.001 (1 MB/s); got {self.storage_bandwidth_gb_s}")
         require_at_most("odyssey", self, 1e6, "a million GB/s", "storage_bandwidth_gb_s")
+        require(self.profile is None or bool(self.profile.strip()), "odyssey.profile",
+                "must name a profile JSON file (odyssey profile writes one); got an empty string")
         if self.memory_budget_gib is not None:
             require(self.memory_budget_gib > 0, "odyssey.memory_budget_gib", f"must be > 0, got {self.memory_budget_gib}")
             require_at_most("odyssey", self, 2.0**20, "a PiB per device", "memory_budget_gib")

@@ -28,13 +28,23 @@ from odyssey_megatron.planner import (
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.profile import ModelProfile, analytic_profile
+from odyssey_megatron.profile_file import recipe_profile_file
 from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.specs import device_spec
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 
 def recipe_profile(config: RecipeConfig) -> ModelProfile:
-    """The analytic profile of the recipe's model on its device."""
+    """The profile the recipe's plans are priced with: the file ``odyssey.profile`` names
+    (``profile_file``; ConfigError if it is bad or measured for another model), else the
+    analytic profile of its model on ``cluster.device``."""
+    if config.odyssey.profile is not None:
+        return recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
+    return analytic_recipe_profile(config, device=config.cluster.device)
+
+
+def analytic_recipe_profile(config: RecipeConfig, *, device: str) -> ModelProfile:
+    """The analytic profile of the recipe's model on the shipped device spec ``device``."""
     model = config.model
     budget = config.odyssey.memory_budget_gib
     return analytic_profile(
@@ -49,7 +59,7 @@ def recipe_profile(config: RecipeConfig) -> ModelProfile:
         dtype_bytes=model.dtype_bytes,
         micro_batch_size=config.training.micro_batch_size,
         tensor_parallel_size=config.parallel.tensor_model_parallel_size,
-        device=device_spec(config.cluster.device),
+        device=device_spec(device),
         memory_budget_bytes=None if budget is None else int(budget * GIB),
     )
 
@@ -90,7 +100,7 @@ class DecisionCenter:
 
     @classmethod
     def from_recipe(cls, config: RecipeConfig, *, profile: ModelProfile | None = None) -> "DecisionCenter":
-        """The recipe's job before any failure: its analytic profile (or ``profile``), the
+        """The recipe's job before any failure: its profile (``recipe_profile``, or ``profile``), the
         whole cluster and Megatron's symmetric DP x PP plan."""
         profile = profile if profile is not None else recipe_profile(config)
         par = config.parallel

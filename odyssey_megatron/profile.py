@@ -44,6 +44,10 @@ class BlockCost:
     optimizer_bytes: int
     activation_bytes: int
     """Activations one micro-batch keeps alive from this block's forward to its backward."""
+    weight_grad_s: float | None = None
+    """Of ``backward_s``, the weight-gradient half when the backward is split
+    (``hooks.weight_grad``), as the profiler measured it; None where unmeasured (the
+    estimator assumes ``estimator.replay.WEIGHT_GRAD_SHARE``)."""
 
     @property
     def static_bytes(self) -> int:
@@ -77,6 +81,12 @@ class ModelProfile:
     snapshot costs (``estimator.staggered``)."""
     host_copy_async: bool = True
     """Whether that copy overlaps compute (``DeviceSpec.host_copy_async``)."""
+    allreduce_bandwidth: float | None = None
+    """Bytes/s of the ring all-reduce model (``estimator.communication.allreduce_time``)
+    fitted to all-reduces the profiler timed within a node; None where unmeasured (the
+    link bandwidth stands in)."""
+    allreduce_latency_s: float | None = None
+    """Per-step latency of that fit; None where unmeasured (``link_latency_s`` stands in)."""
 
     @property
     def num_layers(self) -> int:

@@ -147,3 +147,33 @@ def last_stage_steps_first(rank: int, world_size: int, published: str, marker: s
     runner.train_step(lambda m: source.micro_batch(1, m))
     runner.settle()
     return seen
+
+
+def timed_steps(rank: int, world_size: int, cases: list) -> list[dict]:
+    """For each (published plan JSON, ``runtime.rank.emulation.DeviceEmulation`` or None), two
+    training steps, each timed from a barrier to the end of its optimizer step; reports
+    the second step's seconds and how far the worst op overran its emulated time."""
+    import time
+
+    import torch.distributed as dist
+
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+
+    results = []
+    for published, emulation in cases:
+        plan, program = read_published(json.loads(published))
+        ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
+        runner = PlanRunner(
+            plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
+            state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED), lr=LR,
+            max_grad_norm=MAX_GRAD_NORM, emulation=emulation,
+        )
+        source, seconds = data(), []
+        for step in range(2):
+            dist.barrier()
+            start = time.monotonic()
+            runner.train_step(lambda m, step=step: source.micro_batch(step, m))
+            seconds.append(time.monotonic() - start)
+        results.append({"step_s": seconds[-1], "worst_overrun_s": getattr(runner.clock, "worst_overrun_s", 0.0)})
+        runner.groups.destroy()
+    return results

@@ -10,6 +10,7 @@ speed; a few run as real processes to show no traceback reaches stderr.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import subprocess
@@ -407,6 +408,110 @@ OUTPUT_CASES = {
     "out is a symlink": sim("--out", "@TMP/link", culprit=("--out", "not a directory"), files={"link": "@SYMLINK"}),
 }
 
+def _valid_profile() -> dict:
+    from odyssey_megatron.config import load_config
+    from odyssey_megatron.decision_center import recipe_profile
+    from odyssey_megatron.profile_file import profile_json, recipe_measured_for
+
+    config = load_config(TINY)
+    return profile_json(recipe_profile(config), measured_for=recipe_measured_for(config), source={})
+
+
+PROFILE = _valid_profile()
+
+
+def profile(change, culprit, *extra: str) -> Bad:
+    """``odyssey plan`` on the tiny recipe with ``odyssey.profile`` naming a file made from a
+    valid profile by ``change`` (a function of its JSON object, or the file's text)."""
+    if callable(change):
+        data = json.loads(json.dumps(PROFILE))
+        change(data)
+        change = json.dumps(data)
+    return Bad(["plan", "--config", TINY, "odyssey.profile=@TMP/p.json", *extra], _culprit(culprit), {"p.json": change})
+
+
+def _set(path: str, value):
+    def change(data):
+        *parents, leaf = path.split("/")
+        for key in parents:
+            data = data[int(key) if key.isdigit() else key]
+        if value is _DELETE:
+            del data[leaf]
+        else:
+            data[leaf] = value
+    return change
+
+
+_DELETE = object()
+
+
+def profiling(*args: str, culprit, files=None) -> Bad:
+    return Bad(["profile", "--config", TINY, *args], _culprit(culprit), files or {})
+
+
+PROFILE_CASES = {
+    "profile missing": plan("odyssey.profile=@TMP/none.json", culprit=("odyssey.profile", "no such file")),
+    "profile empty name": plan("odyssey.profile=''", culprit=("odyssey.profile", "must name")),
+    "profile is a directory": plan("odyssey.profile=@TMP", culprit=("odyssey.profile", "directory")),
+    "profile empty": profile("", ("odyssey.profile", "p.json: line 1")),
+    "profile yaml": profile("profile: {}\n", ("odyssey.profile", "p.json: line 1")),
+    "profile truncated": profile(json.dumps(PROFILE)[:200], ("odyssey.profile", "p.json: line 1")),
+    "profile binary": profile(bytes(range(256)), ("odyssey.profile", "binary")),
+    "profile utf-16": profile(json.dumps(PROFILE).encode("utf-16"), ("odyssey.profile", "UTF-16")),
+    "profile list": profile("[1, 2]", ("odyssey.profile", "top level")),
+    "profile NaN": profile(json.dumps(PROFILE).replace('"p2p_bytes": ', '"p2p_bytes": NaN, "x": '),
+                           ("odyssey.profile", "NaN")),
+    "profile duplicate key": profile(json.dumps(PROFILE).replace('"version": 1', '"version": 1, "version": 1'),
+                                     ("odyssey.profile", "twice")),
+    "profile deep nesting": profile("[" * 100_000 + "]" * 100_000, ("odyssey.profile", "nested")),
+    "profile other format": profile(_set("format", "plan"), ("odyssey.profile", "format")),
+    "profile newer version": profile(_set("version", 2), ("odyssey.profile", "version 2", "reads version 1")),
+    "profile unknown top key": profile(_set("extra", 1), ("odyssey.profile", "extra")),
+    "profile no measured_for": profile(_set("measured_for", _DELETE), ("odyssey.profile", "measured_for")),
+    "profile measured_for lacks a key": profile(_set("measured_for/model.vocab_size", _DELETE),
+                                                ("odyssey.profile", "model.vocab_size")),
+    "profile measured_for list": profile(_set("measured_for/model.vocab_size", [512]),
+                                         ("odyssey.profile", "measured_for.model.vocab_size")),
+    "profile missing field": profile(_set("profile/p2p_bytes", _DELETE), ("odyssey.profile", "profile.p2p_bytes",
+                                                                          "missing")),
+    "profile unknown field": profile(_set("profile/layers/2/flops", 1), ("odyssey.profile", "profile.layers[2].flops")),
+    "profile negative time": profile(_set("profile/layers/3/forward_s", -1e-3),
+                                     ("odyssey.profile", "profile.layers[3].forward_s", ">= 0")),
+    "profile text time": profile(_set("profile/output/backward_s", "fast"), ("odyssey.profile", "output.backward_s")),
+    "profile bool bytes": profile(_set("profile/embedding/param_bytes", True),
+                                  ("odyssey.profile", "embedding.param_bytes", "integer")),
+    "profile float bytes": profile(_set("profile/p2p_bytes", 1.5), ("odyssey.profile", "p2p_bytes", "integer")),
+    "profile huge bytes": profile(_set("profile/p2p_bytes", 10**30), ("odyssey.profile", "p2p_bytes", "64-bit")),
+    "profile zero bandwidth": profile(_set("profile/intra_node_bandwidth", 0),
+                                      ("odyssey.profile", "intra_node_bandwidth", "> 0")),
+    "profile null bandwidth": profile(_set("profile/inter_node_bandwidth", None),
+                                      ("odyssey.profile", "inter_node_bandwidth")),
+    "profile layers not a list": profile(_set("profile/layers", {}), ("odyssey.profile", "profile.layers")),
+    "profile too few layers": profile(lambda d: d["profile"]["layers"].pop(), ("odyssey.profile", "lists 7 layers")),
+    "profile weight grads exceed backward": profile(_set("profile/layers/0/weight_grad_s", 1.0),
+                                                    ("odyssey.profile", "layers[0].weight_grad_s", "cannot exceed")),
+    "profile of another model": profile(lambda d: None, ("odyssey.profile", "model.hidden_size=64", "128"),
+                                        "model.hidden_size=128"),
+    "profile of another micro-batch": profile(lambda d: None, ("odyssey.profile", "training.micro_batch_size"),
+                                              "training.micro_batch_size=1"),
+    "profile in a scenario": Bad(["simulate", "--scenario", "@TMP/s.yaml", "recipe_overrides=[odyssey.profile=@TMP/p.json]"],
+                                 ("odyssey.profile", "p.json: line 1"), {"p.json": "{"}),
+    "emulate_device empty": plan("cluster.emulate_device=' '", culprit=("cluster.emulate_device", "empty")),
+    "profile command without config": Bad(["profile"], ("--config", "required")),
+    "profile command repeats 0": profiling("--repeats", "0", culprit=("--repeats", "1..")),
+    "profile command repeats word": profiling("--repeats", "many", culprit=("--repeats", "integer")),
+    "profile command repeats twice": profiling("--repeats", "2", "--repeats", "3", culprit=("--repeats", "twice")),
+    "profile command force without out": profiling("--force", culprit=("--force", "--out")),
+    "profile command out is a directory": profiling("--out", "@TMP", culprit=("--out", "directory")),
+    "profile command out under nothing": profiling("--out", "@TMP/no/p.json", culprit=("--out", "not a directory")),
+    "profile command out exists": profiling("--out", "@TMP/s.yaml", culprit=("--out", "--force")),
+    "profile command out not a profile": profiling("--out", "@TMP/s.yaml", "--force",
+                                                   culprit=("--out", "not a profile file")),
+    "profile command bad override": profiling("model.num_layers=0", culprit="model.num_layers"),
+    "profile command tensor parallel": profiling("parallel.tensor_model_parallel_size=2",
+                                                 culprit=("parallel.tensor_model_parallel_size", "TP=1")),
+}
+
 ENV_CASES = {
     "env var in recipe unset": recipe("model:\n  num_layers: ${oc.env:ODYSSEY_TEST_UNSET}\n", ("model.num_layers",)),
     "env var override unset": plan("model.num_layers=${oc.env:ODYSSEY_TEST_UNSET}", culprit="model.num_layers"),
@@ -419,7 +524,8 @@ ENV_CASES = {
                                     env={"WANDB_API_KEY": "", "WANDB_SILENT": "true", "HOME": "@TMP/home"}),
 }
 
-CASES = {**FILE_CASES, **TRACE_CASES, **VALUE_CASES, **SCENARIO_CASES, **FLAG_CASES, **OUTPUT_CASES, **ENV_CASES}
+CASES = {**FILE_CASES, **TRACE_CASES, **VALUE_CASES, **SCENARIO_CASES, **FLAG_CASES, **OUTPUT_CASES, **PROFILE_CASES,
+         **ENV_CASES}
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:

@@ -8,7 +8,9 @@ backend, so tests select CPU here and nowhere else.
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,6 +32,29 @@ class Accelerator:
         if self.device_type == "cpu":
             return torch.device("cpu")
         return torch.device(self.device_type, local_rank % self.device_count)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this process's device (CPU work runs in line)."""
+        if self.device_type != "cpu":
+            getattr(torch, self.device_type).synchronize()
+
+    def time(self, work: Callable[[], object]) -> float:
+        """Seconds the device spends on ``work``: between device events recorded around it
+        on an accelerator (the host only queues it); on CPU, this process's CPU time, which
+        is what the work costs a core of its own (the wall clock also counts the turns of
+        every other process sharing the cores) and equals the wall time when one thread
+        computes (``torch.set_num_threads(1)``) on an idle core."""
+        if self.device_type == "cpu":
+            start = time.process_time()
+            work()
+            return time.process_time() - start
+        backend = getattr(torch, self.device_type)
+        start, end = backend.Event(enable_timing=True), backend.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 def _npu_count() -> int:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from odyssey_megatron.hooks.model import EMBEDDING_WEIGHT, StageSpec, global_name, is_tied
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import EMBEDDING, OUTPUT, Block
+from odyssey_megatron.runtime.rank.emulation import OpClock
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -52,26 +53,34 @@ def parameters_by_block(model: torch.nn.Module, stage: StageSpec) -> dict[Block,
 class _Bucket:
     """One sync unit's tensors on this rank and its in-flight all-reduce."""
 
-    def __init__(self, group: dist.ProcessGroup, params: list[torch.nn.Parameter]):
-        self.group, self.params = group, params
+    def __init__(self, unit: int, group: dist.ProcessGroup, params: list[torch.nn.Parameter], clock: OpClock):
+        self.unit, self.group, self.params, self.clock = unit, group, params, clock
         self.pending = 0
         self.work: dist.Work | None = None
         self.flat: torch.Tensor | None = None
+        self.paced: object = None
 
     def start(self, *, async_op: bool) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.flat = torch.cat([g.reshape(-1) for g in grads])
+        self.paced = self.clock.collective_started(self.unit, self.group)
         self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
-    def finish(self) -> None:
+    def wait(self) -> None:
+        """Wait out the all-reduce started, if any, and the time the clock gives it."""
         if self.work is not None:
             self.work.wait()
+        if self.flat is not None:
+            self.clock.collective_finished(self.paced)
+
+    def finish(self) -> None:
+        self.wait()
         offset = 0
         for param in self.params:
             n = param.numel()
             param.grad = self.flat[offset : offset + n].view_as(param).clone()
             offset += n
-        self.work = self.flat = None
+        self.work = self.flat = self.paced = None
 
 
 class LayerGradSync:
@@ -85,14 +94,17 @@ class LayerGradSync:
         params: dict[Block, list[torch.nn.Parameter]],
         unit_groups: dict[int, dist.ProcessGroup],
         overlap: bool = False,
+        clock: OpClock | None = None,
     ):
+        """``clock`` paces each all-reduce (``runtime.rank.emulation``); default: real time."""
+        clock = clock or OpClock()
         self._buckets: list[_Bucket] = []
         for round_ in plan.comm_rounds:
             for index in round_:
                 unit = plan.sync_units[index]
                 if worker in unit.workers:
                     members = [p for b in unit.blocks for p in params.get(b, [])]
-                    self._buckets.append(_Bucket(unit_groups[index], members))
+                    self._buckets.append(_Bucket(index, unit_groups[index], members, clock))
         self._overlap = overlap
         self._backward_passes = 0
         if overlap:
@@ -133,9 +145,8 @@ class LayerGradSync:
         """Drop a step that must run again: wait out the all-reduces in flight (every
         member started the same ones, having run the same op list) and forget them."""
         for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            bucket.work = bucket.flat = None
+            bucket.wait()
+            bucket.work = bucket.flat = bucket.paced = None
 
 
 def local_grad_square(

@@ -10,7 +10,6 @@ from typing import Callable
 from odyssey_megatron import limits
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ConfigError
-from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.engine import Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent, generate_events, read_trace
@@ -59,7 +58,7 @@ class SimulationResult:
 def simulation_context(scenario: Scenario) -> SimulationContext:
     recipe, costs = scenario.recipe, scenario.config.costs
     return SimulationContext(
-        profile=recipe_profile(recipe),
+        profile=scenario.profile,
         num_layers=recipe.model.num_layers,
         tensor_parallel_size=recipe.parallel.tensor_model_parallel_size,
         pipeline_parallel_size=recipe.parallel.pipeline_model_parallel_size,

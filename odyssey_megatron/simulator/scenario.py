@@ -24,6 +24,8 @@ from odyssey_megatron.config import (
     require_plain_numbers,
     require_positive,
 )
+from odyssey_megatron.decision_center import recipe_profile
+from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
 _WANDB_FORBIDDEN = "/\\#?%:"
@@ -145,6 +147,9 @@ class ScenarioConfig:
 class Scenario:
     config: ScenarioConfig
     recipe: RecipeConfig
+    profile: ModelProfile
+    """The job's profile (``decision_center.recipe_profile``), read with the scenario so a
+    bad ``odyssey.profile`` is refused before anything runs."""
     base_dir: Path
     """Where relative paths in the scenario (recipe, trace) are resolved first."""
 
@@ -161,4 +166,4 @@ def load_scenario(path: str | Path | None, overrides: Sequence[str] = ()) -> Sce
     if not recipe_path.exists():
         raise ConfigError("recipe", f"no such recipe file: {config.recipe}")
     recipe = load_config(recipe_path, config.recipe_overrides, flag="recipe")
-    return Scenario(config=config, recipe=recipe, base_dir=base)
+    return Scenario(config=config, recipe=recipe, profile=recipe_profile(recipe), base_dir=base)

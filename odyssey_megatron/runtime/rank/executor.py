@@ -34,6 +34,7 @@ from megatron.core.pipeline_parallel.schedules import backward_step, forward_ste
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.weight_grad import WeightGradStore
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.rank.emulation import OpClock
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
 
 MicroBatch = dict[str, torch.Tensor]
@@ -76,6 +77,8 @@ class StepExecutor:
     """This worker's op list, in the order the estimator ran it."""
     weight_grads: WeightGradStore | None = None
     """Where the model's split backwards leave their weight GEMMs; needed when ``ops`` has W ops."""
+    clock: OpClock = field(default_factory=OpClock)
+    """Real time, or device-time emulation (``runtime.rank.emulation``)."""
     _step: itertools.count = field(default_factory=itertools.count)
 
     def _rank(self, pipeline: int, stage: int, micro_batch: int) -> int:
@@ -104,21 +107,23 @@ class StepExecutor:
         def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
             tensor = tensor.detach().contiguous()
             sends.append((dist.isend(tensor, dst, tag=tag), tensor))
+            sends.extend(self.clock.sent(dst, tag))
 
         def receive(src: int, tag: int) -> torch.Tensor:
             buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device, requires_grad=True)
-            with torch.no_grad():
+            with torch.no_grad(), self.clock.receiving(src, tag):
                 dist.recv(buffer, src, tag=tag)
             return buffer
 
         def forward(op: Op, input_tensor: torch.Tensor | None) -> torch.Tensor:
             first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
             store: list[dict[str, torch.Tensor]] = []
-            output, _ = forward_step(
-                partial(stage_forward, first=first, last=last),
-                iter([batches(op.micro_batch)]) if first or last else None, self.model, total, input_tensor, store,
-                config, cp_group_size=1, is_last_stage=last,
-            )
+            with self.clock.compute(op):
+                output, _ = forward_step(
+                    partial(stage_forward, first=first, last=last),
+                    iter([batches(op.micro_batch)]) if first or last else None, self.model, total, input_tensor, store,
+                    config, cp_group_size=1, is_last_stage=last,
+                )
             if last:
                 losses[op.micro_batch] = float(store[0]["lm loss"])
             saved[op.pipeline, op.micro_batch] = (input_tensor, output)
@@ -145,7 +150,8 @@ class StepExecutor:
                     send(output, self._rank(op.pipeline, op.stage + 1, op.micro_batch),
                          self._tag(step, op.micro_batch, FORWARD))
             elif op.kind == WEIGHT_GRAD:
-                self.weight_grads.run((op.pipeline, op.micro_batch))
+                with self.clock.compute(op):
+                    self.weight_grads.run((op.pipeline, op.micro_batch))
             else:
                 input_tensor, output = saved.pop((op.pipeline, op.micro_batch))
                 grad = None if last else receive(
@@ -153,7 +159,7 @@ class StepExecutor:
                 )
                 split = nullcontext() if self.weight_grads is None else self.weight_grads.deferring(
                     (op.pipeline, op.micro_batch))
-                with split:
+                with split, self.clock.compute(op):
                     input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
                 if not first:
                     send(input_grad, self._rank(op.pipeline, op.stage - 1, op.micro_batch),

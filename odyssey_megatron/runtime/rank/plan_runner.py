@@ -27,6 +27,7 @@ from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, me
 from odyssey_megatron.hooks.training_state import StageOptimizer, TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.rank.emulation import DeviceEmulation, OpClock
 from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot, SnapshotPool
 from odyssey_megatron.runtime.rank.staggered_step import StaggeredStep
 from odyssey_megatron.runtime.rank.executor import MicroBatch, StepExecutor
@@ -76,6 +77,7 @@ class PlanRunner:
         schedule: str = "auto",
         overlap_grad_sync: bool = False,
         device: torch.device = torch.device("cpu"),
+        emulation: DeviceEmulation | None = None,
     ):
         """``program`` is the plan's step program (published with it). ``schedule``: auto
         (Megatron's 1F1B unless micro-batches are rerouted, backwards split or the
@@ -83,7 +85,9 @@ class PlanRunner:
         megatron (refused where auto would not pick it). ``state`` holds exactly this
         rank's stage's blocks; the runner trains its tensors in place.
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
-        with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``)."""
+        with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``).
+        ``emulation`` paces every op to a profile's device time (``runtime.rank.emulation``);
+        Megatron's schedule cannot be paced, so the op-list executor runs."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if program.generation != plan.generation:
@@ -91,6 +95,8 @@ class PlanRunner:
                              f"{plan.generation}")
         if schedule == "megatron" and plan.reroutes:
             raise ValueError("Megatron's 1F1B cannot run a plan with rerouted micro-batches")
+        if schedule == "megatron" and emulation is not None:
+            raise ValueError("Megatron's 1F1B cannot be paced for device-time emulation; use schedule auto or odyssey")
         if schedule == "megatron" and program.split_backward:
             raise ValueError("Megatron's 1F1B cannot run split backwards; publish the step program with "
                              "odyssey.decoupled_weight_grads=false")
@@ -109,18 +115,20 @@ class PlanRunner:
         self._stage_optimizer = StageOptimizer(state, self.model, self.stage, lr=lr)
         self.params = parameters_by_block(self.model, self.stage)
         self.optimizer = self._stage_optimizer.adam
+        self.ops = list(program.ops_of(self.worker))
+        self.clock = OpClock() if emulation is None else emulation.clock(plan=plan, ranks=ranks, worker=self.worker,
+                                                                        ops=self.ops, device=device)
         self.grad_sync = LayerGradSync(
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
-            overlap=overlap_grad_sync,
+            overlap=overlap_grad_sync, clock=self.clock,
         )
-        self.ops = list(program.ops_of(self.worker))
         self.staggered_optimizer = program.staggered_optimizer
         self._snapshots = SnapshotPool(device) if self.staggered_optimizer and max_grad_norm > 0 else None
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
         if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not program.split_backward
-                                      and self.groups.pipeline_group is not None):
+                                      and self.groups.pipeline_group is not None and emulation is None):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
             self.executor = MegatronPipelineSchedule(
                 model=self.model,
@@ -143,6 +151,7 @@ class PlanRunner:
                 ops=self.ops,
                 weight_grads=split_linear_backward(self.model) if any(op.kind == WEIGHT_GRAD for op in self.ops)
                 else None,
+                clock=self.clock,
             )
 
     def train_step(self, batches: Callable[[int], MicroBatch], *, apply: bool = True) -> StepResult:

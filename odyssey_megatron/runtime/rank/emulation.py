@@ -1,0 +1,181 @@
+"""Device-time emulation: every op of a step takes the time a profile gives it.
+
+On a CPU machine eight ranks share two cores, so real compute time says nothing about a
+plan's structure. In emulation (``cluster.emulate_device``) each forward, backward and
+weight-gradient op, each P2P message and each DP all-reduce does its real work and then
+waits until the profile's time for it has passed since it could start. Ranks so behave
+like devices of that profile wherever its times exceed the real ones; an op whose real
+work takes longer *overruns* (``EmulatedClock.overruns`` counts them, and a run with
+overruns is not a faithful emulation). Figures from this mode are emulated, not measured.
+
+The executor (``runtime.rank.executor``) and the gradient sync (``hooks.grad_sync``) call an
+``OpClock``. The base class is real time: its hooks do nothing and cost nothing.
+``EmulatedClock`` pads, with the estimator's own cost of each op, so an emulated step
+runs what the estimator prices: a stage's forward and backward are its blocks' times
+(``ModelProfile.stage_compute``), a split backward leaves the weight-gradient part
+(``BlockCost.weight_grad_s``, where measured, else the estimator's share) to its W op, a
+message takes ``estimator.replay.p2p_time`` from the moment its sender sent it (the
+sender posts that moment beside the tensor; every rank reads one monotonic clock, so
+emulation runs on one host), and a sync unit's all-reduce takes
+``estimator.communication.unit_sync_time`` from the moment its last member started it
+(an all-reduce of the members' start times, MAX, tells every member). The global-norm
+all-reduce and the optimizer step are not priced by the estimator and run in real time.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ContextManager, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import RecipeConfig
+from odyssey_megatron.decision_center import analytic_recipe_profile
+from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.estimator.communication import unit_sync_time
+from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE
+from odyssey_megatron.estimator.replay import p2p_time
+from odyssey_megatron.hooks.process_groups import RankMap
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.profile_file import recipe_profile_file
+from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op
+from odyssey_megatron.specs import DEVICE_SPECS
+
+__all__ = ["DeviceEmulation", "EmulatedClock", "OpClock", "STAMP_TAG_OFFSET", "recipe_emulation"]
+
+STAMP_TAG_OFFSET = 1 << 24
+"""Added to a message's tag for its send-time stamp: above every tag the executor uses
+(8 per micro-batch at most, and ``limits.MAX_MICRO_BATCHES`` is 65,536)."""
+
+
+class OpClock:
+    """Real time: every op takes what its work takes. The hooks' calling contract, which
+    ``EmulatedClock`` relies on: ``compute`` around an op's work, once its inputs are in;
+    ``sent`` right after a message's send is posted, its works waited on with the message's;
+    ``receiving`` around a message's receive; ``collective_started`` right before a
+    sync unit's all-reduce is started, in the same order on every member, and
+    ``collective_finished`` with its result once the all-reduce is waited on."""
+
+    def compute(self, op: Op) -> ContextManager[None]:
+        return nullcontext()
+
+    def sent(self, dst: int, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
+        return []
+
+    def receiving(self, src: int, tag: int) -> ContextManager[None]:
+        return nullcontext()
+
+    def collective_started(self, unit: int, group: dist.ProcessGroup) -> object:
+        return None
+
+    def collective_finished(self, started: object) -> None:
+        pass
+
+
+class EmulatedClock(OpClock):
+    """Pads one worker's ops to a profile's times (see the module docstring); one per plan generation."""
+
+    def __init__(self, *, profile: ModelProfile, cluster: ClusterState, plan: ExecutionPlan, ranks: RankMap,
+                 worker: int, ops: Sequence[Op], device: torch.device):
+        split = any(op.kind == WEIGHT_GRAD for op in ops)
+        self._seconds: dict[tuple[str, int, int], float] = {}
+        for pi, si, stage in plan.stage_positions():
+            first, last = si == 0, si == plan.pipelines[pi].num_stages - 1
+            forward_s, backward_s = profile.stage_compute(*stage.layers, first=first, last=last)
+            weight_s = sum(_weight_grad_s(profile, block)
+                           for block in profile.compute_blocks(*stage.layers, first=first, last=last))
+            self._seconds[FORWARD, pi, si] = forward_s
+            self._seconds[BACKWARD, pi, si] = backward_s - weight_s if split else backward_s
+            self._seconds[WEIGHT_GRAD, pi, si] = weight_s
+        self._link_s = {rank: p2p_time(profile, same_node=cluster.same_node(ranks.worker(rank), worker))
+                        for rank in range(ranks.world_size)}
+        self._sync_s = {index: unit_sync_time(unit, profile, cluster) for index, unit in enumerate(plan.sync_units)}
+        self._device = device
+        self.overruns = 0
+        """Ops whose real work took longer than the profile gives them."""
+        self.worst_overrun_s = 0.0
+        """By how much the worst of them overran."""
+
+    @contextmanager
+    def compute(self, op: Op) -> Iterator[None]:
+        start = time.monotonic()
+        yield
+        self._until(start + self._seconds[op.kind, op.pipeline, op.stage], busy_since=start)
+
+    def sent(self, dst: int, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
+        stamp = torch.tensor([time.monotonic()], dtype=torch.float64, device=self._device)
+        return [(dist.isend(stamp, dst, tag=tag + STAMP_TAG_OFFSET), stamp)]
+
+    @contextmanager
+    def receiving(self, src: int, tag: int) -> Iterator[None]:
+        start = time.monotonic()
+        yield
+        stamp = torch.empty(1, dtype=torch.float64, device=self._device)
+        dist.recv(stamp, src, tag=tag + STAMP_TAG_OFFSET)
+        self._until(float(stamp) + self._link_s[src], busy_since=start)
+
+    def collective_started(self, unit: int, group: dist.ProcessGroup) -> tuple[dist.Work, torch.Tensor, float]:
+        stamp = torch.tensor([time.monotonic()], dtype=torch.float64, device=self._device)
+        return dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True), stamp, self._sync_s[unit]
+
+    def collective_finished(self, started: tuple[dist.Work, torch.Tensor, float]) -> None:
+        start = time.monotonic()
+        work, stamp, seconds = started
+        work.wait()
+        self._until(float(stamp) + seconds, busy_since=start)
+
+    def _until(self, deadline: float, *, busy_since: float) -> None:
+        """Wait for ``deadline``. Past it already, the op *overran* if it was busy at the
+        deadline (working, or waiting for a transfer since ``busy_since``): its real cost
+        exceeds the profile's. A message or all-reduce whose sender or last member was late
+        moved its deadline with it, and one this rank came for late cost it nothing."""
+        now = time.monotonic()
+        if now < deadline:
+            time.sleep(deadline - now)
+        elif deadline > busy_since:
+            self.overruns += 1
+            self.worst_overrun_s = max(self.worst_overrun_s, now - deadline)
+
+
+def _weight_grad_s(profile: ModelProfile, block) -> float:
+    cost = profile.block(block)
+    return cost.weight_grad_s if cost.weight_grad_s is not None else WEIGHT_GRAD_SHARE * cost.backward_s
+
+
+@dataclass(frozen=True)
+class DeviceEmulation:
+    """What to emulate: a profile's device, on a cluster's nodes (which links are intra-node)."""
+
+    profile: ModelProfile
+    cluster: ClusterState
+
+    def clock(self, *, plan: ExecutionPlan, ranks: RankMap, worker: int, ops: Sequence[Op],
+              device: torch.device) -> EmulatedClock:
+        """The clock of ``worker``, running ``ops`` of ``plan``."""
+        return EmulatedClock(profile=self.profile, cluster=self.cluster, plan=plan, ranks=ranks, worker=worker,
+                             ops=ops, device=device)
+
+
+def recipe_emulation(config: RecipeConfig) -> DeviceEmulation | None:
+    """The emulation ``cluster.emulate_device`` asks for (None: off): a shipped device's
+    analytic profile of the recipe's model, or a profile file measured for it."""
+    name = config.cluster.emulate_device
+    if name is None:
+        return None
+    if name in DEVICE_SPECS:
+        profile = analytic_recipe_profile(config, device=name)
+    elif Path(name).exists():
+        profile = recipe_profile_file(name, config, key="cluster.emulate_device")
+    else:
+        raise ConfigError("cluster.emulate_device", f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile "
+                                                    f"JSON file; no such file: {name}")
+    par = config.parallel
+    cluster = ClusterState(world_size=par.num_ranks, tensor_parallel_size=par.tensor_model_parallel_size,
+                           devices_per_node=config.cluster.devices_per_node)
+    return DeviceEmulation(profile=profile, cluster=cluster)
