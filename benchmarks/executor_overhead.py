@@ -63,7 +63,7 @@ def one_layer_at_a_time(plan: ExecutionPlan) -> ExecutionPlan:
 def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
     """A rank of ``plan`` running the step program the decision center would publish
     (split backwards where they pay; never for Megatron's 1F1B), from the seed's state."""
-    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
     program = step_program(plan, uniform_profile(num_layers=MODEL.num_layers), decouple=schedule != "megatron",
                            staggered=staggered)

@@ -1,8 +1,11 @@
 """odyssey-megatron: backup-free fault tolerance for Megatron-Core pretraining.
 
-The decision center (``planner``, ``estimator``, ``restorer``, ``schedules.ops``) and the
-``simulator`` are pure Python and never import torch (a test checks it); ``hooks`` is where
-Megatron-Core lives, and ``runtime`` runs one rank's training under a plan on it.
+The decision center (``decision_center`` over ``planner``, ``estimator``, ``restorer``)
+with the op lists and step programs it publishes (``schedules``), and the ``simulator``,
+are pure Python and never import torch (a test checks it); ``hooks`` is where
+Megatron-Core lives (stage models, groups, gradient sync, per-block training state), and
+``runtime`` is the live job: the rank side inside each worker, the control side around
+them.
 """
 
 __version__ = "0.1.0"

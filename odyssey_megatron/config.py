@@ -379,7 +379,7 @@ class OdysseyConfig:
     the global gradient norm, so stages that finish early start the next step early
     (paper 003's Staggered Optimizer), on plans where that shortens the step. Exact: the
     next step runs ahead only until it would send a result or write a gradient, and a
-    step that clipping should have scaled is retaken there (``runtime.staggered_step``)."""
+    step that clipping should have scaled is retaken there (``runtime.rank.staggered_step``)."""
     max_layer_splits: int = 256
     """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
     memory_budget_gib: Optional[float] = None

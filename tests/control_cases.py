@@ -17,12 +17,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.protocol import Timeouts, WorkerLaunch
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
+from odyssey_megatron.schedules.program import publish, read_published
 
 LIFETIME_S = 120
 """Every process of a cluster ends by itself after this, should a test fail to end it."""
@@ -38,7 +41,7 @@ def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None) -> N
     _log_to_stderr(f"rank {launch.rank}")
     link = ControllerLink(launch)
     link.start()
-    link.generation = link.wait_plan(newer_than=-1).generation
+    link.generation = link.wait_plan(newer_than=-1).plan.generation
     if launch.rank == reporting_rank:
         link.report_failure("RuntimeError: injected")
     time.sleep(LIFETIME_S)
@@ -48,7 +51,7 @@ def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str, port_out
     _log_to_stderr("controller")
     controller = Controller(host="127.0.0.1", port=0, timeouts=timeouts, run_dir=run_dir)
     controller.start()
-    controller.publish_plan(ExecutionPlan.from_json(plan_json))
+    controller.publish_plan(*read_published(json.loads(plan_json)))
     port_out.put(controller.port)
     time.sleep(LIFETIME_S)
 
@@ -98,8 +101,9 @@ class LocalCluster:
         workers = range(self.nodes * self.per_node)  # data parallel over every rank, one micro-batch each
         plan = ExecutionPlan(generation=0, policy="initial", num_layers=2, tensor_parallel_size=1,
                              pipelines=tuple(PipelinePlan((StagePlan(w, (0, 2)),), (w,)) for w in workers))
+        published = json.dumps(publish(plan, step_program(plan, uniform_profile(num_layers=2))))
         self.controller = context.Process(target=_controller_main,
-                                          args=(self.run_dir, self.timeouts, plan.to_json(), port_out))
+                                          args=(self.run_dir, self.timeouts, published, port_out))
         self.controller.start()
         try:
             port = port_out.get(timeout=60)

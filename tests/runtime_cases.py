@@ -78,7 +78,7 @@ def run_plan(
     """Train STEPS steps of the ``published`` plan (its JSON alone: the plan and its step
     program) on this rank; report losses, first-step grads (synced and clipped;
     staggered: synced, and clipped only later, if at all), final params."""
-    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
     plan, program = read_published(json.loads(published))
     ranks, model = RankMap.of(workers, plan.tensor_parallel_size), tiny_model(plan.num_layers, tie_embeddings)
@@ -124,7 +124,7 @@ def last_stage_steps_first(rank: int, world_size: int, published: str, marker: s
     import os
     import time
 
-    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
     plan, program = read_published(json.loads(published))
     ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)

@@ -19,7 +19,7 @@ from runtime_cases import LR, MAX_GRAD_NORM, MICRO_BATCH_SIZE, SEED, data, tiny_
 def _runner(plan: ExecutionPlan, rank: int, ranks: RankMap, model, state: TrainingState):
     """A rank of ``plan`` on the step program the recipes' defaults publish (split
     backwards and staggered steps where they pay)."""
-    from odyssey_megatron.runtime.plan_runner import PlanRunner
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
 
     program = step_program(plan, uniform_profile(num_layers=plan.num_layers), decouple=True, staggered=True)
     return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
@@ -55,7 +55,7 @@ def round_trip(rank: int, world_size: int, cases: list[tuple[str, str, str, bool
     export every block, import the copies into a fresh state, build a second runner from
     it, and take one more step on both runners. Reports what differs bitwise."""
     from odyssey_megatron.hooks.model import build_stage_model, global_name
-    from odyssey_megatron.runtime.plan_runner import initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import initial_state
 
     results = {}
     for name, plan_json, params_dtype, tied in cases:
@@ -114,7 +114,7 @@ def change_layout(rank: int, world_size: int, plan_a_json: str, plan_b_json: str
     """Train ``steps_a`` steps on plan A, carry the state into plan B (keep what B's stage
     holds, run B's transfers through files: the sender exports, the receiver imports), train
     ``steps_b`` more. Returns the final blocks (``block:key`` -> tensor) and what moved."""
-    from odyssey_megatron.runtime.plan_runner import initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import initial_state
 
     plan_a, plan_b = ExecutionPlan.from_json(plan_a_json), ExecutionPlan.from_json(plan_b_json)
     ranks = RankMap.identity(world_size, 1)

@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from control_cases import LocalCluster, alive, process_state, wait_for
 from odyssey_megatron.config import ConfigError, OdysseyConfig
+from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Detector
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
@@ -47,6 +49,7 @@ from odyssey_megatron.runtime.protocol import (
     rank_heartbeat_key,
 )
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
+from odyssey_megatron.schedules.program import StepProgram, read_published
 
 TIMEOUTS = OdysseyConfig().timeouts
 SLACK_S = 1.0
@@ -62,10 +65,15 @@ def _plan(generation: int) -> ExecutionPlan:
                          pipelines=(PipelinePlan((StagePlan(0, (0, 2)),), (0,)),))
 
 
+def _published(generation: int) -> tuple[ExecutionPlan, StepProgram]:
+    plan = _plan(generation)
+    return plan, step_program(plan, uniform_profile(num_layers=2))
+
+
 # -- processes ---------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_killed_worker_is_reported_as_exited_at_once_and_the_others_are_untouched(tmp_path):
     with LocalCluster(tmp_path, nodes=1, per_node=4, timeouts=TIMEOUTS) as cluster:
         before = cluster.workers()
@@ -84,7 +92,7 @@ def test_a_killed_worker_is_reported_as_exited_at_once_and_the_others_are_untouc
             assert after[rank] == before[rank] and alive(before[rank]["pid"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_worker_reporting_an_error_and_a_stopped_one_are_failed_and_killed_by_their_launcher(tmp_path):
     with LocalCluster(tmp_path, nodes=1, per_node=3, timeouts=TIMEOUTS, reporting_rank=2) as cluster:
         error = cluster.wait_event("failure", timeout=10)
@@ -104,7 +112,7 @@ def test_a_worker_reporting_an_error_and_a_stopped_one_are_failed_and_killed_by_
         assert len(cluster.events("failure")) == 2 and alive(cluster.workers()[0]["pid"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_killed_launcher_is_one_node_failure_and_a_lost_controller_takes_everything_down(tmp_path):
     with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=TIMEOUTS) as cluster:
         workers = cluster.workers()
@@ -142,20 +150,20 @@ def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_
     launch = WorkerLaunch(rank=0, local_rank=0, node=0, world_size=1, store_host="127.0.0.1",
                           store_port=controller.port, launcher_pid=os.getpid(), timeouts=TIMEOUTS)
     link = ControllerLink(launch)  # not started: no registration, no heartbeat thread
-    controller.publish_plan(_plan(0))
-    assert link.wait_plan(newer_than=-1) == _plan(0)
+    controller.publish_plan(*_published(0))
+    assert (link.wait_plan(newer_than=-1).plan, link.wait_plan(newer_than=-1).program) == _published(0)
     with pytest.raises(StaleGenerationError, match="generation 0 is stale"):
-        controller.publish_plan(_plan(0))
+        controller.publish_plan(*_published(0))
     with pytest.raises(StaleGenerationError, match="generation 2 is not the next one"):
-        controller.publish_plan(_plan(2))
-    controller.publish_plan(_plan(1))
-    assert link.wait_plan(newer_than=0) == _plan(1)
+        controller.publish_plan(*_published(2))
+    controller.publish_plan(*_published(1))
+    assert link.wait_plan(newer_than=0).plan == _plan(1)
     # A message under the next generation's key that carries an old plan: the worker refuses it.
-    controller.store.set(plan_key(2), PlanPublished(_plan(1), time.time()).to_json())
+    controller.store.set(plan_key(2), PlanPublished(*_published(1), time.time()).to_json())
     with pytest.raises(StaleGenerationError, match="plan generation 1 is stale: generation 1 is already running"):
         link.wait_plan(newer_than=1)
     assert sorted(p.name for p in tmp_path.glob("plan-*.json")) == ["plan-0.json", "plan-1.json"]
-    assert ExecutionPlan.from_json((tmp_path / "plan-1.json").read_text()) == _plan(1)
+    assert read_published(json.loads((tmp_path / "plan-1.json").read_text())) == _published(1)
 
 
 def test_the_controller_turns_inbox_messages_into_failures_records_and_kill_orders(tmp_path, caplog):

@@ -145,7 +145,7 @@ def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
     """A process group orders its members by rank, Megatron's 1F1B takes group rank i for
     stage i; ``auto`` runs such a pipeline on the executor (``test_training_state``)."""
     from odyssey_megatron.hooks.process_groups import RankMap
-    from odyssey_megatron.runtime.plan_runner import PlanRunner, initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
     from runtime_cases import MICRO_BATCH_SIZE, SEED, tiny_model
 
     plan = asymmetric_plan([(2, 2)], [2], worker_of=lambda d, s: 1 - s)

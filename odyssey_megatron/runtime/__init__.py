@@ -1,4 +1,5 @@
-"""Runtime: one rank's training under an ExecutionPlan (``plan_runner`` and its step
-mechanics), and the live runtime's two process kinds, apart: ``rank/`` runs inside a
-worker, ``control/`` outlives workers (launcher, controller, fault detector), and they
-share only ``protocol`` (store keys, JSON messages, timeouts)."""
+"""Runtime: the live side of a job, in two process kinds that meet only through
+``protocol`` (store keys per generation, JSON messages, the timeout order): ``rank/``
+runs inside a worker (its plan runner and step mechanics on Megatron-Core, its link to
+the controller), ``control/`` outlives the workers (controller, node launcher, fault
+detector, run record)."""

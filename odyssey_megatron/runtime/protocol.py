@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Optional
 
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.schedules.program import StepProgram, publish, read_published
 
 __all__ = [
     "CONTROLLER_HEARTBEAT",
@@ -252,14 +253,16 @@ def parse_inbox(text: str | bytes) -> Message:
 
 @dataclass(frozen=True)
 class PlanPublished:
-    """A plan under ``plan_key(plan.generation)``; generations are published one after another."""
+    """A plan and its step program (``schedules.program.publish``) under
+    ``plan_key(plan.generation)``; generations are published one after another."""
 
     plan: ExecutionPlan
+    program: StepProgram
     published_at: float
 
     def to_json(self) -> str:
-        return json.dumps({"kind": "plan", "published_at": self.published_at, "plan": self.plan.to_dict()},
-                          allow_nan=False)
+        return json.dumps({"kind": "plan", "published_at": self.published_at,
+                           "plan": publish(self.plan, self.program)}, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, current_generation: int) -> "PlanPublished":
@@ -268,13 +271,13 @@ class PlanPublished:
         if not isinstance(data, dict) or data.get("kind") != "plan" or not _conforms(data.get("published_at"), "float"):
             raise ProtocolError(f"expected a 'plan' message with published_at; got {str(data)[:200]}")
         try:
-            plan = ExecutionPlan.from_dict(data["plan"])
+            plan, program = read_published(data["plan"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"plan message: malformed plan: {exc!r}") from None
         if plan.generation <= current_generation:
             raise StaleGenerationError(f"plan generation {plan.generation} is stale: generation {current_generation} "
                                        "is already running")
-        return cls(plan=plan, published_at=data["published_at"])
+        return cls(plan=plan, program=program, published_at=data["published_at"])
 
 
 # -- liveness ------------------------------------------------------------------------

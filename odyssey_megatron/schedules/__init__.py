@@ -1,7 +1,9 @@
-"""Schedules: a plan compiled into per-worker op lists.
+"""Schedules: a plan compiled into per-worker op lists (``ops``) and the step program the
+decision center publishes with each plan (``program``).
 
 The same op lists feed the estimator's pipeline programme (Eq. 10-11), the simulator
-and the Megatron executor, so an estimate is of what actually runs.
+and the rank's executor (``runtime.rank.executor``), so an estimate is of what actually
+runs. Pure Python: no torch.
 """
 
 from odyssey_megatron.schedules.ops import Op, compile_streams, dependency, one_f_one_b

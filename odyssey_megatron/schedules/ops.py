@@ -37,7 +37,7 @@ class Op(NamedTuple):
 
 def settle_point(ops: Sequence[Op], num_stages: Sequence[int]) -> int:
     """Index of the first op in ``ops`` that a worker whose last optimizer step is still
-    speculative (``runtime.staggered_step``) may not finish before that step settles:
+    speculative (``runtime.rank.staggered_step``) may not finish before that step settles:
     the first that writes weight gradients (a backward or weight gradient) or sends its
     result (a forward below its pipeline's last stage; it may compute, not send).
     ``len(ops)`` if none does."""

@@ -31,7 +31,7 @@ class StepProgram:
     """Each live worker's op list, in the order it runs them."""
     staggered_optimizer: bool
     """Each rank steps its optimizer without waiting for the global gradient norm
-    (``runtime.staggered_step``): the estimator found it shortens the step."""
+    (``runtime.rank.staggered_step``): the estimator found it shortens the step."""
 
     @property
     def split_backward(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.schedules.program import StepProgram
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.protocol import (
@@ -117,15 +118,17 @@ class Controller:
                 raise RuntimeError("the controller's polling thread died") from self._crash
             return None
 
-    def publish_plan(self, plan: ExecutionPlan) -> None:
-        """Publish ``plan`` as JSON under its generation's key; generations go up one by
-        one, so an older or repeated one is refused (a decision overtaken by a newer one)."""
+    def publish_plan(self, plan: ExecutionPlan, program: StepProgram) -> None:
+        """Publish ``plan`` with its step program as JSON under its generation's key;
+        generations go up one by one, so an older or repeated one is refused (a decision
+        overtaken by a newer one)."""
         if plan.generation != self.published_generation + 1:
             problem = "stale" if plan.generation <= self.published_generation else "not the next one"
             raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
                                        f"{self.published_generation} was published last")
-        self.record.plan(plan)
-        self.store.set(plan_key(plan.generation), PlanPublished(plan, time.time()).to_json())
+        published = PlanPublished(plan, program, time.time())  # checks that the program is the plan's
+        self.record.plan(plan, program)
+        self.store.set(plan_key(plan.generation), published.to_json())
         self.published_generation = plan.generation
         self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers))
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.run_dir import append_jsonl, write_json
 
 __all__ = ["RunRecord"]
@@ -34,6 +35,7 @@ class RunRecord:
         with self._lock:
             write_json(self.workers_path, {str(rank): row for rank, row in table.items()})
 
-    def plan(self, plan: ExecutionPlan) -> None:
+    def plan(self, plan: ExecutionPlan, program: StepProgram) -> None:
+        """The plan as published: with its step program (``schedules.program.read_published`` reads it)."""
         with self._lock:
-            write_json(self.directory / f"plan-{plan.generation}.json", plan.to_dict())
+            write_json(self.directory / f"plan-{plan.generation}.json", publish(plan, program))

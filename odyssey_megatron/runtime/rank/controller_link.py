@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     EXIT_CONTROLLER_LOST,
@@ -92,12 +91,13 @@ class ControllerLink:
         report = RankFailureReport(self.launch.rank, self.generation, error, time.time())
         self.store.queue_push(INBOX, report.to_json())
 
-    def wait_plan(self, *, newer_than: int) -> ExecutionPlan:
+    def wait_plan(self, *, newer_than: int) -> PlanPublished:
         """Wait (up to the recovery timeout) for plan generation ``newer_than + 1`` and
-        return it; a message carrying an older generation is refused (StaleGenerationError)."""
+        return it with its step program; a message carrying an older generation is
+        refused (StaleGenerationError)."""
         key = plan_key(newer_than + 1)
         self.store.wait([key])
-        return PlanPublished.from_json(self.store.get(key), current_generation=newer_than).plan
+        return PlanPublished.from_json(self.store.get(key), current_generation=newer_than)
 
     def _beat(self, store: dist.Store) -> None:
         beat = Heartbeat(self._seq, time.time(), self.generation)

@@ -8,7 +8,7 @@ plain 1F1B, else the Odyssey executor over this worker's op list in the plan's s
 program (``schedules.program``: rerouted micro-batches, split backwards, exactly as the
 decision center priced them). ``train_step`` runs one global batch. Where the program
 staggers optimizer steps, a rank steps without waiting for the global gradient norm
-(``runtime.staggered_step``), so it starts the next step as soon as its own DP peers are
+(``runtime.rank.staggered_step``), so it starts the next step as soon as its own DP peers are
 done; ``settle`` ends the last such step. ``training_state`` reads the blocks back, to
 carry them into the next plan generation.
 """
@@ -27,10 +27,10 @@ from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, me
 from odyssey_megatron.hooks.training_state import StageOptimizer, TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.runtime.retake_snapshot import RetakeSnapshot, SnapshotPool
-from odyssey_megatron.runtime.staggered_step import StaggeredStep
-from odyssey_megatron.schedules.executor import MicroBatch, StepExecutor
-from odyssey_megatron.schedules.megatron_1f1b import MegatronPipelineSchedule
+from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot, SnapshotPool
+from odyssey_megatron.runtime.rank.staggered_step import StaggeredStep
+from odyssey_megatron.runtime.rank.executor import MicroBatch, StepExecutor
+from odyssey_megatron.runtime.rank.megatron_1f1b import MegatronPipelineSchedule
 from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
 from odyssey_megatron.schedules.program import StepProgram
 

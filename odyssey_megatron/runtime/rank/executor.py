@@ -11,7 +11,7 @@ A worker whose op list has W ops (split backwards, ``estimator.decoupled``) runs
 backwards with the weight GEMMs held back (``hooks.weight_grad``) and the W op of a
 micro-batch computes them later, where the estimator put it.
 
-After a staggered optimizer step (``runtime.staggered_step``) the next step runs on
+After a staggered optimizer step (``runtime.rank.staggered_step``) the next step runs on
 speculative weights until the step settles, so the executor settles it at the op list's
 settle point (``ops.settle_point``): before the first gradient is written or the first
 result leaves the rank. If the step was retaken, the forwards run so far are run again

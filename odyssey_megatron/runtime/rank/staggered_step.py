@@ -22,7 +22,7 @@ checks overflow only, and rolls back by reversing AdamW's arithmetic.
 What a retake starts from costs no device memory: the gradients stay where the step
 left them, since nothing writes a gradient before the settle point, and the weights and
 optimizer state are a host copy taken while the step's forward and backward ran
-(``runtime.retake_snapshot``).
+(``runtime.rank.retake_snapshot``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.hooks.grad_sync import clip_scale
-from odyssey_megatron.runtime.retake_snapshot import RetakeSnapshot
+from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot
 
 
 class StaggeredStep:
