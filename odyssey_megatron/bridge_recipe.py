@@ -121,8 +121,9 @@ model.bf16 or model.fp16 set the dtype)."""
 ODYSSEY_ONLY_SECTIONS = ("parallel", "training", "data")
 _KNOWN = {**KEYS, **PRECISION_FLAGS, **FIXED, **dict.fromkeys(UNUSED)}
 _BRIDGE_ONLY_MODEL_KEYS = {key.partition(".")[2] for key in _KNOWN if key.startswith("model.")} - {
-    odyssey.partition(".")[2] for bridge, odyssey in KEYS.items() if odyssey.startswith("model.")
+    odyssey.partition(".")[2] for odyssey in KEYS.values() if odyssey.startswith("model.")
 }
+"""Keys under ``model`` that only Bridge's layout has: a sign of it."""
 
 
 def _bridge_signs(recipe: Mapping) -> list[str]:
