@@ -5,7 +5,9 @@ prints the plan the decision center picks after the given failures, the alternat
 beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR [--force]]
 [--json]`` compares the fault-tolerance systems over a failure scenario. ``odyssey profile
 --config FILE [--out FILE [--force]] [--repeats N] [key=value ...]`` measures the recipe's
-model on this machine and writes the profile file ``odyssey.profile`` reads.
+model on this machine and writes the profile file ``odyssey.profile`` reads. With
+``--print-config``, ``plan`` and ``simulate`` print their config as resolved (YAML) and do
+nothing else.
 
 ``main`` is the one place user errors become output: every ConfigError (a file, YAML,
 value, flag, output location or environment problem), argparse's complaints included,
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import ConfigError, load_config
+from odyssey_megatron.config import ConfigError, config_yaml, load_config
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
@@ -98,12 +100,15 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     parser = _Parser(prog="odyssey", description="Odyssey fault tolerance for Megatron-Core.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = commands.add_parser("plan", help="show the plan chosen after failures", allow_abbrev=False)
-    plan.add_argument("--config", required=True, action=_Once, help="recipe YAML (model, parallel, training, cluster, odyssey)")
+    plan.add_argument("--config", required=True, action=_Once,
+                      help="recipe YAML (model, parallel, training, cluster, odyssey; or Megatron-Bridge's layout)")
     plan.add_argument("--failed", type=_int_list, action="extend", default=[], metavar="RANKS",
                       help="failed ranks, e.g. 3,7; repeat to add more")
     plan.add_argument("--failed-nodes", type=_int_list, action="extend", default=[], metavar="NODES",
                       help="failed nodes (all their ranks), e.g. 1; repeat to add more")
     plan.add_argument("--json", action=_Once, nargs=0, const=True, default=False, help="print one JSON object")
+    plan.add_argument("--print-config", action=_Once, nargs=0, const=True, default=False,
+                      help="print the recipe as resolved (YAML: defaults, model spec, overrides, derived sizes) and exit")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. odyssey.policy=reroute")
     sim = commands.add_parser("simulate", help="compare Odyssey with Oobleck, ReCycle and checkpoint-restart",
                               allow_abbrev=False)
@@ -114,6 +119,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     sim.add_argument("--force", action=_Once, nargs=0, const=True, default=False,
                      help="replace --out if it holds an earlier run")
     sim.add_argument("--json", action=_Once, nargs=0, const=True, default=False, help="print one JSON object")
+    sim.add_argument("--print-config", action=_Once, nargs=0, const=True, default=False,
+                     help="print the scenario and its recipe as resolved (YAML) and exit")
     sim.add_argument("overrides", nargs="*", metavar="key=value", help="scenario overrides, e.g. duration_hours=2")
     prof = commands.add_parser("profile", help="measure the recipe's model on this machine: a profile file",
                                allow_abbrev=False)
@@ -214,6 +221,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
 
     config = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(config_yaml(config), end="")
+        return 0
     profile = recipe_profile(config)
     try:
         center = DecisionCenter.from_recipe(config, profile=profile)
@@ -252,6 +262,9 @@ def _simulate_command(args: argparse.Namespace) -> int:
         raise ConfigError("--force", "replaces an earlier run's --out directory; give --out with it")
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     scenario = load_scenario(args.scenario, overrides)
+    if args.print_config:
+        print(config_yaml({"scenario": scenario.config, "recipe": scenario.recipe}), end="")
+        return 0
     events = scenario_events(scenario)
     default_out = Path("runs/simulate") / f"{Path(args.scenario).stem}-seed{scenario.config.seed}"
     run_dir = RunDir.prepare(args.out or default_out, key="--out", explicit=args.out is not None, force=args.force)

@@ -4,40 +4,55 @@ Structured omegaconf configs (one dataclass per component) merged in this order:
 schema defaults, the shipped model spec named by ``model.spec``, the recipe YAML, then
 command-line dotlist overrides. ``OmegaConf.to_object`` builds the dataclasses so each
 ``__post_init__`` validates its own fields; cross-section checks live on ``RecipeConfig``.
-Files are read by ``input_files`` (bounded, decoded, one-line YAML errors) and the size and
-cost limits come from ``limits``. Every problem becomes a ``ConfigError`` naming the key
-and what is allowed.
+A recipe in Megatron-Bridge's layout is renamed onto these sections first
+(``bridge_recipe``). Fixed choices are ``Choice`` enums. Files are read by ``input_files``
+(bounded, decoded, one-line YAML errors) and the size and cost limits come from ``limits``.
+Every problem becomes a ``ConfigError`` naming the key and what is allowed.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, get_args, get_type_hints
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from odyssey_megatron import limits
+from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import load_yaml_mapping
 from odyssey_megatron.runtime.protocol import TIMEOUT_ORDER, Timeouts
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
 
 __all__ = [
+    "Choice",
     "ClusterConfig",
     "ConfigError",
     "DataConfig",
+    "DType",
+    "Device",
+    "LengthSweep",
+    "LoggerConfig",
     "ModelConfig",
     "OdysseyConfig",
     "ParallelConfig",
+    "Policy",
     "RecipeConfig",
     "TrainingConfig",
+    "config_yaml",
     "load_config",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def require(ok: bool, key: str, problem: str) -> None:
@@ -78,8 +93,58 @@ def require_at_most(section: str, obj: Any, limit: float, why: str, *names: str)
         limits.require_at_most(_key(section, name), getattr(obj, name), limit, why)
 
 
-def require_one_of(key: str, value: str, allowed: Sequence[str]) -> None:
-    require(value in allowed, key, f"must be one of {', '.join(allowed)}; got {value!r}")
+class Choice(str, Enum):
+    """A fixed choice. Every member's name is its value, which is how omegaconf reads it
+    from YAML; it compares, hashes, formats and serialises as that string, so code reading
+    a config needs no ``.value`` (``enum.StrEnum``, which Python 3.10 lacks)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+def one_of(kind: type[Choice]) -> str:
+    return f"must be one of {', '.join(member.value for member in kind)}"
+
+
+def choice(key: str, kind: type[Choice], value: Any) -> Choice:
+    """``value`` as a member of ``kind``: configs built in Python pass plain strings."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(key, f"{one_of(kind)}; got {value!r}") from None
+
+
+class DType(Choice):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Policy(Choice):
+    auto = "auto"
+    reroute = "reroute"
+    reparallelize = "reparallelize"
+
+
+class LengthSweep(Choice):
+    joins = "joins"
+    always = "always"
+    never = "never"
+
+
+Device = Choice("Device", [(name, name) for name in sorted(DEVICE_SPECS)], module=__name__)
+"""The shipped device specs (``specs.devices``)."""
+
+_WANDB_FORBIDDEN = "/\\#?%:"
+"""Characters W&B refuses in a project name."""
+
+
+def require_wandb_project(key: str, name: str) -> None:
+    bad = sorted(set(name) & set(_WANDB_FORBIDDEN))
+    require(0 < len(name) <= 128 and not bad, key,
+            f"must be 1 to 128 characters without any of {' '.join(_WANDB_FORBIDDEN)}; got {name!r}")
 
 
 _SPEC_ALLOWED = (
@@ -111,11 +176,12 @@ class ModelConfig:
     """Base of the rotary position embedding's frequencies (Megatron's rotary_base)."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon (Megatron's layernorm_epsilon; Llama-2's rms_norm_eps)."""
-    params_dtype: str = "bf16"
+    params_dtype: DType = DType.bf16
     """Compute dtype of parameters and activations: bf16, fp16 or fp32."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("model", self)
+        self.params_dtype = choice("model.params_dtype", DType, self.params_dtype)
         if self.spec is not None and self.spec not in MODEL_SPECS:
             require(Path(self.spec).exists(), "model.spec", _SPEC_ALLOWED + f"; got {self.spec!r}")
         if self.num_query_groups is None:
@@ -125,7 +191,6 @@ class ModelConfig:
         require_positive("model", self, "num_layers", *dimensions, "rope_theta", "norm_epsilon")
         require_at_most("model", self, limits.MAX_LAYERS, "per-layer transfers and sync rounds", "num_layers")
         require_at_most("model", self, limits.MAX_MODEL_DIMENSION, "larger overflows the profile", *dimensions)
-        require_one_of("model.params_dtype", self.params_dtype, ["bf16", "fp16", "fp32"])
         require(
             self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
             f"must be divisible by model.num_attention_heads ({self.num_attention_heads}); got {self.hidden_size}",
@@ -146,21 +211,41 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    data_parallel_size: int = 1
+    data_parallel_size: Optional[int] = None
+    """Default: derived as Megatron derives it, world size / (TP * PP), the world size being
+    parallel.world_size, cluster.num_nodes * cluster.devices_per_node or the launcher's
+    WORLD_SIZE, the first given, else 1 (``RecipeConfig``)."""
     world_size: Optional[int] = None
-    """If given, must equal TP * PP * DP (a guard against a mistyped layout)."""
+    """Ranks the job launches; with data_parallel_size given, must equal TP * PP * DP (a
+    guard against a mistyped layout)."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("parallel", self)
-        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-        require_positive("parallel", self, *sizes)
-        require_at_most("parallel", self, limits.MAX_WORKERS, "the most workers planned over", *sizes)
-        if self.world_size is not None:
+        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        given = sizes + tuple(name for name in ("data_parallel_size", "world_size") if getattr(self, name) is not None)
+        require_positive("parallel", self, *given)
+        require_at_most("parallel", self, limits.MAX_WORKERS, "the most workers planned over", *given)
+        if self.world_size is None:
+            return
+        if self.data_parallel_size is None:
+            self.derive_data_parallel_size(self.world_size, "parallel.world_size")
+        else:
             require(
                 self.world_size == self.num_ranks, "parallel.world_size",
                 "must equal tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size = "
                 f"{self.num_ranks}; got {self.world_size}",
             )
+
+    def derive_data_parallel_size(self, world_size: int, key: str) -> None:
+        """DP = world size / (TP * PP), as Megatron derives it (context parallelism is 1);
+        ``key`` names where the world size came from."""
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        require(
+            world_size % model_parallel == 0, key,
+            f"gives a world size of {world_size}, which must be divisible by tensor_model_parallel_size * "
+            f"pipeline_model_parallel_size = {model_parallel}",
+        )
+        self.data_parallel_size = world_size // model_parallel
 
     @property
     def num_ranks(self) -> int:
@@ -176,12 +261,14 @@ class TrainingConfig:
     micro_batch_size: int = 1
     train_iters: int = 100
     lr: float = 3.0e-4
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold (Megatron's name); 0 turns clipping off."""
     seed: int = 1234
 
     def __post_init__(self) -> None:
         require_plain_numbers("training", self)
         require_positive("training", self, "global_batch_size", "micro_batch_size", "train_iters", "lr")
-        require_non_negative("training", self, "seed")
+        require_non_negative("training", self, "seed", "clip_grad")
         require(
             self.global_batch_size % self.micro_batch_size == 0, "training.global_batch_size",
             f"must be divisible by training.micro_batch_size ({self.micro_batch_size}); got {self.global_batch_size}",
@@ -197,7 +284,7 @@ class TrainingConfig:
 class ClusterConfig:
     """The hardware the recipe runs on."""
 
-    device: str = "ascend-910b"
+    device: Device = Device["ascend-910b"]
     """A shipped device spec: ascend-910b, a100-80gb, h100-80gb or cpu."""
     devices_per_node: int = 8
     """Accelerators per machine; a node failure takes all of them."""
@@ -207,14 +294,23 @@ class ClusterConfig:
     profile gives it (real work done, then padded by waiting), so CPU ranks sharing a few
     cores behave like devices of that profile. A shipped device name (its analytic profile
     of the recipe's model) or a profile JSON file (``profile_file``); default: off, real time."""
+    num_nodes: Optional[int] = None
+    """Machines the job runs on (torchrun's --nnodes): with devices_per_node, the world size,
+    which gives the data-parallel size when the recipe does not (and must match it when it does)."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("cluster", self)
-        require_one_of("cluster.device", self.device, sorted(DEVICE_SPECS))
-        require_positive("cluster", self, "devices_per_node")
+        self.device = choice("cluster.device", Device, self.device)
+        given = ("devices_per_node",) + (("num_nodes",) if self.num_nodes is not None else ())
+        require_positive("cluster", self, *given)
         require_at_most("cluster", self, limits.MAX_DEVICES_PER_NODE, "larger than any machine", "devices_per_node")
         require(self.emulate_device is None or bool(self.emulate_device.strip()), "cluster.emulate_device",
                 f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile JSON file; got an empty string")
+        require_at_most("cluster", self, limits.MAX_WORKERS, "the most workers planned over", *given[1:])
+
+    @property
+    def world_size(self) -> Optional[int]:
+        return None if self.num_nodes is None else self.num_nodes * self.devices_per_node
 
 
 @dataclass
@@ -241,10 +337,30 @@ class DataConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Weights & Biases, in Megatron's names; W&B logs offline unless a project is given."""
+
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    """The run's name."""
+    wandb_entity: Optional[str] = None
+    """The W&B team or user the run belongs to."""
+    wandb_save_dir: Optional[str] = None
+    """Where the W&B run directory goes; default: inside the run directory."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_project is not None:
+            require_wandb_project("logger.wandb_project", self.wandb_project)
+        for name in ("wandb_exp_name", "wandb_entity", "wandb_save_dir"):
+            value = getattr(self, name)
+            require(value is None or bool(value.strip()), f"logger.{name}", "must not be empty; leave it out instead")
+
+
+@dataclass
 class OdysseyConfig:
     """How Odyssey decides after a failure (paper 001, section IV)."""
 
-    policy: str = "auto"
+    policy: Policy = Policy.auto
     """auto (Eq. 8 picks), reroute (ReCycle-style only) or reparallelize (dynamic parallelism only)."""
     device_mtbf_hours: float = 10.0
     """Mean time between failures of one device; 10 h is the paper's 10%/h failure rate.
@@ -255,7 +371,7 @@ class OdysseyConfig:
     """Candidate DP degrees lie within this distance of the current one (Algorithm 1's R_dp)."""
     pp_search_radius: int = 1
     """Candidate pipeline lengths lie within this distance of an even split (Algorithm 1's R_pp)."""
-    length_sweep: str = "joins"
+    length_sweep: LengthSweep = LengthSweep.joins
     """When the search also tries every pipeline length, then the DP radius around the best
     of them: joins (decisions off the critical path: workers came back and the current plan
     trains while the search runs), always (failures too: better plans, slower decisions) or never
@@ -310,8 +426,8 @@ class OdysseyConfig:
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
-        require_one_of("odyssey.policy", self.policy, ["auto", "reroute", "reparallelize"])
-        require_one_of("odyssey.length_sweep", self.length_sweep, ["joins", "always", "never"])
+        self.policy = choice("odyssey.policy", Policy, self.policy)
+        self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
                              "reparallelize_restart_s", "checkpoint_restart_penalty_s")
@@ -352,8 +468,10 @@ class RecipeConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     odyssey: OdysseyConfig = field(default_factory=OdysseyConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def __post_init__(self) -> None:
+        self._data_parallel_from_world_size()
         par, model, train = self.parallel, self.model, self.training
         require(
             model.num_layers >= par.pipeline_model_parallel_size, "parallel.pipeline_model_parallel_size",
@@ -381,6 +499,34 @@ class RecipeConfig:
             micro_batches_per_pipeline=train.num_micro_batches // par.data_parallel_size,
         )
 
+    def _data_parallel_from_world_size(self) -> None:
+        """The data-parallel size from cluster.num_nodes, or else from the launcher's
+        WORLD_SIZE, or else from a world of one process (Megatron's ``get_world_size_safe``),
+        when the parallel section does not give it; explicit settings win over the
+        environment. A given one must match cluster.num_nodes."""
+        par, world = self.parallel, self.cluster.world_size
+        if world is not None:
+            if par.data_parallel_size is None:
+                par.derive_data_parallel_size(world, "cluster.num_nodes")
+            require(
+                world == par.num_ranks, "cluster.num_nodes",
+                f"gives a world size of {world} (num_nodes * devices_per_node), but the layout "
+                f"tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size has {par.num_ranks} ranks",
+            )
+        elif par.data_parallel_size is None and "WORLD_SIZE" in os.environ:
+            text = os.environ["WORLD_SIZE"]
+            require(text.strip().isdigit() and int(text) > 0, "WORLD_SIZE", f"must be a positive integer; got {text!r}")
+            par.derive_data_parallel_size(int(text), "WORLD_SIZE")
+        elif par.data_parallel_size is None:
+            model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+            require(
+                model_parallel == 1, "cluster.num_nodes",
+                "must be given to derive the data-parallel size (world size / (TP * PP), as Megatron does) when "
+                "neither parallel.data_parallel_size nor the launcher's WORLD_SIZE is set: the world size is then "
+                f"one process, as in Megatron, and TP * PP is {model_parallel}",
+            )
+            par.derive_data_parallel_size(1, "cluster.num_nodes")
+
 
 def _known_keys(schema: DictConfig, prefix: str = "") -> list[str]:
     keys = []
@@ -390,10 +536,25 @@ def _known_keys(schema: DictConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+def _choice_type(schema: DictConfig, key: str) -> Optional[type[Choice]]:
+    """The Choice enum of the field at ``key`` (also inside Optional and List), if it is one."""
+    parent_path, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(schema, parent_path) if parent_path else schema
+    if not isinstance(node, DictConfig) or node._metadata.object_type is None:
+        return None
+    hint = get_type_hints(node._metadata.object_type).get(leaf.split("[")[0])
+    return next((t for t in (hint, *get_args(hint)) if isinstance(t, type) and issubclass(t, Choice)), None)
+
+
 def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     """Turn omegaconf's multi-line error into one line naming the key and what is allowed."""
     key = getattr(exc, "full_key", None) or "config"
     message = str(exc).splitlines()[0]
+    kind = _choice_type(schema, key)
+    if kind is not None and message.startswith(("Invalid value '", "Incompatible value '", "Value ")):
+        value = getattr(exc, "value", None)
+        value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        return ConfigError(key, f"{one_of(kind)}; got {value!r}")
     if "not in struct" in message or "Key '" in message and "not in" in message:
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         section = OmegaConf.select(schema, parent) if parent else schema
@@ -448,30 +609,52 @@ def _check_shape(layer: Any, schema: DictConfig, prefix: str = "") -> None:
             _check_shape(value, expected if isinstance(expected, DictConfig) else DictConfig({}), f"{path}.")
 
 
+@contextmanager
+def _one_line(schema: DictConfig) -> Iterator[None]:
+    """omegaconf's errors, and the ConfigErrors of ``__post_init__`` it wraps, as one ConfigError."""
+    try:
+        yield
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        raise _explain(exc, schema) from None
+
+
+Defaults = Callable[[DictConfig, DictConfig], list[DictConfig]]
+
+
+def read_layers(path: str | Path | None, overrides: Sequence[str], *, flag: str,
+                schema: DictConfig) -> tuple[DictConfig, DictConfig]:
+    """The YAML file (``flag`` names it in errors) and the dotlist overrides, unmerged."""
+    with _one_line(schema):
+        loaded = load_yaml_mapping(path, key=flag) if path is not None else OmegaConf.create()
+        return loaded, _parse_overrides(overrides)
+
+
+def build_structured(schema: DictConfig, loaded: DictConfig, cli: DictConfig, *, defaults: Defaults | None = None) -> Any:
+    """Merge schema defaults, ``defaults(loaded, cli)`` layers, the file and the overrides,
+    then build the dataclasses (their ``__post_init__`` validates). Every problem becomes
+    one ConfigError naming the key."""
+    with _one_line(schema):
+        for layer in (loaded, cli):
+            _check_shape(OmegaConf.to_container(layer, resolve=False), schema)
+        layers = defaults(loaded, cli) if defaults is not None else []
+        return OmegaConf.to_object(OmegaConf.merge(schema, *layers, loaded, cli))
+
+
 def load_structured(
     schema_type: type,
     path: str | Path | None,
     overrides: Sequence[str],
     *,
     flag: str,
-    defaults: Callable[[DictConfig, DictConfig], list[DictConfig]] | None = None,
+    defaults: Defaults | None = None,
 ) -> Any:
-    """Merge schema defaults, ``defaults(file, cli)`` layers, the YAML file and the dotlist
-    overrides, then build the dataclasses (their ``__post_init__`` validates). Every
-    problem becomes one ConfigError naming the key; ``flag`` names the file argument."""
+    """``read_layers`` then ``build_structured``: a config file and its overrides, validated."""
     schema = OmegaConf.structured(schema_type)
-    try:
-        loaded = load_yaml_mapping(path, key=flag) if path is not None else OmegaConf.create()
-        cli = _parse_overrides(overrides)
-        for layer in (loaded, cli):
-            _check_shape(OmegaConf.to_container(layer, resolve=False), schema)
-        layers = defaults(loaded, cli) if defaults is not None else []
-        return OmegaConf.to_object(OmegaConf.merge(schema, *layers, loaded, cli))
-    except OmegaConfBaseException as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
-        if cause is not None:
-            raise cause from None
-        raise _explain(exc, schema) from None
+    loaded, cli = read_layers(path, overrides, flag=flag, schema=schema)
+    return build_structured(schema, loaded, cli, defaults=defaults)
 
 
 def _model_spec_fields(spec_name: str) -> dict[str, Any]:
@@ -505,6 +688,24 @@ def _model_spec_layer(recipe: DictConfig, cli: DictConfig) -> list[DictConfig]:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--config") -> RecipeConfig:
-    """Load and validate a recipe; raises ConfigError with a one-line explanation
-    (``flag`` names the file in it: the command-line flag or the scenario key)."""
-    return load_structured(RecipeConfig, path, overrides, flag=flag, defaults=_model_spec_layer)
+    """Load and validate a recipe, in this layout or Megatron-Bridge's (the overrides in the
+    file's); raises ConfigError with a one-line explanation naming the key as the user
+    wrote it (``flag`` names the file: the command-line flag or the scenario key). What a
+    valid Bridge recipe holds that the plugin does not use is named in one warning."""
+    schema = OmegaConf.structured(RecipeConfig)
+    loaded, cli = read_layers(path, overrides, flag=flag, schema=schema)
+    if not is_bridge_recipe(loaded):
+        return build_structured(schema, loaded, cli, defaults=_model_spec_layer)
+    bridge = BridgeRecipe.translate(loaded, cli)
+    try:
+        config = build_structured(schema, bridge.recipe, OmegaConf.create(), defaults=_model_spec_layer)
+    except ConfigError as exc:
+        raise bridge.user_error(exc) from None
+    if bridge.ignored:
+        log.warning(bridge.ignored_note())
+    return config
+
+
+def config_yaml(config: Any) -> str:
+    """A loaded config as YAML, with every default and derived value (``--print-config``)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

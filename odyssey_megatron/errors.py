@@ -13,3 +13,4 @@ class ConfigError(ValueError):
     def __init__(self, key: str, problem: str):
         super().__init__(f"{key}: {problem}")
         self.key = key
+        self.problem = problem

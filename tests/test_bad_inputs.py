@@ -25,6 +25,7 @@ from odyssey_megatron.cli import main
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes/llama2_7b/ascend_910b_32.yaml")
 TINY = str(REPO / "recipes/llama2_7b/tiny_cpu.yaml")
+BRIDGE = str(REPO / "recipes/llama2_7b/bridge_tiny.yaml")
 SCENARIO = f"""recipe: {TINY}
 duration_hours: 0.5
 failures: {{rate_per_device_hour: 0.5}}
@@ -51,6 +52,11 @@ def _culprit(culprit: str | tuple[str, ...]) -> tuple[str, ...]:
 
 def plan(*args: str, culprit, files=None, env=None, code: int = 2) -> Bad:
     return Bad(["plan", "--config", RECIPE, *args], _culprit(culprit), files or {}, env or {}, code)
+
+
+def bridge(*args: str, culprit, env=None) -> Bad:
+    """A Megatron-Bridge-shaped recipe; its overrides use Bridge's layout too."""
+    return Bad(["plan", "--config", BRIDGE, *args], _culprit(culprit), {}, env or {})
 
 
 def recipe(text: str | bytes, culprit, name: str = "r.yaml") -> Bad:
@@ -116,6 +122,11 @@ FILE_CASES = {
     "deep block nesting": recipe(NESTED, ("--config", "nested")),
     "alias bomb": recipe(ALIAS_BOMB, ("--config", "aliases expand")),
     "recursive alias": recipe("a: &a [*a]\n", ("--config", "alias")),
+    "mixed layouts": recipe("train:\n  micro_batch_size: 1\nparallel:\n  data_parallel_size: 2\n",
+                            ("parallel", "Megatron-Bridge", "train")),
+    "bridge section null": recipe("train:\nodyssey:\n  policy: auto\n", ("train", "must be a mapping")),
+    "bridge unknown section in file": recipe("train:\n  train_iters: 2\nschedular:\n  lr_warmup_iters: 2\n",
+                                             ("schedular", "unknown key")),
     "section scalar": recipe("model: 3\n", ("model", "must be a mapping")),
     "section list": recipe("model: [1, 2]\n", ("model", "must be a mapping")),
     "section null": recipe("model:\n", ("model", "must be a mapping")),
@@ -290,6 +301,54 @@ VALUE_CASES = {
     "override interpolation": plan("model.num_layers=${nope}", culprit="model.num_layers"),
     "override bad grammar": plan("odyssey.policy=${oc.decode:'[1'}", culprit="odyssey.policy"),
     "unrecoverable": plan("--failed", ",".join(map(str, range(1, 32))), culprit="unrecoverable", code=3),
+    **_non_finite("training.clip_grad"),
+    "training.clip_grad=-1": plan("training.clip_grad=-1", culprit=("training.clip_grad", ">= 0")),
+    "cluster.num_nodes=0": plan("cluster.num_nodes=0", culprit=("cluster.num_nodes", "> 0")),
+    "cluster.num_nodes=3": plan("cluster.num_nodes=3", culprit=("cluster.num_nodes", "world size of 24")),
+    "cluster.num_nodes=10**6": plan("cluster.num_nodes=1000000", culprit=("cluster.num_nodes", "16,384")),
+    "cluster.num_nodes=two": plan("cluster.num_nodes=two", culprit=("cluster.num_nodes", "expected")),
+    "parallel.world_size=0": plan("parallel.data_parallel_size=null", "parallel.world_size=0",
+                                  culprit=("parallel.world_size", "> 0")),
+    "parallel.world_size=30": plan("parallel.data_parallel_size=null", "parallel.world_size=30",
+                                   culprit=("parallel.world_size", "divisible by", "= 4")),
+    "WORLD_SIZE bogus": plan("parallel.data_parallel_size=null", env={"WORLD_SIZE": "lots"},
+                             culprit=("WORLD_SIZE", "positive integer")),
+    "WORLD_SIZE not divisible": plan("parallel.data_parallel_size=null", env={"WORLD_SIZE": "30"},
+                                     culprit=("WORLD_SIZE", "divisible")),
+    "logger.wandb_project=a/b": plan("logger.wandb_project=a/b", culprit=("logger.wandb_project", "characters")),
+    "logger.wandb_project=[1]": plan("logger.wandb_project=[1]", culprit="logger.wandb_project"),
+    "logger.wandb_entity blank": plan("logger.wandb_entity=' '", culprit=("logger.wandb_entity", "empty")),
+    "logger.wandb_colour": plan("logger.wandb_colour=red", culprit=("logger.wandb_colour", "unknown key")),
+    "odyssey.policy=[auto] lists the values": plan("odyssey.policy=[auto]", culprit=("odyssey.policy", "reparallelize")),
+    "odyssey.length_sweep=null": plan("odyssey.length_sweep=null", culprit=("odyssey.length_sweep", "joins")),
+    "bridge train.micro_batch_size=0": bridge("train.micro_batch_size=0", culprit=("train.micro_batch_size", "> 0")),
+    "bridge train.micro_batch_size=3": bridge("train.micro_batch_size=3",
+                                              culprit=("train.global_batch_size", "train.micro_batch_size (3)")),
+    "bridge optimizer.lr=nan": bridge("optimizer.lr=nan", culprit=("optimizer.lr", "finite")),
+    "bridge rng.seed=-1": bridge("rng.seed=-1", culprit=("rng.seed", ">= 0")),
+    "bridge model.num_layers=many": bridge("model.num_layers=many", culprit=("model.num_layers", "expected int")),
+    "bridge model.rotary_base=0": bridge("model.rotary_base=0", culprit=("model.rotary_base", "> 0")),
+    "bridge model.params_dtype=fp8": bridge("model.params_dtype=fp8", culprit=("model.params_dtype", "bf16, fp16")),
+    "bridge model.bf16=maybe": bridge("model.bf16=maybe", culprit=("model.bf16", "true or false")),
+    "bridge model.context_parallel_size=2": bridge("model.context_parallel_size=2",
+                                                   culprit=("model.context_parallel_size", "must be 1")),
+    "bridge model.sequence_parallel=true": bridge("model.sequence_parallel=true", culprit="model.sequence_parallel"),
+    "bridge tokenizer_type": bridge("tokenizer.tokenizer_type=TikTokenizer", culprit="tokenizer.tokenizer_type"),
+    "bridge dataset.data_path missing": bridge("dataset.data_path=@TMP/none.txt",
+                                               culprit=("dataset.data_path", "local file")),
+    "bridge seq lengths disagree": bridge("dataset.seq_length=128", culprit=("dataset.seq_length", "model.seq_length")),
+    "bridge unknown key": bridge("train.micro_batch_sise=2", culprit=("train.micro_batch_sise", "unknown key")),
+    "bridge our key in Bridge's section": bridge("model.tie_embeddings=true",
+                                                 culprit=("model.tie_embeddings", "unknown key")),
+    "bridge unknown section": bridge("schedular.x=1", culprit=("schedular", "unknown key")),
+    "bridge section scalar": bridge("train=3", culprit=("train", "must be a mapping")),
+    "bridge odyssey-layout override": bridge("parallel.data_parallel_size=2", culprit=("parallel", "Megatron-Bridge")),
+    "bridge ???": bridge("model.num_layers=???", culprit=("model.num_layers", "???")),
+    "bridge odyssey.policy=x": bridge("odyssey.policy=x", culprit=("odyssey.policy", "auto, reroute")),
+    "bridge world not divisible": bridge("model.pipeline_model_parallel_size=3",
+                                         culprit=("cluster.num_nodes", "divisible")),
+    "bridge WORLD_SIZE bogus": bridge("cluster.num_nodes=null", env={"WORLD_SIZE": "-8"},
+                                      culprit=("WORLD_SIZE", "positive integer")),
 }
 
 SCENARIO_CASES = {
@@ -362,6 +421,9 @@ FLAG_CASES = {
     "config without value": Bad(["plan", "--config"], ("--config", "expected one argument")),
     "config twice": plan("--config", RECIPE, culprit=("--config", "twice")),
     "json twice": plan("--json", "--json", culprit=("--json", "twice")),
+    "print-config twice": plan("--print-config", "--print-config", culprit=("--print-config", "twice")),
+    "print-config of a bad recipe": plan("--print-config", "model.num_layers=0", culprit="model.num_layers"),
+    "simulate print-config twice": sim("--print-config", "--print-config", culprit=("--print-config", "twice")),
     "unknown flag": plan("--bogus", culprit="--bogus"),
     "abbreviated flag": Bad(["plan", "--conf", RECIPE], ("--config",)),
     "failed comma": plan("--failed", ",", culprit=("--failed", "at least one")),

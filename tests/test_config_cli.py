@@ -45,7 +45,8 @@ def test_bad_config_gives_one_line_naming_the_key(override, key, allowed, capsys
 
 def test_model_spec_fills_fields_and_recipe_values_win(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model:\n  spec: llama2-70b\n  num_layers: 40\nparallel:\n  pipeline_model_parallel_size: 4\n")
+    recipe.write_text("model:\n  spec: llama2-70b\n  num_layers: 40\n"
+                      "parallel:\n  pipeline_model_parallel_size: 4\n  data_parallel_size: 1\n")
     config = load_config(recipe)
     assert (config.model.hidden_size, config.model.num_query_groups, config.model.num_layers) == (8192, 8, 40)
     assert load_config(recipe, ["model.num_layers=8"]).model.num_layers == 8

@@ -248,7 +248,7 @@ def test_failure_process_is_seeded_and_per_unit():
     [
         ("failures.process=poisson", "failures.process"),
         ("failures.rate_per_device_hour=-1", "failures.rate_per_device_hour"),
-        ("systems=[odyssey,bamboo]", "systems"),
+        ("systems=[odyssey,bamboo]", "systems[1]"),
         ("duration_hours=abc", "duration_hours"),
         ("failures.process=trace", "failures.trace"),
         ("costs.checkpoint_save_s=9999", "costs.checkpoint_save_s"),

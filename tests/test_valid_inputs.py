@@ -3,8 +3,8 @@
 Controls: unicode paths with spaces, a UTF-8 byte-order mark, CRLF line ends, megabytes of
 comments, repeated --failed flags, unsorted traces, a 16,384-rank cluster; run
 directories never overwritten (a fresh name, or --force over an earlier run).
-The property: a valid recipe or scenario with a few keys set to random values, sane or
-hostile, ends within a time and memory bound, with exit 0 and strictly valid, finite JSON,
+The property: a valid recipe (in either layout) or scenario with a few keys set to random
+values, sane or hostile, ends within a time and memory bound, with exit 0 and strictly valid, finite JSON,
 or exit 2/3 and one line on stderr.
 """
 
@@ -29,6 +29,7 @@ from odyssey_megatron.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes/llama2_7b/ascend_910b_32.yaml"
 TINY = REPO / "recipes/llama2_7b/tiny_cpu.yaml"
+BRIDGE = REPO / "recipes/llama2_7b/bridge_tiny.yaml"
 SCENARIO = f"""recipe: {TINY}
 duration_hours: 0.25
 failures: {{rate_per_device_hour: 1.0}}
@@ -173,7 +174,8 @@ RECIPE_KEYS = {
     "model.params_dtype": ["bf16", "fp8"], "model.spec": ["llama2-7b", "gpt5"], "model.tie_embeddings": [],
     "parallel.tensor_model_parallel_size": [], "parallel.pipeline_model_parallel_size": [],
     "parallel.data_parallel_size": [], "parallel.world_size": ["16"], "training.global_batch_size": ["32"],
-    "training.micro_batch_size": [], "cluster.device": ["a100-80gb", "tpu"], "cluster.devices_per_node": [],
+    "training.micro_batch_size": [], "training.clip_grad": [], "cluster.device": ["a100-80gb", "tpu"],
+    "cluster.devices_per_node": [], "cluster.num_nodes": [], "logger.wandb_project": ["p"],
     "odyssey.policy": ["reroute", "reparallelize"], "odyssey.device_mtbf_hours": [],
     "odyssey.learn_failure_rate": ["false"], "odyssey.dp_search_radius": [], "odyssey.pp_search_radius": [],
     "odyssey.length_sweep": ["always", "never"], "odyssey.decoupled_weight_grads": ["false"],
@@ -181,6 +183,15 @@ RECIPE_KEYS = {
     "odyssey.reroute_restart_s": [], "odyssey.reparallelize_restart_s": [], "odyssey.storage_bandwidth_gb_s": [],
     "odyssey.checkpoint_restart_penalty_s": [], "odyssey.heartbeat_interval": ["0.05", "0.01"],
     "odyssey.heartbeat_timeout": ["0.2", "5"], "odyssey.collective_timeout": ["10"], "odyssey.recovery_timeout": ["600"],
+}
+BRIDGE_KEYS = {
+    "model.tensor_model_parallel_size": [], "model.pipeline_model_parallel_size": [], "model.num_layers": [],
+    "model.num_query_groups": [], "model.seq_length": ["128"], "dataset.seq_length": ["128"],
+    "model.params_dtype": ["torch.bfloat16", "bfloat16", "fp8"], "model.bf16": [], "model.fp16": [],
+    "model.context_parallel_size": [], "model.share_embeddings_and_output_weights": [],
+    "train.global_batch_size": ["32"], "train.micro_batch_size": [], "optimizer.lr": [], "optimizer.clip_grad": [],
+    "rng.seed": [], "tokenizer.tokenizer_type": ["HuggingFaceTokenizer"], "cluster.num_nodes": ["2"],
+    "ddp.overlap_grad_reduce": [], "mixed_precision": ["bf16_mixed"], "odyssey.policy": ["reroute"],
 }
 SCENARIO_KEYS = {
     "duration_hours": [], "seed": [], "sample_interval_s": ["600"], "failures.process": ["weibull", "trace"],
@@ -235,6 +246,15 @@ def check_outcome(code: int, out: str, err: str, *, allowed: tuple[int, ...]) ->
 @given(changes=mutations(RECIPE_KEYS), failed=st.lists(st.integers(0, 7), max_size=3))
 def test_mutated_recipes_plan_or_fail_in_one_line(changes, failed):
     argv = ["plan", "--config", TINY, "--json", *[f"{k}={v}" for k, v in changes]]
+    argv += ["--failed", ",".join(map(str, failed))] if failed else []
+    code, out, err = run_bounded(argv)
+    check_outcome(code, out, err, allowed=(0, 2, 3))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changes=mutations(BRIDGE_KEYS), failed=st.lists(st.integers(0, 7), max_size=2))
+def test_mutated_bridge_recipes_plan_or_fail_in_one_line(changes, failed):
+    argv = ["plan", "--config", BRIDGE, "--json", *[f"{k}={v}" for k, v in changes]]
     argv += ["--failed", ",".join(map(str, failed))] if failed else []
     code, out, err = run_bounded(argv)
     check_outcome(code, out, err, allowed=(0, 2, 3))

@@ -106,7 +106,7 @@ def start_wandb(config: ScenarioConfig, out_dir: Path):
         raise ConfigError("wandb_mode", f"{config.wandb_mode} needs the wandb package; install it or set "
                                         "wandb_mode=disabled") from None
     try:
-        return wandb.init(project=config.wandb_project, mode=config.wandb_mode, dir=str(out_dir),
+        return wandb.init(project=config.wandb_project, mode=config.wandb_mode.value, dir=str(out_dir),
                           config={"duration_hours": config.duration_hours, "seed": config.seed},
                           job_type="simulate", reinit="finish_previous")
     except Exception as exc:  # wandb raises its own errors, pydantic's and OSError for bad settings

@@ -13,47 +13,65 @@ from typing import List, Optional, Sequence
 
 from odyssey_megatron import limits
 from odyssey_megatron.config import (
+    Choice,
     ConfigError,
     RecipeConfig,
+    choice,
     load_config,
     load_structured,
     require,
     require_at_most,
     require_non_negative,
-    require_one_of,
     require_plain_numbers,
     require_positive,
+    require_wandb_project,
 )
 from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
-_WANDB_FORBIDDEN = "/\\#?%:"
-"""Characters W&B refuses in a project name."""
 SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle")
 BASELINES = ("oobleck", "recycle", "recycle_1f1b", "checkpoint")
 """The systems Odyssey is compared with; the others are Odyssey itself and its variants."""
+System = Choice("System", [(name, name) for name in SYSTEMS], module=__name__)
+
+
+class FailureProcess(Choice):
+    exponential = "exponential"
+    weibull = "weibull"
+    trace = "trace"
+
+
+class FailureUnit(Choice):
+    device = "device"
+    node = "node"
+
+
+class WandbMode(Choice):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
 
 
 @dataclass
 class FailureConfig:
     """When devices fail."""
 
-    process: str = "exponential"
+    process: FailureProcess = FailureProcess.exponential
     """exponential or weibull lifetimes per failure unit, or trace (read ``trace``)."""
     rate_per_device_hour: float = 0.1
     """Failures per device per hour; the paper's '10% per hour' read per device."""
     weibull_shape: float = 1.0
     """Weibull k (k < 1: infant mortality, k > 1: wear-out); the mean lifetime stays 1/rate."""
-    unit: str = "device"
+    unit: FailureUnit = FailureUnit.device
     """device (its TP group goes down) or node (every device of a machine at once)."""
     trace: Optional[str] = None
     """CSV with columns time_s,device,event (event: fail or join); relative to the scenario file."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("failures", self)
-        require_one_of("failures.process", self.process, ["exponential", "weibull", "trace"])
-        require_one_of("failures.unit", self.unit, ["device", "node"])
+        self.process = choice("failures.process", FailureProcess, self.process)
+        self.unit = choice("failures.unit", FailureUnit, self.unit)
         require_positive("failures", self, "rate_per_device_hour")
         require_at_most("failures", self, 1e6, "a failure every 3.6 ms", "rate_per_device_hour")
         require(0.1 <= self.weibull_shape <= 20, "failures.weibull_shape",
@@ -114,11 +132,11 @@ class ScenarioConfig:
     failures: FailureConfig = field(default_factory=FailureConfig)
     repairs: RepairConfig = field(default_factory=RepairConfig)
     costs: CostConfig = field(default_factory=CostConfig)
-    systems: List[str] = field(default_factory=lambda: list(SYSTEMS))
+    systems: List[System] = field(default_factory=lambda: list(System))
     oobleck_tolerated_failures: int = 2
     """Oobleck's f: it needs (f+1) * n0 workers and gives up below that."""
     sample_interval_s: float = 60.0
-    wandb_mode: str = "offline"
+    wandb_mode: WandbMode = WandbMode.offline
     """offline (a local run directory, the default), online, or disabled."""
     wandb_project: str = "odyssey-simulator"
 
@@ -132,15 +150,12 @@ class ScenarioConfig:
                 f"gives {samples:,.0f} samples over duration_hours={self.duration_hours:g}; at most "
                 f"{limits.MAX_SAMPLES:,} per system are written; got {self.sample_interval_s:g}")
         require(bool(self.systems), "systems", f"must list at least one of {', '.join(SYSTEMS)}")
-        for name in self.systems:
-            require_one_of("systems", name, SYSTEMS)
+        self.systems = [choice("systems", System, name) for name in self.systems]
         twice = sorted({name for name in self.systems if self.systems.count(name) > 1})
         require(not twice, "systems", f"lists {', '.join(twice)} more than once; list each system once")
         require(bool(self.recipe), "recipe", "must name a recipe YAML")
-        require_one_of("wandb_mode", self.wandb_mode, ["offline", "online", "disabled"])
-        bad = sorted(set(self.wandb_project) & set(_WANDB_FORBIDDEN))
-        require(0 < len(self.wandb_project) <= 128 and not bad, "wandb_project",
-                f"must be 1 to 128 characters without any of {' '.join(_WANDB_FORBIDDEN)}; got {self.wandb_project!r}")
+        self.wandb_mode = choice("wandb_mode", WandbMode, self.wandb_mode)
+        require_wandb_project("wandb_project", self.wandb_project)
 
 
 @dataclass(frozen=True)

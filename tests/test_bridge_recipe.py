@@ -1,0 +1,282 @@
+"""Recipes a Megatron user already has (issue 17): Megatron-Bridge's ConfigContainer layout
+with an ``odyssey:`` section plans unchanged, and as the odyssey-layout recipe it mirrors;
+the data-parallel size comes from the world size; fixed choices are enums; and
+``--print-config`` shows the resolved recipe.
+
+Errors in a Bridge recipe must name the key as the user wrote it, so every mapped key is
+tried with a bad value and the error's key must be the Bridge key, never ours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from odyssey_megatron.bridge_recipe import KEYS
+from odyssey_megatron.cli import main
+from odyssey_megatron.config import (
+    ConfigError,
+    Device,
+    DType,
+    LengthSweep,
+    ModelConfig,
+    OdysseyConfig,
+    Policy,
+    load_config,
+)
+from odyssey_megatron.simulator.scenario import FailureProcess, ScenarioConfig, System, WandbMode
+
+REPO = Path(__file__).resolve().parents[1]
+BRIDGE = REPO / "recipes/llama2_7b/bridge_tiny.yaml"
+TINY = REPO / "recipes/llama2_7b/tiny_cpu.yaml"
+IGNORED_SECTIONS = "sections scheduler, checkpoint, ddp, mixed_precision"
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_world_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_of(argv: list[str], capsys) -> dict:
+    code, out, err = run(["plan", *argv, "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    return {key: plan[key] for key in ("policy", "pipelines", "reroutes", "transfers", "sync_units", "est_step_time_s")}
+
+
+def bridge_recipe(tmp_path: Path, drop: tuple[str, ...] = (), **sections) -> Path:
+    """bridge_tiny.yaml without the ``drop`` keys ("section.key") and with ``sections`` merged in."""
+    recipe = yaml.safe_load(BRIDGE.read_text())
+    for key in drop:
+        section, _, name = key.partition(".")
+        del recipe[section][name]
+    for section, body in sections.items():
+        recipe.setdefault(section, {}).update(body)
+    path = tmp_path / "bridge.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_bridge_recipe_is_its_native_twin_and_plans_the_same(capsys):
+    native = load_config(TINY, ["cluster.num_nodes=1", "logger.wandb_exp_name=bridge-tiny"])
+    assert load_config(BRIDGE) == native
+    assert native.parallel.data_parallel_size == 2 and native.model.params_dtype == DType.fp32
+    for failed in (["--failed", "3"], ["--failed", "0,5"], []):
+        assert plan_of(["--config", BRIDGE, *failed], capsys) == plan_of(["--config", TINY, *failed], capsys)
+
+
+def test_overrides_use_the_files_layout(capsys):
+    assert load_config(BRIDGE, ["train.micro_batch_size=1", "model.pipeline_model_parallel_size=2"]) == load_config(
+        TINY, ["cluster.num_nodes=1", "logger.wandb_exp_name=bridge-tiny", "training.micro_batch_size=1",
+               "parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=4"])
+    code, _, err = run(["plan", "--config", BRIDGE, "training.micro_batch_size=1"], capsys)
+    assert code == 2 and err.startswith("odyssey: error: training: is the odyssey layout's section")
+
+
+def test_the_ignored_sections_are_named_in_one_line(caplog, tmp_path):
+    with caplog.at_level(logging.WARNING):
+        load_config(BRIDGE)
+        load_config(TINY)
+    notes = [record.getMessage() for record in caplog.records]
+    assert len(notes) == 1
+    assert IGNORED_SECTIONS in notes[0]
+    assert "keys train.eval_interval, optimizer.min_lr, dataset.num_workers, logger.log_interval" in notes[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_config(bridge_recipe(tmp_path), ["ddp.overlap_grad_reduce=true", "profiling.use_nsys_profiler=false"])
+    (note,) = [record.getMessage() for record in caplog.records]
+    assert "profiling" in note and note.count("ddp") == 1  # the file's and the overrides' sections, each once
+
+
+def test_a_process_prints_the_note_once_on_stderr_and_the_plan_on_stdout():
+    done = subprocess.run([sys.executable, "-m", "odyssey_megatron.cli", "plan", "--config", str(BRIDGE), "--failed", "3"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("\n") == 1 and IGNORED_SECTIONS in done.stderr
+    assert done.stdout.startswith("after failure of ranks [3]:")
+
+
+BAD_VALUES = {
+    "model.tensor_model_parallel_size": "0", "model.pipeline_model_parallel_size": "-1", "model.num_layers": "0",
+    "model.hidden_size": "65", "model.ffn_hidden_size": "0", "model.num_attention_heads": "0",
+    "model.num_query_groups": "3", "model.vocab_size": "0", "model.seq_length": "0",
+    "model.share_embeddings_and_output_weights": "maybe", "model.rotary_base": "0", "model.layernorm_epsilon": "-1",
+    "model.params_dtype": "torch.float8_e4m3fn", "train.global_batch_size": "15", "train.micro_batch_size": "0",
+    "train.train_iters": "0", "optimizer.lr": "0", "optimizer.clip_grad": "-1", "rng.seed": "-1",
+    "dataset.seq_length": "0", "dataset.sequence_length": "0", "dataset.data_path": "no/such/corpus",
+    "dataset.path_to_cache": "[1]", "tokenizer.tokenizer_model": "no/such/tokenizer", "logger.wandb_project": "a/b",
+    "logger.wandb_exp_name": "' '", "logger.wandb_entity": "[1]", "logger.wandb_save_dir": "' '",
+}
+
+
+def test_every_mapped_key_has_a_bad_value_case():
+    assert set(BAD_VALUES) == set(KEYS)
+
+
+@pytest.mark.parametrize("bridge_key", sorted(KEYS))
+def test_an_error_names_the_bridge_key(bridge_key, tmp_path):
+    drop = ("model.seq_length", "dataset.seq_length") if "seq" in bridge_key else ()
+    with pytest.raises(ConfigError) as info:
+        load_config(bridge_recipe(tmp_path, drop), [f"{bridge_key}={BAD_VALUES[bridge_key]}"])
+    assert info.value.key == bridge_key, str(info.value)
+    ours = KEYS[bridge_key]
+    assert ours == bridge_key or ours not in str(info.value), str(info.value)
+
+
+def test_errors_about_other_keys_use_bridge_names_too():
+    with pytest.raises(ConfigError) as info:
+        load_config(BRIDGE, ["train.micro_batch_size=3"])
+    assert str(info.value) == "train.global_batch_size: must be divisible by train.micro_batch_size (3); got 16"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.context_parallel_size=2", "model.context_parallel_size: must be 1 (Odyssey plans over TP x PP x DP); got 2"),
+    ("model.sequence_parallel=true", "model.sequence_parallel: must be false"),
+    ("model.normalization=LayerNorm", "model.normalization: must be RMSNorm"),
+    ("optimizer.optimizer=sgd", "optimizer.optimizer: must be adam"),
+    ("tokenizer.tokenizer_type=Llama2Tokenizer", "tokenizer.tokenizer_type: must be HuggingFaceTokenizer or NullTokenizer"),
+    ("train.micro_batch_sise=2", "train.micro_batch_sise: unknown key; allowed here: eval_interval, eval_iters"),
+    ("model.tie_embeddings=true", "model.tie_embeddings: unknown key; allowed here: activation_func"),
+    ("schedular.lr_warmup_iters=2", "schedular: unknown key; allowed here: checkpoint, cluster, comm_overlap"),
+    ("odyssey.polcy=auto", "odyssey.polcy: unknown key; allowed here: checkpoint_restart_penalty_s"),
+    ("cluster.devices_per_nodes=8", "cluster.devices_per_nodes: unknown key"),
+    ("dataset.seq_length=128", "dataset.seq_length: must agree with model.seq_length (64), which sets the same; got 128"),
+    ("model.bf16=true", "model.bf16: must agree with model.params_dtype ('fp32')"),
+    ("model.seq_length=???", "model.seq_length: ??? is not a value"),
+    ("train=3", "train: is a section and must be a mapping of its keys; got 3"),
+])
+def test_bridge_keys_the_plugin_cannot_run_or_does_not_know_are_errors(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(BRIDGE, [override])
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_recipe_mixing_both_layouts_is_refused(tmp_path):
+    path = tmp_path / "mixed.yaml"
+    path.write_text("model:\n  tensor_model_parallel_size: 2\nparallel:\n  pipeline_model_parallel_size: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith("parallel: is the odyssey layout's section, but this recipe is Megatron-Bridge's "
+                                      "(it has model.tensor_model_parallel_size)")
+
+
+@pytest.mark.parametrize("precision, dtype", [
+    ({"params_dtype": "torch.bfloat16"}, DType.bf16), ({"params_dtype": "bfloat16"}, DType.bf16),
+    ({"params_dtype": "float16"}, DType.fp16), ({"bf16": True}, DType.bf16), ({"fp16": True, "bf16": False}, DType.fp16),
+    ({"params_dtype": "bf16", "bf16": True}, DType.bf16),
+])
+def test_bridge_precision_spellings(precision, dtype, tmp_path):
+    path = bridge_recipe(tmp_path, ("model.params_dtype",), model=precision)
+    assert load_config(path).model.params_dtype is dtype
+
+
+def test_both_precision_flags_on_is_an_error(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(bridge_recipe(tmp_path, ("model.params_dtype",), model={"bf16": True, "fp16": True}))
+    assert info.value.key == "model.fp16" and "model.bf16" in str(info.value)
+
+
+# The data-parallel size from the world size --------------------------------------------------
+
+def test_dp_is_derived_from_the_world_size_as_megatron_does(monkeypatch):
+    no_dp = ["parallel.data_parallel_size=null"]
+    assert load_config(TINY, no_dp + ["cluster.num_nodes=2"]).parallel.data_parallel_size == 4
+    assert load_config(TINY, no_dp + ["parallel.world_size=24", "training.global_batch_size=48"]
+                       ).parallel.data_parallel_size == 6
+    assert load_config(None).parallel.data_parallel_size == 1  # no world size: one process, as in Megatron
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert load_config(TINY, no_dp).parallel.data_parallel_size == 4
+    assert load_config(TINY).parallel.data_parallel_size == 2  # given: the environment does not override it
+    assert load_config(BRIDGE, ["cluster.num_nodes=null"]).parallel.data_parallel_size == 4
+
+
+@pytest.mark.parametrize("overrides, env, message", [
+    (["cluster.num_nodes=null"], None, "cluster.num_nodes: must be given to derive the data-parallel size"),
+    (["model.pipeline_model_parallel_size=3"], None,
+     "cluster.num_nodes: gives a world size of 8, which must be divisible by tensor_model_parallel_size * "
+     "pipeline_model_parallel_size = 3"),
+    (["cluster.num_nodes=null"], "6", "WORLD_SIZE: gives a world size of 6, which must be divisible"),
+    (["cluster.num_nodes=null"], "eight", "WORLD_SIZE: must be a positive integer; got 'eight'"),
+    (["cluster.num_nodes=null"], "0", "WORLD_SIZE: must be a positive integer; got '0'"),
+])
+def test_a_world_size_that_does_not_give_dp_is_one_line(overrides, env, message, monkeypatch):
+    if env is not None:
+        monkeypatch.setenv("WORLD_SIZE", env)
+    with pytest.raises(ConfigError) as info:
+        load_config(BRIDGE, overrides)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_given_dp_must_match_the_clusters_world_size():
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["cluster.num_nodes=2"])
+    assert str(info.value).startswith("cluster.num_nodes: gives a world size of 16 (num_nodes * devices_per_node), "
+                                      "but the layout")
+
+
+# Enum fields -------------------------------------------------------------------------------------
+
+def test_fixed_choices_are_enums_that_read_as_their_strings():
+    config = load_config(TINY, ["odyssey.policy=reroute", "odyssey.length_sweep=never"])
+    assert config.odyssey.policy is Policy.reroute and config.odyssey.length_sweep is LengthSweep.never
+    assert config.cluster.device is Device["cpu"] and config.model.params_dtype is DType.fp32
+    assert config.odyssey.policy == "reroute" and f"{config.odyssey.policy:>8}" == " reroute"
+    assert json.dumps({config.odyssey.policy: config.cluster.device}) == '{"reroute": "cpu"}'
+    assert ModelConfig(params_dtype="fp16").params_dtype is DType.fp16  # built in Python from a plain string
+    assert ModelConfig(params_dtype="fp16").dtype_bytes == 2
+
+
+def test_scenario_choices_are_enums():
+    config = ScenarioConfig(systems=["odyssey", "checkpoint"], wandb_mode="disabled")
+    assert config.systems == [System["odyssey"], System["checkpoint"]] and config.wandb_mode is WandbMode.disabled
+    assert config.failures.process is FailureProcess.exponential
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: OdysseyConfig(policy="sometimes"), "odyssey.policy: must be one of auto, reroute, reparallelize; got 'sometimes'"),
+    (lambda: OdysseyConfig(length_sweep="often"), "odyssey.length_sweep: must be one of joins, always, never; got 'often'"),
+    (lambda: ModelConfig(params_dtype="fp8"), "model.params_dtype: must be one of bf16, fp16, fp32; got 'fp8'"),
+    (lambda: ScenarioConfig(systems=["bamboo"]), "systems: must be one of odyssey, oobleck, recycle"),
+])
+def test_a_bad_choice_built_in_python_names_the_key_and_the_values(build, message):
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert str(info.value).startswith(message)
+
+
+# --print-config ------------------------------------------------------------------------------------
+
+def test_print_config_prints_the_resolved_recipe_which_loads_back_the_same(capsys, tmp_path):
+    code, out, err = run(["plan", "--config", BRIDGE, "--print-config", "train.micro_batch_size=1"], capsys)
+    assert code == 0 and err == ""
+    printed = yaml.safe_load(out)
+    assert printed["parallel"]["data_parallel_size"] == 2 and printed["training"]["micro_batch_size"] == 1
+    assert printed["model"]["params_dtype"] == "fp32" and printed["odyssey"]["policy"] == "auto"
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(out)
+    assert load_config(resolved) == load_config(BRIDGE, ["train.micro_batch_size=1"])
+
+
+def test_print_config_on_simulate_prints_scenario_and_recipe_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text(f"recipe: {BRIDGE}\nsystems: [odyssey, checkpoint]\nwandb_mode: disabled\n")
+    code, out, _ = run(["simulate", "--scenario", "s.yaml", "--seed", "7", "--print-config"], capsys)
+    assert code == 0
+    printed = yaml.safe_load(out)
+    assert printed["scenario"]["seed"] == 7 and printed["scenario"]["systems"] == ["odyssey", "checkpoint"]
+    assert printed["recipe"]["parallel"]["data_parallel_size"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]
