@@ -13,9 +13,10 @@ shuffled into deadlock.
 
 Two checks. The old loops' results on 404 seeded cases are frozen as fingerprints
 (``replay_golden.json``: ``record`` with the old functions passed in, at commit 916a829;
-the case digests were renewed when the plan JSON dropped launch-time ranks, with every
-result fingerprint unchanged; beside the engine, a hypothesis test over random seeds compared the two live before the
-old loops went). And a brute-force reference, a fixed point of the recurrence, times
+the case digests were renewed when the plan JSON dropped launch-time ranks and when the
+profile gained measured fields, each time with every result fingerprint unchanged; beside
+the engine, a hypothesis test over random seeds compared the two live before the old
+loops went). And a brute-force reference, a fixed point of the recurrence, times
 fixed lists independently of the engine.
 """
 
