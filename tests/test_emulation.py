@@ -49,6 +49,8 @@ def known_profile(num_layers: int, *, forward_s: float, weight_grad_s: float | N
 
 
 def test_an_op_takes_the_profiles_time_and_a_longer_one_overruns():
+    """Ops back to back end at the profile's times on the worker's timeline; the host's own
+    time between them is absorbed; an op whose work takes longer overruns."""
     plan = symmetric_plan(dp=1, pp=1, num_layers=1, micro_batches_per_pipeline=1)
     profile = known_profile(1, forward_s=0.05, weight_grad_s=0.04)
     ops = [Op(FORWARD, 0, 0, 0), Op(BACKWARD, 0, 0, 0), Op(WEIGHT_GRAD, 0, 0, 0)]
@@ -59,17 +61,21 @@ def test_an_op_takes_the_profiles_time_and_a_longer_one_overruns():
     try:
         work = torch.randn(64, 64)
         work @ work  # the first product sets up the BLAS library
-        for op, expected in zip(ops, (0.05, 0.1 - 0.04, 0.04)):  # a split backward leaves its W part to the W op
-            start = time.monotonic()
+        clock.resume()
+        start, ends = time.monotonic(), []
+        for op in ops:
+            time.sleep(0.005)  # host work between ops, which a device's timeline does not see
             with clock.compute(op):
                 real = time.monotonic()
                 work @ work
                 real = time.monotonic() - real
-            took = time.monotonic() - start
-            assert expected <= took <= expected + SLACK_S, (op, took, real)
-            assert real < expected / 4, "the real work is a small part of the op's time"
+            ends.append(time.monotonic() - start)
+            assert real < 0.01, "the real work is a small part of the op's time"
     finally:
         torch.set_num_threads(threads)
+    # F, then B without its weight-gradient part, then the W op
+    for end, expected in zip(ends, (0.05, 0.05 + 0.06, 0.05 + 0.06 + 0.04)):
+        assert expected <= end <= expected + SLACK_S, ends
     assert clock.overruns == 0
     with clock.compute(Op(FORWARD, 0, 0, 1)):
         time.sleep(0.08)

@@ -3,7 +3,8 @@
 On a CPU machine eight ranks share two cores, so real compute time says nothing about a
 plan's structure. In emulation (``cluster.emulate_device``) each forward, backward and
 weight-gradient op, each P2P message and each DP all-reduce does its real work and then
-waits until the profile's time for it has passed since it could start. Ranks so behave
+waits until the profile's time for it has passed since it could start (on the worker's
+emulated timeline: when the worker was free and its input there). Ranks so behave
 like devices of that profile wherever its times exceed the real ones; an op whose real
 work takes longer *overruns* (``EmulatedClock.overruns`` counts them, and a run with
 overruns is not a faithful emulation). Figures from this mode are emulated, not measured.
@@ -14,7 +15,7 @@ The executor (``runtime.rank.executor``) and the gradient sync (``hooks.grad_syn
 runs what the estimator prices: a stage's forward and backward are its blocks' times
 (``ModelProfile.stage_compute``), a split backward leaves the weight-gradient part
 (``BlockCost.weight_grad_s``, where measured, else the estimator's share) to its W op, a
-message takes ``estimator.replay.p2p_time`` from the moment its sender sent it (the
+message takes ``estimator.replay.p2p_time`` from the end of the op that produced it (the
 sender posts that moment beside the tensor; every rank reads one monotonic clock, so
 emulation runs on one host), and a sync unit's all-reduce takes
 ``estimator.communication.unit_sync_time`` from the moment its last member started it
@@ -56,11 +57,16 @@ STAMP_TAG_OFFSET = 1 << 24
 
 class OpClock:
     """Real time: every op takes what its work takes. The hooks' calling contract, which
-    ``EmulatedClock`` relies on: ``compute`` around an op's work, once its inputs are in;
-    ``sent`` right after a message's send is posted, its works waited on with the message's;
-    ``receiving`` around a message's receive; ``collective_started`` right before a
-    sync unit's all-reduce is started, in the same order on every member, and
-    ``collective_finished`` with its result once the all-reduce is waited on."""
+    ``EmulatedClock`` relies on: ``resume`` when the rank starts a step's op list and
+    after it waited for something no hook sees (a staggered step's settling); ``compute``
+    around an op's work, its inputs received; ``sent`` right after a message's send is
+    posted, its works waited on with the message's; ``receiving`` around a message's
+    receive; ``collective_started`` right before a sync unit's all-reduce is started, in
+    the same order on every member, and ``collective_finished`` with its result once the
+    all-reduce is waited on."""
+
+    def resume(self) -> None:
+        pass
 
     def compute(self, op: Op) -> ContextManager[None]:
         return nullcontext()
@@ -79,7 +85,10 @@ class OpClock:
 
 
 class EmulatedClock(OpClock):
-    """Pads one worker's ops to a profile's times (see the module docstring); one per plan generation."""
+    """Pads one worker's ops to a profile's times (see the module docstring); one per plan
+    generation. It keeps the worker's emulated timeline: an op starts when the worker is
+    free and its input has arrived there, as on a device, so the host's own cost between
+    ops (Python, allocation, posting sends) is absorbed as long as the padding covers it."""
 
     def __init__(self, *, profile: ModelProfile, cluster: ClusterState, plan: ExecutionPlan, ranks: RankMap,
                  worker: int, ops: Sequence[Op], device: torch.device):
@@ -97,50 +106,66 @@ class EmulatedClock(OpClock):
                         for rank in range(ranks.world_size)}
         self._sync_s = {index: unit_sync_time(unit, profile, cluster) for index, unit in enumerate(plan.sync_units)}
         self._device = device
+        self._free_at = time.monotonic()
+        """When the worker's last op ends on the emulated timeline."""
+        self._ready_at = 0.0
+        """When the next op's input arrives on it (0: it needs none)."""
+        self._computing = False
         self.overruns = 0
         """Ops whose real work took longer than the profile gives them."""
         self.worst_overrun_s = 0.0
         """By how much the worst of them overran."""
 
+    def resume(self) -> None:
+        self._free_at, self._ready_at = time.monotonic(), 0.0
+
     @contextmanager
     def compute(self, op: Op) -> Iterator[None]:
-        start = time.monotonic()
-        yield
-        self._until(start + self._seconds[op.kind, op.pipeline, op.stage], busy_since=start)
+        start = max(self._free_at, self._ready_at)
+        self._ready_at, self._computing = 0.0, True
+        try:
+            yield
+        finally:
+            self._computing = False
+        self._free_at = self._until(start + self._seconds[op.kind, op.pipeline, op.stage], busy_since=start)
 
     def sent(self, dst: int, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
-        stamp = torch.tensor([time.monotonic()], dtype=torch.float64, device=self._device)
+        """Post the end of the op whose result the message carries."""
+        stamp = torch.tensor([self._free_at], dtype=torch.float64, device=self._device)
         return [(dist.isend(stamp, dst, tag=tag + STAMP_TAG_OFFSET), stamp)]
 
     @contextmanager
     def receiving(self, src: int, tag: int) -> Iterator[None]:
-        start = time.monotonic()
         yield
         stamp = torch.empty(1, dtype=torch.float64, device=self._device)
         dist.recv(stamp, src, tag=tag + STAMP_TAG_OFFSET)
-        self._until(float(stamp) + self._link_s[src], busy_since=start)
+        self._ready_at = max(self._ready_at, float(stamp) + self._link_s[src])
 
     def collective_started(self, unit: int, group: dist.ProcessGroup) -> tuple[dist.Work, torch.Tensor, float]:
-        stamp = torch.tensor([time.monotonic()], dtype=torch.float64, device=self._device)
+        """Post when this member starts: now within an op (a sync overlapped with backward),
+        else when its last op ended."""
+        start = time.monotonic() if self._computing else self._free_at
+        stamp = torch.tensor([start], dtype=torch.float64, device=self._device)
         return dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True), stamp, self._sync_s[unit]
 
     def collective_finished(self, started: tuple[dist.Work, torch.Tensor, float]) -> None:
-        start = time.monotonic()
+        waiting_since = time.monotonic()
         work, stamp, seconds = started
         work.wait()
-        self._until(float(stamp) + seconds, busy_since=start)
+        self._until(float(stamp) + seconds, busy_since=waiting_since)
 
-    def _until(self, deadline: float, *, busy_since: float) -> None:
-        """Wait for ``deadline``. Past it already, the op *overran* if it was busy at the
-        deadline (working, or waiting for a transfer since ``busy_since``): its real cost
-        exceeds the profile's. A message or all-reduce whose sender or last member was late
-        moved its deadline with it, and one this rank came for late cost it nothing."""
+    def _until(self, deadline: float, *, busy_since: float) -> float:
+        """Wait for ``deadline`` and return when the op ended. Past it already, the op
+        *overran* if it was busy at the deadline (working since ``busy_since``, or waiting
+        for its all-reduce): its real cost exceeds the profile's."""
         now = time.monotonic()
         if now < deadline:
             time.sleep(deadline - now)
-        elif deadline > busy_since:
+            return deadline
+        if deadline > busy_since:
             self.overruns += 1
             self.worst_overrun_s = max(self.worst_overrun_s, now - deadline)
+        return now
 
 
 def _weight_grad_s(profile: ModelProfile, block) -> float:

@@ -130,10 +130,13 @@ class StepExecutor:
             return output
 
         def settle_and_rerun(forwards: list[Op]) -> None:
-            if settle():
+            retaken = settle()
+            self.clock.resume()
+            if retaken:
                 for op in forwards:
                     forward(op, saved[op.pipeline, op.micro_batch][0])
 
+        self.clock.resume()
         for index, op in enumerate(self.ops):
             first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
             if index == settle_at and op.kind != FORWARD:
