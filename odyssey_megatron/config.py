@@ -605,6 +605,8 @@ def _check_shape(layer: Any, schema: DictConfig, prefix: str = "") -> None:
         expected = schema.get(key) if isinstance(layer, dict) and isinstance(key, str) and key in schema else None
         if isinstance(expected, DictConfig) and not isinstance(value, dict):
             raise ConfigError(path, f"is a section and must be a mapping of its keys; got {value!r}")
+        if isinstance(expected, ListConfig) and not isinstance(value, list):
+            raise ConfigError(path, f"must be a list; got {value!r}")
         if isinstance(value, (dict, list)):
             _check_shape(value, expected if isinstance(expected, DictConfig) else DictConfig({}), f"{path}.")
 

@@ -387,6 +387,7 @@ SCENARIO_CASES = {
     "systems=[]": sim("systems=[]", culprit=("systems", "at least one")),
     "systems=[bamboo]": sim("systems=[odyssey,bamboo]", culprit=("systems", "bamboo")),
     "systems twice": sim("systems=[odyssey,odyssey]", culprit=("systems", "more than once")),
+    "systems={a: 1}": sim("systems={a: 1}", culprit=("systems", "must be a list")),
     "systems=odyssey": sim("systems=odyssey", culprit="systems"),
     "systems=[???]": sim("systems=[???]", culprit=("systems", "not valid YAML")),
     "systems=[odyssey,???]": sim("systems=[odyssey,'???']", culprit=("systems[1]", "???")),
