@@ -151,10 +151,11 @@ class DecisionCenter:
         """The next failures worth preparing for: each live worker of the plan alone, then
         each node that holds one (its live workers), as sets of failed workers."""
         workers = self.plan.workers
+        on_node: dict[int, set[int]] = {}
+        for worker in self.cluster.alive_workers:
+            on_node.setdefault(self.cluster.node_of_worker(worker), set()).add(worker)
         nodes = sorted({self.cluster.node_of_worker(w) for w in workers})
-        alive = set(self.cluster.alive_workers)
-        on_node = [frozenset(w for w in alive if self.cluster.node_of_worker(w) == n) for n in nodes]
-        return [frozenset([w]) for w in workers] + [case for case in on_node if len(case) > 1]
+        return [frozenset([w]) for w in workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
 
     def prepare(self, cases: Iterable[frozenset[int]] | None = None, *,
                 stop: Callable[[], bool] = lambda: False) -> int:
