@@ -28,6 +28,7 @@ from typing import NoReturn, Sequence
 from odyssey_megatron import limits
 from odyssey_megatron.config import ConfigError, config_yaml, load_config
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
+from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 EXIT_USAGE = 2
@@ -131,7 +132,20 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     prof.add_argument("--repeats", type=_repeats, action=_Once, default=DEFAULT_REPEATS,
                       help=f"timed passes per measurement, after the warm-up (default {DEFAULT_REPEATS})")
     prof.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.num_layers=4")
-    return parser, {"plan": plan, "simulate": sim, "profile": prof}
+    train = commands.add_parser("train", help="train the recipe, surviving rank and node failures",
+                                allow_abbrev=False)
+    train.add_argument("--config", action=_Once, default=None, help="recipe YAML (not with --resume)")
+    train.add_argument("--run-dir", action=_Once, default=None,
+                       help="where the run's records go (default: runs/<recipe>-<time>)")
+    train.add_argument("--resume", action=_Once, default=None, metavar="RUN_DIR",
+                       help="continue a run that stopped with exit 3 from its checkpoint")
+    for field, (flag, env) in LAUNCH_FLAGS.items():
+        if field != "nproc_per_node":
+            train.add_argument(flag, action=_Once, default=None, dest=field,
+                               help=f"torchrun's {flag} (else ${env})")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, e.g. 'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'")
+    return parser, {"plan": plan, "simulate": sim, "profile": prof, "train": train}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -252,7 +266,13 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 def _simulate_command(args: argparse.Namespace) -> int:
     from odyssey_megatron.run_dir import RunDir
-    from odyssey_megatron.simulator.report import log_to_wandb, start_wandb, summary_json, system_series, write_outputs
+    from odyssey_megatron.simulator.report import (
+        log_to_wandb,
+        start_wandb,
+        summary_json,
+        system_series,
+        write_outputs,
+    )
     from odyssey_megatron.simulator.run import scenario_events, simulate
     from odyssey_megatron.simulator.scenario import load_scenario
 
@@ -321,7 +341,9 @@ def _profile_command(args: argparse.Namespace) -> int:
         raise ConfigError("--force", "replaces an earlier profile at --out; give --out with it")
     config = load_config(args.config, args.overrides)
     out = check_output(args.out, key="--out", force=args.force) if args.out is not None else None
-    from odyssey_megatron.profiler import measure_profile  # torch and Megatron: once the arguments are good
+    from odyssey_megatron.profiler import (
+        measure_profile,  # torch and Megatron: once the arguments are good
+    )
 
     measured = measure_profile(config, repeats=args.repeats)
     data = profile_json(measured.profile, measured_for=measured.measured_for, source=measured.source)
@@ -349,6 +371,37 @@ def _describe_profile(measured, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _train_command(args: argparse.Namespace) -> int:
+    import logging
+    import time
+
+    from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+
+    if args.resume is not None:
+        raise ConfigError("--resume", "resuming from a checkpoint is not built yet")
+    if args.config is None:
+        raise ConfigError("--config", "is required")
+    config = load_config(args.config, args.overrides)
+    flags = {field: getattr(args, field) for field in LAUNCH_FLAGS if field != "nproc_per_node"}
+    flags["nproc_per_node"] = str(config.cluster.devices_per_node)
+    launch = LaunchConfig.resolve(flags, os.environ)
+    run_dir = Path(args.run_dir) if args.run_dir is not None else \
+        Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if run_dir.exists() and any(run_dir.iterdir()) and launch.node_rank == 0:
+        raise ConfigError("--run-dir", f"{run_dir} already holds files; give a new directory")
+    from odyssey_megatron.runtime.control.train import check_launch, train_node
+
+    check_launch(config, launch)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    outcome = train_node(config, launch, run_dir=run_dir)
+    print(outcome.message, file=sys.stderr if outcome.status else sys.stdout)
+    if outcome.status == 0 and launch.node_rank == 0:
+        from odyssey_megatron.runtime.control.run_summary import summarize_run
+
+        print(summarize_run(run_dir))
+    return outcome.status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; user errors print one line and return 2 (see the module docstring)."""
     try:
@@ -357,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan_command(args)
         if args.command == "profile":
             return _profile_command(args)
+        if args.command == "train":
+            return _train_command(args)
         return _simulate_command(args)
     except ConfigError as exc:
         print(f"odyssey: error: {exc}", file=sys.stderr)

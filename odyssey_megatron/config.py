@@ -711,3 +711,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
 def config_yaml(config: Any) -> str:
     """A loaded config as YAML, with every default and derived value (``--print-config``)."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def recipe_from_yaml(text: str) -> RecipeConfig:
+    """A recipe ``config_yaml`` wrote, already validated: how a training run's resolved
+    recipe reaches its workers."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.create(text)))

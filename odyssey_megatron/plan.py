@@ -114,6 +114,13 @@ class ExecutionPlan:
         return tuple(s.worker for p in self.pipelines for s in p.stages if s.worker is not None)
 
     @property
+    def participants(self) -> tuple[int, ...]:
+        """Workers that take part in entering this plan, ascending: those that own a stage
+        and survivors that only send a block (they idle afterwards)."""
+        senders = {t.src for t in self.transfers if t.src is not None}
+        return tuple(sorted(set(self.workers) | senders))
+
+    @property
     def num_micro_batches(self) -> int:
         return sum(len(p.micro_batches) for p in self.pipelines)
 

@@ -10,7 +10,9 @@ both require it), and keeps only its own. A rank gets:
   workers all-reduce shard k;
 - its pipeline's PP group (per TP rank), for Megatron's own 1F1B schedule, when no
   stage of that pipeline has failed and the stages' ranks ascend (``megatron_pipeline``);
-- a group of every rank for the global gradient norm.
+- a group of every rank that trains (the plan's workers) for the global gradient norm;
+  a survivor that only sends blocks while entering the plan (``ExecutionPlan.participants``)
+  is in the world but not in it.
 
 Plans name workers; ``RankMap`` says which process ranks a worker has in the current
 world (after a failure the survivors re-form a smaller world with new ranks). A new plan
@@ -73,7 +75,7 @@ class PlanGroups:
     pipeline_group: dist.ProcessGroup | None = None
     """This rank's pipeline (same TP rank on every stage), if ``megatron_pipeline``."""
     norm_group: dist.ProcessGroup | None = None
-    """Every rank: the global gradient norm's all-reduce, which may be in flight while
+    """Every training rank: the global gradient norm's all-reduce, which may be in flight while
     the next step's point-to-point traffic runs on the default group."""
     _owned: list[dist.ProcessGroup] = field(default_factory=list)
 
@@ -115,7 +117,7 @@ def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> Plan
             group = create([ranks.rank(w, k) for w in unit.workers])
             if group is not None:
                 unit_groups[index] = group
-    norm_group = create(list(range(ranks.world_size)))
+    norm_group = create(sorted(ranks.rank(w, k) for w in plan.workers for k in range(tp)))
     pipeline_group = None
     for pipeline in plan.pipelines:
         if not megatron_pipeline(pipeline, ranks):

@@ -137,6 +137,12 @@ class TrainingState:
         copy held; the tensors are kept, not copied."""
         self.blocks[block] = BlockState.from_tensors(block, tensors)
 
+    def copy(self, device: torch.device) -> "TrainingState":
+        """Every block copied to ``device``: the host copy a rank rolls back to."""
+        return TrainingState({block: BlockState.from_tensors(block, {key: tensor.to(device, copy=True)
+                                                                     for key, tensor in self.export(block).items()})
+                              for block in self.blocks})
+
     def keep(self, blocks: Iterable[Block]) -> None:
         """Drop every held block not in ``blocks`` (those the next stage does not hold)."""
         wanted = set(blocks)

@@ -37,10 +37,21 @@ __all__ = [
     "RankExit",
     "RankFailureReport",
     "RankRegistration",
+    "RunSpec",
+    "StepReport",
     "StaleGenerationError",
     "Timeouts",
     "WorkerLaunch",
+    "FROZEN",
+    "RUN_DONE",
+    "RUN_SPEC",
+    "abort_key",
+    "applied_key",
+    "final_key",
     "generation_prefix",
+    "process_group_prefix",
+    "ready_key",
+    "step_report_key",
     "kill_orders_key",
     "node_heartbeat_key",
     "parse_inbox",
@@ -113,6 +124,51 @@ def plan_key(generation: int) -> str:
     return generation_prefix(generation) + "plan"
 
 
+RUN_SPEC = "run/spec"
+"""The training run's ``RunSpec``, set by the controller before any worker starts."""
+RUN_DONE = "run/done"
+"""Set by the controller when the last step is committed and ``final.pt`` written: idle
+workers and those waiting for a plan exit."""
+
+
+def process_group_prefix(generation: int) -> str:
+    """Where a generation's ``init_process_group`` rendezvous (a ``PrefixStore``)."""
+    return generation_prefix(generation) + "pg/"
+
+
+def ready_key(generation: int) -> str:
+    """Counter: ranks that entered the generation (groups built, blocks moved, stage built)."""
+    return generation_prefix(generation) + "ready"
+
+
+def abort_key(generation: int) -> str:
+    """Set by the controller when a failure ends the generation: a rank waiting on the
+    store (not in a collective, where the peers' closed sockets end its wait) stops."""
+    return generation_prefix(generation) + "abort"
+
+
+def applied_key(generation: int, step: int) -> str:
+    """Counter: ranks of the generation that took ``step``'s optimizer step. The step is
+    committed once it equals the generation's world size; the controller freezes it
+    (``FROZEN``) when a failure ends the generation, so a late rank cannot commit it."""
+    return generation_prefix(generation) + f"applied/{step}"
+
+
+FROZEN = -(1 << 40)
+"""Added to an ``applied_key`` counter to freeze it: below zero, never the world size again."""
+
+
+def step_report_key(generation: int, step: int) -> str:
+    """Appended JSON lines, one per rank that finished a micro-batch's last stage in
+    ``step``: ``StepReport``."""
+    return generation_prefix(generation) + f"report/{step}"
+
+
+def final_key(generation: int) -> str:
+    """Counter: ranks that wrote their part of ``final.pt``."""
+    return generation_prefix(generation) + "final"
+
+
 EXIT_CONTROLLER_LOST = 75
 """Exit status of a worker or launcher that lost its controller (EX_TEMPFAIL)."""
 
@@ -138,8 +194,8 @@ def _conforms(value: Any, annotation: str) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if base == "str":
         return isinstance(value, str)
-    if base == "tuple[int, ...]":
-        return isinstance(value, (list, tuple)) and all(_conforms(v, "int") for v in value)
+    if base in ("tuple[int, ...]", "tuple[float, ...]"):
+        return isinstance(value, (list, tuple)) and all(_conforms(v, base[6:-6]) for v in value)
     raise TypeError(f"no JSON check for {annotation}")
 
 
@@ -159,7 +215,7 @@ class Message:
         for f in fields(cls):
             if f.name not in data or not _conforms(data[f.name], f.type):
                 raise ProtocolError(f"{cls.KIND} message: field {f.name!r} must be {f.type}; got {data.get(f.name)!r}")
-            values[f.name] = tuple(data[f.name]) if f.type == "tuple[int, ...]" else data[f.name]
+            values[f.name] = tuple(data[f.name]) if f.type.startswith("tuple[") else data[f.name]
         return cls(**values)
 
     @classmethod
@@ -259,17 +315,21 @@ class PlanPublished:
     plan: ExecutionPlan
     program: StepProgram
     published_at: float
+    start_step: int = 0
+    """The first step the generation runs: the number of steps committed before it. A rank
+    that took a later optimizer step rolls it back."""
 
     def to_json(self) -> str:
-        return json.dumps({"kind": "plan", "published_at": self.published_at,
+        return json.dumps({"kind": "plan", "published_at": self.published_at, "start_step": self.start_step,
                            "plan": publish(self.plan, self.program)}, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, current_generation: int) -> "PlanPublished":
         """Parse, refusing a plan not newer than ``current_generation`` (the reader's; -1 before any)."""
         data = _loads(text)
-        if not isinstance(data, dict) or data.get("kind") != "plan" or not _conforms(data.get("published_at"), "float"):
-            raise ProtocolError(f"expected a 'plan' message with published_at; got {str(data)[:200]}")
+        if not isinstance(data, dict) or data.get("kind") != "plan" or not _conforms(data.get("published_at"), "float") \
+                or not _conforms(data.get("start_step"), "int"):
+            raise ProtocolError(f"expected a 'plan' message with published_at and start_step; got {str(data)[:200]}")
         try:
             plan, program = read_published(data["plan"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -277,7 +337,7 @@ class PlanPublished:
         if plan.generation <= current_generation:
             raise StaleGenerationError(f"plan generation {plan.generation} is stale: generation {current_generation} "
                                        "is already running")
-        return cls(plan=plan, program=program, published_at=data["published_at"])
+        return cls(plan=plan, program=program, published_at=data["published_at"], start_step=data["start_step"])
 
 
 # -- liveness ------------------------------------------------------------------------
@@ -300,6 +360,34 @@ class HeartbeatWatch:
 
     def stale(self, now: float) -> bool:
         return now - self.changed_at > self.timeout
+
+
+@dataclass(frozen=True)
+class StepReport(Message):
+    """A rank's micro-batches whose last stage ran on it in one step: the loss of each and
+    the sample ids it consumed, so the controller can prove every sample was used once."""
+
+    KIND = "step_report"
+    rank: int
+    micro_batches: tuple[int, ...]
+    losses: tuple[float, ...]
+    samples: tuple[int, ...]
+    """Sample ids, micro-batch after micro-batch (``micro_batch_size`` each)."""
+
+
+@dataclass(frozen=True)
+class RunSpec(Message):
+    """What every worker of a training run reads before its first plan."""
+
+    KIND = "run_spec"
+    config_yaml: str
+    """The resolved recipe (``config.config_yaml``)."""
+    data: str
+    """The prepared corpus (``data.PreparedData`` as JSON)."""
+    run_dir: str
+    """Where workers write their part of ``final.pt`` (a filesystem every node sees)."""
+    resume: Optional[str] = None
+    """A checkpoint directory the first generation loads its blocks from; None: the seed."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from typing import Optional
 import torch.distributed as dist
 
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.schedules.program import StepProgram
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.protocol import (
@@ -45,6 +44,7 @@ from odyssey_megatron.runtime.protocol import (
     parse_inbox,
     plan_key,
 )
+from odyssey_megatron.schedules.program import StepProgram
 
 __all__ = ["Controller"]
 
@@ -118,19 +118,20 @@ class Controller:
                 raise RuntimeError("the controller's polling thread died") from self._crash
             return None
 
-    def publish_plan(self, plan: ExecutionPlan, program: StepProgram) -> None:
-        """Publish ``plan`` with its step program as JSON under its generation's key;
-        generations go up one by one, so an older or repeated one is refused (a decision
-        overtaken by a newer one)."""
+    def publish_plan(self, plan: ExecutionPlan, program: StepProgram, *, start_step: int = 0) -> None:
+        """Publish ``plan`` with its step program as JSON under its generation's key, to
+        be run from step ``start_step``; generations go up one by one, so an older or
+        repeated one is refused (a decision overtaken by a newer one)."""
         if plan.generation != self.published_generation + 1:
             problem = "stale" if plan.generation <= self.published_generation else "not the next one"
             raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
                                        f"{self.published_generation} was published last")
-        published = PlanPublished(plan, program, time.time())  # checks that the program is the plan's
+        published = PlanPublished(plan, program, time.time(), start_step)  # checks that the program is the plan's
         self.record.plan(plan, program)
         self.store.set(plan_key(plan.generation), published.to_json())
         self.published_generation = plan.generation
-        self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers))
+        self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers),
+                          start_step=start_step)
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
 
     # -- the polling thread ----------------------------------------------------------------

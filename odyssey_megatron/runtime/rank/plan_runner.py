@@ -28,14 +28,16 @@ from odyssey_megatron.hooks.training_state import StageOptimizer, TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation, OpClock
-from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot, SnapshotPool
-from odyssey_megatron.runtime.rank.staggered_step import StaggeredStep
 from odyssey_megatron.runtime.rank.executor import MicroBatch, StepExecutor
 from odyssey_megatron.runtime.rank.megatron_1f1b import MegatronPipelineSchedule
+from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot, SnapshotPool
+from odyssey_megatron.runtime.rank.staggered_step import StaggeredStep
 from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
 from odyssey_megatron.schedules.program import StepProgram
 
 SCHEDULES = ("auto", "odyssey", "megatron")
+PHASES = ("forward", "backward", "grad_sync", "optimizer")
+"""The phases of a step, in order, as ``PlanRunner``'s ``on_phase`` names them."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class PlanRunner:
         overlap_grad_sync: bool = False,
         device: torch.device = torch.device("cpu"),
         emulation: DeviceEmulation | None = None,
+        on_phase: Callable[[str], None] | None = None,
     ):
         """``program`` is the plan's step program (published with it). ``schedule``: auto
         (Megatron's 1F1B unless micro-batches are rerouted, backwards split or the
@@ -87,7 +90,9 @@ class PlanRunner:
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
         with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``).
         ``emulation`` paces every op to a profile's device time (``runtime.rank.emulation``);
-        Megatron's schedule cannot be paced, so the op-list executor runs."""
+        Megatron's schedule cannot be paced, so the op-list executor runs. ``on_phase`` is
+        called as the step enters each phase (``PHASES``), once per micro-batch for the
+        forward and backward: where a fault injector acts."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if program.generation != plan.generation:
@@ -112,6 +117,10 @@ class PlanRunner:
         self.device = device
         self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection)
         self.model.to(device)
+        self._on_phase = on_phase or (lambda phase: None)
+        if on_phase is not None:
+            self.model.register_forward_pre_hook(lambda *_: on_phase("forward"))
+            next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase("backward"))
         self._stage_optimizer = StageOptimizer(state, self.model, self.stage, lr=lr)
         self.params = parameters_by_block(self.model, self.stage)
         self.optimizer = self._stage_optimizer.adam
@@ -199,7 +208,10 @@ class PlanRunner:
     def finish_step(self, losses: dict[int, float], *, apply: bool = True) -> StepResult:
         """Second half: DP sync, global-norm clipping and (if ``apply``) the optimizer
         step; staggered, the step is taken now and clipping is settled later."""
+        self._on_phase("grad_sync")
         self.grad_sync.sync()
+        if apply:
+            self._on_phase("optimizer")
         if self.staggered_optimizer and apply:
             square = local_grad_square(plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank)
             self._stage_optimizer.grads_to_masters()
@@ -227,6 +239,13 @@ class PlanRunner:
         training here). Only after ``settle``: a staggered step may still be retaken."""
         if self._speculative is not None:
             raise RuntimeError("a staggered step is in flight: settle() before reading the training state")
+        return self._stage_optimizer.state()
+
+    def abandon(self) -> TrainingState:
+        """This rank's blocks as they are when a failure ended the step in flight: maybe
+        one optimizer step (speculative or not) past the last committed step, which the
+        next generation rolls back. The runner is not used again."""
+        self._speculative = None
         return self._stage_optimizer.state()
 
     def _settle(self) -> tuple[float, bool]:

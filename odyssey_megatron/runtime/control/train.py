@@ -1,0 +1,127 @@
+"""``odyssey train`` on one node: node 0 hosts the controller and the run's owner beside
+its launcher; every other node runs its launcher alone.
+
+Node 0 first prepares the data (tokenized, indexed and cached once, before any worker
+starts), writes the resolved recipe to the run directory and publishes the ``RunSpec``
+every worker reads. The launcher runs in the main thread (it starts the workers, whose
+parent-death signal follows that thread); the controller's polling and the run's owner
+(``TrainingRun``: commits, decisions, plans) run in threads beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from odyssey_megatron.config import RecipeConfig, config_yaml
+from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.planner import UnrecoverableFailure
+from odyssey_megatron.run_dir import write_json
+from odyssey_megatron.runtime.control.controller import Controller
+from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+from odyssey_megatron.runtime.control.launcher import NodeLauncher
+from odyssey_megatron.runtime.control.training_run import RunFailed, TrainingRun
+from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec, Timeouts
+
+__all__ = ["TrainOutcome", "run_timeouts", "train_node"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    status: int
+    """0: trained to the end; 1: the run failed; 3: no plan could go on."""
+    message: str
+
+
+def run_timeouts(config: RecipeConfig) -> Timeouts:
+    o = config.odyssey
+    return Timeouts(heartbeat_interval=o.heartbeat_interval, heartbeat_timeout=o.heartbeat_timeout,
+                    collective_timeout=o.collective_timeout, recovery_timeout=o.recovery_timeout)
+
+
+def check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
+    """The nodes must hold exactly the recipe's ranks."""
+    ranks = config.parallel.num_ranks
+    if launch.world_size != ranks:
+        raise ConfigError("--nnodes", f"{launch.nnodes} node(s) of cluster.devices_per_node="
+                                      f"{launch.nproc_per_node} give {launch.world_size} ranks; the recipe has "
+                                      f"{ranks} (TP * PP * DP)")
+
+
+def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path, resume: Optional[Path] = None) -> TrainOutcome:
+    """Run this node's part of the training run; on node 0, the whole run's outcome."""
+    from odyssey_megatron.runtime.rank.worker import train_worker
+
+    timeouts = run_timeouts(config)
+    if launch.node_rank != 0:
+        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
+        return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_yaml(config))
+    prepared = _prepare_data(config)
+    controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
+    if launch.master_port == 0:
+        launch = LaunchConfig(nnodes=launch.nnodes, node_rank=0, master_addr=launch.master_addr,
+                              master_port=controller.port, nproc_per_node=launch.nproc_per_node)
+    center = DecisionCenter.from_recipe(config)
+    controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
+                                           None if resume is None else str(resume)).to_json())
+    controller.start()
+    run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir)
+    outcome: list[TrainOutcome] = []
+    owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)
+    owner.start()
+    status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
+    owner.join(timeout=timeouts.recovery_timeout)
+    if not outcome:
+        outcome.append(TrainOutcome(1, f"the workers ended (launcher status {status}) before the run did"))
+    _wait_other_nodes(controller, timeouts)
+    controller.record.event("run_end", status=outcome[0].status, message=outcome[0].message)
+    controller.stop()
+    write_json(run_dir / "outcome.json", {"status": outcome[0].status, "message": outcome[0].message})
+    return outcome[0]
+
+
+def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
+    """The owner thread: run to the end, then release the workers."""
+    try:
+        final = run.run()
+        outcome.append(TrainOutcome(0, f"trained {run.committed} steps; final model in {final}"))
+    except UnrecoverableFailure as exc:
+        outcome.append(TrainOutcome(3, f"unrecoverable: {exc}"))
+    except RunFailed as exc:
+        outcome.append(TrainOutcome(1, str(exc)))
+    except Exception as exc:  # noqa: BLE001 - the launcher must still be released
+        log.exception("run: failed")
+        outcome.append(TrainOutcome(1, f"{type(exc).__name__}: {exc}"))
+    finally:
+        run.store.set(RUN_DONE, "1")
+
+
+def _wait_other_nodes(controller: Controller, timeouts: Timeouts) -> None:
+    """Keep the store up until every other node's launcher has left (or was lost)."""
+    deadline = time.monotonic() + timeouts.recovery_timeout
+    while time.monotonic() < deadline:
+        states = [node.state.value for n, node in list(controller.detector.nodes.items()) if n != 0]
+        if all(state in ("left", "failed") for state in states):
+            return
+        time.sleep(timeouts.poll_interval)
+
+
+def _prepare_data(config: RecipeConfig):
+    from odyssey_megatron.data import prepare_data
+
+    model, train, data = config.model, config.training, config.data
+    try:
+        return prepare_data(corpus=data.corpus, tokenizer=data.tokenizer, vocab_size=model.vocab_size,
+                            seq_length=model.seq_length, num_samples=train.train_iters * train.global_batch_size,
+                            seed=train.seed, cache_dir=data.cache_dir)
+    except ValueError as exc:
+        raise ConfigError("data.corpus", str(exc)) from None

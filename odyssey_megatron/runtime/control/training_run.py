@@ -1,0 +1,262 @@
+"""The run's owner on node 0, beside the controller: it publishes plans, turns committed
+steps into ``samples.jsonl``, and on every failure runs the decision center and
+publishes the next generation.
+
+A step is committed when every rank of its generation has counted its optimizer step
+under ``protocol.applied_key``. On a failure the owner ends the generation (the abort key
+for ranks waiting on the store) and freezes the counter of the first uncommitted step,
+so the commit is decided exactly once: committed steps stay, the rest replays in the
+next generation from ``start_step``, on the same global batch.
+
+What survivors hold when a failure strikes: the blocks of the last generation whose
+first step committed (the last *settled* plan), plus what a later one moved to them
+(workers drop blocks only once their generation's first step commits). So a decision
+starts from the settled plan: a failure during a recovery restarts the decision with the
+new survivor set, from the same ground.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from odyssey_megatron.config import RecipeConfig
+from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.planner import Decision, UnrecoverableFailure
+from odyssey_megatron.run_dir import append_jsonl
+from odyssey_megatron.runtime.control.controller import Controller
+from odyssey_megatron.runtime.control.detector import Cause, Failure
+from odyssey_megatron.runtime.final_model import merge_final_parts
+from odyssey_megatron.runtime.protocol import (
+    FROZEN,
+    RUN_DONE,
+    ProtocolError,
+    StepReport,
+    abort_key,
+    applied_key,
+    final_key,
+    ready_key,
+    step_report_key,
+)
+
+__all__ = ["RunFailed", "TrainingRun"]
+
+log = logging.getLogger(__name__)
+
+SAMPLES = "samples.jsonl"
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on; the message says why (one line)."""
+
+
+@dataclass
+class _Recovery:
+    """Times (wall clock) of one recovery, recorded when its first step commits."""
+
+    generation: int
+    failed_ranks: list[int]
+    cause: str
+    failed_at: float
+    detected_at: float
+    decided_at: float
+    ready_at: Optional[float] = None
+    record: Optional[dict] = None
+
+
+class TrainingRun:
+    def __init__(self, *, config: RecipeConfig, controller: Controller, center: DecisionCenter, run_dir: Path,
+                 start_step: int = 0):
+        self.config, self.controller, self.center = config, controller, center
+        self.store = controller.store.clone()
+        self.run_dir = Path(run_dir)
+        self.timeouts = controller.timeouts
+        self.iters = config.training.train_iters
+        self.committed = start_step
+        """Steps committed so far: the next generation's start step."""
+        self.plan: Optional[ExecutionPlan] = None
+        """The generation published last."""
+        self.settled: Optional[ExecutionPlan] = None
+        """The last generation whose first step committed (or the first generation)."""
+        self.started = time.monotonic()
+        self._recovery: Optional[_Recovery] = None
+        self._prepare_stop = threading.Event()
+        self._prepare_thread: Optional[threading.Thread] = None
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> Path:
+        """Train to the last step; returns the path of ``final.pt``. Raises RunFailed
+        (UnrecoverableFailure when no plan can go on)."""
+        self._publish(self.center.plan)
+        self.settled = self.plan
+        while not self._final_written():
+            self._collect_commits()
+            failure = self.controller.next_failure(timeout=self.timeouts.poll_interval)
+            if failure is not None:
+                self._recover(failure)
+        final = merge_final_parts(self.run_dir, ranks=self._training_ranks(self.plan),
+                                  tied=self.config.model.tie_embeddings)
+        self._stop_preparing()
+        self.store.set(RUN_DONE, "1")
+        self.controller.record.event("finished", steps=self.committed, generation=self.plan.generation,
+                                     final=str(final))
+        return final
+
+    def _training_ranks(self, plan: ExecutionPlan) -> list[int]:
+        tp = plan.tensor_parallel_size
+        return [w * tp + k for w in plan.workers for k in range(tp)]
+
+    def _world_size(self, plan: ExecutionPlan) -> int:
+        return len(plan.participants) * plan.tensor_parallel_size
+
+    def _final_written(self) -> bool:
+        if self.committed < self.iters:
+            return False
+        return self.store.add(final_key(self.plan.generation), 0) == len(self._training_ranks(self.plan))
+
+    def _publish(self, plan: ExecutionPlan) -> None:
+        self.controller.publish_plan(plan, self.center.program, start_step=self.committed)
+        self.plan = plan
+        self._start_preparing()
+
+    # -- commits ------------------------------------------------------------------------
+
+    def _collect_commits(self) -> None:
+        generation, world = self.plan.generation, self._world_size(self.plan)
+        while self.committed < self.iters and self.store.add(applied_key(generation, self.committed), 0) == world:
+            self._commit(generation, self.committed)
+
+    def _commit(self, generation: int, step: int) -> None:
+        """Record committed ``step``: its samples and loss, checked to cover every micro-batch once."""
+        by_micro_batch: dict[int, tuple[float, tuple[int, ...]]] = {}
+        size = self.config.training.micro_batch_size
+        for line in self.store.get(step_report_key(generation, step)).decode().splitlines():
+            try:
+                report = StepReport.from_json(line)
+            except ProtocolError as exc:
+                raise RunFailed(f"step {step}: malformed step report: {exc}") from None
+            for i, m in enumerate(report.micro_batches):
+                if m in by_micro_batch:
+                    raise RunFailed(f"step {step}: micro-batch {m} ran twice (rank {report.rank} too)")
+                by_micro_batch[m] = report.losses[i], report.samples[i * size:(i + 1) * size]
+        expected = self.config.training.num_micro_batches
+        if sorted(by_micro_batch) != list(range(expected)):
+            raise RunFailed(f"step {step}: micro-batches {sorted(by_micro_batch)} ran; expected 0..{expected - 1}")
+        loss = sum(loss for loss, _ in by_micro_batch.values()) / expected
+        samples = [i for m in range(expected) for i in by_micro_batch[m][1]]
+        append_jsonl(self.run_dir / SAMPLES, {"step": step, "generation": generation, "samples": samples,
+                                              "loss": loss})
+        self.controller.record.event("step", step=step, generation=generation, loss=loss)
+        self.committed = step + 1
+        if self.settled is not self.plan:
+            self.settled = self.plan
+        if self._recovery is not None and self._recovery.generation == generation:
+            self._finish_recovery_record(first_step_at=time.time())
+
+    # -- recovery -----------------------------------------------------------------------
+
+    def _recover(self, failure: Failure) -> None:
+        """Decide and publish the next generation after ``failure``; a failure before
+        every rank of it is ready restarts the decision with the new survivors."""
+        failures = [failure]
+        while failures:
+            self._stop_preparing()
+            time.sleep(self.timeouts.poll_interval)  # ranks failing together arrive together
+            while (more := self.controller.next_failure(timeout=0)) is not None:
+                failures.append(more)
+            self._end_generation()
+            decision = self._decide(failures)
+            self._publish(decision.chosen.plan)
+            failures = self._wait_ready()
+
+    def _end_generation(self) -> None:
+        """Stop the running generation: the abort key, and freeze the first uncommitted
+        step's counter (if every rank had counted it, it is committed first)."""
+        generation, world = self.plan.generation, self._world_size(self.plan)
+        self.store.set(abort_key(generation), "1")
+        if self.committed < self.iters:
+            before = self.store.add(applied_key(generation, self.committed), FROZEN) - FROZEN
+            if before == world:
+                self._commit(generation, self.committed)
+
+    def _decide(self, failures: list[Failure]) -> Decision:
+        """Run the decision center from the settled plan on the new survivors."""
+        if self.settled is not self.plan:  # a recovery failed: survivors hold the settled plan's blocks
+            self.center.restart_on(replace(self.settled, generation=self.plan.generation))
+        nodes = sorted({f.node for f in failures if f.cause == Cause.NODE})
+        ranks = sorted({r for f in failures if f.cause != Cause.NODE for r in f.ranks})
+        try:
+            decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
+        except UnrecoverableFailure:
+            raise
+        decided_at = time.time()
+        first = min(failures, key=lambda f: f.failed_at)
+        self._recovery = _Recovery(
+            generation=decision.chosen.plan.generation,
+            failed_ranks=sorted({r for f in failures for r in f.ranks}),
+            cause=",".join(sorted({f.cause.value for f in failures})),
+            failed_at=first.failed_at, detected_at=min(f.detected_at for f in failures), decided_at=decided_at)
+        self._recovery.record = self._decision_record(decision)
+        log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
+                 decision.chosen.policy, self._recovery.failed_ranks)
+        return decision
+
+    def _decision_record(self, decision: Decision) -> dict:
+        def candidate(c) -> dict:
+            return {"policy": c.policy, "layout": c.layout, "step_time_s": c.estimate.step_time_s,
+                    "transition_s": c.transition_s, "score": c.score}
+
+        plan = decision.chosen.plan
+        return {"policy": decision.chosen.policy, "chosen": candidate(decision.chosen),
+                "alternatives": [candidate(c) for c in decision.alternatives],
+                "search_time_s": decision.search_time_s, "start_step": self.committed,
+                "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers)}
+
+    def _wait_ready(self) -> list[Failure]:
+        """Until every rank of the published generation is in it; the failures that came
+        first, if any (the recovery starts again with them)."""
+        deadline = time.monotonic() + self.timeouts.recovery_timeout
+        key, world = ready_key(self.plan.generation), self._world_size(self.plan)
+        while self.store.add(key, 0) < world:
+            failure = self.controller.next_failure(timeout=self.timeouts.poll_interval)
+            if failure is not None:
+                log.warning("run: ranks %s failed while generation %d was being entered", list(failure.ranks),
+                            self.plan.generation)
+                return [failure]
+            if time.monotonic() > deadline:
+                raise RunFailed(f"generation {self.plan.generation} was not entered within the recovery timeout "
+                                f"({self.timeouts.recovery_timeout} s)")
+        self._recovery.ready_at = time.time()
+        return []
+
+    def _finish_recovery_record(self, *, first_step_at: float) -> None:
+        r = self._recovery
+        self.controller.record.event(
+            "recovery", generation=r.generation, failed_ranks=r.failed_ranks, cause=r.cause, failed_at=r.failed_at,
+            detected_at=r.detected_at, decided_at=r.decided_at, ready_at=r.ready_at, first_step_at=first_step_at,
+            detection_s=r.detected_at - r.failed_at, to_plan_s=r.decided_at - r.failed_at,
+            to_first_step_s=first_step_at - r.failed_at, **r.record)
+        self._recovery = None
+
+    # -- decisions in advance -------------------------------------------------------------
+
+    def _start_preparing(self) -> None:
+        """Price the next likely failures in the background (``DecisionCenter.prepare``)."""
+        self._stop_preparing()
+        self._prepare_stop = threading.Event()
+        stop = self._prepare_stop
+        self._prepare_thread = threading.Thread(target=lambda: self.center.prepare(stop=stop.is_set),
+                                                name="odyssey-prepare", daemon=True)
+        self._prepare_thread.start()
+
+    def _stop_preparing(self) -> None:
+        if self._prepare_thread is not None:
+            self._prepare_stop.set()
+            self._prepare_thread.join()
+            self._prepare_thread = None

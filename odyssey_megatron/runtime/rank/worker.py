@@ -1,0 +1,328 @@
+"""The training worker: one process per device, started by its node's launcher, that
+trains plan generation after plan generation until the run is done.
+
+A generation is one plan: the worker joins a fresh process group among the plan's
+participants (on the generation's store prefix), moves the blocks the plan's transfers
+name, builds its stage on Megatron-Core from the per-block state it holds and trains
+from the plan's ``start_step``. A step counts once every rank of the generation has taken
+its optimizer step (``protocol.applied_key``); before its next optimizer step a rank
+waits for that, and keeps a host copy of its blocks from before its own, so that at most
+one step can run ahead of the commit and a rank that took it rolls it back.
+
+When a peer fails, the survivors' collectives fail (gloo reports a closed connection as
+soon as a dead peer's or an aborting survivor's sockets close) or, for a rank waiting on
+the store, the controller's abort key ends the wait. The worker then leaves the
+generation: it keeps its blocks, destroys every process group and drops every reference
+to them (gloo closes a socket only when the last one is gone, and that close is what ends
+the peers' waits) and waits for the controller's next plan. An error of its own (an
+injected fault, a bug) is reported to the controller and ends the process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from odyssey_megatron.config import RecipeConfig, recipe_from_yaml
+from odyssey_megatron.data import IndexedTokens, PreparedData
+from odyssey_megatron.hooks.accelerator import select_accelerator
+from odyssey_megatron.hooks.process_groups import PlanGroups, RankMap, build_plan_groups
+from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
+from odyssey_megatron.runtime.final_model import write_final_part
+from odyssey_megatron.runtime.protocol import (
+    RUN_DONE,
+    RUN_SPEC,
+    PlanPublished,
+    RunSpec,
+    StepReport,
+    WorkerLaunch,
+    abort_key,
+    applied_key,
+    final_key,
+    plan_key,
+    process_group_prefix,
+    ready_key,
+    step_report_key,
+)
+from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
+from odyssey_megatron.runtime.rank.controller_link import ControllerLink
+from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
+from odyssey_megatron.runtime.rank.plan_runner import (
+    PlanRunner,
+    initial_state,
+    stage_of_worker,
+)
+
+__all__ = ["GenerationEnded", "train_worker"]
+
+log = logging.getLogger(__name__)
+
+
+class GenerationEnded(Exception):
+    """The controller ended the generation the worker runs (a failure elsewhere)."""
+
+
+def _peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` means a peer or the generation is gone (then recover), rather than
+    an error of this worker's own (then report it and exit)."""
+    if isinstance(exc, (GenerationEnded, dist.DistError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                                  "gloo", "NCCL", "HCCL"))
+
+
+def train_worker(launch: WorkerLaunch) -> None:
+    """The launcher's target: run the worker; an error of its own is reported, then the
+    process ends with status 1."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {launch.rank} %(name)s: %(message)s")
+    link = ControllerLink(launch)
+    link.start()
+    try:
+        Worker(launch, link).run()
+    except BaseException as exc:  # noqa: BLE001 - whatever it is, the controller must know
+        log.exception("rank %d: failed", launch.rank)
+        link.report_failure(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
+
+
+class Worker:
+    def __init__(self, launch: WorkerLaunch, link: ControllerLink):
+        self.launch, self.link, self.store = launch, link, link.store
+        spec = RunSpec.from_json(self.store.get(RUN_SPEC))
+        self.spec = spec
+        self.config: RecipeConfig = recipe_from_yaml(spec.config_yaml)
+        self.run_dir = Path(spec.run_dir)
+        train, par = self.config.training, self.config.parallel
+        self.tp = par.tensor_model_parallel_size
+        self.worker_id, self.tp_rank = launch.rank // self.tp, launch.rank % self.tp
+        self.accelerator = select_accelerator("auto")
+        self.device = self.accelerator.device(launch.local_rank)
+        if self.accelerator.device_type == "cpu":
+            from odyssey_megatron.hooks.cpu_shim import CpuShim
+
+            # The node's ranks share its cores; torch's default (all cores each) thrashes.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.config.cluster.devices_per_node))
+            CpuShim().install(seed=train.seed)
+        from megatron.core import parallel_state
+
+        parallel_state._set_global_memory_buffer()
+        self.data = IndexedTokens(PreparedData.from_json(spec.data), micro_batch_size=train.micro_batch_size,
+                                  num_micro_batches=train.num_micro_batches)
+        self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch)
+        self.timeouts = launch.timeouts
+        self.state: Optional[TrainingState] = None
+        self.snapshot: Optional[TrainingState] = None
+        """A host copy of the blocks from before the last optimizer step taken, which may not commit."""
+        self.spare: Optional[TrainingState] = None
+        """Blocks held before this generation that its stage does not train (``_set_aside``)."""
+        self.runner: Optional[PlanRunner] = None
+        self.world_size = 0
+        """Ranks in the current generation."""
+        self.generation = -1
+        self.step = 0
+        """The step running (or, between steps, the next one)."""
+        self.start_step = 0
+        """The generation's first step."""
+        self.idle_groups: Optional[PlanGroups] = None
+        """The plan's groups, held by a participant that only sends blocks (group creation is collective)."""
+        self.phase = "recovery"
+
+    # -- the generation loop -----------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            published = self._next_plan()
+            if published is None:
+                log.info("rank %d: the run is done", self.launch.rank)
+                return
+            self.generation = published.plan.generation
+            self.link.generation = self.generation
+            try:
+                self._run_generation(published)
+                ended = False
+            except Exception as exc:
+                if not _peer_failure(exc):
+                    raise
+                log.warning("rank %d: generation %d ended in %s of step %d: %s", self.launch.rank, self.generation,
+                            self.phase, self.step, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                ended = True
+            # Outside the except block: its frame holds references that keep gloo's sockets open.
+            self._leave_generation(abandoned=ended)
+
+    def _next_plan(self) -> Optional[PlanPublished]:
+        """The next generation's plan, or None once the run is done; waits up to the recovery timeout."""
+        key = plan_key(self.generation + 1)
+        deadline = time.monotonic() + self.timeouts.recovery_timeout
+        while not self.store.check([key]):
+            if self.store.check([RUN_DONE]):
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan generation {self.generation + 1} within the recovery timeout "
+                                   f"({self.timeouts.recovery_timeout} s)")
+            time.sleep(self.timeouts.poll_interval)
+        return self.link.wait_plan(newer_than=self.generation)
+
+    def _run_generation(self, published: PlanPublished) -> None:
+        plan, program = published.plan, published.program
+        self.phase, self.step = "recovery", published.start_step
+        self.start_step = published.start_step
+        ranks = RankMap.of(plan.participants, self.tp)
+        self.world_size = ranks.world_size
+        if self.worker_id not in ranks.workers:  # no stage and nothing to send: idle until the next plan
+            log.info("rank %d: idle in generation %d", self.launch.rank, plan.generation)
+            if self.state is not None:
+                self._set_aside([], held=self.state.blocks)
+                self.state = TrainingState()
+            self._wait_until_ended()
+            return
+        rank = ranks.rank(self.worker_id, self.tp_rank)
+        if plan.generation > 0:
+            self.injector.fire("recovery", self.step)
+        dist.init_process_group(self.accelerator.backend, rank=rank, world_size=ranks.world_size,
+                                store=dist.PrefixStore(process_group_prefix(plan.generation), self.store),
+                                timeout=datetime.timedelta(seconds=self.timeouts.collective_timeout))
+        self._restore_committed(plan, ranks, rank, published.start_step)
+        self.phase = "transfer"
+        training = self.worker_id in plan.workers
+        needed = stage_blocks(self.config.model, stage_of_worker(plan, self.worker_id)) if training else []
+        held = dict(self.state.blocks)
+        if plan.transfers:
+            self.injector.fire("transfer", self.step)
+            execute_transfers(plan=plan, state=self.state, rank=rank, ranks=ranks, model=self.config.model,
+                              device=self.device)
+        self.state.keep(needed)
+        self._set_aside(needed, held=held)
+        if not training:  # sent its blocks; holds nothing the plan trains
+            self.idle_groups = build_plan_groups(plan, rank=rank, ranks=ranks)
+            self.store.add(ready_key(plan.generation), 1)
+            self._wait_until_ended()
+            return
+        train = self.config.training
+        self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=self.config.model,
+                                 micro_batch_size=train.micro_batch_size, state=self.state, lr=train.lr,
+                                 max_grad_norm=train.clip_grad, device=self.device, on_phase=self._on_phase)
+        self.store.add(ready_key(plan.generation), 1)
+        for step in range(published.start_step, train.train_iters):
+            self.step = step
+            self._train_step(step)
+        self.step = train.train_iters
+        if published.start_step < train.train_iters:
+            self._wait_committed(train.train_iters - 1)
+        write_final_part(self.run_dir, plan=plan, model=self.config.model, worker=self.worker_id,
+                         tp_rank=self.tp_rank, state=self.runner.training_state(), rank=self.launch.rank)
+        self.store.add(final_key(plan.generation), 1)
+        self._wait_until_ended()
+
+    def _set_aside(self, needed: list, *, held: dict) -> None:
+        """Of the blocks ``held`` before the generation, keep those not ``needed`` aside in
+        ``spare`` until the generation's first step commits: until then the controller
+        plans from the last settled generation, whose blocks they may be."""
+        self.spare = TrainingState({**(self.spare.blocks if self.spare else {}),
+                                    **{b: s for b, s in held.items() if b not in set(needed)}})
+
+    def _restore_committed(self, plan, ranks: RankMap, rank: int, start_step: int) -> None:
+        """Hold the blocks as of ``start_step`` committed steps: drawn from the seed at a
+        run's start, else what the last generation left, rolled back if it ran ahead."""
+        if self.state is None:
+            if self.spec.resume is not None:
+                from odyssey_megatron.runtime.rank.checkpoint import load_checkpoint
+
+                self.state, _ = load_checkpoint(self.spec.resume, model=self.config.model,
+                                                stage=stage_of_worker(plan, self.worker_id), tp_rank=self.tp_rank,
+                                                tp_size=self.tp)
+            else:
+                self.state = initial_state(plan=plan, rank=rank, ranks=ranks, model=self.config.model,
+                                           seed=self.config.training.seed, device=self.device)
+        steps = {block.step for block in self.state.blocks.values()}
+        if steps == {start_step + 1}:
+            log.info("rank %d: rolling back step %d, which did not commit", self.launch.rank, start_step)
+            self.state, self.snapshot = self.snapshot, None
+            steps = {block.step for block in self.state.blocks.values()}
+        if steps - {start_step}:
+            raise RuntimeError(f"blocks at steps {sorted(steps)}; generation {plan.generation} starts after "
+                               f"{start_step} committed steps")
+
+    def _train_step(self, step: int) -> None:
+        samples: dict[int, list[int]] = {}
+
+        def batch(micro_batch: int) -> dict[str, torch.Tensor]:
+            loaded = self.data.micro_batch(step, micro_batch)
+            samples[micro_batch] = loaded["sample_ids"].tolist()
+            return {key: loaded[key] for key in ("tokens", "labels", "position_ids")}
+
+        self.phase = "forward"
+        result = self.runner.train_step(batch)
+        self.runner.settle()
+        if result.losses:
+            order = sorted(result.losses)
+            report = StepReport(self.launch.rank, tuple(order), tuple(result.losses[m] for m in order),
+                                tuple(i for m in order for i in samples[m]))
+            self.store.append(step_report_key(self.generation, step), report.to_json() + "\n")
+        self.store.add(applied_key(self.generation, step), 1)
+
+    def _on_phase(self, phase: str) -> None:
+        self.phase = phase
+        if phase == "optimizer":
+            if self.step > self.start_step:  # earlier steps committed before the generation began
+                self._wait_committed(self.step - 1)
+            state = self.runner.training_state()
+            self.snapshot = state.copy(torch.device("cpu"))
+        self.injector.fire(phase, self.step)
+
+    # -- waiting on the store ----------------------------------------------------------
+
+    def _wait_committed(self, step: int) -> None:
+        """Until every rank of the generation has taken ``step``'s optimizer step;
+        GenerationEnded if the controller froze it (a failure) or ended the generation."""
+        key, world = applied_key(self.generation, step), self.world_size
+        deadline = time.monotonic() + self.timeouts.collective_timeout
+        while True:
+            count = self.store.add(key, 0)
+            if count == world:
+                self.spare = None  # a step of this generation committed: it is settled
+                return
+            if count < 0 or self.store.check([abort_key(self.generation)]):
+                raise GenerationEnded(f"step {step} did not commit")
+            if time.monotonic() > deadline:
+                raise GenerationEnded(f"step {step} did not commit within the collective timeout")
+            time.sleep(self.timeouts.poll_interval / 10)
+
+    def _wait_until_ended(self) -> None:
+        """An idle worker (or one done training) waits for the next plan or the run's end;
+        it drops its spare blocks once the generation's first step commits."""
+        first = applied_key(self.generation, self.start_step)
+        while not self.store.check([abort_key(self.generation)]):
+            if self.store.check([RUN_DONE]) or self.store.check([plan_key(self.generation + 1)]):
+                return
+            if self.spare is not None and self.store.check([first]) and self.store.add(first, 0) == self.world_size:
+                self.spare = None
+            time.sleep(self.timeouts.poll_interval)
+        raise GenerationEnded("the controller ended the generation")
+
+    def _leave_generation(self, *, abandoned: bool) -> None:
+        """Keep the blocks, drop the stage model and every process group."""
+        if self.runner is not None:
+            self.state = self.runner.abandon() if abandoned else self.runner.training_state()
+            self.runner.groups.destroy()
+            self.runner = None
+        if self.spare is not None:
+            self.state = TrainingState({**self.spare.blocks, **(self.state.blocks if self.state else {})})
+            self.spare = None
+        if self.idle_groups is not None:
+            self.idle_groups.destroy()
+            self.idle_groups = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
