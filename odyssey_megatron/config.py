@@ -17,14 +17,14 @@ import math
 import os
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, get_args, get_type_hints
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from odyssey_megatron import limits
 from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
@@ -40,6 +40,9 @@ __all__ = [
     "DataConfig",
     "DType",
     "Device",
+    "FaultAction",
+    "FaultPhase",
+    "FaultSpec",
     "LengthSweep",
     "LoggerConfig",
     "ModelConfig",
@@ -132,6 +135,22 @@ class LengthSweep(Choice):
     joins = "joins"
     always = "always"
     never = "never"
+
+
+class FaultPhase(Choice):
+    """Where in a worker's step an injected fault strikes."""
+
+    forward = "forward"
+    backward = "backward"
+    grad_sync = "grad_sync"
+    optimizer = "optimizer"
+    transfer = "transfer"
+    recovery = "recovery"
+
+
+FaultAction = Choice("FaultAction", [(name, name) for name in ("kill", "stop", "raise")], module=__name__)
+"""What an injected fault does: kill (SIGKILL), stop (SIGSTOP: a hung worker) or raise (an
+exception in the training loop). A functional enum, since ``raise`` is a Python keyword."""
 
 
 Device = Choice("Device", [(name, name) for name in sorted(DEVICE_SPECS)], module=__name__)
@@ -357,6 +376,57 @@ class LoggerConfig:
 
 
 @dataclass
+class FaultSpec:
+    """One failure injected into a run (``runtime.rank.fault_injection``): a rank, or a
+    whole node, fails the first time it reaches ``phase`` of training step ``step``. Its
+    key (``odyssey.faults[i]``) comes from the list, so the checks take it as an argument."""
+
+    rank: Optional[int] = None
+    """The rank that fails, 0 .. world size - 1; give either rank or node."""
+    node: Optional[int] = None
+    """The node that fails with all its ranks (its launcher is killed), 1 .. nodes - 1:
+    node 0 hosts the controller, whose loss ends the run."""
+    step: int = MISSING
+    """The training step it strikes in, 0 .. training.train_iters - 1."""
+    phase: FaultPhase = MISSING
+    """forward, backward, grad_sync, optimizer, transfer or recovery."""
+    action: FaultAction = MISSING
+    """kill (SIGKILL), stop (SIGSTOP: a hung worker) or raise (an exception in the training
+    loop); a node fault is always kill."""
+
+    def check(self, key: str) -> None:
+        """What the spec alone decides: the choices, and exactly one target."""
+        self.phase = choice(f"{key}.phase", FaultPhase, self.phase)
+        self.action = choice(f"{key}.action", FaultAction, self.action)
+        targets = {name: getattr(self, name) for name in ("rank", "node") if getattr(self, name) is not None}
+        require(len(targets) == 1, key, "must give exactly one of rank and node; got "
+                + (" and ".join(f"{name} {value}" for name, value in targets.items()) or "neither"))
+        require(self.node is None or self.action == "kill", f"{key}.action",
+                f"must be kill for a node fault (a node is lost whole: its launcher and workers die); got {self.action}")
+
+    def check_within(self, key: str, *, num_ranks: int, devices_per_node: int, train_iters: int) -> None:
+        """Its target and step exist in the recipe's run."""
+        if self.rank is not None:
+            require(0 <= self.rank < num_ranks, f"{key}.rank",
+                    f"must lie in 0..{num_ranks - 1} (the recipe's {num_ranks} ranks); got {self.rank}")
+        else:
+            nodes = -(-num_ranks // devices_per_node)
+            allowed = f"must lie in 1..{nodes - 1}" if nodes > 1 else "names no node that may fail: aim it at a rank"
+            require(1 <= self.node < nodes, f"{key}.node",
+                    f"{allowed} (the recipe's {num_ranks} ranks fill {nodes} node(s) of cluster.devices_per_node="
+                    f"{devices_per_node}, and node 0 hosts the controller, whose loss ends the run); got {self.node}")
+        require(0 <= self.step < train_iters, f"{key}.step",
+                f"must lie in 0..{train_iters - 1} (training.train_iters is {train_iters}); got {self.step}")
+
+    @property
+    def target(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.target} at step {self.step}, {self.phase}"
+
+
+@dataclass
 class OdysseyConfig:
     """How Odyssey decides after a failure (paper 001, section IV)."""
 
@@ -423,9 +493,16 @@ class OdysseyConfig:
     the decision center prices plans with, instead of the analytic profile of
     cluster.device; it must have been measured for this recipe's model, micro-batch size
     and TP size."""
+    faults: list[FaultSpec] = field(default_factory=list)
+    """Failures to inject, each ``{rank | node, step, phase, action}`` (``FaultSpec``), e.g.
+    ``'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'``; each fires at
+    most once, so a step replayed after recovery runs clean (list a fault twice to fail the
+    replay too). Default: none."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
+        for index, spec in enumerate(self.faults):
+            spec.check(f"odyssey.faults[{index}]")
         self.policy = choice("odyssey.policy", Policy, self.policy)
         self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
@@ -493,6 +570,9 @@ class RecipeConfig:
             f"must be divisible by training.micro_batch_size * parallel.data_parallel_size ({per_step}); "
             f"got {train.global_batch_size}",
         )
+        for index, spec in enumerate(self.odyssey.faults):
+            spec.check_within(f"odyssey.faults[{index}]", num_ranks=par.num_ranks,
+                              devices_per_node=self.cluster.devices_per_node, train_iters=train.train_iters)
         limits.check_plan_size(
             workers=par.pipeline_model_parallel_size * par.data_parallel_size,
             micro_batches=train.num_micro_batches,
@@ -550,6 +630,8 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     """Turn omegaconf's multi-line error into one line naming the key and what is allowed."""
     key = getattr(exc, "full_key", None) or "config"
     message = str(exc).splitlines()[0]
+    if isinstance(exc, MissingMandatoryValue):
+        return ConfigError(key, "must be given")
     kind = _choice_type(schema, key)
     if kind is not None and message.startswith(("Invalid value '", "Incompatible value '", "Value ")):
         value = getattr(exc, "value", None)
@@ -595,8 +677,9 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
 
 
 def _check_shape(layer: Any, schema: DictConfig, prefix: str = "") -> None:
-    """Sections must stay mappings, and ``???`` (omegaconf's missing-value marker, which a
-    merge silently drops) is not a value. ``layer`` is a plain container, unresolved."""
+    """Sections must stay mappings, each item of a list of records (``odyssey.faults``) must
+    fit its record, and ``???`` (omegaconf's missing-value marker, which a merge silently
+    drops) is not a value. ``layer`` is a plain container, unresolved."""
     items = layer.items() if isinstance(layer, dict) else enumerate(layer)
     for key, value in items:
         path = f"{prefix}{key}" if isinstance(layer, dict) else f"{prefix.rstrip('.')}[{key}]"
@@ -607,8 +690,26 @@ def _check_shape(layer: Any, schema: DictConfig, prefix: str = "") -> None:
             raise ConfigError(path, f"is a section and must be a mapping of its keys; got {value!r}")
         if isinstance(expected, ListConfig) and not isinstance(value, list):
             raise ConfigError(path, f"must be a list; got {value!r}")
-        if isinstance(value, (dict, list)):
+        element_type = expected._metadata.element_type if isinstance(expected, ListConfig) else None
+        if is_dataclass(element_type):
+            _check_records(value, OmegaConf.structured(element_type), path)
+        elif isinstance(value, (dict, list)):
             _check_shape(value, expected if isinstance(expected, DictConfig) else DictConfig({}), f"{path}.")
+
+
+def _check_records(items: list, schema: DictConfig, path: str) -> None:
+    """Each item of a list of structured records against the record's schema, so an error
+    names ``path[i].key`` (omegaconf's own, raised in the merge, names the bare key)."""
+    for index, item in enumerate(items):
+        key = f"{path}[{index}]"
+        if not isinstance(item, dict):
+            raise ConfigError(key, f"must be a mapping of {', '.join(schema.keys())}; got {item!r}")
+        _check_shape(item, schema, f"{key}.")
+        try:
+            OmegaConf.merge(schema, item)
+        except OmegaConfBaseException as exc:
+            error = _explain(exc, schema)
+            raise ConfigError(f"{key}.{error.key}", error.problem) from None
 
 
 @contextmanager

@@ -349,6 +349,23 @@ VALUE_CASES = {
                                          culprit=("cluster.num_nodes", "divisible")),
     "bridge WORLD_SIZE bogus": bridge("cluster.num_nodes=null", env={"WORLD_SIZE": "-8"},
                                       culprit=("WORLD_SIZE", "positive integer")),
+    "fault phase": plan("odyssey.faults=[{rank: 5, step: 2, phase: backwards, action: kill}]",
+                        culprit=("odyssey.faults[0].phase", "forward, backward, grad_sync")),
+    "fault action": plan("odyssey.faults=[{rank: 5, step: 2, phase: backward, action: 9}]",
+                         culprit=("odyssey.faults[0].action", "kill, stop, raise")),
+    "fault rank and node": plan("odyssey.faults=[{rank: 5, node: 1, step: 2, phase: backward, action: kill}]",
+                                culprit=("odyssey.faults[0]", "exactly one of rank and node")),
+    "fault rank out of range": plan("odyssey.faults=[{rank: 32, step: 2, phase: forward, action: stop}]",
+                                    culprit=("odyssey.faults[0].rank", "0..31")),
+    "fault node 0": plan("odyssey.faults=[{node: 0, step: 2, phase: forward, action: kill}]",
+                         culprit=("odyssey.faults[0].node", "1..3", "node 0 hosts the controller")),
+    "fault step out of range": plan("odyssey.faults=[{rank: 1, step: 5000, phase: optimizer, action: raise}]",
+                                    culprit=("odyssey.faults[0].step", "0..4999")),
+    "fault not a mapping": recipe(VALID + "  faults: [5]\n", ("odyssey.faults[0]", "must be a mapping")),
+    "fault without step": recipe(VALID + "  faults:\n    - {rank: 1, phase: forward, action: kill}\n",
+                                 ("odyssey.faults[0].step", "must be given")),
+    "bridge fault rank": bridge("odyssey.faults=[{rank: 99, step: 0, phase: forward, action: kill}]",
+                                culprit="odyssey.faults[0].rank"),
 }
 
 SCENARIO_CASES = {

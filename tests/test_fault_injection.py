@@ -1,0 +1,259 @@
+"""Fault injection: ``odyssey.faults`` in a recipe and the worker-side ``FaultInjector``.
+
+The config half: the YAML and the command-line override give the same specs, and every
+mistake is one ConfigError naming ``odyssey.faults[i]`` and what is allowed. The injector
+half: a fault strikes exactly at its rank (or node), step and phase, once. Kill, stop and
+node faults end or freeze a real process, so they fire in spawned children and the test
+reads how the child ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from odyssey_megatron.config import ConfigError, FaultSpec, config_yaml, load_config
+from odyssey_megatron.runtime.protocol import Timeouts, WorkerLaunch
+from odyssey_megatron.runtime.rank.fault_injection import FaultInjector, InjectedFault
+
+TINY = str(Path(__file__).resolve().parents[1] / "recipes/llama2_7b/tiny_cpu.yaml")
+"""8 ranks, DP=2 x PP=4, 8 devices per node (one node), 20 steps."""
+TWO_PER_NODE = "cluster.devices_per_node=2"
+"""The tiny recipe's 8 ranks on 4 nodes, so nodes 1..3 may fail."""
+
+
+def fault(**fields) -> FaultSpec:
+    spec = FaultSpec(**fields)
+    spec.check("odyssey.faults[0]")
+    return spec
+
+
+# -- the config ----------------------------------------------------------------------
+
+
+def test_faults_from_yaml_and_from_the_command_line_are_the_same(tmp_path):
+    recipe = tmp_path / "faults.yaml"
+    recipe.write_text(Path(TINY).read_text() + "  faults:\n"
+                      "    - {rank: 5, step: 2, phase: backward, action: kill}\n"
+                      "    - {node: 3, step: 7, phase: recovery, action: kill}\n"
+                      "    - {rank: 0, step: 19, phase: grad_sync, action: raise}\n")
+    from_yaml = load_config(recipe, [TWO_PER_NODE])
+    override = ("odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}, "
+                "{node: 3, step: 7, phase: recovery, action: kill}, {rank: 0, step: 19, phase: grad_sync, action: raise}]")
+    from_cli = load_config(TINY, [TWO_PER_NODE, override])
+    assert from_yaml.odyssey.faults == from_cli.odyssey.faults
+    assert [str(spec) for spec in from_cli.odyssey.faults] == [
+        "kill rank 5 at step 2, backward", "kill node 3 at step 7, recovery", "raise rank 0 at step 19, grad_sync"]
+    assert load_config(TINY).odyssey.faults == []
+    printed = tmp_path / "printed.yaml"  # --print-config's output loads back to the same faults
+    printed.write_text(config_yaml(from_cli))
+    assert load_config(printed).odyssey.faults == from_cli.odyssey.faults
+
+
+ALLOWED_PHASES = "must be one of forward, backward, grad_sync, optimizer, transfer, recovery; got 'backwards'"
+ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks fill 1 node(s) of cluster.devices_per_node=8"
+
+
+@pytest.mark.parametrize(
+    "faults, key, problem",
+    [
+        ("[{rank: 1, step: 2, phase: backwards, action: kill}]", "odyssey.faults[0].phase", ALLOWED_PHASES),
+        ("[{rank: 1, step: 2, phase: forward, action: explode}]", "odyssey.faults[0].action",
+         "must be one of kill, stop, raise; got 'explode'"),
+        ("[{rank: 1, node: 1, step: 2, phase: forward, action: kill}]", "odyssey.faults[0]",
+         "must give exactly one of rank and node; got rank 1 and node 1"),
+        ("[{step: 2, phase: forward, action: kill}]", "odyssey.faults[0]",
+         "must give exactly one of rank and node; got neither"),
+        ("[{rank: 1, step: 2, phase: forward, action: kill}, {rank: 8, step: 2, phase: forward, action: kill}]",
+         "odyssey.faults[1].rank", "must lie in 0..7 (the recipe's 8 ranks); got 8"),
+        ("[{rank: -1, step: 2, phase: forward, action: kill}]", "odyssey.faults[0].rank", "must lie in 0..7"),
+        ("[{node: 0, step: 2, phase: forward, action: kill}]", "odyssey.faults[0].node", ONE_NODE),
+        ("[{node: 1, step: 2, phase: forward, action: kill}]", "odyssey.faults[0].node", ONE_NODE),
+        ("[{rank: 1, step: 20, phase: forward, action: kill}]", "odyssey.faults[0].step",
+         "must lie in 0..19 (training.train_iters is 20); got 20"),
+        ("[{rank: 1, step: -1, phase: forward, action: kill}]", "odyssey.faults[0].step", "must lie in 0..19"),
+        ("[{rank: 1, phase: forward, action: kill}]", "odyssey.faults[0].step", "must be given"),
+        ("[{rank: 1, step: two, phase: forward, action: kill}]", "odyssey.faults[0].step", "expected int"),
+        ("[{rank: 1, stp: 2, phase: forward, action: kill}]", "odyssey.faults[0].stp",
+         "unknown key; allowed here: action, node, phase, rank, step"),
+        ("[5]", "odyssey.faults[0]", "must be a mapping of rank, node, step, phase, action; got 5"),
+        ("{rank: 5}", "odyssey.faults", "must be a list"),
+    ],
+)
+def test_bad_fault_is_one_line_naming_its_key(faults, key, problem):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"odyssey.faults={faults}"])
+    assert info.value.key == key
+    assert problem in info.value.problem
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "faults, key, problem",
+    [
+        ("[{node: 0, step: 2, phase: forward, action: kill}]", "odyssey.faults[0].node",
+         ("must lie in 1..3 (the recipe's 8 ranks fill 4 node(s) of cluster.devices_per_node=2, and node 0 hosts "
+          "the controller, whose loss ends the run); got 0")),
+        ("[{node: 4, step: 2, phase: forward, action: kill}]", "odyssey.faults[0].node", "must lie in 1..3"),
+        ("[{node: 1, step: 2, phase: forward, action: stop}]", "odyssey.faults[0].action",
+         "must be kill for a node fault"),
+    ],
+)
+def test_bad_node_fault_on_four_nodes(faults, key, problem):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [TWO_PER_NODE, f"odyssey.faults={faults}"])
+    assert (info.value.key, problem in info.value.problem) == (key, True), info.value
+
+
+# -- the injector in this process ----------------------------------------------------
+
+PHASES = ("forward", "backward", "grad_sync", "optimizer", "transfer", "recovery")
+
+
+@pytest.fixture
+def launcher():
+    """A stand-in for the node launcher: a process a node fault may kill; one that no
+    fault was meant to kill must still be running at the end."""
+    process = subprocess.Popen(["sleep", "60"])
+    yield process
+    assert process.poll() is None, "a fault killed the launcher"
+    process.kill()
+    process.wait()
+
+
+def test_raise_fires_at_its_point_once_and_logs_first(caplog, launcher):
+    injector = FaultInjector([fault(rank=3, step=2, phase="backward", action="raise")],
+                             rank=3, node=0, local_rank=3, launcher_pid=launcher.pid)
+    injector.fire("forward", 2)
+    injector.fire("backward", 1)
+    with caplog.at_level(logging.WARNING), pytest.raises(InjectedFault) as info:
+        injector.fire("backward", 2)
+    assert str(info.value) == "odyssey.faults[0]: raise rank 3 at step 2, backward"
+    assert "rank 3: injecting odyssey.faults[0]: raise rank 3 at step 2, backward" in caplog.text
+    injector.fire("backward", 2)  # the step replayed after recovery runs clean
+
+
+def test_a_fault_listed_twice_also_fails_the_replay(launcher):
+    twice = [fault(rank=0, step=4, phase="optimizer", action="raise")] * 2
+    injector = FaultInjector(twice, rank=0, node=0, local_rank=0, launcher_pid=launcher.pid)
+    for key in ("odyssey.faults[0]", "odyssey.faults[1]"):
+        with pytest.raises(InjectedFault, match=re.escape(key)):
+            injector.fire("optimizer", 4)
+    injector.fire("optimizer", 4)
+
+
+def test_rank_faults_aimed_elsewhere_never_fire(launcher):
+    faults = [fault(rank=1, step=0, phase="forward", action="raise"), fault(rank=1, step=1, phase="recovery", action="raise")]
+    for rank, node, local_rank in [(0, 0, 0), (2, 0, 2), (9, 1, 1)]:
+        injector = FaultInjector(faults, rank=rank, node=node, local_rank=local_rank, launcher_pid=launcher.pid)
+        for step in range(3):
+            for phase in PHASES:
+                injector.fire(phase, step)
+
+
+def test_a_misspelt_phase_is_refused(launcher):
+    injector = FaultInjector([], rank=0, node=0, local_rank=0, launcher_pid=launcher.pid)
+    with pytest.raises(ValueError, match="backwards"):
+        injector.fire("backwards", 0)
+
+
+# -- the injector in a child process -------------------------------------------------
+
+
+def _worker(faults: list[FaultSpec], launch: WorkerLaunch, reached: str) -> None:
+    """Pass every point of steps 0..2 but the fault's; touch ``reached`` before firing it."""
+    injector = FaultInjector.for_worker(faults, launch)
+    spec = faults[0]
+    for step in range(3):
+        for phase in PHASES:
+            if (step, phase) == (spec.step, spec.phase):
+                Path(reached).touch()
+            injector.fire(phase, step)
+
+
+def _pass_every_point(faults: list[FaultSpec], launches: list[WorkerLaunch]) -> None:
+    for launch in launches:
+        injector = FaultInjector.for_worker(faults, launch)
+        for step in range(3):
+            for phase in PHASES:
+                injector.fire(phase, step)
+
+
+def _launch(rank: int, *, node: int, local_rank: int, launcher_pid: int) -> WorkerLaunch:
+    return WorkerLaunch(rank=rank, local_rank=local_rank, node=node, world_size=8, store_host="127.0.0.1",
+                        store_port=1, launcher_pid=launcher_pid, timeouts=Timeouts(0.1, 1.0, 30.0, 120.0))
+
+
+def _start(*args, target=_worker) -> mp.Process:
+    child = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    child.start()
+    return child
+
+
+@pytest.mark.timeout(60)
+def test_kill_ends_the_worker_with_sigkill_at_its_point(tmp_path, launcher):
+    reached = tmp_path / "reached"
+    launch = _launch(4, node=0, local_rank=4, launcher_pid=launcher.pid)
+    child = _start([fault(rank=4, step=1, phase="grad_sync", action="kill")], launch, str(reached))
+    try:
+        child.join(30)
+        assert child.exitcode == -signal.SIGKILL
+        assert reached.exists()
+    finally:
+        child.kill()
+
+
+@pytest.mark.timeout(60)
+def test_stop_freezes_the_worker_until_continued(tmp_path, launcher):
+    """SIGSTOP, as a hung worker; once continued, ``fire`` returns and the worker runs on."""
+    reached = tmp_path / "reached"
+    launch = _launch(2, node=0, local_rank=2, launcher_pid=launcher.pid)
+    child = _start([fault(rank=2, step=2, phase="transfer", action="stop")], launch, str(reached))
+    try:
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP
+        assert reached.exists()
+        os.kill(child.pid, signal.SIGCONT)
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
+
+
+@pytest.mark.timeout(60)
+def test_node_fault_kills_the_launcher_and_the_worker(tmp_path):
+    reached = tmp_path / "reached"
+    launcher = subprocess.Popen(["sleep", "60"])
+    launch = _launch(2, node=1, local_rank=0, launcher_pid=launcher.pid)
+    worker = _start([fault(node=1, step=0, phase="optimizer", action="kill")], launch, str(reached))
+    try:
+        worker.join(30)
+        assert worker.exitcode == -signal.SIGKILL
+        assert launcher.wait(30) == -signal.SIGKILL
+        assert reached.exists()
+    finally:
+        worker.kill()
+        launcher.kill()
+        launcher.wait()
+
+
+@pytest.mark.timeout(60)
+def test_node_fault_spares_other_nodes_and_the_other_workers_of_its_node(launcher):
+    """Only the node's first worker (local rank 0) carries a node fault out; in a child,
+    since a wrong match would kill the process it fires in."""
+    launches = [_launch(3, node=1, local_rank=1, launcher_pid=launcher.pid),
+                _launch(0, node=0, local_rank=0, launcher_pid=launcher.pid),
+                _launch(4, node=2, local_rank=0, launcher_pid=launcher.pid)]
+    child = _start([fault(node=1, step=1, phase="backward", action="kill")], launches, target=_pass_every_point)
+    try:
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
