@@ -2,15 +2,19 @@
 torchrun it never kills survivors when one dies and restarts nothing by itself.
 
 It waits on the workers' process sentinels, so an exit is seen at once and reported to the
-controller's inbox. Twice per heartbeat interval it also beats for the node (its silence is
-how the controller learns the node is lost), kills the ranks the controller ordered killed
-(hung or failed: a failed worker never comes back into a collective), and reads the
+controller's inbox. A thread beats for the node every heartbeat interval (its silence is
+how the controller learns the node is lost); twice per interval the launcher kills the
+ranks the controller ordered killed (hung or failed: a failed worker never comes back
+into a collective), and reads the
 controller's heartbeat: when that stops, or the store is gone, it kills its workers and
 exits, within the heartbeat timeout. Its workers die with it when it is killed (see
 ``runtime.rank.controller_link``), so a lost node leaves no orphans either.
 
-Workers start with multiprocessing's spawn, from the launcher's main thread (the kernel's
-parent-death signal follows the thread that started a child).
+Workers start from multiprocessing's fork server, which imports the worker's module (torch,
+Megatron-Core: seconds of CPU each) once and forks every worker from it, instead of each
+worker importing it again on cores the others share. The fork server is a fresh process
+of its own (no threads of the launcher's are copied) and exits when the launcher does;
+its workers die with it (``runtime.rank.controller_link``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import threading
 import time
 from typing import Callable
 
@@ -75,6 +80,7 @@ class NodeLauncher:
                                   timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout))
             store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             self._beat(store)
+            self._start_beating(store.clone())
             store.queue_push(INBOX, NodeRegistration(node, os.getpid(), socket.gethostname(),
                                                      tuple(self.config.ranks)).to_json())
             self._start_workers()
@@ -89,7 +95,8 @@ class NodeLauncher:
         return 0
 
     def _start_workers(self) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([self.target.__module__])
         for local_rank, rank in enumerate(self.config.ranks):
             launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
                                   world_size=self.config.world_size, store_host=self.config.master_addr,
@@ -103,7 +110,7 @@ class NodeLauncher:
     def _watch(self, store: dist.Store) -> None:
         """Until every worker has exited: report exits at once, poll the store meanwhile."""
         controller = HeartbeatWatch(self.timeouts.heartbeat_timeout, time.monotonic())
-        next_poll = next_beat = time.monotonic()
+        next_poll = time.monotonic()
         while self._workers:
             by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
             ready = multiprocessing.connection.wait(list(by_sentinel), timeout=max(0.0, next_poll - time.monotonic()))
@@ -113,9 +120,6 @@ class NodeLauncher:
             if now < next_poll:
                 continue
             next_poll = max(next_poll + self.timeouts.poll_interval, now)
-            if now >= next_beat:
-                self._beat(store)
-                next_beat = max(next_beat + self.timeouts.heartbeat_interval, now)
             controller.see(Heartbeat.from_json(store.get(CONTROLLER_HEARTBEAT)), now)
             if controller.stale(now):
                 raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.heartbeat_timeout} s")
@@ -144,6 +148,19 @@ class NodeLauncher:
         for process in self._workers.values():
             process.join()
         self._workers.clear()
+
+    def _start_beating(self, store: dist.Store) -> None:
+        """Beat for the node from a thread of its own, so the node lives on while the main
+        thread starts workers (the fork server's first start imports the worker's module)."""
+        def beat_loop() -> None:
+            while True:
+                time.sleep(self.timeouts.heartbeat_interval)
+                try:
+                    self._beat(store)
+                except dist.DistError:
+                    return  # the controller is gone: the main thread finds out too
+
+        threading.Thread(target=beat_loop, name="odyssey-node-heartbeat", daemon=True).start()
 
     def _beat(self, store: dist.Store) -> None:
         store.set(node_heartbeat_key(self.config.node_rank), Heartbeat(self._seq, time.time()).to_json())

@@ -4,8 +4,10 @@ The heartbeat runs on a daemon thread with its own store connection, so it beats
 training thread computes or sits in a collective. Each beat also reads the controller's
 heartbeat; when that stops changing for ``heartbeat_timeout``, or the store connection
 breaks, the controller is gone and the thread ends the process at once (``os._exit``:
-the training thread may be blocked where no exception reaches it). On Linux the worker
-also asks the kernel for SIGKILL when its launcher dies, so a lost node leaves no orphans.
+the training thread may be blocked where no exception reaches it). A lost node leaves no
+orphans either: on Linux the worker asks the kernel for SIGKILL when its parent dies (the
+launcher's fork server, which exits with the launcher), and every beat also checks that
+the launcher is alive.
 """
 
 from __future__ import annotations
@@ -45,15 +47,25 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_launcher(launcher_pid: int) -> None:
-    """Have the kernel SIGKILL this process when its launcher dies (Linux; elsewhere a
-    worker of a killed launcher lives until the controller goes)."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process took the pid
+        return False
+    return True
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent (the launcher's fork server)
+    dies (Linux; elsewhere the heartbeat's check of the launcher ends it)."""
     if sys.platform != "linux":
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != launcher_pid:  # the launcher died before the tie was made
+    if not _alive(launcher_pid):  # the launcher died before the tie was made
         os._exit(EXIT_CONTROLLER_LOST)
 
 
@@ -80,7 +92,7 @@ class ControllerLink:
     def start(self) -> None:
         """Tie to the launcher, register (after a first heartbeat, so the controller finds
         one) and start beating."""
-        _die_with_launcher(self.launch.launcher_pid)
+        _die_with_parent(self.launch.launcher_pid)
         self._beat(self.store)  # on the registration's connection, so the store has it first
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
                                                       self.launch.node).to_json())
@@ -118,6 +130,8 @@ class ControllerLink:
                 self._controller_lost(f"store unreachable: {str(exc).splitlines()[0]}")
             if controller.stale(time.monotonic()):
                 self._controller_lost(f"no controller heartbeat for over {timeouts.heartbeat_timeout} s")
+            if not _alive(self.launch.launcher_pid):
+                self._controller_lost(f"its launcher (pid {self.launch.launcher_pid}) is gone")
 
     def _controller_lost(self, why: str) -> None:
         log.error("rank %d: controller lost (%s); exiting", self.launch.rank, why)

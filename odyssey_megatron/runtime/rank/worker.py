@@ -85,10 +85,14 @@ def train_worker(launch: WorkerLaunch) -> None:
     """The launcher's target: run the worker; an error of its own is reported, then the
     process ends with status 1."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {launch.rank} %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its dataset index chatter, once per rank
     link = ControllerLink(launch)
     link.start()
     try:
         Worker(launch, link).run()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(0)  # at once: interpreter teardown (torch, gloo) can outlast a heartbeat timeout
     except BaseException as exc:  # noqa: BLE001 - whatever it is, the controller must know
         log.exception("rank %d: failed", launch.rank)
         link.report_failure(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -120,6 +124,9 @@ class Worker:
         parallel_state._set_global_memory_buffer()
         self.data = IndexedTokens(PreparedData.from_json(spec.data), micro_batch_size=train.micro_batch_size,
                                   num_micro_batches=train.num_micro_batches)
+        # What is here now (torch, Megatron, the data) lives as long as the process: keep it
+        # out of the collections that free each generation's stage, so they take milliseconds.
+        gc.freeze()
         self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch)
         self.timeouts = launch.timeouts
         self.state: Optional[TrainingState] = None
@@ -158,6 +165,9 @@ class Worker:
                 log.warning("rank %d: generation %d ended in %s of step %d: %s", self.launch.rank, self.generation,
                             self.phase, self.step, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 ended = True
+            if not ended and self.store.check([RUN_DONE]):
+                log.info("rank %d: the run is done", self.launch.rank)
+                return  # the process ends now: nothing to tear down for
             # Outside the except block: its frame holds references that keep gloo's sockets open.
             self._leave_generation(abandoned=ended)
 
@@ -315,7 +325,9 @@ class Worker:
         """Keep the blocks, drop the stage model and every process group."""
         if self.runner is not None:
             self.state = self.runner.abandon() if abandoned else self.runner.training_state()
+            ta = time.perf_counter()
             self.runner.groups.destroy()
+            log.warning("TIMING groups %.3f", time.perf_counter() - ta)
             self.runner = None
         if self.spare is not None:
             self.state = TrainingState({**self.spare.blocks, **(self.state.blocks if self.state else {})})
@@ -323,6 +335,9 @@ class Worker:
         if self.idle_groups is not None:
             self.idle_groups.destroy()
             self.idle_groups = None
+        t0 = time.perf_counter()
         if dist.is_initialized():
             dist.destroy_process_group()
+        t1 = time.perf_counter()
         gc.collect()
+        log.warning("TIMING destroy %.3f gc %.3f", t1 - t0, time.perf_counter() - t1)
