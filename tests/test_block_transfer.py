@@ -220,3 +220,10 @@ def test_a_rank_refuses_a_part_it_cannot_do():
     with pytest.raises(ValueError, match=r"rank 0: blocks \[3, 'output'\] of its new stage are neither held nor"):
         check_rank_part([receive_2], rank=0, state=state, keep=[1, 2, 3, "output"], model=model, tp_size=1)
     check_rank_part([receive_2, send_1], rank=0, state=state, keep=[1, 2], model=model, tp_size=1)
+
+
+def test_a_model_of_another_depth_is_refused_before_any_collective():
+    """No world is formed here: the refusal comes before the first collective."""
+    with pytest.raises(ValueError, match=r"^model\.num_layers 6, the plan has 4 layers$"):
+        execute_transfers(plan=_old_plan(1), state=TrainingState(), rank=0, ranks=RankMap.of(SURVIVORS, 1),
+                          model=tiny_model(6))
