@@ -14,8 +14,10 @@ block exports to the flat dict of tensors a transfer sends or a checkpoint file 
 
 ``TrainingState.initial`` draws a stage's blocks from the seed once, exactly as
 ``hooks.model.init_stage_parameters`` does; after that the state, not the seed, is the
-source. ``StageOptimizer`` is Adam over a stage model built around a state's tensors: it
-trains them in place and reads them back per block.
+source. ``stage_blocks`` and ``empty_block`` say what a stage holds and what one block's
+export looks like from the model config alone, so a receiver can allocate before a
+transfer arrives. ``StageOptimizer`` is Adam over a stage model built around a state's
+tensors: it trains them in place and reads them back per block.
 
 There is no RNG state to carry: the Llama stages have no dropout (``transformer_config``
 sets both rates to 0) and a step draws no random number. Megatron forks its
@@ -34,10 +36,17 @@ import torch
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.grad_sync import block_of
-from odyssey_megatron.hooks.model import StageSpec, global_name, initial_shard, is_tied, stage_parameter_shapes
+from odyssey_megatron.hooks.model import (
+    StageSpec,
+    global_name,
+    initial_shard,
+    is_tied,
+    stage_parameter_shapes,
+    tensor_parallel_dim,
+)
 from odyssey_megatron.profile import Block, block_sort_key
 
-__all__ = ["BlockState", "StageOptimizer", "TrainingState"]
+__all__ = ["BlockState", "StageOptimizer", "TrainingState", "empty_block", "stage_blocks"]
 
 PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param", "exp_avg", "exp_avg_sq", "step"
 _KINDS = (PARAM, EXP_AVG, EXP_AVG_SQ)
@@ -98,6 +107,35 @@ class BlockState:
             if len(set(shapes.values())) > 1:
                 raise ValueError(f"block {block!r}: {name}: shapes differ across {shapes}")
         return cls(named[PARAM], named[EXP_AVG], named[EXP_AVG_SQ], int(step))
+
+
+def stage_blocks(model: ModelConfig, stage: StageSpec) -> list[Block]:
+    """The blocks a rank of ``stage`` holds, in model order (a tied last stage holds the embedding)."""
+    return sorted({block_of(name, _GLOBAL) for name in stage_parameter_shapes(model, stage)}, key=block_sort_key)
+
+
+def empty_block(model: ModelConfig, block: Block, *, tp_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors keyed, shaped and typed as ``export(block)`` of one TP shard
+    (every TP rank's shard has the same shape), in one fixed order: kinds, then parameter
+    names, then the step. A receiver allocates them before a transfer; both sides order
+    the transfer's tensors by it."""
+    whole = StageSpec((0, model.num_layers), first=True, last=True)
+    shapes = {}
+    for name, full in sorted(stage_parameter_shapes(model, whole).items()):
+        if block_of(name, _GLOBAL) != block:
+            continue
+        shape, dim = list(full), tensor_parallel_dim(name)
+        if dim is not None:
+            if shape[dim] % tp_size:
+                raise ValueError(f"tp_size {tp_size}: does not divide dim {dim} ({shape[dim]}) of {name}")
+            shape[dim] //= tp_size
+        shapes[name] = tuple(shape)
+    if not shapes:
+        raise ValueError(f"block {block!r} is not a block of a {model.num_layers}-layer model")
+    tensors = {f"{kind}/{name}": torch.empty(shape, dtype=torch.float32, device=device)
+               for kind in _KINDS for name, shape in shapes.items()}
+    tensors[STEP] = torch.empty((), dtype=torch.int64, device=device)
+    return tensors
 
 
 class TrainingState:
