@@ -76,8 +76,8 @@ class SyncUnit:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Move one block's weights and optimizer state (one TP shard) between workers
-    (TP rank k of ``src`` to TP rank k of ``dst``).
+    """Move one block's weights and optimizer state, one TP shard, between ranks as
+    launched (``worker * TP + k``): ``src`` and ``dst`` hold the same TP rank k.
 
     ``layer`` is a transformer layer index, "embedding" or "output". ``src`` is None when
     no survivor holds the block: the shard is read from the last checkpoint instead.
@@ -117,7 +117,7 @@ class ExecutionPlan:
     def participants(self) -> tuple[int, ...]:
         """Workers that take part in entering this plan, ascending: those that own a stage
         and survivors that only send a block (they idle afterwards)."""
-        senders = {t.src for t in self.transfers if t.src is not None}
+        senders = {t.src // self.tensor_parallel_size for t in self.transfers if t.src is not None}
         return tuple(sorted(set(self.workers) | senders))
 
     @property

@@ -128,7 +128,7 @@ class TrainingRun:
     # -- commits ------------------------------------------------------------------------
 
     def _collect_commits(self) -> None:
-        generation, world = self.plan.generation, self._world_size(self.plan)
+        generation, world = self.plan.generation, len(self._training_ranks(self.plan))
         while self.committed < self.iters and self.store.add(applied_key(generation, self.committed), 0) == world:
             self._commit(generation, self.committed)
 
@@ -178,7 +178,7 @@ class TrainingRun:
     def _end_generation(self) -> None:
         """Stop the running generation: the abort key, and freeze the first uncommitted
         step's counter (if every rank had counted it, it is committed first)."""
-        generation, world = self.plan.generation, self._world_size(self.plan)
+        generation, world = self.plan.generation, len(self._training_ranks(self.plan))
         self.store.set(abort_key(generation), "1")
         if self.committed < self.iters:
             before = self.store.add(applied_key(generation, self.committed), FROZEN) - FROZEN

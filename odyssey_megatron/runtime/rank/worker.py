@@ -135,8 +135,8 @@ class Worker:
         self.spare: Optional[TrainingState] = None
         """Blocks held before this generation that its stage does not train (``_set_aside``)."""
         self.runner: Optional[PlanRunner] = None
-        self.world_size = 0
-        """Ranks in the current generation."""
+        self.training_ranks = 0
+        """Ranks that train in the current generation: those that count its steps."""
         self.generation = -1
         self.step = 0
         """The step running (or, between steps, the next one)."""
@@ -189,7 +189,7 @@ class Worker:
         self.phase, self.step = "recovery", published.start_step
         self.start_step = published.start_step
         ranks = RankMap.of(plan.participants, self.tp)
-        self.world_size = ranks.world_size
+        self.training_ranks = len(plan.workers) * self.tp
         if self.worker_id not in ranks.workers:  # no stage and nothing to send: idle until the next plan
             log.info("rank %d: idle in generation %d", self.launch.rank, plan.generation)
             if self.state is not None:
@@ -296,7 +296,7 @@ class Worker:
     def _wait_committed(self, step: int) -> None:
         """Until every rank of the generation has taken ``step``'s optimizer step;
         GenerationEnded if the controller froze it (a failure) or ended the generation."""
-        key, world = applied_key(self.generation, step), self.world_size
+        key, world = applied_key(self.generation, step), self.training_ranks
         deadline = time.monotonic() + self.timeouts.collective_timeout
         while True:
             count = self.store.add(key, 0)
@@ -316,7 +316,7 @@ class Worker:
         while not self.store.check([abort_key(self.generation)]):
             if self.store.check([RUN_DONE]) or self.store.check([plan_key(self.generation + 1)]):
                 return
-            if self.spare is not None and self.store.check([first]) and self.store.add(first, 0) == self.world_size:
+            if self.spare is not None and self.store.check([first]) and self.store.add(first, 0) == self.training_ranks:
                 self.spare = None
             time.sleep(self.timeouts.poll_interval)
         raise GenerationEnded("the controller ended the generation")
@@ -325,9 +325,7 @@ class Worker:
         """Keep the blocks, drop the stage model and every process group."""
         if self.runner is not None:
             self.state = self.runner.abandon() if abandoned else self.runner.training_state()
-            ta = time.perf_counter()
             self.runner.groups.destroy()
-            log.warning("TIMING groups %.3f", time.perf_counter() - ta)
             self.runner = None
         if self.spare is not None:
             self.state = TrainingState({**self.spare.blocks, **(self.state.blocks if self.state else {})})
@@ -335,9 +333,6 @@ class Worker:
         if self.idle_groups is not None:
             self.idle_groups.destroy()
             self.idle_groups = None
-        t0 = time.perf_counter()
         if dist.is_initialized():
             dist.destroy_process_group()
-        t1 = time.perf_counter()
-        gc.collect()
-        log.warning("TIMING destroy %.3f gc %.3f", t1 - t0, time.perf_counter() - t1)
+        gc.collect()  # the stage's reference cycles: milliseconds, with the process's long-lived objects frozen
