@@ -47,6 +47,7 @@ __all__ = [
     "RUN_SPEC",
     "abort_key",
     "applied_key",
+    "arrived_key",
     "final_key",
     "generation_prefix",
     "process_group_prefix",
@@ -134,6 +135,13 @@ workers and those waiting for a plan exit."""
 def process_group_prefix(generation: int) -> str:
     """Where a generation's ``init_process_group`` rendezvous (a ``PrefixStore``)."""
     return generation_prefix(generation) + "pg/"
+
+
+def arrived_key(generation: int) -> str:
+    """Counter: ranks that arrived to enter the generation. Ranks wait for all of them on
+    the store, where the abort key can end the wait, before the process group's
+    rendezvous, which only a timeout ends."""
+    return generation_prefix(generation) + "arrived"
 
 
 def ready_key(generation: int) -> str:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.run_dir import append_jsonl, write_json
+from odyssey_megatron.schedules.program import StepProgram, publish
 
 __all__ = ["RunRecord"]
 

@@ -28,6 +28,7 @@ from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import Decision, UnrecoverableFailure
+from odyssey_megatron.profile import block_sort_key
 from odyssey_megatron.run_dir import append_jsonl
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
@@ -65,8 +66,9 @@ class _Recovery:
     failed_at: float
     detected_at: float
     decided_at: float
+    record: dict
+    """The decision: policy, alternatives, bytes moved, restarts."""
     ready_at: Optional[float] = None
-    record: Optional[dict] = None
 
 
 class TrainingRun:
@@ -164,16 +166,23 @@ class TrainingRun:
     def _recover(self, failure: Failure) -> None:
         """Decide and publish the next generation after ``failure``; a failure before
         every rank of it is ready restarts the decision with the new survivors."""
-        failures = [failure]
+        failures, seen, restarts = [failure], [], 0
         while failures:
             self._stop_preparing()
             time.sleep(self.timeouts.poll_interval)  # ranks failing together arrive together
             while (more := self.controller.next_failure(timeout=0)) is not None:
                 failures.append(more)
+            seen += failures
             self._end_generation()
             decision = self._decide(failures)
+            self._recovery = _Recovery(
+                generation=decision.chosen.plan.generation, failed_ranks=sorted({r for f in seen for r in f.ranks}),
+                cause=",".join(sorted({f.cause.value for f in seen})), failed_at=min(f.failed_at for f in seen),
+                detected_at=min(f.detected_at for f in seen), decided_at=time.time(),
+                record={**self._decision_record(decision), "restarts": restarts})
             self._publish(decision.chosen.plan)
             failures = self._wait_ready()
+            restarts += 1
 
     def _end_generation(self) -> None:
         """Stop the running generation: the abort key, and freeze the first uncommitted
@@ -191,20 +200,13 @@ class TrainingRun:
             self.center.restart_on(replace(self.settled, generation=self.plan.generation))
         nodes = sorted({f.node for f in failures if f.cause == Cause.NODE})
         ranks = sorted({r for f in failures if f.cause != Cause.NODE for r in f.ranks})
-        try:
-            decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
-        except UnrecoverableFailure:
-            raise
-        decided_at = time.time()
-        first = min(failures, key=lambda f: f.failed_at)
-        self._recovery = _Recovery(
-            generation=decision.chosen.plan.generation,
-            failed_ranks=sorted({r for f in failures for r in f.ranks}),
-            cause=",".join(sorted({f.cause.value for f in failures})),
-            failed_at=first.failed_at, detected_at=min(f.detected_at for f in failures), decided_at=decided_at)
-        self._recovery.record = self._decision_record(decision)
+        decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
+        lost = sorted({t.layer for t in decision.chosen.plan.transfers if t.src is None}, key=block_sort_key)
+        if lost:
+            raise UnrecoverableFailure(f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
+                                       f"{ranks or 'of nodes ' + str(nodes)} failed): no survivor holds them")
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
-                 decision.chosen.policy, self._recovery.failed_ranks)
+                 decision.chosen.policy, sorted({r for f in failures for r in f.ranks}))
         return decision
 
     def _decision_record(self, decision: Decision) -> dict:

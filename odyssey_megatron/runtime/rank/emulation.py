@@ -39,8 +39,7 @@ from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import analytic_recipe_profile
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator.communication import unit_sync_time
-from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE
-from odyssey_megatron.estimator.replay import p2p_time
+from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE, p2p_time
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile

@@ -46,6 +46,7 @@ from odyssey_megatron.runtime.protocol import (
     WorkerLaunch,
     abort_key,
     applied_key,
+    arrived_key,
     final_key,
     plan_key,
     process_group_prefix,
@@ -200,6 +201,7 @@ class Worker:
         rank = ranks.rank(self.worker_id, self.tp_rank)
         if plan.generation > 0:
             self.injector.fire("recovery", self.step)
+        self._wait_all_arrived(ranks.world_size)
         dist.init_process_group(self.accelerator.backend, rank=rank, world_size=ranks.world_size,
                                 store=dist.PrefixStore(process_group_prefix(plan.generation), self.store),
                                 timeout=datetime.timedelta(seconds=self.timeouts.collective_timeout))
@@ -307,6 +309,19 @@ class Worker:
                 raise GenerationEnded(f"step {step} did not commit")
             if time.monotonic() > deadline:
                 raise GenerationEnded(f"step {step} did not commit within the collective timeout")
+            time.sleep(self.timeouts.poll_interval / 10)
+
+    def _wait_all_arrived(self, world_size: int) -> None:
+        """Count this rank in and wait for the generation's every rank, or its abort."""
+        key = arrived_key(self.generation)
+        self.store.add(key, 1)
+        deadline = time.monotonic() + self.timeouts.collective_timeout
+        while self.store.add(key, 0) < world_size:
+            if self.store.check([abort_key(self.generation)]):
+                raise GenerationEnded("the controller ended the generation before every rank arrived")
+            if time.monotonic() > deadline:
+                raise GenerationEnded(f"not every rank arrived within the collective timeout "
+                                      f"({self.timeouts.collective_timeout} s)")
             time.sleep(self.timeouts.poll_interval / 10)
 
     def _wait_until_ended(self) -> None:
