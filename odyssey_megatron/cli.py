@@ -395,10 +395,18 @@ def _train_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     outcome = train_node(config, launch, run_dir=run_dir)
     print(outcome.message, file=sys.stderr if outcome.status else sys.stdout)
-    if outcome.status == 0 and launch.node_rank == 0:
-        from odyssey_megatron.runtime.control.run_summary import summarize_run
+    if launch.node_rank != 0:
+        return outcome.status
+    from odyssey_megatron.runtime.control.run_summary import summarize_run
+    from odyssey_megatron.runtime.control.wandb_trace import log_run_to_wandb
 
-        print(summarize_run(run_dir))
+    print(summarize_run(run_dir))
+    try:
+        print(f"W&B run: {log_run_to_wandb(run_dir, config)}")
+    except Exception as exc:  # noqa: BLE001 - the run's results are on disk whatever W&B does
+        print(f"odyssey: W&B logging failed ({type(exc).__name__}: {exc}); the run's records are in {run_dir}",
+              file=sys.stderr)
+        return outcome.status or EXIT_WANDB
     return outcome.status
 
 

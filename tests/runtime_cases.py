@@ -177,3 +177,46 @@ def timed_steps(rank: int, world_size: int, cases: list) -> list[dict]:
         results.append({"step_s": seconds[-1], "worst_overrun_s": getattr(runner.clock, "worst_overrun_s", 0.0)})
         runner.groups.destroy()
     return results
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def repeated_generations(rank: int, world_size: int, published: str, generations: int) -> list[int]:
+    """What a survivor does on every recovery, ``generations`` times: a fresh default
+    group on the generation's store prefix, the stage built from the blocks it holds, a
+    step, then the groups destroyed and the stage dropped (``PlanRunner.release``, as the
+    training worker does). Returns the resident bytes after each release."""
+    import datetime
+    import gc
+
+    import torch.distributed as dist
+
+    from odyssey_megatron.runtime.protocol import process_group_prefix
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+
+    plan, program = read_published(json.loads(published))
+    ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
+    store = dist.distributed_c10d._get_default_store()
+    state = initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED)
+    source, resident = data(), []
+    gc.freeze()  # as the worker does once its long-lived objects are loaded
+    for generation in range(1, generations + 1):
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120),
+                                store=dist.PrefixStore(process_group_prefix(generation), store))
+        runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
+                            micro_batch_size=MICRO_BATCH_SIZE, state=state, lr=LR, max_grad_norm=MAX_GRAD_NORM)
+        runner.train_step(lambda m, step=generation: source.micro_batch(step, m))
+        runner.settle()
+        state = runner.release(abandoned=generation % 2 == 0)
+        del runner
+        gc.collect()
+        resident.append(resident_bytes())
+    return resident

@@ -285,6 +285,9 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
     with pytest.raises(ProtocolError, match="not a JSON message"):
         Heartbeat.from_json(b"\x80(pickle")
     with pytest.raises(ProtocolError, match="malformed plan"):
+        PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "start_step": 0, "plan": {"generation": 1}}',
+                                current_generation=0)
+    with pytest.raises(ProtocolError, match="with published_at and start_step"):
         PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "plan": {"generation": 1}}', current_generation=0)
 
 

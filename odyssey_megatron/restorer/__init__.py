@@ -17,6 +17,7 @@ from odyssey_megatron.restorer.transfer import (
     TransferPlan,
     assignment_cost,
     live_holdings,
+    mapping_bytes,
     plan_transfers,
     plan_weight_transfer,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "color_rounds",
     "is_valid_coloring",
     "live_holdings",
+    "mapping_bytes",
     "plan_transfers",
     "plan_weight_transfer",
     "sync_units",

@@ -88,6 +88,20 @@ def live_holdings(plan: ExecutionPlan, *, cluster: ClusterState, profile: ModelP
     return held
 
 
+def mapping_bytes(*, before: ExecutionPlan, after: ExecutionPlan, cluster: ClusterState,
+                  profile: ModelProfile) -> tuple[int, int]:
+    """Bytes (per rank) the stage owners of ``after`` lack, as the plan maps survivors onto
+    its stages, and as a naive mapping would: survivors in id order onto the stages in
+    pipeline order. What Kuhn-Munkres saves over taking the survivors as they come."""
+    holdings = live_holdings(before, cluster=cluster, profile=profile)
+    owned = [(stage.worker, after.blocks_of_stage(pi, si, profile))
+             for pi, si, stage in after.stage_positions() if stage.worker is not None]
+    slots = [blocks for _, blocks in owned]
+    chosen = assignment_cost(holdings=holdings, slots=slots, assignment=[w for w, _ in owned], profile=profile)
+    naive = assignment_cost(holdings=holdings, slots=slots, assignment=sorted(holdings)[:len(slots)], profile=profile)
+    return chosen, naive
+
+
 def plan_transfers(
     plan: ExecutionPlan,
     *,

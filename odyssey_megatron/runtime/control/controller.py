@@ -105,8 +105,10 @@ class Controller:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop polling, after taking in what is still in the inbox (the last exits)."""
         self._stop.set()
         self._thread.join()
+        self._poll(self.store)
 
     def next_failure(self, timeout: float) -> Optional[Failure]:
         """The next failure detected, waiting up to ``timeout`` s; None if none came.

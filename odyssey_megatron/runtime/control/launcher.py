@@ -13,8 +13,9 @@ exits, within the heartbeat timeout. Its workers die with it when it is killed (
 Workers start from multiprocessing's fork server, which imports the worker's module (torch,
 Megatron-Core: seconds of CPU each) once and forks every worker from it, instead of each
 worker importing it again on cores the others share. The fork server is a fresh process
-of its own (no threads of the launcher's are copied) and exits when the launcher does;
-its workers die with it (``runtime.rank.controller_link``).
+of its own (no threads of the launcher's are copied); when the launcher dies its workers
+see it within a heartbeat interval and exit (``runtime.rank.controller_link``), and the
+fork server with them.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import Decision, UnrecoverableFailure
 from odyssey_megatron.profile import block_sort_key
+from odyssey_megatron.restorer import mapping_bytes
 from odyssey_megatron.run_dir import append_jsonl
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
@@ -87,6 +88,8 @@ class TrainingRun:
         """The last generation whose first step committed (or the first generation)."""
         self.started = time.monotonic()
         self._recovery: Optional[_Recovery] = None
+        self._before: Optional[ExecutionPlan] = None
+        """The plan the last decision started from (its transfers are priced against it)."""
         self._prepare_stop = threading.Event()
         self._prepare_thread: Optional[threading.Thread] = None
 
@@ -200,6 +203,7 @@ class TrainingRun:
             self.center.restart_on(replace(self.settled, generation=self.plan.generation))
         nodes = sorted({f.node for f in failures if f.cause == Cause.NODE})
         ranks = sorted({r for f in failures if f.cause != Cause.NODE for r in f.ranks})
+        self._before = self.center.plan
         decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
         lost = sorted({t.layer for t in decision.chosen.plan.transfers if t.src is None}, key=block_sort_key)
         if lost:
@@ -215,7 +219,9 @@ class TrainingRun:
                     "transition_s": c.transition_s, "score": c.score}
 
         plan = decision.chosen.plan
-        return {"policy": decision.chosen.policy, "chosen": candidate(decision.chosen),
+        chosen_bytes, naive_bytes = mapping_bytes(before=self._before, after=plan, cluster=self.center.cluster,
+                                                  profile=self.center.profile)
+        return {"policy": decision.chosen.policy, "mapping_bytes": chosen_bytes, "naive_mapping_bytes": naive_bytes, "chosen": candidate(decision.chosen),
                 "alternatives": [candidate(c) for c in decision.alternatives],
                 "search_time_s": decision.search_time_s, "start_step": self.committed,
                 "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers)}

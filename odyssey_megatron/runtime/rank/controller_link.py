@@ -5,9 +5,10 @@ training thread computes or sits in a collective. Each beat also reads the contr
 heartbeat; when that stops changing for ``heartbeat_timeout``, or the store connection
 breaks, the controller is gone and the thread ends the process at once (``os._exit``:
 the training thread may be blocked where no exception reaches it). A lost node leaves no
-orphans either: on Linux the worker asks the kernel for SIGKILL when its parent dies (the
-launcher's fork server, which exits with the launcher), and every beat also checks that
-the launcher is alive.
+orphans either: every beat checks that the launcher still runs. (The kernel's
+parent-death signal, which the worker also asks for, fires only when its parent, the
+launcher's fork server, exits; and that server waits for its workers to close their copies
+of the pipe it watches for the launcher's end.)
 """
 
 from __future__ import annotations
@@ -48,13 +49,18 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a killed process its parent has not reaped yet (a zombie) does not."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:  # someone else's process took the pid
-        return False
-    return True
+    except OSError:  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
 
 def _die_with_parent(launcher_pid: int) -> None:

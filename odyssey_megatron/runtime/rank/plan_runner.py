@@ -241,12 +241,17 @@ class PlanRunner:
             raise RuntimeError("a staggered step is in flight: settle() before reading the training state")
         return self._stage_optimizer.state()
 
-    def abandon(self) -> TrainingState:
-        """This rank's blocks as they are when a failure ended the step in flight: maybe
-        one optimizer step (speculative or not) past the last committed step, which the
-        next generation rolls back. The runner is not used again."""
-        self._speculative = None
-        return self._stage_optimizer.state()
+    def release(self, *, abandoned: bool) -> TrainingState:
+        """End the generation here: destroy its process groups and return this rank's
+        blocks, for the next one. ``abandoned`` (a failure ended the step in flight), they
+        are as they are, maybe one optimizer step (speculative or not) past the last
+        committed step, which the next generation rolls back; else as ``training_state``.
+        The runner is not used again: drop it, so its stage model goes too."""
+        if abandoned:
+            self._speculative = None
+        state = self._stage_optimizer.state() if abandoned else self.training_state()
+        self.groups.destroy()
+        return state
 
     def _settle(self) -> tuple[float, bool]:
         norm, retaken = self._speculative.settle(pending=self._snapshot)

@@ -324,14 +324,18 @@ class Worker:
                                       f"({self.timeouts.collective_timeout} s)")
             time.sleep(self.timeouts.poll_interval / 10)
 
+    def _first_step_committed(self) -> bool:
+        """Whether the generation's first step committed: its plan is then the settled one."""
+        key = applied_key(self.generation, self.start_step)
+        return self.store.check([key]) and self.store.add(key, 0) == self.training_ranks
+
     def _wait_until_ended(self) -> None:
         """An idle worker (or one done training) waits for the next plan or the run's end;
         it drops its spare blocks once the generation's first step commits."""
-        first = applied_key(self.generation, self.start_step)
         while not self.store.check([abort_key(self.generation)]):
             if self.store.check([RUN_DONE]) or self.store.check([plan_key(self.generation + 1)]):
                 return
-            if self.spare is not None and self.store.check([first]) and self.store.add(first, 0) == self.training_ranks:
+            if self.spare is not None and self._first_step_committed():
                 self.spare = None
             time.sleep(self.timeouts.poll_interval)
         raise GenerationEnded("the controller ended the generation")
@@ -339,12 +343,11 @@ class Worker:
     def _leave_generation(self, *, abandoned: bool) -> None:
         """Keep the blocks, drop the stage model and every process group."""
         if self.runner is not None:
-            self.state = self.runner.abandon() if abandoned else self.runner.training_state()
-            self.runner.groups.destroy()
+            self.state = self.runner.release(abandoned=abandoned)
             self.runner = None
-        if self.spare is not None:
+        if self.spare is not None and not self._first_step_committed():
             self.state = TrainingState({**self.spare.blocks, **(self.state.blocks if self.state else {})})
-            self.spare = None
+        self.spare = None
         if self.idle_groups is not None:
             self.idle_groups.destroy()
             self.idle_groups = None

@@ -1,0 +1,160 @@
+"""``odyssey train`` end to end: the tiny recipe on 8 gloo ranks through the real
+launcher, controller and workers, with failures injected from the config. A run that
+loses ranks must finish with the same model (``final.pt``, per tensor) and the same
+samples per step (``samples.jsonl``) as the failure-free run of the same steps.
+
+Each run holds several failures one after another, so that every phase, action and
+policy is covered by a few runs (each costs ~35 s of two shared cores)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "llama2_7b" / "tiny_cpu.yaml"
+STEPS = 5
+RUN_TIMEOUT_S = 300
+
+pytestmark = pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def train(run_dir: Path, data_cache: Path, *args: str, node_rank: int | None = None) -> subprocess.Popen:
+    """Start ``odyssey train`` on the tiny recipe for ``STEPS`` steps."""
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config", str(RECIPE), "--run-dir",
+               str(run_dir), f"training.train_iters={STEPS}", f"data.cache_dir={data_cache}", *args]
+    if node_rank is not None:
+        command += ["--node-rank", str(node_rank)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+    return process.returncode, out, err
+
+
+def faults(*specs: str) -> str:
+    return f"odyssey.faults=[{', '.join(specs)}]"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "failure-free"
+    status, _, err = finish(train(run_dir, data_cache))
+    assert status == 0, err[-4000:]
+    return run_dir
+
+
+def assert_same_training(run_dir: Path, reference: Path) -> None:
+    """Same samples in every step and the same final model as the failure-free run."""
+    steps, expected = read_jsonl(run_dir / "samples.jsonl"), read_jsonl(reference / "samples.jsonl")
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["samples"] for s in steps] == [s["samples"] for s in expected]
+    final, want = torch.load(run_dir / "final.pt"), torch.load(reference / "final.pt")
+    assert final.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.allclose(final[name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+def recoveries(run_dir: Path) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "recovery"]
+
+
+def test_failure_free_run_commits_every_step_on_every_sample_once(reference):
+    steps = read_jsonl(reference / "samples.jsonl")
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    samples = [i for s in steps for i in s["samples"]]
+    assert sorted(samples) == list(range(STEPS * 16))  # global batch 16, micro-batch 2
+    assert all(s["generation"] == 0 for s in steps)
+    workers = json.loads((reference / "workers.json").read_text())
+    assert sorted(int(r) for r in workers) == list(range(8))
+    assert all(row["state"] == "exited" for row in workers.values())
+    assert (reference / "plan-0.json").is_file() and (reference / "config.yaml").is_file()
+    events = [e["event"] for e in read_jsonl(reference / "events.jsonl")]
+    assert "failure" not in events and events.count("step") == STEPS and "finished" in events
+
+
+def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_path, data_cache, reference):
+    """Three failures, one per step: SIGKILL in backward, SIGSTOP in forward (found by its
+    missed heartbeats, killed by its launcher), an exception in the gradient sync."""
+    run_dir = tmp_path / "run"
+    status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reroute", faults(
+        "{rank: 5, step: 1, phase: backward, action: kill}",
+        "{rank: 2, step: 2, phase: forward, action: stop}",
+        "{rank: 7, step: 3, phase: grad_sync, action: raise}")))
+    assert status == 0, err[-4000:]
+    assert_same_training(run_dir, reference)
+    done = recoveries(run_dir)
+    assert [(r["failed_ranks"], r["cause"], r["policy"], r["start_step"]) for r in done] == [
+        ([5], "exit", "reroute", 1), ([2], "heartbeat", "reroute", 2), ([7], "error", "reroute", 3)]
+    assert all(r["to_first_step_s"] > r["to_plan_s"] >= r["detection_s"] >= 0 for r in done)
+
+
+def test_reparallelizing_survives_a_kill_during_recovery_and_two_at_once(tmp_path, data_cache, reference):
+    """A kill in backward, then a second rank killed while the survivors move blocks (the
+    decision restarts from what they hold), then two ranks killed together in the
+    optimizer step."""
+    run_dir = tmp_path / "run"
+    status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reparallelize", faults(
+        "{rank: 5, step: 1, phase: backward, action: kill}",
+        "{rank: 2, step: 1, phase: transfer, action: kill}",
+        "{rank: 0, step: 3, phase: optimizer, action: kill}",
+        "{rank: 7, step: 3, phase: optimizer, action: kill}")))
+    assert status == 0, err[-4000:]
+    assert_same_training(run_dir, reference)
+    done = recoveries(run_dir)
+    assert [(r["failed_ranks"], r["policy"], r["start_step"]) for r in done] == [
+        ([2, 5], "reparallelize", 1), ([0, 7], "reparallelize", 3)]
+    assert done[0]["restarts"] == 1 and done[0]["transfer_bytes"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_lost_node_is_planned_as_one_failure(tmp_path, data_cache):
+    """Two launchers of 4 ranks on this machine (DP 8); killing node 1's launcher takes
+    its workers with it: one node failure, and node 0 trains on."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
+              "cluster.devices_per_node=4", "--nnodes", "2", "--master-port", str(port),
+              faults("{node: 1, step: 2, phase: backward, action: kill}")]
+    node0 = train(run_dir, data_cache, *common, node_rank=0)
+    node1 = train(run_dir, data_cache, *common, node_rank=1)
+    status, out, err = finish(node0)
+    finish(node1)
+    assert status == 0, err[-4000:]
+    done = recoveries(run_dir)
+    assert [(r["failed_ranks"], r["cause"]) for r in done] == [([4, 5, 6, 7], "node")]
+    assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == list(range(STEPS))
+    assert "1 recovery" in out
+
+
+def test_losing_every_replica_of_a_stage_ends_the_run_with_exit_3(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    status, _, err = finish(train(run_dir, data_cache, faults(
+        "{rank: 2, step: 1, phase: forward, action: kill}", "{rank: 3, step: 1, phase: forward, action: kill}")))
+    assert status == 3, err[-4000:]
+    assert "unrecoverable: blocks 2, 3 were lost on every replica" in err
+    assert json.loads((run_dir / "outcome.json").read_text())["status"] == 3
