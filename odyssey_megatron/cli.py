@@ -377,23 +377,39 @@ def _train_command(args: argparse.Namespace) -> int:
 
     from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 
+    from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+
+    resume = None
     if args.resume is not None:
-        raise ConfigError("--resume", "resuming from a checkpoint is not built yet")
-    if args.config is None:
-        raise ConfigError("--config", "is required")
-    config = load_config(args.config, args.overrides)
+        if args.config is not None or args.run_dir is not None:
+            raise ConfigError("--resume", "continues RUN_DIR with its own config.yaml; give neither --config nor "
+                                          "--run-dir with it")
+        resume = latest_checkpoint(Path(args.resume)) if (Path(args.resume) / "config.yaml").is_file() else None
+        if resume is None:
+            raise ConfigError("--resume", f"{args.resume} holds no complete checkpoint of an odyssey train run "
+                                          "(odyssey.checkpoint_interval was 0, or the run ended before one was due)")
+        # Faults injected into the first run are not injected again.
+        config = load_config(Path(args.resume) / "config.yaml", ["odyssey.faults=[]", *args.overrides])
+    elif args.config is None:
+        raise ConfigError("--config", "is required (or --resume RUN_DIR)")
+    else:
+        config = load_config(args.config, args.overrides)
     flags = {field: getattr(args, field) for field in LAUNCH_FLAGS if field != "nproc_per_node"}
     flags["nproc_per_node"] = str(config.cluster.devices_per_node)
     launch = LaunchConfig.resolve(flags, os.environ)
-    run_dir = Path(args.run_dir) if args.run_dir is not None else \
-        Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if run_dir.exists() and any(run_dir.iterdir()) and launch.node_rank == 0:
+    if args.resume is not None:
+        run_dir = Path(args.resume)
+    elif args.run_dir is not None:
+        run_dir = Path(args.run_dir)
+    else:
+        run_dir = Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if resume is None and run_dir.exists() and any(run_dir.iterdir()) and launch.node_rank == 0:
         raise ConfigError("--run-dir", f"{run_dir} already holds files; give a new directory")
     from odyssey_megatron.runtime.control.train import check_launch, train_node
 
     check_launch(config, launch)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    outcome = train_node(config, launch, run_dir=run_dir)
+    outcome = train_node(config, launch, run_dir=run_dir, resume=resume)
     print(outcome.message, file=sys.stderr if outcome.status else sys.stdout)
     if launch.node_rank != 0:
         return outcome.status

@@ -498,6 +498,11 @@ class OdysseyConfig:
     ``'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'``; each fires at
     most once, so a step replayed after recovery runs clean (list a fault twice to fail the
     replay too). Default: none."""
+    checkpoint_interval: int = 0
+    """Committed steps between two full checkpoints of a training run (``runtime.checkpoint``:
+    RUN_DIR/checkpoint/, keyed by global parameter names, so they load under any layout).
+    A run that loses every replica of a block exits 3; ``odyssey train --resume RUN_DIR``
+    continues from the last one. 0: none (recovery in memory only)."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
@@ -507,7 +512,7 @@ class OdysseyConfig:
         self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
-                             "reparallelize_restart_s", "checkpoint_restart_penalty_s")
+                             "reparallelize_restart_s", "checkpoint_restart_penalty_s", "checkpoint_interval")
         require_at_most("odyssey", self, limits.MAX_SEARCH_RADIUS, "candidates grow with the radii",
                         "dp_search_radius", "pp_search_radius")
         require_at_most("odyssey", self, limits.MAX_LAYER_SPLITS, "each is priced", "max_layer_splits")

@@ -151,10 +151,27 @@ def test_a_lost_node_is_planned_as_one_failure(tmp_path, data_cache):
     assert "1 recovery" in out
 
 
-def test_losing_every_replica_of_a_stage_ends_the_run_with_exit_3(tmp_path, data_cache):
+def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint(tmp_path, data_cache, reference):
+    """Both replicas of stage 1 die in step 3: no plan can go on in memory. The run exits 3
+    naming the lost blocks and the checkpoint taken after step 2; ``--resume`` replays
+    from there and ends where the failure-free run ends."""
     run_dir = tmp_path / "run"
-    status, _, err = finish(train(run_dir, data_cache, faults(
-        "{rank: 2, step: 1, phase: forward, action: kill}", "{rank: 3, step: 1, phase: forward, action: kill}")))
+    status, _, err = finish(train(run_dir, data_cache, "odyssey.checkpoint_interval=2", faults(
+        "{rank: 2, step: 3, phase: forward, action: kill}", "{rank: 3, step: 3, phase: forward, action: kill}")))
     assert status == 3, err[-4000:]
-    assert "unrecoverable: blocks 2, 3 were lost on every replica" in err
+    assert "unrecoverable: blocks 2, 3 were lost on every replica (ranks [2, 3] failed)" in err
+    assert f"resume from the checkpoint of step 2 with: odyssey train --resume {run_dir}" in err
     assert json.loads((run_dir / "outcome.json").read_text())["status"] == 3
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir)]
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_same_training(run_dir, reference)
+
+
+def test_resume_needs_a_checkpoint(tmp_path):
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"odyssey: error: --resume: {tmp_path} holds no complete checkpoint of an odyssey train run "
+        "(odyssey.checkpoint_interval was 0, or the run ended before one was due)")

@@ -10,6 +10,7 @@ parent-death signal follows that thread); the controller's polling and the run's
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -25,7 +26,8 @@ from odyssey_megatron.run_dir import write_json
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
-from odyssey_megatron.runtime.control.training_run import RunFailed, TrainingRun
+from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, TrainingRun
 from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec, Timeouts
 
 __all__ = ["TrainOutcome", "run_timeouts", "train_node"]
@@ -55,8 +57,10 @@ def check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
                                       f"{ranks} (TP * PP * DP)")
 
 
-def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path, resume: Optional[Path] = None) -> TrainOutcome:
-    """Run this node's part of the training run; on node 0, the whole run's outcome."""
+def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
+               resume: Optional[tuple[int, Path]] = None) -> TrainOutcome:
+    """Run this node's part of the training run; on node 0, the whole run's outcome.
+    ``resume``: (committed steps, checkpoint directory) to continue from."""
     from odyssey_megatron.runtime.rank.worker import train_worker
 
     timeouts = run_timeouts(config)
@@ -64,7 +68,12 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path, res
         status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_yaml(config))
+    start_step = 0
+    if resume is not None:
+        start_step = resume[0]
+        _forget_steps_from(run_dir / SAMPLES, start_step)
+    else:
+        (run_dir / "config.yaml").write_text(config_yaml(config))
     prepared = _prepare_data(config)
     controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
     if launch.master_port == 0:
@@ -72,9 +81,9 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path, res
                               master_port=controller.port, nproc_per_node=launch.nproc_per_node)
     center = DecisionCenter.from_recipe(config)
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
-                                           None if resume is None else str(resume)).to_json())
+                                           None if resume is None else str(resume[1])).to_json())
     controller.start()
-    run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir)
+    run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir, start_step=start_step)
     outcome: list[TrainOutcome] = []
     owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)
     owner.start()
@@ -95,7 +104,10 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
         final = run.run()
         outcome.append(TrainOutcome(0, f"trained {run.committed} steps; final model in {final}"))
     except UnrecoverableFailure as exc:
-        outcome.append(TrainOutcome(3, f"unrecoverable: {exc}"))
+        checkpoint = latest_checkpoint(run.run_dir)
+        then = (f"; resume from the checkpoint of step {checkpoint[0]} with: odyssey train --resume {run.run_dir}"
+                if checkpoint else "; no checkpoint to resume from (odyssey.checkpoint_interval is 0 or none was due)")
+        outcome.append(TrainOutcome(3, f"unrecoverable: {exc}{then}"))
     except RunFailed as exc:
         outcome.append(TrainOutcome(1, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the launcher must still be released
@@ -103,6 +115,13 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
         outcome.append(TrainOutcome(1, f"{type(exc).__name__}: {exc}"))
     finally:
         run.store.set(RUN_DONE, "1")
+
+
+def _forget_steps_from(samples: Path, step: int) -> None:
+    """Drop the records of steps from ``step`` on: a resumed run commits them again."""
+    if samples.is_file():
+        kept = [line for line in samples.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+        samples.write_text("".join(line + "\n" for line in kept))
 
 
 def _wait_other_nodes(controller: Controller, timeouts: Timeouts) -> None:

@@ -207,8 +207,9 @@ class TrainingRun:
         decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
         lost = sorted({t.layer for t in decision.chosen.plan.transfers if t.src is None}, key=block_sort_key)
         if lost:
+            failed = sorted(self.center.cluster.failed_ranks)
             raise UnrecoverableFailure(f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
-                                       f"{ranks or 'of nodes ' + str(nodes)} failed): no survivor holds them")
+                                       f"{failed} failed): no survivor holds them")
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
                  decision.chosen.policy, sorted({r for f in failures for r in f.ranks}))
         return decision

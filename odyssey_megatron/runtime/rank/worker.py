@@ -36,6 +36,7 @@ from odyssey_megatron.data import IndexedTokens, PreparedData
 from odyssey_megatron.hooks.accelerator import select_accelerator
 from odyssey_megatron.hooks.process_groups import PlanGroups, RankMap, build_plan_groups
 from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
+from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol import (
     RUN_DONE,
@@ -226,8 +227,11 @@ class Worker:
                                  micro_batch_size=train.micro_batch_size, state=self.state, lr=train.lr,
                                  max_grad_norm=train.clip_grad, device=self.device, on_phase=self._on_phase)
         self.store.add(ready_key(plan.generation), 1)
+        interval = self.config.odyssey.checkpoint_interval
         for step in range(published.start_step, train.train_iters):
             self.step = step
+            if interval and step > published.start_step and step % interval == 0:
+                self._save_checkpoint(step)
             self._train_step(step)
         self.step = train.train_iters
         if published.start_step < train.train_iters:
@@ -249,11 +253,9 @@ class Worker:
         run's start, else what the last generation left, rolled back if it ran ahead."""
         if self.state is None:
             if self.spec.resume is not None:
-                from odyssey_megatron.runtime.rank.checkpoint import load_checkpoint
-
-                self.state, _ = load_checkpoint(self.spec.resume, model=self.config.model,
-                                                stage=stage_of_worker(plan, self.worker_id), tp_rank=self.tp_rank,
-                                                tp_size=self.tp)
+                self.state = load_checkpoint(Path(self.spec.resume), model=self.config.model,
+                                             stage=stage_of_worker(plan, self.worker_id), tp_rank=self.tp_rank,
+                                             tp_size=self.tp)
             else:
                 self.state = initial_state(plan=plan, rank=rank, ranks=ranks, model=self.config.model,
                                            seed=self.config.training.seed, device=self.device)
@@ -283,6 +285,18 @@ class Worker:
                                 tuple(i for m in order for i in samples[m]))
             self.store.append(step_report_key(self.generation, step), report.to_json() + "\n")
         self.store.add(applied_key(self.generation, step), 1)
+
+    def _save_checkpoint(self, committed: int) -> None:
+        """Save the blocks after ``committed`` steps, with every training rank."""
+        self.phase = "checkpoint"
+        self._wait_committed(committed - 1)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            save_checkpoint(self.run_dir, self.runner.training_state(), step=committed, tp_rank=self.tp_rank,
+                            tp_size=self.tp, group=self.runner.groups.norm_group)
+        except CheckpointException as exc:  # a BaseException: a peer's failure ended the save
+            raise GenerationEnded(f"the checkpoint of step {committed} failed: {str(exc)[:200]}") from None
 
     def _on_phase(self, phase: str) -> None:
         self.phase = phase
