@@ -94,37 +94,43 @@ def test_failure_free_run_commits_every_step_on_every_sample_once(reference):
 
 
 def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_path, data_cache, reference):
-    """Three failures, one per step: SIGKILL in backward, SIGSTOP in forward (found by its
-    missed heartbeats, killed by its launcher), an exception in the gradient sync."""
+    """Four failures, one per step and one per stage (each stage keeps a replica): SIGKILL
+    in backward, SIGSTOP in forward (found by its missed heartbeats, killed by its
+    launcher), an exception in the gradient sync, SIGKILL in forward."""
     run_dir = tmp_path / "run"
     status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reroute", faults(
         "{rank: 5, step: 1, phase: backward, action: kill}",
         "{rank: 2, step: 2, phase: forward, action: stop}",
-        "{rank: 7, step: 3, phase: grad_sync, action: raise}")))
+        "{rank: 7, step: 3, phase: grad_sync, action: raise}",
+        "{rank: 1, step: 4, phase: forward, action: kill}")))
     assert status == 0, err[-4000:]
     assert_same_training(run_dir, reference)
     done = recoveries(run_dir)
     assert [(r["failed_ranks"], r["cause"], r["policy"], r["start_step"]) for r in done] == [
-        ([5], "exit", "reroute", 1), ([2], "heartbeat", "reroute", 2), ([7], "error", "reroute", 3)]
+        ([5], "exit", "reroute", 1), ([2], "heartbeat", "reroute", 2), ([7], "error", "reroute", 3),
+        ([1], "exit", "reroute", 4)]
     assert all(r["to_first_step_s"] > r["to_plan_s"] >= r["detection_s"] >= 0 for r in done)
 
 
 def test_reparallelizing_survives_a_kill_during_recovery_and_two_at_once(tmp_path, data_cache, reference):
     """A kill in backward, then a second rank killed while the survivors move blocks (the
-    decision restarts from what they hold), then two ranks killed together in the
-    optimizer step."""
+    decision restarts from what they hold); a kill in the gradient sync; two ranks killed
+    together in the optimizer step, then a third as the survivors enter the next plan."""
     run_dir = tmp_path / "run"
     status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reparallelize", faults(
         "{rank: 5, step: 1, phase: backward, action: kill}",
         "{rank: 2, step: 1, phase: transfer, action: kill}",
+        "{rank: 4, step: 2, phase: grad_sync, action: kill}",
         "{rank: 0, step: 3, phase: optimizer, action: kill}",
-        "{rank: 7, step: 3, phase: optimizer, action: kill}")))
+        "{rank: 7, step: 3, phase: optimizer, action: kill}",
+        "{rank: 6, step: 3, phase: recovery, action: kill}")))
     assert status == 0, err[-4000:]
     assert_same_training(run_dir, reference)
     done = recoveries(run_dir)
     assert [(r["failed_ranks"], r["policy"], r["start_step"]) for r in done] == [
-        ([2, 5], "reparallelize", 1), ([0, 7], "reparallelize", 3)]
-    assert done[0]["restarts"] == 1 and done[0]["transfer_bytes"] > 0
+        ([2, 5], "reparallelize", 1), ([4], "reparallelize", 2), ([0, 6, 7], "reparallelize", 3)]
+    assert done[0]["restarts"] >= 1 and done[1]["restarts"] == 0 and done[2]["restarts"] >= 1
+    assert all(r["transfer_bytes"] > 0 and r["mapping_bytes"] <= r["naive_mapping_bytes"] for r in done)
 
 
 def _free_port() -> int:
