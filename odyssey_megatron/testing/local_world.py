@@ -1,4 +1,5 @@
-"""Run a function on N CPU ranks (gloo) in spawned processes, with the store hosted here.
+"""Run a function on N CPU ranks (gloo) in processes forked from a fork server, with the
+store hosted here.
 
 The parent hosts the TCPStore (port 0, so concurrent worlds never collide) the way the
 fault-tolerant launcher does: it outlives any rank. Every rank installs the CPU shim.
@@ -26,6 +27,11 @@ def _portable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_portable(v) for v in value)
     return value
+
+
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "odyssey_megatron.runtime.rank.plan_runner"]
+"""Imported once, by the fork server every rank is forked from: importing them again in each
+rank (seconds of CPU each, on cores the ranks share) was most of a small world's run time."""
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: mp.Queue) -> None:
@@ -64,7 +70,8 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -
 
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, args, results), daemon=True)
              for r in range(world_size)]
