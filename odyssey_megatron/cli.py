@@ -405,7 +405,7 @@ def _train_command(args: argparse.Namespace) -> int:
         run_dir = Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if resume is None and run_dir.exists() and any(run_dir.iterdir()) and launch.node_rank == 0:
         raise ConfigError("--run-dir", f"{run_dir} already holds files; give a new directory")
-    from odyssey_megatron.runtime.control.train import check_launch, train_node
+    from odyssey_megatron.runtime.train import check_launch, train_node
 
     check_launch(config, launch)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

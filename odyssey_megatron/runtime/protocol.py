@@ -335,8 +335,8 @@ class PlanPublished:
     def from_json(cls, text: str | bytes, *, current_generation: int) -> "PlanPublished":
         """Parse, refusing a plan not newer than ``current_generation`` (the reader's; -1 before any)."""
         data = _loads(text)
-        if not isinstance(data, dict) or data.get("kind") != "plan" or not _conforms(data.get("published_at"), "float") \
-                or not _conforms(data.get("start_step"), "int"):
+        if not (isinstance(data, dict) and data.get("kind") == "plan" and _conforms(data.get("published_at"), "float")
+                and _conforms(data.get("start_step"), "int")):
             raise ProtocolError(f"expected a 'plan' message with published_at and start_step; got {str(data)[:200]}")
         try:
             plan, program = read_published(data["plan"])

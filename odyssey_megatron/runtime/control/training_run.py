@@ -222,7 +222,8 @@ class TrainingRun:
         plan = decision.chosen.plan
         chosen_bytes, naive_bytes = mapping_bytes(before=self._before, after=plan, cluster=self.center.cluster,
                                                   profile=self.center.profile)
-        return {"policy": decision.chosen.policy, "mapping_bytes": chosen_bytes, "naive_mapping_bytes": naive_bytes, "chosen": candidate(decision.chosen),
+        return {"policy": decision.chosen.policy, "mapping_bytes": chosen_bytes, "naive_mapping_bytes": naive_bytes,
+                "chosen": candidate(decision.chosen),
                 "alternatives": [candidate(c) for c in decision.alternatives],
                 "search_time_s": decision.search_time_s, "start_step": self.committed,
                 "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers)}

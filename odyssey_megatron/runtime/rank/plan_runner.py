@@ -36,8 +36,6 @@ from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
 from odyssey_megatron.schedules.program import StepProgram
 
 SCHEDULES = ("auto", "odyssey", "megatron")
-PHASES = ("forward", "backward", "grad_sync", "optimizer")
-"""The phases of a step, in order, as ``PlanRunner``'s ``on_phase`` names them."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +89,8 @@ class PlanRunner:
         with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``).
         ``emulation`` paces every op to a profile's device time (``runtime.rank.emulation``);
         Megatron's schedule cannot be paced, so the op-list executor runs. ``on_phase`` is
-        called as the step enters each phase (``PHASES``), once per micro-batch for the
-        forward and backward: where a fault injector acts."""
+        called as the step enters each phase (forward, backward, grad_sync, optimizer), once
+        per micro-batch for the forward and backward: where a fault injector acts."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if program.generation != plan.generation:

@@ -57,11 +57,7 @@ from odyssey_megatron.runtime.protocol import (
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
-from odyssey_megatron.runtime.rank.plan_runner import (
-    PlanRunner,
-    initial_state,
-    stage_of_worker,
-)
+from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state, stage_of_worker
 
 __all__ = ["GenerationEnded", "train_worker"]
 
@@ -79,8 +75,7 @@ def _peer_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-                                  "gloo", "NCCL", "HCCL"))
+        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out"))
 
 
 def train_worker(launch: WorkerLaunch) -> None:

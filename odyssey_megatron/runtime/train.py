@@ -1,5 +1,6 @@
 """``odyssey train`` on one node: node 0 hosts the controller and the run's owner beside
-its launcher; every other node runs its launcher alone.
+its launcher; every other node runs its launcher alone. This is where the two sides of
+the runtime meet: the control side's launcher starts the rank side's worker.
 
 Node 0 first prepares the data (tokenized, indexed and cached once, before any worker
 starts), writes the resolved recipe to the run directory and publishes the ``RunSpec``
