@@ -768,9 +768,11 @@ def load_structured(
 def _model_spec_fields(spec_name: str) -> dict[str, Any]:
     """The architecture named by model.spec: a shipped one, or a Hugging Face Llama
     config.json read with transformers."""
+    if not isinstance(spec_name, str):  # YAML reads model.spec=-1 as an int, model.spec=[1] as a list
+        raise ConfigError("model.spec", _SPEC_ALLOWED + f"; got {spec_name!r}")
     if spec_name in MODEL_SPECS:
         return dict(MODEL_SPECS[spec_name])
-    if not isinstance(spec_name, str) or not Path(spec_name).exists():  # YAML reads model.spec=-1 as an int
+    if not Path(spec_name).exists():
         raise ConfigError("model.spec", _SPEC_ALLOWED + f"; got {spec_name!r}")
     from odyssey_megatron.hooks.hf_llama import read_model_fields  # imports transformers: only when asked
 

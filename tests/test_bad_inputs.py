@@ -260,6 +260,7 @@ VALUE_CASES = {
     "cluster.device=tpu": plan("cluster.device=tpu", culprit="cluster.device"),
     "model.spec=gpt5": plan("model.spec=gpt5", culprit="model.spec"),
     "model.spec=-1": plan("model.spec=-1", culprit=("model.spec", "got -1")),
+    "model.spec=[1]": plan("model.spec=[1]", culprit=("model.spec", "got [1]")),
     "model.hidden_size=4001": plan("model.hidden_size=4001", culprit=("model.hidden_size", "divisible")),
     "model.num_query_groups=5": plan("model.num_query_groups=5", culprit="model.num_query_groups"),
     "training.micro_batch_size=3": plan("training.micro_batch_size=3", culprit="training.global_batch_size"),
