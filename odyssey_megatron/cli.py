@@ -375,9 +375,8 @@ def _train_command(args: argparse.Namespace) -> int:
     import logging
     import time
 
-    from odyssey_megatron.runtime.control.launch_config import LaunchConfig
-
     from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+    from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 
     resume = None
     if args.resume is not None:

@@ -181,3 +181,14 @@ def test_resume_needs_a_checkpoint(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         f"odyssey: error: --resume: {tmp_path} holds no complete checkpoint of an odyssey train run "
         "(odyssey.checkpoint_interval was 0, or the run ended before one was due)")
+
+
+def test_fp16_is_refused_before_anything_starts(tmp_path):
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config", str(RECIPE), "--run-dir",
+               str(tmp_path / "run"), "model.params_dtype=fp16"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "odyssey: error: model.params_dtype: odyssey train runs fp32 or bf16 (fp16 needs loss scaling, which its "
+        "executors do not apply)")
+    assert not (tmp_path / "run").exists()

@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from odyssey_megatron.config import RecipeConfig, config_yaml
+from odyssey_megatron.config import DType, RecipeConfig, config_yaml
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import write_json
+from odyssey_megatron.runtime.checkpoint import latest_checkpoint
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
-from odyssey_megatron.runtime.checkpoint import latest_checkpoint
 from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, TrainingRun
 from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec, Timeouts
 
@@ -50,7 +50,10 @@ def run_timeouts(config: RecipeConfig) -> Timeouts:
 
 
 def check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
-    """The nodes must hold exactly the recipe's ranks."""
+    """The nodes must hold exactly the recipe's ranks, in a precision the workers train."""
+    if config.model.params_dtype == DType.fp16:
+        raise ConfigError("model.params_dtype", "odyssey train runs fp32 or bf16 (fp16 needs loss scaling, "
+                                                "which its executors do not apply)")
     ranks = config.parallel.num_ranks
     if launch.world_size != ranks:
         raise ConfigError("--nnodes", f"{launch.nnodes} node(s) of cluster.devices_per_node="
