@@ -413,15 +413,13 @@ def _train_command(args: argparse.Namespace) -> int:
     if launch.node_rank != 0:
         return outcome.status
     from odyssey_megatron.runtime.control.run_summary import summarize_run
-    from odyssey_megatron.runtime.control.wandb_trace import log_run_to_wandb
 
     print(summarize_run(run_dir))
-    try:
-        print(f"W&B run: {log_run_to_wandb(run_dir, config)}")
-    except Exception as exc:  # noqa: BLE001 - the run's results are on disk whatever W&B does
-        print(f"odyssey: W&B logging failed ({type(exc).__name__}: {exc}); the run's records are in {run_dir}",
+    if outcome.wandb_error is not None:
+        print(f"odyssey: W&B logging failed ({outcome.wandb_error}); the run's records are in {run_dir}",
               file=sys.stderr)
         return outcome.status or EXIT_WANDB
+    print(f"W&B run: {outcome.wandb_dir}")
     return outcome.status
 
 

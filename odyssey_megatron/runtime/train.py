@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +29,7 @@ from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, TrainingRun
+from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
 from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec, Timeouts
 
 __all__ = ["TrainOutcome", "run_timeouts", "train_node"]
@@ -41,6 +42,10 @@ class TrainOutcome:
     status: int
     """0: trained to the end; 1: the run failed; 3: no plan could go on."""
     message: str
+    wandb_dir: Optional[Path] = None
+    """Node 0: the W&B run's local directory."""
+    wandb_error: Optional[str] = None
+    """Node 0: why W&B logging stopped, if it did (the run's records are complete anyway)."""
 
 
 def run_timeouts(config: RecipeConfig) -> Timeouts:
@@ -84,6 +89,9 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         launch = LaunchConfig(nnodes=launch.nnodes, node_rank=0, master_addr=launch.master_addr,
                               master_port=controller.port, nproc_per_node=launch.nproc_per_node)
     center = DecisionCenter.from_recipe(config)
+    trace = WandbTrace(run_dir, config)
+    controller.record.subscribe(trace)
+    trace.start()
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
                                            None if resume is None else str(resume[1])).to_json())
     controller.start()
@@ -99,7 +107,10 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     controller.record.event("run_end", status=outcome[0].status, message=outcome[0].message)
     controller.stop()
     write_json(run_dir / "outcome.json", {"status": outcome[0].status, "message": outcome[0].message})
-    return outcome[0]
+    try:
+        return replace(outcome[0], wandb_dir=trace.finish())
+    except RuntimeError as exc:
+        return replace(outcome[0], wandb_error=str(exc))
 
 
 def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
