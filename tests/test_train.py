@@ -212,6 +212,21 @@ def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint
     assert read_wandb_run(first)[0] == read_wandb_run(second)[0] == (run_dir / "wandb-run-id").read_text().strip()
 
 
+def test_a_megatron_bridge_recipe_trains_as_it_is(tmp_path, data_cache, reference):
+    """``bridge_tiny.yaml`` is Megatron-Bridge's ConfigContainer layout of the tiny recipe
+    with an ``odyssey:`` section added: it trains through a kill, with Bridge's names on
+    the command line, to the same model as the tiny recipe's failure-free run."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config",
+               str(ROOT / "recipes" / "llama2_7b" / "bridge_tiny.yaml"), "--run-dir", str(run_dir),
+               f"train.train_iters={STEPS}", f"dataset.path_to_cache={data_cache}",
+               faults("{rank: 3, step: 2, phase: backward, action: kill}")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_same_training(run_dir, reference)
+    assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[3]]
+
+
 def test_resume_needs_a_checkpoint(tmp_path):
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
