@@ -170,17 +170,17 @@ def _estimated_step_s(run: RunRecords) -> dict[int, float]:
 
 
 def _active_ranks(run: RunRecords) -> list[tuple[float, int]]:
-    """(time, ranks training) at every plan and failure: a plan's workers, less those failed since."""
+    """(time, ranks training) at every plan and failure (when it happened, not when it was
+    recorded): a plan's workers, less those failed since."""
     points, workers = [], set()
     for event in run.events:
         if event["event"] == "plan":
             workers = set(event["workers"])
+            points.append((event["time"], len(workers)))
         elif event["event"] == "failure":
             workers -= set(event["ranks"])
-        else:
-            continue
-        points.append((event["time"], len(workers)))
-    return points
+            points.append((event["failed_at"], len(workers)))
+    return sorted(points)
 
 
 @dataclass(frozen=True)
@@ -268,6 +268,12 @@ def _mark_recoveries(axis, recoveries: list[dict], *, start: float | None = None
             axis.axvspan(r["failed_at"] - start, r["first_step_at"] - start, color=colour, alpha=0.25, label=label)
 
 
+def _legend(axis, **placement) -> None:
+    """A legend where there is something to name (a run without steps has nothing)."""
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8, **placement)
+
+
 def _no_data(axis, text: str) -> None:
     axis.text(0.5, 0.5, text, ha="center", va="center", transform=axis.transAxes)
 
@@ -317,7 +323,7 @@ def _plot_loss(plt, run: RunRecords, baseline: RunRecords | None, path: Path) ->
     _mark_recoveries(axis, run.kind("recovery"))
     axis.xaxis.get_major_locator().set_params(integer=True)
     axis.set(xlabel="step", ylabel="loss (cross-entropy, nats)", title="Training loss per step")
-    axis.legend(fontsize=8)
+    _legend(axis)
     _save(plt, figure, path)
 
 
@@ -372,7 +378,7 @@ def _plot_step_time(plt, run: RunRecords, path: Path) -> None:
     missing = sorted({e["generation"] for e in run.commits} - set(estimates))
     axis.set(xlabel="step", ylabel="step time (s)", title="Estimated vs measured step time"
              + (f" (no estimate for generation {', '.join(map(str, missing))})" if missing else ""))
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _legend(axis, loc="upper left", bbox_to_anchor=(1.01, 1))
     _save(plt, figure, path)
 
 
