@@ -120,7 +120,8 @@ def read_run(directory: str | Path, *, key: str) -> RunRecords:
     in errors. A missing ``samples.jsonl`` means no step was committed."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ConfigError(key, f"{directory} is not a directory; give the run directory of odyssey train")
+        problem = "is not a directory" if directory.exists() else "does not exist"
+        raise ConfigError(key, f"{directory} {problem}; give the run directory of odyssey train")
     for name in ("events.jsonl", "config.yaml"):
         if not (directory / name).is_file():
             raise ConfigError(key, f"{directory} holds no {name}; give the run directory of odyssey train")
