@@ -10,7 +10,8 @@ The same bookkeeping lets idle workers (repaired or spare) take over rerouted st
 the costliest first. Both return layouts only: the copies a layout needs come from what
 survivors hold before it (``restorer.plan_transfers``), not from the layout itself,
 where a survivor just moved in holds nothing yet and one moved away still holds its old
-stage.
+stage. On a large cluster each swap is priced on a window of the layout that reroutes
+and prices exactly as the whole does (``reroute_pricing``).
 """
 
 from __future__ import annotations
