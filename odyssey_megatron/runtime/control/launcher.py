@@ -72,6 +72,9 @@ class NodeLauncher:
         self.config, self.timeouts, self.target = config, timeouts, target
         self._workers: dict[int, multiprocessing.Process] = {}
         self._seq = 0
+        self._beating = threading.Event()
+        """Set when the node's heartbeat thread must stop."""
+        self._beater: threading.Thread | None = None
 
     def run(self) -> int:
         node = self.config.node_rank
@@ -91,6 +94,7 @@ class NodeLauncher:
             return EXIT_CONTROLLER_LOST
         finally:
             self._kill_all()
+            self._stop_beating()
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
         log.info("node %d: all workers exited", node)
         return 0
@@ -154,14 +158,21 @@ class NodeLauncher:
         """Beat for the node from a thread of its own, so the node lives on while the main
         thread starts workers (the fork server's first start imports the worker's module)."""
         def beat_loop() -> None:
-            while True:
-                time.sleep(self.timeouts.heartbeat_interval)
+            while not self._beating.wait(self.timeouts.heartbeat_interval):
                 try:
                     self._beat(store)
                 except dist.DistError:
                     return  # the controller is gone: the main thread finds out too
 
-        threading.Thread(target=beat_loop, name="odyssey-node-heartbeat", daemon=True).start()
+        self._beater = threading.Thread(target=beat_loop, name="odyssey-node-heartbeat", daemon=True)
+        self._beater.start()
+
+    def _stop_beating(self) -> None:
+        """Stop and join the heartbeat thread: a daemon thread inside a store call when the
+        interpreter exits aborts the process (C++ terminate) instead of exiting with its status."""
+        self._beating.set()
+        if self._beater is not None:
+            self._beater.join()
 
     def _beat(self, store: dist.Store) -> None:
         store.set(node_heartbeat_key(self.config.node_rank), Heartbeat(self._seq, time.time()).to_json())

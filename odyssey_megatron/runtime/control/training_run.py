@@ -100,6 +100,16 @@ class TrainingRun:
     def run(self) -> Path:
         """Train to the last step; returns the path of ``final.pt``. Raises RunFailed
         (UnrecoverableFailure when no plan can go on)."""
+        try:
+            final = self._train()
+        finally:
+            self._stop_preparing()  # no thread may be inside scipy when the interpreter exits
+        self.store.set(RUN_DONE, "1")
+        self.controller.record.event("finished", steps=self.committed, generation=self.plan.generation,
+                                     final=str(final))
+        return final
+
+    def _train(self) -> Path:
         settings = self.center.settings
         self._publish(self.center.plan, estimate_plan(
             self.center.plan, self.center.profile, self.center.cluster, decouple=settings.decoupled_weight_grads,
@@ -110,13 +120,8 @@ class TrainingRun:
             failure = self.controller.next_failure(timeout=self.timeouts.poll_interval)
             if failure is not None:
                 self._recover(failure)
-        final = merge_final_parts(self.run_dir, ranks=self._training_ranks(self.plan),
-                                  tied=self.config.model.tie_embeddings)
-        self._stop_preparing()
-        self.store.set(RUN_DONE, "1")
-        self.controller.record.event("finished", steps=self.committed, generation=self.plan.generation,
-                                     final=str(final))
-        return final
+        return merge_final_parts(self.run_dir, ranks=self._training_ranks(self.plan),
+                                 tied=self.config.model.tie_embeddings)
 
     def _training_ranks(self, plan: ExecutionPlan) -> list[int]:
         tp = plan.tensor_parallel_size
