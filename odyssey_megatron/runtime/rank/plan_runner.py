@@ -211,19 +211,22 @@ class PlanRunner:
         if apply:
             self._on_phase("optimizer")
         if self.staggered_optimizer and apply:
-            square = local_grad_square(plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank)
-            self._stage_optimizer.grads_to_masters()
-            self._speculative = StaggeredStep(self.optimizer, square, max_norm=self.max_grad_norm,
-                                              group=self.groups.norm_group, snapshot=self._snapshot)
+            with self.clock.optimizer_step(None):
+                square = local_grad_square(plan=self.plan, worker=self.worker, params=self.params,
+                                           tp_rank=self.tp_rank)
+                self._stage_optimizer.grads_to_masters()
+                self._speculative = StaggeredStep(self.optimizer, square, max_norm=self.max_grad_norm,
+                                                  group=self.groups.norm_group, snapshot=self._snapshot)
             self._snapshot = None
             return StepResult(losses=losses, grad_norm=None)
-        norm = clip_grad_norm(
-            plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank, max_norm=self.max_grad_norm,
-            group=self.groups.norm_group,
-        )
-        if apply:
-            self._stage_optimizer.grads_to_masters()
-            self.optimizer.step()
+        with self.clock.optimizer_step(self.groups.norm_group):
+            norm = clip_grad_norm(
+                plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank,
+                max_norm=self.max_grad_norm, group=self.groups.norm_group,
+            )
+            if apply:
+                self._stage_optimizer.grads_to_masters()
+                self.optimizer.step()
         return StepResult(losses=losses, grad_norm=norm)
 
     def settle(self) -> float | None:
