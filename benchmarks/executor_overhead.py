@@ -23,6 +23,8 @@ import statistics
 import time
 from dataclasses import replace
 
+from megatron.core.optimizer import OptimizerConfig
+
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.process_groups import RankMap
@@ -70,7 +72,8 @@ def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
     ranks = RankMap.identity(world, 1)
     return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=MODEL,
                       micro_batch_size=MICRO_BATCH_SIZE,
-                      state=initial_state(plan=plan, rank=rank, ranks=ranks, model=MODEL, seed=1), lr=1e-4,
+                      state=initial_state(plan=plan, rank=rank, ranks=ranks, model=MODEL, seed=1),
+                      optimizer=OptimizerConfig(lr=1e-4),
                       schedule=schedule, overlap_grad_sync=overlap)
 
 

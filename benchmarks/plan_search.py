@@ -1,10 +1,15 @@
-"""Decision latency: search + estimate + transfer plan + colouring, after one failed rank.
+"""Decision latency at cluster scale: ``DecisionCenter.on_failure`` after one rank, one
+node or two ranks at once fail, cold and prepared in advance, 32 to 16,384 ranks.
 
-Prints, per model and cluster size, the wall time of DecisionCenter.on_failure (median of
---repeats, each on a fresh decision center), the candidates it estimated and what it
-chose. Targets (issue): 32 ranks under 50 ms, 1024 ranks under 1 s. Also the decision
-when the rank comes back (on_join: off the critical path, with the pipeline-length sweep).
-Run: .venv/bin/python benchmarks/plan_search.py
+The shipped recipes scaled by DP, with their real micro-batches per pipeline: Llama-2 7B
+on Ascend 910B (TP1 x PP4, 8 micro-batches per pipeline, recipes/llama2_7b/ascend_910b_32.yaml)
+and Llama-2 70B on H100 (TP8 x PP8, 64 per pipeline, configs/llama2_70b_h100_1024.yaml),
+8 devices per node. Each cell is the median of --repeats wall times, each on a fresh
+decision center. "cold" prices every candidate inside on_failure; "prepared" first runs
+``prepare`` (the controller's background work after a plan change; its time is printed
+apart) and then times on_failure, a lookup. Targets (issue 20): cold under 1 s at 4,096
+ranks and 5 s at 16,384; prepared under 50 ms at 16,384.
+Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
 """
 
 from __future__ import annotations
@@ -12,63 +17,104 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import tracemalloc
 
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 
-# (model spec, device, ranks, TP, PP): Megatron-typical layouts, 8 micro-batches per pipeline.
-SCENARIOS = [
-    ("llama2-7b", "ascend-910b", 32, 1, 4),
-    ("llama2-7b", "ascend-910b", 256, 1, 4),
-    ("llama2-7b", "ascend-910b", 1024, 1, 4),
-    ("llama2-7b", "ascend-910b", 4096, 1, 4),
-    ("llama2-70b", "h100-80gb", 32, 8, 4),
-    ("llama2-70b", "h100-80gb", 256, 8, 8),
-    ("llama2-70b", "h100-80gb", 1024, 8, 8),
-    ("llama2-70b", "h100-80gb", 4096, 8, 8),
-]
+MODELS = {  # name: (spec, device, TP, PP, micro-batches per pipeline)
+    "7B": ("llama2-7b", "ascend-910b", 1, 4, 8),
+    "70B": ("llama2-70b", "h100-80gb", 8, 8, 64),
+}
+RANKS = (32, 1024, 4096, 16384)
+DEVICES_PER_NODE = 8
 
 
-def measure(spec: str, device: str, ranks: int, tp: int, pp: int, repeats: int) -> tuple[float, float, str]:
+def recipe(model: str, ranks: int):
+    spec, device, tp, pp, per_pipeline = MODELS[model]
     dp = ranks // (tp * pp)
-    config = load_config(None, [
-        f"model.spec={spec}", f"cluster.device={device}",
+    return load_config(None, [
+        f"model.spec={spec}", f"cluster.device={device}", f"cluster.devices_per_node={DEVICES_PER_NODE}",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
-        f"parallel.data_parallel_size={dp}", f"training.global_batch_size={8 * dp}",
+        f"parallel.data_parallel_size={dp}", "training.micro_batch_size=1",
+        f"training.global_batch_size={per_pipeline * dp}",
     ])
-    times, join_times, summary = [], [], ""
+
+
+def failures(ranks: int, tp: int) -> dict[str, dict]:
+    """on_failure arguments per failure kind: a rank mid-cluster, the node after it, and
+    two ranks at once in other stages and pipelines (a quarter and three quarters in)."""
+    middle = ranks // 2 + tp  # the first rank of a worker in the middle of the cluster
+    return {
+        "rank": {"ranks": [middle]},
+        "node": {"nodes": [middle // DEVICES_PER_NODE + 1]},
+        "two": {"ranks": [ranks // 4 + 3 * tp, 3 * ranks // 4 + 5 * tp]},
+    }
+
+
+def time_failure(config, failed: dict, *, prepared: bool, repeats: int) -> tuple[float, float, str]:
+    """(median on_failure seconds, median prepare seconds, what the last one chose)."""
+    times, prepare_times, chosen = [], [], ""
     for _ in range(repeats):
         center = DecisionCenter.from_recipe(config)
+        if prepared:
+            started = time.perf_counter()
+            center.prepare()
+            prepare_times.append(time.perf_counter() - started)
         started = time.perf_counter()
-        decision = center.on_failure(ranks=[ranks // 2 + 1])
+        decision = center.on_failure(**failed)
         times.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        center.on_join(ranks=[ranks // 2 + 1])
-        join_times.append(time.perf_counter() - started)
         c = decision.chosen
-        alt = {a.policy: a for a in decision.alternatives}
-        other = alt.get("reparallelize" if c.policy == "reroute" else "reroute")
-        summary = (
-            f"{c.policy:<13} step {c.estimate.step_time_s:7.3f} s  transition {c.transition_s:6.2f} s  "
-            f"{decision.candidates_considered:3d} candidates"
-            + (f"  (best {other.policy}: step {other.estimate.step_time_s:.3f} s)" if other else "")
-        )
-    return statistics.median(times), statistics.median(join_times), summary
+        chosen = f"{c.policy} {c.layout} step {c.estimate.step_time_s:.3f} s"
+    return statistics.median(times), statistics.median(prepare_times) if prepare_times else 0.0, chosen
+
+
+def seconds(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def memory_peak(model: str, ranks: int) -> None:
+    """tracemalloc peak of a decision center from its build to a prepared and a cold decision."""
+    config = recipe(model, ranks)
+    tp = MODELS[model][2]
+    tracemalloc.start()
+    center = DecisionCenter.from_recipe(config)
+    center.prepare()
+    center.on_failure(**failures(ranks, tp)["rank"])
+    center.on_failure(**failures(ranks, tp)["two"])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"memory: {model} at {ranks} ranks, build + prepare + prepared rank failure + cold two-rank failure: "
+          f"tracemalloc peak {peak / 2**20:.1f} MiB", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-ranks", type=int, default=4096)
+    parser.add_argument("--max-ranks", type=int, default=RANKS[-1])
+    parser.add_argument("--no-prepared", action="store_true", help="time cold decisions only")
+    parser.add_argument("--memory", action="store_true", help="also the tracemalloc peak at --max-ranks (7B, 70B)")
     args = parser.parse_args()
-    print(f"{'model':<11} {'ranks':>5} {'TPxPPxDP':>10} {'failure':>10} {'join':>10}  chosen after the failure")
-    for spec, device, ranks, tp, pp in SCENARIOS:
-        if ranks > args.max_ranks:
-            continue
-        seconds, join_seconds, summary = measure(spec, device, ranks, tp, pp, args.repeats)
-        layout = f"{tp}x{pp}x{ranks // (tp * pp)}"
-        print(f"{spec:<11} {ranks:>5} {layout:>10} {seconds * 1e3:7.1f} ms {join_seconds * 1e3:7.1f} ms  {summary}",
-              flush=True)
+    print(f"{'model':<5} {'ranks':>6} {'TPxPPxDP':>10} {'failure':>7} {'cold':>9} {'prepared':>9} {'prepare':>9}"
+          "  chosen")
+    for model, (_, _, tp, pp, _) in MODELS.items():
+        for ranks in RANKS:
+            if ranks > args.max_ranks or ranks < tp * pp:
+                continue
+            config = recipe(model, ranks)
+            for kind, failed in failures(ranks, tp).items():
+                repeats = args.repeats
+                cold, _, chosen = time_failure(config, failed, prepared=False, repeats=repeats)
+                if args.no_prepared:
+                    warm = prep = float("nan")
+                else:
+                    warm, prep, _ = time_failure(config, failed, prepared=True, repeats=repeats)
+                cells = [seconds(s) if s == s else "-" for s in (cold, warm, prep)]
+                print(f"{model:<5} {ranks:>6} {f'{tp}x{pp}x{ranks // (tp * pp)}':>10} {kind:>7} "
+                      f"{cells[0]:>9} {cells[1]:>9} {cells[2]:>9}  {chosen}", flush=True)
+    if args.memory:
+        for model in MODELS:
+            memory_peak(model, args.max_ranks)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@ KEYS = {
     "train.train_iters": "training.train_iters",
     "optimizer.lr": "training.lr",
     "optimizer.clip_grad": "training.clip_grad",
+    "optimizer.weight_decay": "training.weight_decay",
+    "optimizer.adam_beta1": "training.adam_beta1",
+    "optimizer.adam_beta2": "training.adam_beta2",
+    "optimizer.adam_eps": "training.adam_eps",
     "rng.seed": "training.seed",
     "dataset.seq_length": "model.seq_length",
     "dataset.sequence_length": "model.seq_length",
@@ -96,16 +100,15 @@ UNUSED = frozenset({
     "model.apply_rope_fusion", "model.gradient_accumulation_fusion", "model.deallocate_pipeline_outputs",
     "train.eval_interval", "train.eval_iters", "train.exit_interval", "train.manual_gc",
     "train.manual_gc_interval", "train.manual_gc_eval",
-    "optimizer.min_lr", "optimizer.weight_decay", "optimizer.adam_beta1", "optimizer.adam_beta2",
-    "optimizer.adam_eps", "optimizer.use_distributed_optimizer", "optimizer.bf16", "optimizer.fp16",
+    "optimizer.min_lr", "optimizer.use_distributed_optimizer", "optimizer.bf16", "optimizer.fp16",
     "dataset.num_workers", "dataset.split", "dataset.random_seed", "dataset.reset_attention_mask",
     "dataset.reset_position_ids", "dataset.eod_mask_loss", "dataset.data_sharding", "dataset.dataloader_type",
     "dataset.num_dataset_builder_threads", "dataset.skip_getting_attention_mask_from_dataset",
     "tokenizer.vocab_size", "tokenizer.use_tokenizer_vocab_size",
     "logger.log_interval", "logger.tensorboard_dir", "logger.log_timers_to_tensorboard", "logger.log_throughput",
 })
-"""Known Bridge keys in the sections read that the plugin does not use (Adam runs with
-torch's betas, eps and no weight decay; the learning rate is constant): named in the note."""
+"""Known Bridge keys in the sections read that the plugin does not use (the learning rate
+is constant; each rank's optimizer is Megatron's non-distributed one): named in the note."""
 
 READ_SECTIONS = ("model", "train", "optimizer", "rng", "dataset", "tokenizer", "logger")
 OWN_SECTIONS = ("cluster", "odyssey")

@@ -5,7 +5,8 @@ prints the plan the decision center picks after the given failures, the alternat
 beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR [--force]]
 [--json]`` compares the fault-tolerance systems over a failure scenario. ``odyssey profile
 --config FILE [--out FILE [--force]] [--repeats N] [key=value ...]`` measures the recipe's
-model on this machine and writes the profile file ``odyssey.profile`` reads. With
+model on this machine and writes the profile file ``odyssey.profile`` reads. ``odyssey report
+RUN_DIR [--baseline RUN_DIR] [--out DIR]`` draws an ``odyssey train`` run's plots and summary. With
 ``--print-config``, ``plan`` and ``simulate`` print their config as resolved (YAML) and do
 nothing else.
 
@@ -145,7 +146,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                                help=f"torchrun's {flag} (else ${env})")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. 'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'")
-    return parser, {"plan": plan, "simulate": sim, "profile": prof, "train": train}
+    report = commands.add_parser("report", help="plots and a summary of an odyssey train run", allow_abbrev=False)
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory odyssey train wrote")
+    report.add_argument("--baseline", action=_Once, default=None, metavar="RUN_DIR",
+                        help="a failure-free run whose loss is drawn beside this one's")
+    report.add_argument("--out", action=_Once, default=None, help="where the plots and report.txt go "
+                                                                   "(default: RUN_DIR/report)")
+    return parser, {"plan": plan, "simulate": sim, "profile": prof, "train": train, "report": report}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -377,9 +384,8 @@ def _train_command(args: argparse.Namespace) -> int:
     import logging
     import time
 
-    from odyssey_megatron.runtime.control.launch_config import LaunchConfig
-
     from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+    from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 
     resume = None
     if args.resume is not None:
@@ -416,16 +422,25 @@ def _train_command(args: argparse.Namespace) -> int:
     if launch.node_rank != 0:
         return outcome.status
     from odyssey_megatron.runtime.control.run_summary import summarize_run
-    from odyssey_megatron.runtime.control.wandb_trace import log_run_to_wandb
 
     print(summarize_run(run_dir))
-    try:
-        print(f"W&B run: {log_run_to_wandb(run_dir, config)}")
-    except Exception as exc:  # noqa: BLE001 - the run's results are on disk whatever W&B does
-        print(f"odyssey: W&B logging failed ({type(exc).__name__}: {exc}); the run's records are in {run_dir}",
+    if outcome.wandb_error is not None:
+        print(f"odyssey: W&B logging failed ({outcome.wandb_error}); the run's records are in {run_dir}",
               file=sys.stderr)
         return outcome.status or EXIT_WANDB
+    print(f"W&B run: {outcome.wandb_dir}")
     return outcome.status
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from odyssey_megatron.report import read_run, summary_text, write_report
+
+    run = read_run(args.run_dir, key="RUN_DIR")
+    baseline = read_run(args.baseline, key="--baseline") if args.baseline is not None else None
+    paths = write_report(run, Path(args.out) if args.out is not None else run.directory / "report", baseline=baseline)
+    print(summary_text(run))
+    print(f"report: {', '.join(str(p) for p in paths.values())}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -438,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _profile_command(args)
         if args.command == "train":
             return _train_command(args)
+        if args.command == "report":
+            return _report_command(args)
         return _simulate_command(args)
     except ConfigError as exc:
         print(f"odyssey: error: {exc}", file=sys.stderr)

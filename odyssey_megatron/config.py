@@ -282,12 +282,20 @@ class TrainingConfig:
     lr: float = 3.0e-4
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold (Megatron's name); 0 turns clipping off."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay; biases and 1-D tensors (norms) take none, as in Megatron."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1.0e-8
     seed: int = 1234
 
     def __post_init__(self) -> None:
         require_plain_numbers("training", self)
         require_positive("training", self, "global_batch_size", "micro_batch_size", "train_iters", "lr")
-        require_non_negative("training", self, "seed", "clip_grad")
+        require_non_negative("training", self, "seed", "clip_grad", "weight_decay")
+        require_positive("training", self, "adam_eps")
+        for key in ("adam_beta1", "adam_beta2"):
+            require(0 <= getattr(self, key) < 1, f"training.{key}", f"must be in [0, 1); got {getattr(self, key)}")
         require(
             self.global_batch_size % self.micro_batch_size == 0, "training.global_batch_size",
             f"must be divisible by training.micro_batch_size ({self.micro_batch_size}); got {self.global_batch_size}",

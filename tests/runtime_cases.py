@@ -6,6 +6,8 @@ import json
 
 import torch
 
+from megatron.core.optimizer import OptimizerConfig
+
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model, global_name
@@ -18,6 +20,9 @@ MICRO_BATCH_SIZE = 2
 SEED = 11
 LR = 1e-3
 MAX_GRAD_NORM = 0.5
+WEIGHT_DECAY = 0.1
+OPTIMIZER = OptimizerConfig(lr=LR, clip_grad=MAX_GRAD_NORM, weight_decay=WEIGHT_DECAY)
+"""What every rank's Megatron optimizer runs with: AdamW, norms and biases without decay."""
 STEPS = 3
 
 
@@ -40,7 +45,8 @@ def _snapshot(model: torch.nn.Module, layer_offset: int, grads: bool) -> dict[st
 def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: int, tie_embeddings: bool,
               steps: int = STEPS) -> dict:
     """One process, the whole model, every micro-batch: loss / M per micro-batch, global
-    norm clipping (first-step grads are taken after it), Adam (final moments too)."""
+    norm clipping (first-step grads are taken after it), AdamW with decay on matrices only
+    (final moments too)."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -49,7 +55,10 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
                                  dp=one, dp_cp=one)
     model = build_stage_model(tiny_model(num_layers, tie_embeddings), StageSpec((0, num_layers), True, True), pg_collection=pgc,
                               seed=SEED)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    vectors = [p for p in model.parameters() if p.dim() == 1]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": WEIGHT_DECAY},
+                                   {"params": vectors, "weight_decay": 0.0}], lr=LR)
     source, losses, first_grads, clipped = data(), [], None, 0
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -90,8 +99,7 @@ def run_plan(
         model=model,
         micro_batch_size=MICRO_BATCH_SIZE,
         state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
-        lr=LR,
-        max_grad_norm=MAX_GRAD_NORM,
+        optimizer=OPTIMIZER,
         schedule=schedule,
         overlap_grad_sync=overlap,
     )
@@ -130,8 +138,8 @@ def last_stage_steps_first(rank: int, world_size: int, published: str, marker: s
     ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
     runner = PlanRunner(
         plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
-        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED), lr=LR,
-        max_grad_norm=MAX_GRAD_NORM,
+        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
+        optimizer=OPTIMIZER,
     )
     source, seen = data(), False
     losses = runner.forward_backward(lambda m: source.micro_batch(0, m))
@@ -165,8 +173,8 @@ def timed_steps(rank: int, world_size: int, cases: list) -> list[dict]:
         ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
         runner = PlanRunner(
             plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
-            state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED), lr=LR,
-            max_grad_norm=MAX_GRAD_NORM, emulation=emulation,
+            state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
+            optimizer=OPTIMIZER, emulation=emulation,
         )
         source, seconds = data(), []
         for step in range(2):
@@ -212,7 +220,7 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120),
                                 store=dist.PrefixStore(process_group_prefix(generation), store))
         runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
-                            micro_batch_size=MICRO_BATCH_SIZE, state=state, lr=LR, max_grad_norm=MAX_GRAD_NORM)
+                            micro_batch_size=MICRO_BATCH_SIZE, state=state, optimizer=OPTIMIZER)
         runner.train_step(lambda m, step=generation: source.micro_batch(step, m))
         runner.settle()
         state = runner.release(abandoned=generation % 2 == 0)

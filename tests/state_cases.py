@@ -13,7 +13,7 @@ from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import uniform_profile
-from runtime_cases import LR, MAX_GRAD_NORM, MICRO_BATCH_SIZE, SEED, data, tiny_model
+from runtime_cases import MICRO_BATCH_SIZE, OPTIMIZER, SEED, data, tiny_model
 
 
 def _runner(plan: ExecutionPlan, rank: int, ranks: RankMap, model, state: TrainingState):
@@ -23,7 +23,7 @@ def _runner(plan: ExecutionPlan, rank: int, ranks: RankMap, model, state: Traini
 
     program = step_program(plan, uniform_profile(num_layers=plan.num_layers), decouple=True, staggered=True)
     return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
-                      micro_batch_size=MICRO_BATCH_SIZE, state=state, lr=LR, max_grad_norm=MAX_GRAD_NORM)
+                      micro_batch_size=MICRO_BATCH_SIZE, state=state, optimizer=OPTIMIZER)
 
 
 def _train(runner, steps: range) -> None:

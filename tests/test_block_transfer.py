@@ -31,7 +31,6 @@ from odyssey_megatron.runtime.rank.block_transfer import (
     execute_transfers,
     shard_moves,
 )
-from odyssey_megatron.runtime.rank.plan_runner import stage_of_worker
 from odyssey_megatron.testing.local_world import run_world
 
 NUM_LAYERS = 4
@@ -64,7 +63,7 @@ def old_state(model: ModelConfig, plan: ExecutionPlan, worker: int, tp_rank: int
     """What ``worker``'s TP rank held under ``plan``: its shards of the seed's weights, and
     moments and steps that are not zero and differ per worker, block and TP rank."""
     tp = plan.tensor_parallel_size
-    state = TrainingState.initial(model, stage_of_worker(plan, worker), seed=SEED, tp_rank=tp_rank, tp_size=tp)
+    state = TrainingState.initial(model, StageSpec.of_worker(plan, worker), seed=SEED, tp_rank=tp_rank, tp_size=tp)
     for index, block in enumerate(state.held()):
         held = state.blocks[block]
         generator = torch.Generator().manual_seed(1000 * worker + 10 * index + tp_rank)

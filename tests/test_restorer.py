@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.optimize import linear_sum_assignment
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, Reroute, StagePlan, SyncUnit
@@ -254,6 +255,47 @@ def test_km_transfer_properties(case):
 
     lowest_holder = max_sending_s(lambda t: holders[t.layer][0])
     assert max_sending_s(lambda t: cluster.worker_of(t.src)) <= lowest_holder
+
+
+def full_matrix_cost(holdings, slots, profile):
+    """The optimum of Kuhn-Munkres on the whole worker x slot matrix (the solver before
+    workers and slots were grouped into classes)."""
+    workers = sorted(holdings)
+    matrix = np.array([[sum(profile.block(b).state_bytes for b in set(s) - set(holdings[w])) for s in slots]
+                       for w in workers])
+    rows, cols = linear_sum_assignment(matrix)
+    return int(matrix[rows, cols].sum())
+
+
+@st.composite
+def crowds(draw):
+    """(holdings, slots, profile): up to 40 workers holding arbitrary block sets drawn
+    from a few kinds, and slots from a few kinds, with unequal block sizes, so classes
+    are large and paths between them cross used edges."""
+    num_layers = draw(st.integers(2, 8))
+    sizes = draw(st.lists(st.integers(1, 9), min_size=num_layers, max_size=num_layers))
+    profile = uniform_profile(num_layers=num_layers, layer_state_bytes=1)
+    profile = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, param_bytes=size, optimizer_bytes=0, grad_bytes=0)
+        for layer, size in zip(profile.layers, sizes)))
+    block_sets = st.lists(st.sampled_from(range(num_layers)), unique=True, max_size=num_layers)
+    kinds = draw(st.lists(block_sets, min_size=1, max_size=5))
+    holdings = dict(enumerate(draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=40))))
+    slot_kinds = draw(st.lists(block_sets, min_size=1, max_size=5))
+    slots = draw(st.lists(st.sampled_from(slot_kinds), min_size=1, max_size=len(holdings)))
+    return holdings, slots, profile
+
+
+@PROPERTY
+@given(crowds())
+def test_placement_by_class_costs_what_the_full_matrix_does(case):
+    holdings, slots, profile = case
+    result = plan_weight_transfer(holdings=holdings, slots=slots, profile=profile,
+                                  cluster=ClusterState(world_size=len(holdings)))
+    assert result.cost_bytes == full_matrix_cost(holdings, slots, profile)
+    assert result.cost_bytes == assignment_cost(holdings=holdings, slots=slots, assignment=result.assignment,
+                                                profile=profile)
+    assert len(set(result.assignment)) == len(slots)
 
 
 def test_tensor_parallel_expansion_pairs_equal_tp_ranks():

@@ -23,7 +23,7 @@ from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.testing.local_world import run_world
-from runtime_cases import LR, last_stage_steps_first, reference, run_plan
+from runtime_cases import LR, OPTIMIZER, last_stage_steps_first, reference, run_plan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -152,5 +152,5 @@ def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
     ranks, model = RankMap.identity(2, 1), tiny_model(4)
     with pytest.raises(ValueError, match="ascending order"):
         PlanRunner(plan=plan, program=step_program(plan, uniform_profile(num_layers=4)), rank=0, ranks=ranks,
-                   model=model, micro_batch_size=MICRO_BATCH_SIZE, lr=LR, schedule="megatron",
+                   model=model, micro_batch_size=MICRO_BATCH_SIZE, optimizer=OPTIMIZER, schedule="megatron",
                    state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from wandb_records import history, wandb_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "llama2_7b" / "tiny_cpu.yaml"
@@ -79,6 +80,23 @@ def recoveries(run_dir: Path) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "recovery"]
 
 
+def wandb_runs(run_dir: Path) -> list[Path]:
+    """The run's offline W&B run directories (one per ``odyssey train`` invocation)."""
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+def read_wandb_run(directory: Path) -> tuple[str, list[dict], list[dict]]:
+    """(run id, history rows, recovery table rows) as W&B recorded them."""
+    records = wandb_records(next(directory.glob("run-*.wandb")))
+    run_id = next(r.run.run_id for r in records if r.WhichOneof("record_type") == "run")
+    rows = []
+    for table in sorted(directory.glob("files/media/table/recoveries_*.table.json"),
+                        key=lambda p: int(p.name.split("_")[1])):
+        data = json.loads(table.read_text())
+        rows += [dict(zip(data["columns"], row)) for row in data["data"]]
+    return run_id, history(records), rows
+
+
 def test_failure_free_run_commits_every_step_on_every_sample_once(reference):
     steps = read_jsonl(reference / "samples.jsonl")
     assert [s["step"] for s in steps] == list(range(STEPS))
@@ -91,6 +109,11 @@ def test_failure_free_run_commits_every_step_on_every_sample_once(reference):
     assert (reference / "plan-0.json").is_file() and (reference / "config.yaml").is_file()
     events = [e["event"] for e in read_jsonl(reference / "events.jsonl")]
     assert "failure" not in events and events.count("step") == STEPS and "finished" in events
+    (wandb_run,) = wandb_runs(reference)
+    steps = {row["step"]: row for row in read_wandb_run(wandb_run)[1] if "train/loss" in row}
+    measured = [steps[s].get("train/step_time_s") for s in range(STEPS)]
+    assert measured[0] is None and all(t > 0 for t in measured[1:])  # step 0 waits for every rank to start
+    assert all(steps[s]["train/tokens_per_s"] == pytest.approx(16 * 64 / measured[s]) for s in range(1, STEPS))
 
 
 def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_path, data_cache, reference):
@@ -110,6 +133,19 @@ def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_pat
         ([5], "exit", "reroute", 1), ([2], "heartbeat", "reroute", 2), ([7], "error", "reroute", 3),
         ([1], "exit", "reroute", 4)]
     assert all(r["to_first_step_s"] > r["to_plan_s"] >= r["detection_s"] >= 0 for r in done)
+    (wandb_run,) = wandb_runs(run_dir)
+    run_id, rows, table = read_wandb_run(wandb_run)
+    assert run_id == (run_dir / "wandb-run-id").read_text().strip()
+    steps = {row["step"]: row for row in rows if "train/loss" in row}
+    assert sorted(steps) == list(range(STEPS))
+    assert [steps[s["step"]]["train/loss"] for s in read_jsonl(run_dir / "samples.jsonl")] == [
+        s["loss"] for s in read_jsonl(run_dir / "samples.jsonl")]
+    assert [steps[s]["train/training_ranks"] for s in range(STEPS)] == [8, 7, 6, 5, 4]
+    assert all(row["train/estimated_step_time_s"] > 0 for row in steps.values())
+    recovered = [row for row in rows if "recovery/to_first_step_s" in row]
+    assert [row["recovery/to_first_step_s"] for row in recovered] == [r["to_first_step_s"] for r in done]
+    assert [(row["failed_ranks"], row["policy"]) for row in table] == [
+        (str(r["failed_ranks"]), r["policy"]) for r in done]
 
 
 def test_reparallelizing_survives_a_kill_during_recovery_and_two_at_once(tmp_path, data_cache, reference):
@@ -172,6 +208,23 @@ def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_same_training(run_dir, reference)
+    first, second = wandb_runs(run_dir)  # one W&B run, continued by --resume
+    assert read_wandb_run(first)[0] == read_wandb_run(second)[0] == (run_dir / "wandb-run-id").read_text().strip()
+
+
+def test_a_megatron_bridge_recipe_trains_as_it_is(tmp_path, data_cache, reference):
+    """``bridge_tiny.yaml`` is Megatron-Bridge's ConfigContainer layout of the tiny recipe
+    with an ``odyssey:`` section added: it trains through a kill, with Bridge's names on
+    the command line, to the same model as the tiny recipe's failure-free run."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config",
+               str(ROOT / "recipes" / "llama2_7b" / "bridge_tiny.yaml"), "--run-dir", str(run_dir),
+               f"train.train_iters={STEPS}", f"dataset.path_to_cache={data_cache}",
+               faults("{rank: 3, step: 2, phase: backward, action: kill}")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_same_training(run_dir, reference)
+    assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[3]]
 
 
 def test_resume_needs_a_checkpoint(tmp_path):
@@ -181,3 +234,14 @@ def test_resume_needs_a_checkpoint(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         f"odyssey: error: --resume: {tmp_path} holds no complete checkpoint of an odyssey train run "
         "(odyssey.checkpoint_interval was 0, or the run ended before one was due)")
+
+
+def test_fp16_is_refused_before_anything_starts(tmp_path):
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config", str(RECIPE), "--run-dir",
+               str(tmp_path / "run"), "model.params_dtype=fp16"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "odyssey: error: model.params_dtype: odyssey train runs fp32 or bf16 (fp16 needs loss scaling, which its "
+        "executors do not apply)")
+    assert not (tmp_path / "run").exists()

@@ -174,7 +174,8 @@ RECIPE_KEYS = {
     "model.params_dtype": ["bf16", "fp8"], "model.spec": ["llama2-7b", "gpt5"], "model.tie_embeddings": [],
     "parallel.tensor_model_parallel_size": [], "parallel.pipeline_model_parallel_size": [],
     "parallel.data_parallel_size": [], "parallel.world_size": ["16"], "training.global_batch_size": ["32"],
-    "training.micro_batch_size": [], "training.clip_grad": [], "cluster.device": ["a100-80gb", "tpu"],
+    "training.micro_batch_size": [], "training.clip_grad": [], "training.weight_decay": [],
+    "training.adam_beta1": [], "training.adam_beta2": ["0.95"], "training.adam_eps": ["1e-5"], "cluster.device": ["a100-80gb", "tpu"],
     "cluster.devices_per_node": [], "cluster.num_nodes": [], "logger.wandb_project": ["p"],
     "odyssey.policy": ["reroute", "reparallelize"], "odyssey.device_mtbf_hours": [],
     "odyssey.learn_failure_rate": ["false"], "odyssey.dp_search_radius": [], "odyssey.pp_search_radius": [],
@@ -190,6 +191,7 @@ BRIDGE_KEYS = {
     "model.params_dtype": ["torch.bfloat16", "bfloat16", "fp8"], "model.bf16": [], "model.fp16": [],
     "model.context_parallel_size": [], "model.share_embeddings_and_output_weights": [],
     "train.global_batch_size": ["32"], "train.micro_batch_size": [], "optimizer.lr": [], "optimizer.clip_grad": [],
+    "optimizer.weight_decay": ["0.1"], "optimizer.adam_beta2": ["0.95"],
     "rng.seed": [], "tokenizer.tokenizer_type": ["HuggingFaceTokenizer"], "cluster.num_nodes": ["2"],
     "ddp.overlap_grad_reduce": [], "mixed_precision": ["bf16_mixed"], "odyssey.policy": ["reroute"],
 }

@@ -1,7 +1,7 @@
 """Seconds of a step's optimizer phase: the global gradient norm's all-reduce, then Adam.
 
 After the DP sync every training rank all-reduces one scalar, its share of the squared
-global norm (``hooks.grad_sync.clip_grad_norm``), over all training ranks, then clips
+global norm (``hooks.stage_optimizer.StageOptimizer.clip``), over all training ranks, then clips
 and steps Adam over the blocks it holds; the next step waits for the slowest rank.
 Under staggered optimizer steps the norm's all-reduce runs beside the next step
 (``runtime.rank.staggered_step``), so only Adam counts.
@@ -14,8 +14,8 @@ from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 
-NORM_BYTES = 8
-"""The squared norm is one float64."""
+NORM_BYTES = 4
+"""The norm is one float32: the all-reduce is all latency."""
 
 
 def norm_allreduce_time(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None) -> float:

@@ -149,51 +149,15 @@ class LayerGradSync:
             bucket.work = bucket.flat = bucket.paced = None
 
 
-def local_grad_square(
-    *, plan: ExecutionPlan, worker: int, params: dict[Block, list[torch.nn.Parameter]], tp_rank: int
-) -> torch.Tensor:
-    """This rank's share of the squared global gradient norm, counting each block once:
-    the lowest worker holding a block contributes it, TP-sharded tensors from every TP
-    rank, replicated ones (norms) from TP rank 0. Summed over all ranks it is the square
-    of the single-process norm."""
-    owners = {b: min(unit.workers) for unit in plan.sync_units for b in unit.blocks}
-    device = next(p.device for tensors in params.values() for p in tensors)
-    square = torch.zeros((), dtype=torch.float64, device=device)
-    for block, tensors in params.items():
-        if owners.get(block) != worker:
-            continue
-        for p in tensors:
-            if p.grad is not None and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False)):
-                square += p.grad.double().pow(2).sum()
-    return square
+def block_owners(plan: ExecutionPlan) -> dict[Block, int]:
+    """The worker whose gradient of each block the global norm counts: the lowest worker
+    holding it. Summed over the norm group, the norm is then the single-process one."""
+    return {block: min(unit.workers) for unit in plan.sync_units for block in unit.blocks}
 
 
 def clip_scale(norm: float, max_norm: float) -> float | None:
-    """The factor global-norm clipping multiplies every gradient by; None when it leaves
-    them alone (``max_norm`` 0 turns clipping off)."""
-    if max_norm > 0 and norm > max_norm:
-        return max_norm / (norm + 1e-6)
-    return None
-
-
-def clip_grad_norm(
-    *,
-    plan: ExecutionPlan,
-    worker: int,
-    params: dict[Block, list[torch.nn.Parameter]],
-    tp_rank: int,
-    max_norm: float,
-    group: dist.ProcessGroup | None = None,
-) -> float:
-    """Clip every gradient by the global norm (``local_grad_square`` summed over
-    ``group``, every rank). Collective; returns the norm before clipping."""
-    square = local_grad_square(plan=plan, worker=worker, params=params, tp_rank=tp_rank)
-    dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)
-    norm = float(square.sqrt())
-    scale = clip_scale(norm, max_norm)
-    if scale is not None:
-        for tensors in params.values():
-            for p in tensors:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-    return norm
+    """The factor global-norm clipping multiplies every gradient by, as Megatron's
+    ``clip_grad_by_total_norm_fp32`` computes it; None when it leaves them alone
+    (``max_norm`` 0 turns clipping off)."""
+    scale = max_norm / (norm + 1.0e-6)
+    return scale if max_norm > 0 and scale < 1.0 else None

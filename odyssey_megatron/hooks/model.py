@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer import TransformerConfig
 
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.plan import ExecutionPlan
 
 INIT_STD = 0.02
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,6 +52,14 @@ class StageSpec:
     """[start, end) of the transformer layers."""
     first: bool
     last: bool
+
+    @classmethod
+    def of_worker(cls, plan: ExecutionPlan, worker: int) -> "StageSpec":
+        """The stage ``worker`` runs under ``plan``; ValueError if it runs none."""
+        for pi, si, stage in plan.stage_positions():
+            if stage.worker == worker:
+                return cls(stage.layers, first=si == 0, last=si == plan.pipelines[pi].num_stages - 1)
+        raise ValueError(f"worker {worker} owns no stage in plan generation {plan.generation}")
 
 
 def transformer_config(model: ModelConfig, *, num_layers: int, tensor_parallel_size: int) -> TransformerConfig:

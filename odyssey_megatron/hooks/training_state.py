@@ -16,8 +16,9 @@ block exports to the flat dict of tensors a transfer sends or a checkpoint file 
 ``hooks.model.init_stage_parameters`` does; after that the state, not the seed, is the
 source. ``stage_blocks`` and ``empty_block`` say what a stage holds and what one block's
 export looks like from the model config alone, so a receiver can allocate before a
-transfer arrives. ``StageOptimizer`` is Adam over a stage model built around a state's
-tensors: it trains them in place and reads them back per block.
+transfer arrives. ``hooks.stage_optimizer.StageOptimizer`` is Megatron-Core's optimizer
+over a stage model built around a state's tensors: it trains them in place and reads them
+back per block.
 
 There is no RNG state to carry: the Llama stages have no dropout (``transformer_config``
 sets both rates to 0) and a step draws no random number. Megatron forks its
@@ -38,15 +39,14 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.grad_sync import block_of
 from odyssey_megatron.hooks.model import (
     StageSpec,
-    global_name,
     initial_shard,
-    is_tied,
     stage_parameter_shapes,
     tensor_parallel_dim,
 )
+from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import Block, block_sort_key
 
-__all__ = ["BlockState", "StageOptimizer", "TrainingState", "empty_block", "stage_blocks"]
+__all__ = ["BlockState", "TrainingState", "empty_block", "stage_blocks", "worker_blocks"]
 
 PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param", "exp_avg", "exp_avg_sq", "step"
 _KINDS = (PARAM, EXP_AVG, EXP_AVG_SQ)
@@ -112,6 +112,11 @@ class BlockState:
 def stage_blocks(model: ModelConfig, stage: StageSpec) -> list[Block]:
     """The blocks a rank of ``stage`` holds, in model order (a tied last stage holds the embedding)."""
     return sorted({block_of(name, _GLOBAL) for name in stage_parameter_shapes(model, stage)}, key=block_sort_key)
+
+
+def worker_blocks(model: ModelConfig, plan: ExecutionPlan, worker: int) -> list[Block]:
+    """The blocks ``worker`` trains under ``plan``: its stage's, or none if it runs no stage."""
+    return stage_blocks(model, StageSpec.of_worker(plan, worker)) if worker in plan.workers else []
 
 
 def empty_block(model: ModelConfig, block: Block, *, tp_size: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -186,86 +191,3 @@ class TrainingState:
         wanted = set(blocks)
         for block in [b for b in self.blocks if b not in wanted]:
             del self.blocks[block]
-
-
-class StageOptimizer:
-    """Adam over a stage model whose weights, moments and steps come from a ``TrainingState``.
-
-    In fp32 the model's parameters take the state's tensors over (no copy) and Adam steps
-    them. In bf16/fp16 the state's tensors are fp32 master weights: Adam steps them from
-    the model's gradients (``grads_to_masters``) and every step writes their rounded
-    values into the model."""
-
-    def __init__(self, state: TrainingState, gpt: torch.nn.Module, stage: StageSpec, *, lr: float):
-        """Loads ``gpt`` (built for ``stage``, parameters uninitialised) from ``state``, which
-        must hold exactly the stage's blocks, with every parameter's shape."""
-        tied = is_tied(gpt)
-        located = {name: (global_name(name, stage.layers[0], tied=tied), block_of(name, stage, tied=tied))
-                   for name, _ in gpt.named_parameters()}
-        needed = {block for _, block in located.values()}
-        if set(state.blocks) != needed:
-            missing, extra = sorted(needed - set(state.blocks), key=block_sort_key), sorted(
-                set(state.blocks) - needed, key=block_sort_key)
-            raise ValueError(f"training state for stage {stage}: missing blocks {missing} (receive them), "
-                             f"extra blocks {extra} (keep drops them)")
-        for block in needed:
-            names = {full for full, b in located.values() if b == block}
-            held = set(state.blocks[block].params)
-            if held != names:
-                raise ValueError(f"training state block {block!r}: holds {sorted(held - names)} the stage has not, "
-                                 f"lacks {sorted(names - held)}")
-        self._masters: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
-        """(model parameter, its fp32 master) where the model is not fp32."""
-        self._located: list[tuple[str, Block, torch.nn.Parameter]] = []
-        """(global name, block, the parameter Adam steps) per stage parameter."""
-        moments = []
-        with torch.no_grad():
-            for name, param in gpt.named_parameters():
-                full, block = located[name]
-                source = state.blocks[block]
-                weights = source.params[full]
-                if tuple(weights.shape) != tuple(param.shape):
-                    raise ValueError(f"training state block {block!r}: {PARAM}/{full} has shape "
-                                     f"{tuple(weights.shape)}, the stage needs {tuple(param.shape)}")
-                if param.dtype == torch.float32:
-                    param.data = weights.to(param.device)
-                    stepped = param
-                else:
-                    stepped = torch.nn.Parameter(weights.to(param.device))
-                    param.copy_(stepped)
-                    self._masters.append((param, stepped))
-                self._located.append((full, block, stepped))
-                moments.append((stepped, source.step, source.exp_avg[full], source.exp_avg_sq[full]))
-        self.adam = torch.optim.Adam([p for _, _, p in self._located], lr=lr)
-        for stepped, step, exp_avg, exp_avg_sq in moments:
-            # What Adam's first step would create, with the state's values.
-            self.adam.state[stepped] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                        "exp_avg": exp_avg.to(stepped.device),
-                                        "exp_avg_sq": exp_avg_sq.to(stepped.device)}
-        if self._masters:
-            self.adam.register_step_post_hook(lambda *_: self._publish())
-
-    def grads_to_masters(self) -> None:
-        """Call once per step after the gradients are final (synced, clipped where clipping
-        runs first) and before Adam steps: the masters take the model's gradients in fp32."""
-        for param, master in self._masters:
-            master.grad = None if param.grad is None else param.grad.float()
-
-    def _publish(self) -> None:
-        with torch.no_grad():
-            for param, master in self._masters:
-                param.copy_(master)
-
-    def state(self) -> TrainingState:
-        """The stage's blocks as trained so far: the tensors Adam steps, not copies."""
-        blocks: dict[Block, BlockState] = {}
-        for full, block, stepped in self._located:
-            adam = self.adam.state[stepped]
-            step = int(adam["step"])
-            state = blocks.setdefault(block, BlockState({}, {}, {}, step))
-            if state.step != step:
-                raise RuntimeError(f"block {block!r}: {full} took {step} steps, the block's others {state.step}")
-            state.params[full] = stepped.detach()
-            state.exp_avg[full] = adam["exp_avg"]
-            state.exp_avg_sq[full] = adam["exp_avg_sq"]
-        return TrainingState(blocks)

@@ -8,12 +8,12 @@ from dataclasses import dataclass, replace
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
-from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
 from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
+from odyssey_megatron.planner.reroute_pricing import RerouteCost
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync
 
@@ -156,7 +156,7 @@ def draft_candidates(
     notes = []
     as_run = dict(  # price plans as the runtime runs them; the memo spares pricing a reroute twice
         decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer, memo={})
-    reroute_cost = lambda plan: rerouted_makespan(plan, profile, cluster, **as_run)  # noqa: E731
+    reroute_cost = RerouteCost(profile, cluster, **as_run)
     holdings = live_holdings(current, cluster=cluster, profile=profile)  # before anything moves
 
     def price_reroute(plan: ExecutionPlan) -> Draft | None:

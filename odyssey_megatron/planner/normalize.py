@@ -10,7 +10,8 @@ The same bookkeeping lets idle workers (repaired or spare) take over rerouted st
 the costliest first. Both return layouts only: the copies a layout needs come from what
 survivors hold before it (``restorer.plan_transfers``), not from the layout itself,
 where a survivor just moved in holds nothing yet and one moved away still holds its old
-stage.
+stage. On a large cluster each swap is priced on a window of the layout that reroutes
+and prices exactly as the whole does (``reroute_pricing``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from dataclasses import replace
 from typing import AbstractSet, Callable, Optional
 
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.distinct import sub_plan
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.reroute import reroute_plan
+from odyssey_megatron.planner.reroute_pricing import pricing_window
 from odyssey_megatron.profile import ModelProfile
 
 
@@ -37,21 +40,24 @@ def normalize_failures(
     rerouted plan (None: infeasible); ``layout`` still names the failed workers."""
     failed = cluster.failed_workers
     before = layout  # who holds what: a survivor swapped in below holds nothing yet
+    window = pricing_window(layout, failed=failed, cluster=cluster)  # prices as the whole layout does
+    part = sub_plan(replace(layout, reroutes=()), window)
     for worker in sorted(new_failures):
-        slot = _slot_of(layout, worker)
-        if slot is None or not _holders(before, *slot, failed, profile):
+        slot = _slot_of(part, worker)
+        if slot is None or not _has_holder(before, window[slot[0]], slot[1], failed, profile):
             continue  # not a stage owner, or nobody left to copy its stage from
         pi, si = slot
-        best_cost, best = _rerouted_cost(layout, failed, profile, cost), None
-        for sj, stage in enumerate(layout.pipelines[pi].stages):
+        best_cost, best = _rerouted_cost(part, failed, profile, cost), None
+        for sj, stage in enumerate(part.pipelines[pi].stages):
             if sj == si or stage.worker is None or stage.worker in failed:
                 continue
-            candidate = _swap(layout, pi, si, sj)
+            candidate = _swap(part, pi, si, sj)
             price = _rerouted_cost(candidate, failed, profile, cost)
             if price is not None and (best_cost is None or price < best_cost - 1e-9):
-                best_cost, best = price, candidate
+                best_cost, best = price, sj
         if best is not None:
-            layout = best
+            part = _swap(part, pi, si, best)
+            layout = _swap(layout, window[pi], si, best)
     return layout
 
 
@@ -74,7 +80,7 @@ def refill_failed_stages(
     workers = sorted(idle_workers)
     for n, worker in enumerate(workers):
         fillable = [(pi, si) for pi, si, stage in plan.stage_positions()
-                    if stage.worker is None and _holders(before, pi, si, cluster.failed_workers, profile)]
+                    if stage.worker is None and _has_holder(before, pi, si, cluster.failed_workers, profile)]
         if not fillable:
             break
         if len(workers) - n >= len(fillable):  # a worker for each: all get filled, in any order
@@ -113,14 +119,14 @@ def _slot_of(layout: ExecutionPlan, worker: int) -> tuple[int, int] | None:
     return None
 
 
-def _holders(layout: ExecutionPlan, pi: int, si: int, failed: AbstractSet[int], profile: ModelProfile) -> list[int]:
-    """Live owners of stage ``si`` of any pipeline holding the same blocks as pipeline ``pi``'s."""
+def _has_holder(layout: ExecutionPlan, pi: int, si: int, failed: AbstractSet[int], profile: ModelProfile) -> bool:
+    """Whether a live owner of stage ``si`` of some pipeline holds the blocks of pipeline ``pi``'s."""
     blocks = layout.blocks_of_stage(pi, si, profile)
-    return [
-        stage.worker for pj, sj, stage in layout.stage_positions()
-        if sj == si and stage.worker is not None and stage.worker not in failed
-        and layout.blocks_of_stage(pj, sj, profile) == blocks
-    ]
+    return any(
+        stage.worker is not None and stage.worker not in failed and layout.blocks_of_stage(pj, si, profile) == blocks
+        for pj, pipeline in enumerate(layout.pipelines) if si < pipeline.num_stages
+        for stage in (pipeline.stages[si],)
+    )
 
 
 def _assign(layout: ExecutionPlan, pi: int, si: int, worker: Optional[int]) -> ExecutionPlan:

@@ -2,7 +2,9 @@
 
 Paper IV-B: moving weights between plans is a bipartite matching between survivors and
 the new plan's stages, where pairing worker i with stage j costs the bytes of the blocks
-j needs that i does not hold; Kuhn-Munkres finds the cheapest pairing. We then pick, per
+j needs that i does not hold; Kuhn-Munkres finds the cheapest pairing, solved here over
+classes of identical workers and of identical slots (thousands of workers, a handful of
+classes) with the same optimum as the full matrix. We then pick, per
 missing block, the survivor that sends it so that no single sender becomes the
 bottleneck, and expand worker-level moves to rank-level TP shards.
 """
@@ -13,7 +15,6 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan, Transfer
@@ -68,14 +69,10 @@ def plan_weight_transfer(
     if not slots:
         return TransferPlan(assignment=(), transfers=(), cost_bytes=0)
 
-    costs = _cost_matrix(workers=workers, holdings=holdings, slots=slots, profile=profile)
-    rows, cols = linear_sum_assignment(costs)
-    assignment = [0] * len(slots)
-    for row, col in zip(rows, cols):
-        assignment[col] = workers[row]
+    assignment, cost = _class_assignment(workers=workers, holdings=holdings, slots=slots, profile=profile)
     transfers = _shard_transfers(holdings=holdings, slots=slots, assignment=assignment, profile=profile,
                                  cluster=cluster)
-    return TransferPlan(assignment=tuple(assignment), transfers=transfers, cost_bytes=int(costs[rows, cols].sum()))
+    return TransferPlan(assignment=tuple(assignment), transfers=transfers, cost_bytes=cost)
 
 
 def live_holdings(plan: ExecutionPlan, *, cluster: ClusterState, profile: ModelProfile) -> dict[int, list[Block]]:
@@ -150,33 +147,87 @@ def _shard_sources(src: Optional[int], cluster: ClusterState) -> tuple[Optional[
     return cluster.worker_ranks(src)
 
 
-def _cost_matrix(
+def _class_assignment(
     *,
     workers: Sequence[int],
     holdings: Mapping[int, Sequence[Block]],
     slots: Sequence[Sequence[Block]],
     profile: ModelProfile,
-) -> np.ndarray:
-    """C[i, j] = bytes of slots[j] that workers[i] lacks, as (slot bytes) - (overlap bytes).
+) -> tuple[list[int], int]:
+    """(worker per slot, bytes moved): a Kuhn-Munkres optimum, solved over classes.
 
-    The overlap is one worker x block by block x slot product. The matrix stays float64,
-    which linear_sum_assignment wants anyway: BLAS keeps it fast, and byte sums stay far
-    below 2**53, where float64 integers are exact.
+    The cost of worker i taking slot j depends only on which blocks i holds and which j
+    needs, and a layout has a few distinct stages while a cluster has thousands of
+    workers; so workers with equal holdings form a class, slots with equal blocks form a
+    class, and the assignment is a transportation problem between classes (a min-cost
+    flow, ``_transport``) whose optimum equals that of the full worker x slot matrix.
+    Within a class, slots in order take the lowest-numbered workers still free.
     """
-    blocks = sorted({b for slot in slots for b in slot}, key=block_sort_key)
-    column = {b: k for k, b in enumerate(blocks)}
-    weight = np.array([profile.block(b).state_bytes for b in blocks], dtype=np.float64)
-
-    held = np.zeros((len(workers), len(blocks)), dtype=np.float64)
-    for i, worker in enumerate(workers):
-        held[i, [column[b] for b in holdings[worker] if b in column]] = 1.0
-    needed = np.zeros((len(slots), len(blocks)), dtype=np.float64)
+    worker_classes: dict[frozenset, list[int]] = {}
+    for worker in workers:
+        worker_classes.setdefault(frozenset(holdings[worker]), []).append(worker)
+    slot_classes: dict[frozenset, list[int]] = {}
     for j, slot in enumerate(slots):
-        needed[j, [column[b] for b in slot]] = 1.0
+        slot_classes.setdefault(frozenset(slot), []).append(j)
+    held, needed = list(worker_classes), list(slot_classes)
+    costs = [[sum(profile.block(b).state_bytes for b in need - have) for need in needed] for have in held]
+    flow = _transport(supply=[len(worker_classes[h]) for h in held], demand=[len(slot_classes[n]) for n in needed],
+                      costs=costs)
+    free = [iter(worker_classes[h]) for h in held]
+    assignment = [0] * len(slots)
+    for b, need in enumerate(needed):
+        sources = iter([a for a in range(len(held)) for _ in range(flow[a][b])])
+        for j in slot_classes[need]:
+            assignment[j] = next(free[next(sources)])
+    return assignment, sum(flow[a][b] * costs[a][b] for a in range(len(held)) for b in range(len(needed)))
 
-    costs = (held * weight) @ needed.T
-    np.subtract(needed @ weight, costs, out=costs)
-    return costs
+
+def _transport(*, supply: Sequence[int], demand: Sequence[int], costs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Integer flow ``flow[a][b]`` meeting every ``demand[b]`` from ``supply[a]`` (which may
+    be left over) at least total ``costs[a][b]`` per unit: successive shortest paths
+    (Bellman-Ford, exact on integer costs). Each path runs supply -> slot class, then back
+    along used edges and forward again; it carries as much as its tightest edge allows,
+    so the number of paths grows with the number of classes, not of workers."""
+    left, wanted = list(supply), list(demand)
+    rows, cols = range(len(supply)), range(len(demand))
+    flow = [[0] * len(demand) for _ in rows]
+    while any(wanted):
+        dist_a = [0 if left[a] else None for a in rows]
+        dist_b: list = [None] * len(demand)
+        via_a: list = [None] * len(demand)  # the worker class a path reaches slot class b from
+        via_b: list = [None] * len(supply)  # the slot class a path returns to worker class a from
+        changed = True
+        while changed:
+            changed = False
+            for a in rows:
+                if dist_a[a] is None:
+                    continue
+                for b in cols:
+                    d = dist_a[a] + costs[a][b]
+                    if dist_b[b] is None or d < dist_b[b]:
+                        dist_b[b], via_a[b], changed = d, a, True
+            for b in cols:
+                if dist_b[b] is None:
+                    continue
+                for a in rows:
+                    d = dist_b[b] - costs[a][b]
+                    if flow[a][b] and (dist_a[a] is None or d < dist_a[a]):
+                        dist_a[a], via_b[a], changed = d, b, True
+        end = min((b for b in cols if wanted[b] and dist_b[b] is not None), key=lambda b: (dist_b[b], b))
+        path, b = [], end  # (worker class, slot class, +1 forward / -1 undone), back from the end
+        while True:
+            a = via_a[b]
+            path.append((a, b, 1))
+            if via_b[a] is None:
+                break
+            b = via_b[a]
+            path.append((a, b, -1))
+        amount = min([wanted[end], left[a]] + [flow[x][y] for x, y, sign in path if sign < 0])
+        for x, y, sign in path:
+            flow[x][y] += sign * amount
+        left[a] -= amount
+        wanted[end] -= amount
+    return flow
 
 
 def _choose_sources(

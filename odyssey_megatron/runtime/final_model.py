@@ -29,13 +29,6 @@ _GLOBAL = StageSpec((0, 0), first=True, last=True)
 """Global names are the local names of a stage at layer offset 0."""
 
 
-def _stage_of(plan: ExecutionPlan, worker: int) -> StageSpec:
-    for pi, si, stage in plan.stage_positions():
-        if stage.worker == worker:
-            return StageSpec(stage.layers, first=si == 0, last=si == plan.pipelines[pi].num_stages - 1)
-    raise ValueError(f"worker {worker} owns no stage in plan generation {plan.generation}")
-
-
 def _part_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / _PARTS / f"rank{rank}.pt"
 
@@ -47,7 +40,7 @@ def write_final_part(run_dir: Path, *, plan: ExecutionPlan, model: ModelConfig, 
     for other in plan.workers:
         if other == worker:
             break
-        earlier.update(stage_blocks(model, _stage_of(plan, other)))
+        earlier.update(stage_blocks(model, StageSpec.of_worker(plan, other)))
     params = {name: tensor.detach().cpu() for block, held in state.blocks.items() if block not in earlier
               for name, tensor in held.params.items()}
     path = _part_path(run_dir, rank)

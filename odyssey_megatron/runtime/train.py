@@ -15,20 +15,21 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from odyssey_megatron.config import RecipeConfig, config_yaml
+from odyssey_megatron.config import DType, RecipeConfig, config_yaml
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import write_json
+from odyssey_megatron.runtime.checkpoint import latest_checkpoint
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
-from odyssey_megatron.runtime.checkpoint import latest_checkpoint
 from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, TrainingRun
+from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
 from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec, Timeouts
 
 __all__ = ["TrainOutcome", "run_timeouts", "train_node"]
@@ -41,6 +42,10 @@ class TrainOutcome:
     status: int
     """0: trained to the end; 1: the run failed; 3: no plan could go on."""
     message: str
+    wandb_dir: Optional[Path] = None
+    """Node 0: the W&B run's local directory."""
+    wandb_error: Optional[str] = None
+    """Node 0: why W&B logging stopped, if it did (the run's records are complete anyway)."""
 
 
 def run_timeouts(config: RecipeConfig) -> Timeouts:
@@ -50,7 +55,10 @@ def run_timeouts(config: RecipeConfig) -> Timeouts:
 
 
 def check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
-    """The nodes must hold exactly the recipe's ranks."""
+    """The nodes must hold exactly the recipe's ranks, in a precision the workers train."""
+    if config.model.params_dtype == DType.fp16:
+        raise ConfigError("model.params_dtype", "odyssey train runs fp32 or bf16 (fp16 needs loss scaling, "
+                                                "which its executors do not apply)")
     ranks = config.parallel.num_ranks
     if launch.world_size != ranks:
         raise ConfigError("--nnodes", f"{launch.nnodes} node(s) of cluster.devices_per_node="
@@ -81,6 +89,9 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         launch = LaunchConfig(nnodes=launch.nnodes, node_rank=0, master_addr=launch.master_addr,
                               master_port=controller.port, nproc_per_node=launch.nproc_per_node)
     center = DecisionCenter.from_recipe(config)
+    trace = WandbTrace(run_dir, config)
+    controller.record.subscribe(trace)
+    trace.start()
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
                                            None if resume is None else str(resume[1])).to_json())
     controller.start()
@@ -96,7 +107,10 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     controller.record.event("run_end", status=outcome[0].status, message=outcome[0].message)
     controller.stop()
     write_json(run_dir / "outcome.json", {"status": outcome[0].status, "message": outcome[0].message})
-    return outcome[0]
+    try:
+        return replace(outcome[0], wandb_dir=trace.finish())
+    except RuntimeError as exc:
+        return replace(outcome[0], wandb_error=str(exc))
 
 
 def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:

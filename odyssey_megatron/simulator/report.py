@@ -120,6 +120,9 @@ def log_to_wandb(run, result: SimulationResult, series: dict[str, list[dict]]) -
     """The same series and summary into ``run``, finished; returns its directory."""
     run.config.update(summary_json(result)["scenario"], allow_val_change=True)
     times = [row["time_s"] for row in next(iter(series.values()))]
+    run.define_metric("time_h")  # simulated hours: the x-axis of every series
+    for name in series:
+        run.define_metric(f"{name}/*", step_metric="time_h")
     for i, time_s in enumerate(times):
         row = {"time_h": time_s / SECONDS_PER_HOUR}
         for name, rows in series.items():

@@ -120,10 +120,12 @@ class Controller:
                 raise RuntimeError("the controller's polling thread died") from self._crash
             return None
 
-    def publish_plan(self, plan: ExecutionPlan, program: StepProgram, *, start_step: int = 0) -> None:
+    def publish_plan(self, plan: ExecutionPlan, program: StepProgram, *, start_step: int = 0,
+                     estimated_step_s: float | None = None) -> None:
         """Publish ``plan`` with its step program as JSON under its generation's key, to
         be run from step ``start_step``; generations go up one by one, so an older or
-        repeated one is refused (a decision overtaken by a newer one)."""
+        repeated one is refused (a decision overtaken by a newer one). ``estimated_step_s``
+        (the estimator's step time) goes into the record."""
         if plan.generation != self.published_generation + 1:
             problem = "stale" if plan.generation <= self.published_generation else "not the next one"
             raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
@@ -133,7 +135,7 @@ class Controller:
         self.store.set(plan_key(plan.generation), published.to_json())
         self.published_generation = plan.generation
         self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers),
-                          start_step=start_step)
+                          start_step=start_step, estimated_step_s=estimated_step_s)
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
 
     # -- the polling thread ----------------------------------------------------------------

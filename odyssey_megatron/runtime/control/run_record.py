@@ -2,14 +2,15 @@
 ``events.jsonl`` (one JSON object per line: joins, failures, exits, plans),
 ``workers.json`` (rank -> pid, host, node, generation, state; rewritten whenever one
 changes, so operators and tests can find a worker) and ``plan-<generation>.json``.
-The controller's polling thread and its owner both write; a lock keeps lines whole."""
+The controller's polling thread and its owner both write; a lock keeps lines whole.
+Listeners (``subscribe``: the live W&B trace) get every event as it is written."""
 
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.run_dir import append_jsonl, write_json
@@ -25,11 +26,19 @@ class RunRecord:
         self.events_path = self.directory / "events.jsonl"
         self.workers_path = self.directory / "workers.json"
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[dict], None]] = []
+
+    def subscribe(self, listener: Callable[[dict], None]) -> None:
+        """Hand every later event to ``listener`` too (it must return at once)."""
+        self._listeners.append(listener)
 
     def event(self, event: str, **fields: Any) -> None:
         """Append one event, stamped with the wall-clock ``time`` it was recorded."""
+        record = {"event": event, "time": time.time(), **fields}
         with self._lock:
-            append_jsonl(self.events_path, {"event": event, "time": time.time(), **fields})
+            append_jsonl(self.events_path, record)
+            for listener in self._listeners:
+                listener(record)
 
     def workers(self, table: dict[int, dict]) -> None:
         with self._lock:

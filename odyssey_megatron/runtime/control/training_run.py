@@ -26,6 +26,7 @@ from typing import Optional
 
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import Decision, UnrecoverableFailure
 from odyssey_megatron.profile import block_sort_key
@@ -59,16 +60,17 @@ class RunFailed(RuntimeError):
 
 @dataclass
 class _Recovery:
-    """Times (wall clock) of one recovery, recorded when its first step commits."""
+    """Times (wall clock) of one recovery, recorded when its first step commits. A failure
+    before then makes it a longer recovery, not a new one."""
 
     generation: int
-    failed_ranks: list[int]
-    cause: str
-    failed_at: float
-    detected_at: float
+    failures: list[Failure]
+    """Every failure the recovery handles, the first one first."""
+    restarts: int
+    """Decisions it started again because of a later failure."""
     decided_at: float
     record: dict
-    """The decision: policy, alternatives, bytes moved, restarts."""
+    """The decision: policy, alternatives, bytes moved."""
     ready_at: Optional[float] = None
 
 
@@ -98,7 +100,10 @@ class TrainingRun:
     def run(self) -> Path:
         """Train to the last step; returns the path of ``final.pt``. Raises RunFailed
         (UnrecoverableFailure when no plan can go on)."""
-        self._publish(self.center.plan)
+        settings = self.center.settings
+        self._publish(self.center.plan, estimate_plan(
+            self.center.plan, self.center.profile, self.center.cluster, decouple=settings.decoupled_weight_grads,
+            staggered=settings.staggered_optimizer).step_time_s)
         self.settled = self.plan
         while not self._final_written():
             self._collect_commits()
@@ -125,8 +130,9 @@ class TrainingRun:
             return False
         return self.store.add(final_key(self.plan.generation), 0) == len(self._training_ranks(self.plan))
 
-    def _publish(self, plan: ExecutionPlan) -> None:
-        self.controller.publish_plan(plan, self.center.program, start_step=self.committed)
+    def _publish(self, plan: ExecutionPlan, estimated_step_s: float) -> None:
+        self.controller.publish_plan(plan, self.center.program, start_step=self.committed,
+                                     estimated_step_s=estimated_step_s)
         self.plan = plan
         self._start_preparing()
 
@@ -170,6 +176,8 @@ class TrainingRun:
         """Decide and publish the next generation after ``failure``; a failure before
         every rank of it is ready restarts the decision with the new survivors."""
         failures, seen, restarts = [failure], [], 0
+        if self._recovery is not None:  # the last recovery had not reached its first step
+            seen, restarts = list(self._recovery.failures), self._recovery.restarts + 1
         while failures:
             self._stop_preparing()
             time.sleep(self.timeouts.poll_interval)  # ranks failing together arrive together
@@ -178,12 +186,10 @@ class TrainingRun:
             seen += failures
             self._end_generation()
             decision = self._decide(failures)
-            self._recovery = _Recovery(
-                generation=decision.chosen.plan.generation, failed_ranks=sorted({r for f in seen for r in f.ranks}),
-                cause=",".join(sorted({f.cause.value for f in seen})), failed_at=min(f.failed_at for f in seen),
-                detected_at=min(f.detected_at for f in seen), decided_at=time.time(),
-                record={**self._decision_record(decision), "restarts": restarts})
-            self._publish(decision.chosen.plan)
+            self._recovery = _Recovery(generation=decision.chosen.plan.generation, failures=list(seen),
+                                       restarts=restarts, decided_at=time.time(),
+                                       record=self._decision_record(decision))
+            self._publish(decision.chosen.plan, decision.chosen.estimate.step_time_s)
             failures = self._wait_ready()
             restarts += 1
 
@@ -247,11 +253,13 @@ class TrainingRun:
 
     def _finish_recovery_record(self, *, first_step_at: float) -> None:
         r = self._recovery
+        failed_at, detected_at = min(f.failed_at for f in r.failures), min(f.detected_at for f in r.failures)
         self.controller.record.event(
-            "recovery", generation=r.generation, failed_ranks=r.failed_ranks, cause=r.cause, failed_at=r.failed_at,
-            detected_at=r.detected_at, decided_at=r.decided_at, ready_at=r.ready_at, first_step_at=first_step_at,
-            detection_s=r.detected_at - r.failed_at, to_plan_s=r.decided_at - r.failed_at,
-            to_first_step_s=first_step_at - r.failed_at, **r.record)
+            "recovery", generation=r.generation, failed_ranks=sorted({rank for f in r.failures for rank in f.ranks}),
+            cause=",".join(sorted({f.cause.value for f in r.failures})), failed_at=failed_at, detected_at=detected_at,
+            decided_at=r.decided_at, ready_at=r.ready_at, first_step_at=first_step_at,
+            detection_s=detected_at - failed_at, to_plan_s=r.decided_at - failed_at,
+            to_first_step_s=first_step_at - failed_at, restarts=r.restarts, **r.record)
         self._recovery = None
 
     # -- decisions in advance -------------------------------------------------------------

@@ -1,51 +1,159 @@
-"""A training run's trace in Weights & Biases, written by node 0 from the run directory's
-records once the run has ended: per committed step its loss, plan generation and wall
-time since the start; per recovery its times, policy, alternatives and bytes moved (a
-table, and the summary). Offline unless ``logger.wandb_project`` is given; the W&B
-directory goes into the run directory unless ``logger.wandb_save_dir`` names another."""
+"""The run's trace in Weights & Biases, logged live from node 0's ``odyssey train`` process,
+which hosts the controller and outlives every worker: a rank's death never cuts the W&B
+run short. Every record the controller appends to ``events.jsonl`` (the source of truth)
+is handed to this trace too, and a background thread logs it, so a slow or unreachable
+W&B never holds up a recovery.
+
+Two x-axes (``define_metric``): ``step`` for the training metrics (loss, measured and
+estimated step time, tokens/s, training ranks, plan generation) and ``time_s``, wall-clock
+seconds since the run started, for failures and recoveries (the time of each phase, bytes
+moved by the Kuhn-Munkres and by a naive mapping). Every recovery is also a row of an
+incremental ``recoveries`` table with its policy and the alternatives' estimates, and
+every published plan an artifact. Offline unless ``logger.wandb_project`` is given; the W&B
+files go into the run directory unless ``logger.wandb_save_dir`` names another. The run id
+is kept in ``RUN_DIR/wandb-run-id``, so ``odyssey train --resume`` continues the same run.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import queue
+import threading
+import uuid
 from pathlib import Path
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 from odyssey_megatron.config import RecipeConfig
-from odyssey_megatron.runtime.control.run_summary import read_jsonl
 
-__all__ = ["RECOVERY_COLUMNS", "log_run_to_wandb"]
+__all__ = ["RECOVERY_COLUMNS", "RUN_ID_FILE", "WandbTrace"]
 
+log = logging.getLogger(__name__)
+
+RUN_ID_FILE = "wandb-run-id"
 RECOVERY_COLUMNS = ("generation", "failed_ranks", "cause", "policy", "start_step", "detection_s", "to_plan_s",
-                    "to_first_step_s", "transfer_bytes", "mapping_bytes", "naive_mapping_bytes", "restarts")
+                    "to_first_step_s", "transfer_bytes", "mapping_bytes", "naive_mapping_bytes", "restarts",
+                    "alternatives")
+_RECOVERY_METRICS = ("detection_s", "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes",
+                     "naive_mapping_bytes")
+_END = object()
 
 
-def log_run_to_wandb(run_dir: Path, config: RecipeConfig) -> Path:
-    """Log the run in ``run_dir`` to a W&B run; returns the W&B run's directory."""
-    import wandb
+class WandbTrace:
+    """A listener for ``RunRecord`` (``subscribe``) that logs each record to one W&B run."""
 
-    logger = config.logger
-    save_dir = Path(logger.wandb_save_dir) if logger.wandb_save_dir else Path(run_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(project=logger.wandb_project or "odyssey-megatron", entity=logger.wandb_entity,
-                     name=logger.wandb_exp_name or Path(run_dir).name, dir=str(save_dir),
-                     mode="online" if logger.wandb_project else "offline", job_type="train",
-                     config=OmegaConf.to_container(OmegaConf.structured(config), resolve=True),
-                     reinit="finish_previous")
-    events = read_jsonl(Path(run_dir) / "events.jsonl")
-    started = events[0]["time"] if events else 0.0
-    committed_at = {e["step"]: e["time"] for e in events if e["event"] == "step"}
-    for row in read_jsonl(Path(run_dir) / "samples.jsonl"):
-        run.log({"loss": row["loss"], "generation": row["generation"],
-                 "time_s": committed_at.get(row["step"], started) - started}, step=row["step"])
-    recoveries = [e for e in events if e["event"] == "recovery"]
-    table = wandb.Table(columns=list(RECOVERY_COLUMNS))
-    for r in recoveries:
-        table.add_data(*[str(r[c]) if isinstance(r[c], list) else r[c] for c in RECOVERY_COLUMNS])
-    run.log({"recoveries": table})
-    run.summary["recoveries"] = len(recoveries)
-    for i, r in enumerate(recoveries):
-        for key in ("detection_s", "to_plan_s", "to_first_step_s", "policy"):
-            run.summary[f"recovery{i}/{key}"] = r[key]
-    directory = Path(run.dir).parent
-    run.finish()
-    return directory
+    def __init__(self, run_dir: Path, config: RecipeConfig):
+        self.run_dir, self.config = Path(run_dir), config
+        self.directory: Optional[Path] = None
+        """The W&B run's local directory, once the run has finished."""
+        self.error: Optional[str] = None
+        """Why W&B logging stopped, if it did (training goes on regardless)."""
+        self._records: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._log_all, name="odyssey-wandb", daemon=True)
+        self._started: Optional[float] = None
+        self._estimated_s: dict[int, float] = {}
+        """Estimated step time per plan generation."""
+        self._ranks: dict[int, int] = {}
+        """Training ranks per plan generation."""
+        self._last_commit: Optional[tuple[int, float]] = None
+        """(generation, time) of the last committed step."""
+        self._failures = self._recoveries = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def __call__(self, record: dict) -> None:
+        self._records.put(record)
+
+    def finish(self) -> Path:
+        """Log what is queued and close the run; its directory. RuntimeError if W&B failed."""
+        self._records.put(_END)
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.directory
+
+    # -- the logging thread ---------------------------------------------------------------
+
+    def _log_all(self) -> None:
+        run = None
+        try:
+            run, table = self._init()
+            while (record := self._records.get()) is not _END:
+                self._log(run, table, record)
+            self.directory = Path(run.dir).parent
+            run.finish()
+        except Exception as exc:  # noqa: BLE001 - W&B must never stop the training run
+            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.warning("W&B logging stopped: %s", self.error)
+            while self._records.get() is not _END:  # drain, so finish() returns
+                pass
+
+    def _init(self):
+        import wandb
+
+        logger = self.config.logger
+        save_dir = Path(logger.wandb_save_dir) if logger.wandb_save_dir else self.run_dir
+        save_dir.mkdir(parents=True, exist_ok=True)
+        id_file = self.run_dir / RUN_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
+        run = wandb.init(project=logger.wandb_project or "odyssey-megatron", entity=logger.wandb_entity,
+                         name=logger.wandb_exp_name or self.run_dir.name, dir=str(save_dir), id=run_id,
+                         resume="allow", mode="online" if logger.wandb_project else "offline", job_type="train",
+                         config=OmegaConf.to_container(OmegaConf.structured(self.config), resolve=True))
+        id_file.write_text(run_id + "\n")
+        run.define_metric("step")
+        run.define_metric("train/*", step_metric="step")
+        run.define_metric("time_s")
+        run.define_metric("recovery/*", step_metric="time_s")
+        return run, wandb.Table(columns=list(RECOVERY_COLUMNS), log_mode="INCREMENTAL")
+
+    def _log(self, run, table, record: dict) -> None:
+        import wandb
+
+        event, at = record["event"], record["time"]
+        if self._started is None:
+            self._started = at
+        time_s = at - self._started
+        if event == "plan":
+            generation = record["generation"]
+            self._ranks[generation] = len(record["workers"]) * self.config.parallel.tensor_model_parallel_size
+            if record.get("estimated_step_s") is not None:
+                self._estimated_s[generation] = record["estimated_step_s"]
+            plan_file = self.run_dir / f"plan-{generation}.json"
+            if plan_file.is_file():
+                artifact = wandb.Artifact(f"plan-{generation}", type="plan",
+                                          metadata={"policy": record["policy"], "start_step": record["start_step"]})
+                artifact.add_file(str(plan_file))
+                run.log_artifact(artifact)
+        elif event == "step":
+            self._log_step(run, record, at, time_s)
+        elif event == "failure":
+            self._failures += 1
+            run.log({"recovery/failures": self._failures, "time_s": time_s})
+        elif event == "recovery":
+            run.log({**{f"recovery/{key}": record[key] for key in _RECOVERY_METRICS},
+                     "recovery/generation": record["generation"], "time_s": time_s})
+            row = {**record, "alternatives": json.dumps(record.get("alternatives", []))}
+            table.add_data(*[str(row[c]) if isinstance(row[c], list) else row[c] for c in RECOVERY_COLUMNS])
+            run.log({"recoveries": table})
+            self._recoveries += 1
+            run.summary["recoveries"] = self._recoveries
+        elif event == "run_end":
+            run.summary["status"], run.summary["message"] = record["status"], record["message"]
+
+    def _log_step(self, run, record: dict, at: float, time_s: float) -> None:
+        generation, training = record["generation"], self.config.training
+        metrics: dict[str, Any] = {"train/loss": record["loss"], "train/generation": generation,
+                                   "train/training_ranks": self._ranks.get(generation), "step": record["step"],
+                                   "time_s": time_s}
+        if generation in self._estimated_s:
+            metrics["train/estimated_step_time_s"] = self._estimated_s[generation]
+        if self._last_commit is not None and self._last_commit[0] == generation:
+            measured = at - self._last_commit[1]
+            metrics["train/step_time_s"] = measured
+            metrics["train/tokens_per_s"] = training.global_batch_size * self.config.model.seq_length / measured
+        self._last_commit = generation, at
+        run.log(metrics)

@@ -36,13 +36,12 @@ from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.training_state import (
     TrainingState,
     empty_block,
-    stage_blocks,
+    worker_blocks,
 )
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import Block
-from odyssey_megatron.runtime.rank.plan_runner import stage_of_worker
 
-__all__ = ["ShardMove", "TransferReport", "check_rank_part", "execute_transfers", "new_stage_blocks", "shard_moves"]
+__all__ = ["ShardMove", "TransferReport", "check_rank_part", "execute_transfers", "shard_moves"]
 
 
 @dataclass(frozen=True)
@@ -96,13 +95,6 @@ def shard_moves(plan: ExecutionPlan, ranks: RankMap) -> tuple[ShardMove, ...]:
     return tuple(moves)
 
 
-def new_stage_blocks(plan: ExecutionPlan, *, worker: int, model: ModelConfig) -> list[Block]:
-    """The blocks ``worker`` holds under ``plan``: its stage's, or none if it owns no stage."""
-    if worker not in plan.workers:
-        return []
-    return stage_blocks(model, stage_of_worker(plan, worker))
-
-
 def check_rank_part(
     moves: Sequence[ShardMove], *, rank: int, state: TrainingState, keep: Sequence[Block], model: ModelConfig,
     tp_size: int,
@@ -147,7 +139,7 @@ def execute_transfers(
         raise ValueError(f"model.num_layers {model.num_layers}, the plan has {plan.num_layers} layers")
     tp = plan.tensor_parallel_size
     moves = shard_moves(plan, ranks)
-    keep = new_stage_blocks(plan, worker=ranks.worker(rank), model=model)
+    keep = worker_blocks(model, plan, ranks.worker(rank))
     try:
         check_rank_part(moves, rank=rank, state=state, keep=keep, model=model, tp_size=tp)
         refusal = None

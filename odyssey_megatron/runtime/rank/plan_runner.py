@@ -1,7 +1,7 @@
 """One rank's training state under one plan generation.
 
 Builds, in order: the plan's process groups (collective), the rank's stage model on
-Megatron-Core and Adam over it, both loaded from the rank's per-block ``TrainingState``
+Megatron-Core and Megatron-Core's optimizer over it (``hooks.stage_optimizer``), both loaded from the rank's per-block ``TrainingState``
 (``hooks.training_state``; ``initial_state`` draws it from the seed once), the
 layer-granular gradient sync, and the schedule: Megatron's own 1F1B when the step is
 plain 1F1B, else the Odyssey executor over this worker's op list in the plan's step
@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from megatron.core.optimizer import OptimizerConfig
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.grad_sync import LayerGradSync, clip_grad_norm, local_grad_square, parameters_by_block
+from odyssey_megatron.hooks.grad_sync import LayerGradSync, block_owners, parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, megatron_pipeline
-from odyssey_megatron.hooks.training_state import StageOptimizer, TrainingState
+from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
+from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation, OpClock
@@ -46,18 +48,11 @@ class StepResult:
     """Global norm before clipping; None while the step is staggered (``PlanRunner.settle``)."""
 
 
-def stage_of_worker(plan: ExecutionPlan, worker: int) -> StageSpec:
-    for pi, si, stage in plan.stage_positions():
-        if stage.worker == worker:
-            return StageSpec(stage.layers, first=si == 0, last=si == plan.pipelines[pi].num_stages - 1)
-    raise ValueError(f"worker {worker} owns no stage in plan generation {plan.generation}")
-
-
 def initial_state(*, plan: ExecutionPlan, rank: int, ranks: RankMap, model: ModelConfig, seed: int,
                   device: torch.device = torch.device("cpu")) -> TrainingState:
     """What ``rank`` starts a run on ``plan`` from: its stage's blocks drawn from ``seed``."""
     tp = plan.tensor_parallel_size
-    return TrainingState.initial(model, stage_of_worker(plan, ranks.worker(rank)), seed=seed, tp_rank=rank % tp,
+    return TrainingState.initial(model, StageSpec.of_worker(plan, ranks.worker(rank)), seed=seed, tp_rank=rank % tp,
                                  tp_size=tp, device=device)
 
 
@@ -72,8 +67,7 @@ class PlanRunner:
         model: ModelConfig,
         micro_batch_size: int,
         state: TrainingState,
-        lr: float,
-        max_grad_norm: float = 1.0,
+        optimizer: OptimizerConfig,
         schedule: str = "auto",
         overlap_grad_sync: bool = False,
         device: torch.device = torch.device("cpu"),
@@ -84,7 +78,8 @@ class PlanRunner:
         (Megatron's 1F1B unless micro-batches are rerouted, backwards split or the
         pipeline's stage ranks do not ascend), odyssey (always the op-list executor) or
         megatron (refused where auto would not pick it). ``state`` holds exactly this
-        rank's stage's blocks; the runner trains its tensors in place.
+        rank's stage's blocks; the runner trains its tensors in place with Megatron's optimizer
+        configured by ``optimizer`` (``hooks.stage_optimizer.optimizer_config`` of a recipe).
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
         with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``).
         ``emulation`` paces every op to a profile's device time (``runtime.rank.emulation``);
@@ -106,12 +101,11 @@ class PlanRunner:
         if schedule == "megatron" and not all(megatron_pipeline(p, ranks) for p in plan.pipelines):
             raise ValueError("Megatron's 1F1B needs every pipeline's stage ranks in ascending order")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
-        self.max_grad_norm = max_grad_norm
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
         """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
-        self.stage = stage_of_worker(plan, self.worker)
+        self.stage = StageSpec.of_worker(plan, self.worker)
         self.device = device
         self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection)
         self.model.to(device)
@@ -119,9 +113,11 @@ class PlanRunner:
         if on_phase is not None:
             self.model.register_forward_pre_hook(lambda *_: on_phase("forward"))
             next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase("backward"))
-        self._stage_optimizer = StageOptimizer(state, self.model, self.stage, lr=lr)
+        self.optimizer = StageOptimizer(
+            state, self.model, self.stage, config=optimizer,
+            counted_blocks={b for b, owner in block_owners(plan).items() if owner == self.worker},
+            norm_group=self.groups.norm_group, tp_group=self.groups.pg_collection.tp)
         self.params = parameters_by_block(self.model, self.stage)
-        self.optimizer = self._stage_optimizer.adam
         self.ops = list(program.ops_of(self.worker))
         self.clock = OpClock() if emulation is None else emulation.clock(plan=plan, ranks=ranks, worker=self.worker,
                                                                         ops=self.ops, device=device)
@@ -130,7 +126,7 @@ class PlanRunner:
             overlap=overlap_grad_sync, clock=self.clock,
         )
         self.staggered_optimizer = program.staggered_optimizer
-        self._snapshots = SnapshotPool(device) if self.staggered_optimizer and max_grad_norm > 0 else None
+        self._snapshots = SnapshotPool(device) if self.staggered_optimizer and optimizer.clip_grad > 0 else None
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
@@ -179,7 +175,7 @@ class PlanRunner:
 
     def _run_ops(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
         self.model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)  # fp32 masters of a bf16/fp16 model
+        self.optimizer.zero_grad()  # fp32 masters of a bf16 model
         self._take_snapshot()
         self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
         on_device = lambda m: {k: v.to(self.device) for k, v in batches(m).items()}  # noqa: E731
@@ -193,7 +189,7 @@ class PlanRunner:
             return
         if self._snapshot is not None:  # unused: the step was not applied, or a retake changed the weights
             self._snapshot.release()
-        self._snapshot = self._snapshots.take(self.optimizer)
+        self._snapshot = self._snapshots.take(self.optimizer.adam)
 
     def _settle_at_settle_point(self) -> bool:
         """The executor's settle hook: True when the step in flight was retaken (then this
@@ -212,20 +208,15 @@ class PlanRunner:
             self._on_phase("optimizer")
         if self.staggered_optimizer and apply:
             with self.clock.optimizer_step(None):
-                square = local_grad_square(plan=self.plan, worker=self.worker, params=self.params,
-                                           tp_rank=self.tp_rank)
-                self._stage_optimizer.grads_to_masters()
-                self._speculative = StaggeredStep(self.optimizer, square, max_norm=self.max_grad_norm,
-                                                  group=self.groups.norm_group, snapshot=self._snapshot)
+                self.optimizer.grads_to_masters()
+                self._speculative = StaggeredStep(self.optimizer, group=self.groups.norm_group,
+                                                  snapshot=self._snapshot)
             self._snapshot = None
             return StepResult(losses=losses, grad_norm=None)
         with self.clock.optimizer_step(self.groups.norm_group):
-            norm = clip_grad_norm(
-                plan=self.plan, worker=self.worker, params=self.params, tp_rank=self.tp_rank,
-                max_norm=self.max_grad_norm, group=self.groups.norm_group,
-            )
+            self.optimizer.grads_to_masters()
+            norm = self.optimizer.clip()
             if apply:
-                self._stage_optimizer.grads_to_masters()
                 self.optimizer.step()
         return StepResult(losses=losses, grad_norm=norm)
 
@@ -240,7 +231,7 @@ class PlanRunner:
         training here). Only after ``settle``: a staggered step may still be retaken."""
         if self._speculative is not None:
             raise RuntimeError("a staggered step is in flight: settle() before reading the training state")
-        return self._stage_optimizer.state()
+        return self.optimizer.state()
 
     def release(self, *, abandoned: bool) -> TrainingState:
         """End the generation here: destroy its process groups and return this rank's
@@ -250,7 +241,7 @@ class PlanRunner:
         The runner is not used again: drop it, so its stage model goes too."""
         if abandoned:
             self._speculative = None
-        state = self._stage_optimizer.state() if abandoned else self.training_state()
+        state = self.optimizer.state() if abandoned else self.training_state()
         self.groups.destroy()
         return state
 

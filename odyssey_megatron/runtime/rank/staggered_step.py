@@ -31,23 +31,26 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.hooks.grad_sync import clip_scale
+from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
 from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot
 
 
 class StaggeredStep:
     """One speculative optimizer step whose global norm is still in flight."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, square: torch.Tensor, *, max_norm: float,
-                 group: dist.ProcessGroup | None, snapshot: RetakeSnapshot | None):
-        """Starts the all-reduce of ``square`` (this rank's ``local_grad_square``) over
-        ``group``, keeps the gradients, waits for ``snapshot`` (the weights and optimizer
-        state before this step; None with clipping off, when no step is ever retaken) and
-        steps."""
-        self.optimizer, self.square, self.max_norm, self.snapshot = optimizer, square, max_norm, snapshot
-        self.work = dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    def __init__(self, optimizer: StageOptimizer, *, group: dist.ProcessGroup | None,
+                 snapshot: RetakeSnapshot | None):
+        """Starts the all-reduce of this rank's share of the squared norm over ``group``,
+        keeps the gradients, waits for ``snapshot`` (the weights and optimizer state
+        before this step; None with clipping off, when no step is ever retaken) and steps
+        with the gradients unclipped."""
+        self.optimizer, self.snapshot = optimizer, snapshot
+        self.max_norm = optimizer.megatron.config.clip_grad
+        self.square = optimizer.local_norm_square()
+        self.work = dist.all_reduce(self.square, op=dist.ReduceOp.SUM, group=group, async_op=True)
         self.grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         if snapshot is not None:
-            self.grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+            self.grads = [(p, p.grad) for group in optimizer.adam.param_groups for p in group["params"]]
             snapshot.wait()
         optimizer.step()
 
@@ -57,15 +60,16 @@ class StaggeredStep:
         has begun). ``pending``: the next step's snapshot, whose copy of the weights a
         retake must not overwrite before it is done."""
         self.work.wait()
-        norm = float(self.square.sqrt())
+        norm = self.square.item() ** 0.5  # as Megatron's get_grad_norm_fp32
         scale = clip_scale(norm, self.max_norm)
         if scale is not None:
             if pending is not None:
                 pending.wait()
-            self.snapshot.restore(self.optimizer)
+            self.snapshot.restore(self.optimizer.adam)
             current = [param.grad for param, _ in self.grads]
             for param, grad in self.grads:
-                param.grad = None if grad is None else grad.mul_(scale)
+                param.grad = grad
+            self.optimizer.scale_grads(scale)
             self.optimizer.step()
             for (param, _), grad in zip(self.grads, current):
                 param.grad = grad

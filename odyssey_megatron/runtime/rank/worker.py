@@ -34,8 +34,10 @@ import torch.distributed as dist
 from odyssey_megatron.config import RecipeConfig, recipe_from_yaml
 from odyssey_megatron.data import IndexedTokens, PreparedData
 from odyssey_megatron.hooks.accelerator import select_accelerator
+from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.process_groups import PlanGroups, RankMap, build_plan_groups
-from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
+from odyssey_megatron.hooks.stage_optimizer import optimizer_config
+from odyssey_megatron.hooks.training_state import TrainingState, worker_blocks
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol import (
@@ -57,7 +59,7 @@ from odyssey_megatron.runtime.protocol import (
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
-from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state, stage_of_worker
+from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
 __all__ = ["GenerationEnded", "train_worker"]
 
@@ -201,10 +203,12 @@ class Worker:
         dist.init_process_group(self.accelerator.backend, rank=rank, world_size=ranks.world_size,
                                 store=dist.PrefixStore(process_group_prefix(plan.generation), self.store),
                                 timeout=datetime.timedelta(seconds=self.timeouts.collective_timeout))
-        self._restore_committed(plan, ranks, rank, published.start_step)
+        if self.state is None:
+            self.state = self._first_state(plan, ranks, rank)
+        self._roll_back_to(published.start_step)
         self.phase = "transfer"
         training = self.worker_id in plan.workers
-        needed = stage_blocks(self.config.model, stage_of_worker(plan, self.worker_id)) if training else []
+        needed = worker_blocks(self.config.model, plan, self.worker_id)
         held = dict(self.state.blocks)
         if plan.transfers:
             self.injector.fire("transfer", self.step)
@@ -219,8 +223,9 @@ class Worker:
             return
         train = self.config.training
         self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=self.config.model,
-                                 micro_batch_size=train.micro_batch_size, state=self.state, lr=train.lr,
-                                 max_grad_norm=train.clip_grad, device=self.device, on_phase=self._on_phase)
+                                 micro_batch_size=train.micro_batch_size, state=self.state,
+                                 optimizer=optimizer_config(train, self.config.model.params_dtype),
+                                 device=self.device, on_phase=self._on_phase)
         self.store.add(ready_key(plan.generation), 1)
         interval = self.config.odyssey.checkpoint_interval
         for step in range(published.start_step, train.train_iters):
@@ -243,25 +248,27 @@ class Worker:
         self.spare = TrainingState({**(self.spare.blocks if self.spare else {}),
                                     **{b: s for b, s in held.items() if b not in set(needed)}})
 
-    def _restore_committed(self, plan, ranks: RankMap, rank: int, start_step: int) -> None:
-        """Hold the blocks as of ``start_step`` committed steps: drawn from the seed at a
-        run's start, else what the last generation left, rolled back if it ran ahead."""
-        if self.state is None:
-            if self.spec.resume is not None:
-                self.state = load_checkpoint(Path(self.spec.resume), model=self.config.model,
-                                             stage=stage_of_worker(plan, self.worker_id), tp_rank=self.tp_rank,
-                                             tp_size=self.tp)
-            else:
-                self.state = initial_state(plan=plan, rank=rank, ranks=ranks, model=self.config.model,
-                                           seed=self.config.training.seed, device=self.device)
+    def _first_state(self, plan, ranks: RankMap, rank: int) -> TrainingState:
+        """The blocks a run starts from: the resumed checkpoint's, else drawn from the seed."""
+        if self.spec.resume is not None:
+            return load_checkpoint(Path(self.spec.resume), model=self.config.model,
+                                   stage=StageSpec.of_worker(plan, self.worker_id), tp_rank=self.tp_rank,
+                                   tp_size=self.tp)
+        return initial_state(plan=plan, rank=rank, ranks=ranks, model=self.config.model,
+                             seed=self.config.training.seed, device=self.device)
+
+    def _roll_back_to(self, committed: int) -> None:
+        """Hold every block as of ``committed`` steps: a block that took the step after it
+        (which did not commit) goes back to the host copy from before that step."""
+        ahead = [block for block, state in self.state.blocks.items() if state.step == committed + 1]
+        if ahead:  # the trained blocks stepped; spare ones set aside from before did not
+            log.info("rank %d: rolling back step %d, which did not commit", self.launch.rank, committed)
+            self.state.blocks.update({block: self.snapshot.blocks[block] for block in ahead})
+            self.snapshot = None
         steps = {block.step for block in self.state.blocks.values()}
-        if steps == {start_step + 1}:
-            log.info("rank %d: rolling back step %d, which did not commit", self.launch.rank, start_step)
-            self.state, self.snapshot = self.snapshot, None
-            steps = {block.step for block in self.state.blocks.values()}
-        if steps - {start_step}:
-            raise RuntimeError(f"blocks at steps {sorted(steps)}; generation {plan.generation} starts after "
-                               f"{start_step} committed steps")
+        if steps - {committed}:
+            raise RuntimeError(f"blocks at steps {sorted(steps)}; generation {self.generation} starts after "
+                               f"{committed} committed steps")
 
     def _train_step(self, step: int) -> None:
         samples: dict[int, list[int]] = {}

@@ -1,0 +1,146 @@
+"""``odyssey report``: one real ``odyssey train`` run (tiny recipe, one rank killed) read
+back into plots and a summary, worked examples on hand-written run directories for the
+figures the summary states, and the one-line errors for directories that are not runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from odyssey_megatron.cli import main
+from odyssey_megatron.report import PHASES, PLOTS, phase_seconds, read_run, samples_account, summary_text, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "llama2_7b" / "tiny_cpu.yaml"
+STEPS = 6
+RUN_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A real run: 8 gloo ranks, rank 5 killed in the backward of step 3."""
+    run_dir = tmp_path_factory.mktemp("runs") / "killed"
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config", str(RECIPE), "--run-dir",
+               str(run_dir), f"training.train_iters={STEPS}", f"data.cache_dir={tmp_path_factory.mktemp('data')}",
+               "odyssey.faults=[{rank: 5, step: 3, phase: backward, action: kill}]"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir
+
+
+def report(capsys, *args: str) -> tuple[int, str, str]:
+    status = main(["report", *map(str, args)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_report_of_a_run_with_a_recovery(run_dir, capsys):
+    status, out, err = report(capsys, run_dir, "--baseline", run_dir)
+    assert status == 0, err
+    for name in PLOTS:
+        with Image.open(run_dir / "report" / name) as image:
+            assert image.format == "PNG"
+            width, height = image.size
+            assert width >= 800 and height >= 240, (name, image.size)
+            image.verify()
+    text = (run_dir / "report" / "report.txt").read_text()
+    assert out.startswith(text)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    (recovery,) = [e for e in events if e["event"] == "recovery"]
+    assert recovery["failed_ranks"] == [5]
+    assert f"recoveries: 1 ({recovery['policy']} 1)" in text
+    assert f"generation 1: {recovery['policy']} from step 3 after ranks [5] failed" in text
+    assert f"samples: {16 * STEPS} expected (16 x {STEPS} committed steps), {16 * STEPS} distinct seen; " \
+           "samples lost: 0; samples doubled: 0" in text
+    assert sum(phase_seconds(recovery).values()) == pytest.approx(recovery["to_first_step_s"])
+
+
+def write_run(directory: Path, events: list[dict], samples: list[dict], *, global_batch: int = 4) -> Path:
+    directory.mkdir()
+    (directory / "config.yaml").write_text(f"model:\n  seq_length: 8\ntraining:\n  global_batch_size: {global_batch}\n")
+    (directory / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (directory / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return directory
+
+
+def step(n: int, generation: int, time: float) -> dict:
+    return {"event": "step", "time": time, "step": n, "generation": generation, "loss": 5.0 - n / 10}
+
+
+RECOVERY = {"event": "recovery", "time": 14.0, "generation": 1, "failed_ranks": [2], "cause": "exit",
+            "failed_at": 12.5, "detected_at": 12.75, "decided_at": 13.0, "ready_at": 13.5, "first_step_at": 14.0,
+            "policy": "reroute", "start_step": 3, "transfers": 0, "transfer_bytes": 0}
+EVENTS = [
+    {"event": "controller_started", "time": 0.0},
+    {"event": "plan", "time": 0.5, "generation": 0, "policy": "initial", "workers": [0, 1, 2, 3], "start_step": 0},
+    step(0, 0, 10.0), step(1, 0, 11.0), step(2, 0, 12.0),
+    {"event": "failure", "time": 12.75, "cause": "exit", "ranks": [2], "failed_at": 12.5, "detected_at": 12.75},
+    {"event": "plan", "time": 13.0, "generation": 1, "policy": "reroute", "workers": [0, 1, 3], "start_step": 3},
+    step(3, 1, 14.0), RECOVERY, step(4, 1, 15.0),
+]
+
+
+def test_summary_of_a_worked_example(tmp_path):
+    samples = [{"step": s, "generation": int(s >= 3), "samples": list(range(4 * s, 4 * s + 4)), "loss": 1.0}
+               for s in range(5)]
+    samples[4]["samples"] = [16, 17, 17, 3]  # 18 and 19 lost, 17 and 3 doubled
+    run = read_run(write_run(tmp_path / "run", EVENTS, samples), key="RUN_DIR")
+    assert phase_seconds(RECOVERY) == dict(zip(PHASES, (0.25, 0.25, 0.5, 0.5)))
+    account = samples_account(run)
+    assert (account.expected, account.distinct, account.lost, account.doubled) == (20, 18, 2, 2)
+    assert summary_text(run).splitlines()[1:] == [
+        "time: 10.000 s from the controller's start to the first commit, then 5.000 s for 4 more steps: "
+        "3.20 samples/s, 26 tokens/s on average",
+        "failures: 1",
+        "  ranks [2] (exit) at +12.500 s, detected 0.250 s later",
+        "recoveries: 1 (reroute 1)",
+        "  generation 1: reroute from step 3 after ranks [2] failed: detection 0.250 s + decision 0.250 s + "
+        "entering the plan 0.500 s + first step 0.500 s = 1.500 s; 0 transfers, 0.00 MiB moved",
+        "time lost to recoveries: 1.500 s (from each failure to the first step committed after it)",
+        "samples: 20 expected (4 x 5 committed steps), 18 distinct seen; samples lost: 2; samples doubled: 2",
+    ]
+
+
+def test_a_run_that_never_committed_a_step_still_reports(tmp_path):
+    run = read_run(write_run(tmp_path / "run", EVENTS[:2], []), key="RUN_DIR")
+    paths = write_report(run, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([*PLOTS, "report.txt"])
+    assert paths["report.txt"].read_text().splitlines()[-1].endswith("samples lost: 0; samples doubled: 0")
+
+
+def one_line_error(capsys, *args) -> str:
+    status, out, err = report(capsys, *args)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_a_directory_without_events_is_refused(tmp_path, capsys):
+    write_run(tmp_path / "run", EVENTS, []).joinpath("events.jsonl").unlink()
+    err = one_line_error(capsys, tmp_path / "run")
+    assert err.startswith("odyssey: error: RUN_DIR: ") and "holds no events.jsonl" in err
+
+
+def test_garbled_events_are_refused(tmp_path, capsys):
+    run = write_run(tmp_path / "run", EVENTS, [])
+    with (run / "events.jsonl").open("a") as handle:
+        handle.write('{"event": "step", "time": 16.0, "ste\n')
+    err = one_line_error(capsys, run)
+    assert err.startswith("odyssey: error: RUN_DIR: ") and f"line {len(EVENTS) + 1} is not JSON" in err
+    (run / "events.jsonl").write_text(json.dumps({**RECOVERY, "ready_at": "soon"}) + "\n")
+    err = one_line_error(capsys, run)
+    assert "record 1 (recovery) lacks a valid ready_at" in err
+
+
+def test_a_baseline_that_is_not_a_run_is_refused(tmp_path, capsys):
+    run = write_run(tmp_path / "run", EVENTS, [])
+    (tmp_path / "other").mkdir()
+    err = one_line_error(capsys, run, "--baseline", tmp_path / "other")
+    assert err.startswith("odyssey: error: --baseline: ") and "holds no events.jsonl" in err
+    assert not (run / "report").exists()
