@@ -374,6 +374,8 @@ def _describe_profile(measured, out: Path) -> str:
     lines.append(f"  links     P2P {profile.intra_node_bandwidth / 1e9:.2f} GB/s + {profile.link_latency_s * 1e6:.0f} us;"
                  f" all-reduce {(profile.allreduce_bandwidth or profile.intra_node_bandwidth) / 1e9:.2f} GB/s + "
                  f"{(profile.allreduce_latency_s or profile.link_latency_s) * 1e6:.0f} us ({source['links']})")
+    lines.append(f"  per op    {ms(profile.op_overhead_s)} fixed; optimizer step "
+                 f"{profile.optimizer_s_per_param_byte * 2**30:.3f} s per GiB of parameters")
     lines.append(f"written to {out}; use it with odyssey.profile={out}")
     return "\n".join(lines)
 

@@ -22,6 +22,12 @@ OUTPUT = "output"
 # fp32 master weights plus two fp32 moments.
 GRAD_BYTES_PER_PARAM = 4
 OPTIMIZER_BYTES_PER_PARAM = 12
+ADAM_TRAFFIC_BYTES_PER_PARAM = 28
+"""Memory traffic of one Adam step per parameter: it reads the fp32 gradient, master
+weight and two moments and writes the weight and moments back; memory-bound everywhere."""
+WEIGHT_GRAD_SHARE = 0.5
+"""Share of a block's backward spent on weight gradients where the profile did not
+measure it: one of the two GEMMs of each linear layer."""
 
 
 def block_sort_key(block: Block) -> tuple[int, int]:
@@ -46,8 +52,13 @@ class BlockCost:
     """Activations one micro-batch keeps alive from this block's forward to its backward."""
     weight_grad_s: float | None = None
     """Of ``backward_s``, the weight-gradient half when the backward is split
-    (``hooks.weight_grad``), as the profiler measured it; None where unmeasured (the
-    estimator assumes ``estimator.replay.WEIGHT_GRAD_SHARE``)."""
+    (``hooks.weight_grad``), as the profiler measured it; None where unmeasured
+    (``WEIGHT_GRAD_SHARE`` of it)."""
+
+    @property
+    def split_weight_grad_s(self) -> float:
+        """Seconds of the weight-gradient half of a split backward."""
+        return self.weight_grad_s if self.weight_grad_s is not None else WEIGHT_GRAD_SHARE * self.backward_s
 
     @property
     def static_bytes(self) -> int:
@@ -57,6 +68,20 @@ class BlockCost:
     def state_bytes(self) -> int:
         """What must move when the block changes owner: weights and optimizer state."""
         return self.param_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds of one micro-batch's ops on a stage, the fixed cost per op included: what
+    the estimator prices and device-time emulation pads each op to."""
+
+    forward_s: float
+    backward_s: float
+    """A whole backward."""
+    input_grad_s: float
+    """A split backward's input-gradient op (B)."""
+    weight_grad_s: float
+    """A split backward's weight-gradient op (W)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +112,12 @@ class ModelProfile:
     link bandwidth stands in)."""
     allreduce_latency_s: float | None = None
     """Per-step latency of that fit; None where unmeasured (``link_latency_s`` stands in)."""
+    op_overhead_s: float = 0.0
+    """Fixed seconds every forward, backward and weight-gradient op costs beside its
+    blocks' work (launching it, the schedule's bookkeeping): a split backward pays it twice."""
+    optimizer_s_per_param_byte: float = 0.0
+    """Seconds an optimizer step (the local gradient norm and Adam) takes per byte of the
+    parameters a rank holds."""
 
     @property
     def num_layers(self) -> int:
@@ -118,13 +149,31 @@ class ModelProfile:
             blocks.append(OUTPUT)
         return blocks
 
+    def stage_times(self, start: int, end: int, *, first: bool, last: bool) -> StageTimes:
+        """Seconds of one micro-batch's ops on a stage owning layers [start, end)."""
+        costs = [self.block(b) for b in self.compute_blocks(start, end, first=first, last=last)]
+        backward_s = sum(c.backward_s for c in costs)
+        weight_grad_s = sum(c.split_weight_grad_s for c in costs)
+        overhead = self.op_overhead_s
+        return StageTimes(forward_s=sum(c.forward_s for c in costs) + overhead, backward_s=backward_s + overhead,
+                          input_grad_s=backward_s - weight_grad_s + overhead, weight_grad_s=weight_grad_s + overhead)
+
     def stage_compute(self, start: int, end: int, *, first: bool, last: bool) -> tuple[float, float]:
-        """(forward, backward) seconds of one micro-batch on a stage."""
-        blocks = self.compute_blocks(start, end, first=first, last=last)
-        return (
-            sum(self.block(b).forward_s for b in blocks),
-            sum(self.block(b).backward_s for b in blocks),
-        )
+        """(forward, whole backward) seconds of one micro-batch on a stage."""
+        times = self.stage_times(start, end, first=first, last=last)
+        return times.forward_s, times.backward_s
+
+    def optimizer_s(self, blocks) -> float:
+        """Seconds of an optimizer step over ``blocks`` (the blocks a rank holds)."""
+        return sum(self.block(b).param_bytes for b in blocks) * self.optimizer_s_per_param_byte
+
+    def allreduce_link(self, *, spans_nodes: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of the ring all-reduce model: the profiler's fit within a
+        node where it has one, else the links'; across nodes no faster than the
+        inter-node link."""
+        bandwidth = self.allreduce_bandwidth or self.intra_node_bandwidth
+        latency = self.allreduce_latency_s if self.allreduce_latency_s is not None else self.link_latency_s
+        return (min(bandwidth, self.inter_node_bandwidth) if spans_nodes else bandwidth), latency
 
     def bandwidth(self, same_node: bool) -> float:
         return self.intra_node_bandwidth if same_node else self.inter_node_bandwidth
@@ -165,7 +214,8 @@ def analytic_profile(
     """Costs from model dimensions and a device spec (Llama: SwiGLU MLP, RMSNorm, no biases).
 
     Compute is matmul FLOPs at the device's MFU (backward = 2x forward); a TP > 1 layer
-    adds two activation all-reduces per pass. Activation memory follows Korthikanti et al.
+    adds two activation all-reduces per pass. An optimizer step streams Adam's traffic
+    through the device's memory; the fixed cost per op is taken as nil. Activation memory follows Korthikanti et al.
     (2022) with flash attention and no recomputation, adapted to the SwiGLU MLP.
     """
     h, f, s, b, t = hidden_size, ffn_hidden_size, seq_length, micro_batch_size, tensor_parallel_size
@@ -215,6 +265,7 @@ def analytic_profile(
         memory_budget_bytes=budget,
         samples_per_micro_batch=b,
         tokens_per_sample=s,
+        optimizer_s_per_param_byte=ADAM_TRAFFIC_BYTES_PER_PARAM / dtype_bytes / device.memory_bandwidth,
     )
 
 

@@ -2,9 +2,9 @@
 
 ``odyssey profile`` writes one from measurements; ``odyssey.profile: FILE`` makes
 ``plan`` and ``simulate`` price plans with it instead of the analytic profile, and
-``cluster.emulate_device: FILE`` paces a runtime to it. Format version 1::
+``cluster.emulate_device: FILE`` paces a runtime to it. Format version 2::
 
-    {"format": "odyssey-profile", "version": 1,
+    {"format": "odyssey-profile", "version": 2,
      "measured_for": {"model.num_layers": 8, "model.hidden_size": 64, ...},
      "source": {...},
      "profile": {"layers": [{"forward_s": ..., "backward_s": ..., ...}, ...],
@@ -18,6 +18,9 @@ memory budget and batch shape > 0. ``measured_for`` holds the recipe keys the co
 on (``MEASURED_FOR``): a file measured for another model, micro-batch size or TP size is
 refused. ``source`` says what measured it (device, timer, repeats); it is for people and
 not read. Every problem is one ``ConfigError`` naming the recipe key and the file.
+
+Version 2 added ``op_overhead_s`` and ``optimizer_s_per_param_byte``; a version 1 file,
+which has neither, still loads, both taken as nil (what its estimates assumed).
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ __all__ = ["FORMAT", "MEASURED_FOR", "VERSION", "ProfileFile", "check_output", "
            "recipe_measured_for", "recipe_profile_file", "write_profile"]
 
 FORMAT = "odyssey-profile"
-VERSION = 1
+VERSION = 2
+READS = {1: {"op_overhead_s", "optimizer_s_per_param_byte"}, 2: set()}
+"""Versions this odyssey reads, each with the profile fields it lacks."""
 MEASURED_FOR = (
     "model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
     "model.num_query_groups", "model.vocab_size", "model.seq_length", "model.tie_embeddings", "model.params_dtype",
@@ -171,8 +176,10 @@ def _profile_file(data: Any) -> ProfileFile:
         raise _Bad("the top level", f"must be an object with {', '.join(_TOP_LEVEL)}")
     if data.get("format") != FORMAT:
         raise _Bad("format", f"must be {FORMAT!r}; got {data.get('format')!r} (not a profile file?)")
-    if data.get("version") != VERSION:
-        raise _Bad("version", f"{data.get('version')!r} is not supported; this odyssey reads version {VERSION}")
+    version = data.get("version")
+    if isinstance(version, bool) or version not in READS:
+        raise _Bad("version", f"{version!r} is not supported; this odyssey reads versions "
+                              f"{', '.join(map(str, READS))}")
     unknown = sorted(set(data) - set(_TOP_LEVEL))
     if unknown:
         raise _Bad(unknown[0], f"is not a key of a profile file; known: {', '.join(_TOP_LEVEL)}")
@@ -183,6 +190,9 @@ def _profile_file(data: Any) -> ProfileFile:
     if not isinstance(source, dict):
         raise _Bad("source", "must be an object")
     measured_for = _measured_for(data["measured_for"])
+    newer = sorted(READS[version] & set(data["profile"] if isinstance(data["profile"], dict) else ()))
+    if newer:
+        raise _Bad(f"profile.{newer[0]}", f"is not a field of a version {version} profile")
     profile = ModelProfile(**_fields(ModelProfile, data["profile"], "profile"))
     if profile.num_layers != measured_for["model.num_layers"]:
         raise _Bad("profile.layers", f"lists {profile.num_layers} layers; measured_for says model.num_layers="

@@ -37,15 +37,18 @@ SLACK_S = 0.008
 """How late a padded op may end: sleep wake-up latency on a loaded 2-core machine."""
 
 
-def known_profile(num_layers: int, *, forward_s: float, weight_grad_s: float | None = None) -> ModelProfile:
-    """Layers of ``forward_s`` (backward twice that) with 4 MB of gradients, a free
-    embedding and head, 2 MB activations over a 100 MB/s link with 1 ms latency."""
-    layer = BlockCost(forward_s=forward_s, backward_s=2 * forward_s, param_bytes=1, grad_bytes=4_000_000,
+def known_profile(num_layers: int, *, forward_s: float, weight_grad_s: float | None = None,
+                  op_overhead_s: float = 0.0, optimizer_s_per_layer: float = 0.0) -> ModelProfile:
+    """Layers of ``forward_s`` (backward twice that) with 1 MB of parameters and 4 MB of
+    gradients, a free embedding and head, 2 MB activations over a 100 MB/s link with
+    1 ms latency."""
+    layer = BlockCost(forward_s=forward_s, backward_s=2 * forward_s, param_bytes=1_000_000, grad_bytes=4_000_000,
                       optimizer_bytes=0, activation_bytes=0, weight_grad_s=weight_grad_s)
     free = BlockCost(0.0, 0.0, 0, 0, 0, 0)
     return ModelProfile(layers=(layer,) * num_layers, embedding=free, output=free, tie_embeddings=False,
                         p2p_bytes=2_000_000, intra_node_bandwidth=1e8, inter_node_bandwidth=1e8, link_latency_s=1e-3,
-                        memory_budget_bytes=1 << 40, samples_per_micro_batch=2, tokens_per_sample=16)
+                        memory_budget_bytes=1 << 40, samples_per_micro_batch=2, tokens_per_sample=16,
+                        op_overhead_s=op_overhead_s, optimizer_s_per_param_byte=optimizer_s_per_layer / 1_000_000)
 
 
 def test_an_op_takes_the_profiles_time_and_a_longer_one_overruns():
@@ -84,9 +87,10 @@ def test_an_op_takes_the_profiles_time_and_a_longer_one_overruns():
 
 def test_emulated_steps_take_the_estimated_time():
     """DP2 (an all-reduce of 4 MB at 100 MB/s) and PP2 (2 MB messages, split backwards)
-    on two gloo ranks: each step takes what the estimator predicts from the profile
-    emulated, far longer than its real compute."""
-    profile = known_profile(2, forward_s=0.1)
+    on two gloo ranks, with a fixed cost per op and an optimizer step: each step takes
+    what the estimator predicts from the profile emulated, far longer than its real
+    compute."""
+    profile = known_profile(2, forward_s=0.1, op_overhead_s=0.01, optimizer_s_per_layer=0.02)
     cluster = ClusterState(world_size=2)
     emulation = DeviceEmulation(profile=profile, cluster=cluster)
     cases, predicted = [], []
@@ -98,7 +102,9 @@ def test_emulated_steps_take_the_estimated_time():
         published = dumps(publish(plan, program))
         cases += [(published, replace(emulation, profile=plan_profile)), (published, None)]
         predicted.append(estimate_plan(plan, plan_profile, cluster, decouple=True).step_time_s)
-    assert predicted[0] == pytest.approx(2 * 0.3 + 0.042)  # two micro-batches, then the ring all-reduce
+    # two micro-batches of F and B (each op 10 ms beyond its layer), the ring all-reduce,
+    # the global norm's (8 bytes, two latencies) and Adam over the one layer
+    assert predicted[0] == pytest.approx(2 * (0.11 + 0.21) + 0.042 + (0.002 + 8e-8) + 0.02)
 
     results = run_world(timed_steps, 2, cases)
     for index, expected in enumerate(predicted):

@@ -32,7 +32,8 @@ def measured_like(config, *, slower: float = 1.0):
     scale = lambda block: replace(block, forward_s=block.forward_s * slower,  # noqa: E731
                                   backward_s=block.backward_s * slower, weight_grad_s=block.backward_s * slower / 3)
     return replace(base, layers=tuple(scale(b) for b in base.layers), embedding=scale(base.embedding),
-                   output=scale(base.output), allreduce_bandwidth=3e8, allreduce_latency_s=2e-4)
+                   output=scale(base.output), allreduce_bandwidth=3e8, allreduce_latency_s=2e-4, op_overhead_s=3e-5,
+                   optimizer_s_per_param_byte=2e-10)
 
 
 def write(path, profile, config) -> str:
@@ -47,6 +48,26 @@ def test_a_profile_survives_the_file_exactly(tmp_path):
     assert loaded.profile == profile
     assert loaded.measured_for == recipe_measured_for(config)
     assert loaded.source == {"device": "test"}
+
+
+def test_a_version_1_file_still_loads_without_the_newer_terms(tmp_path):
+    """Version 1 had no fixed cost per op and no optimizer cost: they load as nil, as its
+    estimates assumed, and a version 1 file that names them is refused."""
+    config = load_config(TINY)
+    profile = measured_like(config)
+    data = profile_json(profile, measured_for=recipe_measured_for(config), source={})
+    old = {**data, "version": 1, "profile": {k: v for k, v in data["profile"].items()
+                                             if k not in ("op_overhead_s", "optimizer_s_per_param_byte")}}
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    assert read_profile(path, key="odyssey.profile").profile == replace(profile, op_overhead_s=0.0,
+                                                                        optimizer_s_per_param_byte=0.0)
+    path.write_text(json.dumps({**old, "profile": {**old["profile"], "op_overhead_s": 1e-5}}))
+    with pytest.raises(ConfigError, match="profile.op_overhead_s is not a field of a version 1 profile"):
+        read_profile(path, key="odyssey.profile")
+    path.write_text(json.dumps({**data, "version": 3}))
+    with pytest.raises(ConfigError, match="3 is not supported; this odyssey reads versions 1, 2"):
+        read_profile(path, key="odyssey.profile")
 
 
 def test_plan_and_simulate_price_with_the_file(tmp_path, capsys):

@@ -45,6 +45,7 @@ def test_the_profile_of_the_tiny_recipe_prices_plans(tmp_path, capsys):
     layer = profile.layers[0]
     assert layer.forward_s > 0 and 0 < layer.weight_grad_s < layer.backward_s
     assert layer.activation_bytes > 0 and profile.embedding.weight_grad_s == 0
+    assert profile.op_overhead_s >= 0 and profile.optimizer_s_per_param_byte > 0
     assert profile.p2p_bytes == 64 * 2 * 64 * 4
     assert profile.link_latency_s > 0 and profile.allreduce_latency_s > 0
     assert math.isfinite(profile.intra_node_bandwidth) and profile.allreduce_bandwidth > 0

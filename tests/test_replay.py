@@ -36,7 +36,7 @@ from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.estimator.pipeline import PipelineTiming, fixed_order_step, simulate_pipelines
-from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE, ScheduleDeadlock, p2p_time
+from odyssey_megatron.estimator.replay import ScheduleDeadlock, p2p_time
 from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import BlockCost, uniform_profile
@@ -95,6 +95,13 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(plain(value)).encode()).hexdigest()[:12]
 
 
+def _golden_repr(profile) -> str:
+    """The profile's repr as the golden file recorded it: before profile format version 2
+    added the fixed cost per op and the optimizer's cost, nil in these cases."""
+    assert profile.op_overhead_s == profile.optimizer_s_per_param_byte == 0.0
+    return repr(profile).replace(", op_overhead_s=0.0, optimizer_s_per_param_byte=0.0", "")
+
+
 def _timing(t: PipelineTiming) -> list:
     return [t.makespan_s, t.pipeline_end_s, t.worker_busy_s, t.schedule]
 
@@ -122,7 +129,7 @@ def record(seed: int, simulate, decouple, fixed, period) -> dict[str, str]:
     shuffled[victim] = rng.sample(shuffled[victim], len(shuffled[victim]))
     lists["shuffled"] = shuffled
     return {
-        "case": _digest([plan.to_json(), repr(profile), repr(cluster), iterations]),
+        "case": _digest([plan.to_json(), _golden_repr(profile), repr(cluster), iterations]),
         "plain": _digest(_timing(plain)),
         "split": _digest([_timing(split.first), split.period_s, split.last]),
         "fixed": _digest({name: _or_deadlock(lambda: _timing(fixed(plan, profile, cluster, ops)))
@@ -166,10 +173,10 @@ def brute_force_step(plan, profile, cluster, schedule) -> tuple[float, tuple[flo
                     link_s = 0.0 if location[dep] == worker else p2p_time(profile, same_node=same_node)
                     start = max(start, end[dep] + link_s)
                 stage = plan.pipelines[op.pipeline].stages[op.stage]
-                forward_s, backward_s = profile.stage_compute(*stage.layers, first=op.stage == 0,
-                                                              last=op.stage == num_stages[op.pipeline] - 1)
-                seconds = {FORWARD: forward_s, WEIGHT_GRAD: backward_s * WEIGHT_GRAD_SHARE,
-                           BACKWARD: backward_s * (1 - WEIGHT_GRAD_SHARE) if split else backward_s}[op.kind]
+                times = profile.stage_times(*stage.layers, first=op.stage == 0,
+                                            last=op.stage == num_stages[op.pipeline] - 1)
+                seconds = {FORWARD: times.forward_s, WEIGHT_GRAD: times.weight_grad_s,
+                           BACKWARD: times.input_grad_s if split else times.backward_s}[op.kind]
                 end[op] = start + seconds
                 progress = True
     if len(end) < sum(len(ops) for ops in schedule.values()):

@@ -1,7 +1,8 @@
 """Estimator: step time, peak memory and transition time of an ExecutionPlan.
 
 Step time = pipeline time from the op-list programme (Eq. 10-11; with staggered optimizer
-steps its steady-state period) + DP gradient sync in coloured rounds. Peak memory per
+steps its steady-state period) + DP gradient sync in coloured rounds + the optimizer
+phase (the global norm's all-reduce and Adam, ``estimator.optimizer``). Peak memory per
 stage follows Eq. 14 on the real op lists. The closed forms (Eq. 9, 12-14) live in
 ``closed_form`` for textbook checks.
 """
@@ -15,6 +16,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
+from odyssey_megatron.estimator.optimizer import optimizer_time
 from odyssey_megatron.estimator.replay import ScheduleDeadlock
 from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
@@ -28,6 +30,8 @@ __all__ = ["PlanEstimate", "ScheduleDeadlock", "estimate_plan", "transfer_time"]
 class PlanEstimate:
     pipeline_time_s: float
     sync_time_s: float
+    optimizer_time_s: float
+    """The global norm's all-reduce (unless steps are staggered) and the slowest rank's Adam step."""
     peak_memory_bytes: tuple[tuple[Optional[int], ...], ...]
     """Per pipeline, per stage; None for a failed stage (its peers carry its memory)."""
     memory_budget_bytes: int
@@ -36,7 +40,7 @@ class PlanEstimate:
 
     @property
     def step_time_s(self) -> float:
-        return self.pipeline_time_s + self.sync_time_s
+        return self.pipeline_time_s + self.sync_time_s + self.optimizer_time_s
 
     @property
     def max_peak_memory_bytes(self) -> int:
@@ -76,6 +80,7 @@ def estimate_plan(
     return PlanEstimate(
         pipeline_time_s=pipeline_s,
         sync_time_s=sync_time(plan, profile, cluster),
+        optimizer_time_s=optimizer_time(plan, profile, cluster, staggered=pipeline_s < timing.makespan_s),
         peak_memory_bytes=tuple(
             tuple(peaks.get(kept.worker) if stage.worker is not None else None
                   for stage, kept in zip(p.stages, distinct.pipelines[stands_for[pi]].stages))

@@ -21,14 +21,12 @@ def allreduce_time(num_bytes: float, *, group_size: int, bandwidth: float, laten
 
 
 def unit_sync_time(unit: SyncUnit, profile: ModelProfile, cluster: ClusterState | None) -> float:
+    """Seconds of one sync unit's all-reduce, on the profile's all-reduce fit
+    (``ModelProfile.allreduce_link``)."""
     num_bytes = sum(profile.block(b).grad_bytes for b in unit.blocks)
     spans_nodes = cluster is None or len({cluster.node_of_worker(w) for w in unit.workers}) > 1
-    return allreduce_time(
-        num_bytes,
-        group_size=len(unit.workers),
-        bandwidth=profile.bandwidth(same_node=not spans_nodes),
-        latency_s=profile.link_latency_s,
-    )
+    bandwidth, latency_s = profile.allreduce_link(spans_nodes=spans_nodes)
+    return allreduce_time(num_bytes, group_size=len(unit.workers), bandwidth=bandwidth, latency_s=latency_s)
 
 
 def sync_time(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None = None) -> float:

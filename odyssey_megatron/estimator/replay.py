@@ -42,12 +42,10 @@ from typing import Mapping, Sequence
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.profile import ModelProfile, StageTimes
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, compile_streams, dependency, settles
 
 INF = float("inf")
-WEIGHT_GRAD_SHARE = 0.5
-"""Share of a backward spent on weight gradients: one of the two GEMMs of each linear layer."""
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -97,7 +95,8 @@ class OpGraph:
     whole_s: list[float]
     """Compute seconds of each op with whole backwards."""
     split_s: list[float]
-    """Compute seconds of each op with split backwards (B: the input-gradient share)."""
+    """Compute seconds of each op with split backwards (B: the input-gradient half,
+    ``ModelProfile.stage_times``)."""
     weight_grad: list[int]
     """The W of each B; -1 for other ops."""
     settles: list[bool]
@@ -111,10 +110,10 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
     that no worker runs."""
     streams = compile_streams(plan)
     num_stages = [p.num_stages for p in plan.pipelines]
-    compute: dict[tuple[int, int], tuple[float, float]] = {}
+    compute: dict[tuple[int, int], StageTimes] = {}
     for pi, si, stage in plan.stage_positions():
         start, end = stage.layers
-        compute[pi, si] = profile.stage_compute(start, end, first=si == 0, last=si == num_stages[pi] - 1)
+        compute[pi, si] = profile.stage_times(start, end, first=si == 0, last=si == num_stages[pi] - 1)
     workers = tuple(sorted(streams))
     ops: list[Op] = []
     worker: list[int] = []
@@ -142,15 +141,15 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
     pipeline, forward, settling = [0] * n, [False] * n, [False] * n
     for i, op in enumerate(ops):
         kind, pi, si, _ = op
-        forward_s, backward_s = compute[pi, si]
+        times = compute[pi, si]
         pipeline[i], forward[i] = pi, kind == FORWARD
         settling[i] = settles(op, num_stages=num_stages[pi])
         if kind == FORWARD:
-            whole_s[i] = split_s[i] = forward_s
+            whole_s[i] = split_s[i] = times.forward_s
         elif kind == BACKWARD:
-            whole_s[i], split_s[i] = backward_s, backward_s * (1 - WEIGHT_GRAD_SHARE)
+            whole_s[i], split_s[i] = times.backward_s, times.input_grad_s
         else:
-            whole_s[i] = split_s[i] = backward_s * WEIGHT_GRAD_SHARE
+            whole_s[i] = split_s[i] = times.weight_grad_s
             continue  # a W waits for nothing on another stage
         d = dependency(op, num_stages=num_stages[pi])
         if d is None:

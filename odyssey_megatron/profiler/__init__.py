@@ -3,8 +3,11 @@
 One stage of each kind (first with the embedding, middle, last with the output head),
 each holding the recipe's layers per stage (at most ``LAYERS_PER_STAGE``), is measured
 on the actual device
-(``profiler.stages``); a layer costs the middle stage's figures divided by its layers, and
-the embedding and output head what the first and last stages cost beyond the middle one.
+(``profiler.stages``), and a middle stage of one layer beside them: the two middle stages
+give a layer's cost (their difference per layer) and the fixed cost of an op (what the
+one-layer stage costs beyond its layer), the embedding and output head cost what the
+first and last stages cost beyond the middle one. The optimizer step is the middle
+stage's, per byte of its parameters.
 Parameter, gradient and optimizer bytes are counted per block. P2P and all-reduce
 bandwidth and latency come from two ranks of this machine (``profiler.links``); the
 inter-node bandwidth, which one machine cannot measure, and the memory budget come from
@@ -66,9 +69,11 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
         links = measure_links(accelerator, large_bytes=max(LARGE_MESSAGE_BYTES, 4 * p2p_bytes), repeats=repeats,
                               warmup=warmup)
     per_stage = max(1, min(LAYERS_PER_STAGE, model.num_layers // config.parallel.pipeline_model_parallel_size))
-    first, middle, last = _measure_stages(config, accelerator, per_stage=per_stage, repeats=repeats, warmup=warmup)
+    first, middle, last, *one = _measure_stages(config, accelerator, per_stage=per_stage, repeats=repeats,
+                                                warmup=warmup)
     host_bandwidth = _host_bandwidth(accelerator)
-    layer, share = _layer_cost(middle, per_stage)
+    overhead_s = _op_overhead(middle, one[0], per_stage) if one else 0.0
+    layer, share = _layer_cost(middle, per_stage, overhead_s)
     embedding, output = _edge_cost(EMBEDDING, first, middle), _edge_cost(OUTPUT, last, middle)
     profile = replace(
         analytic,
@@ -78,6 +83,8 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
         p2p_bytes=p2p_bytes,
         host_bandwidth=host_bandwidth,
         host_copy_async=accelerator.device_type != "cpu",
+        op_overhead_s=overhead_s,
+        optimizer_s_per_param_byte=middle.optimizer_s / sum(b.param_bytes for b in middle.blocks.values()),
     )
     if links is not None:
         profile = replace(
@@ -96,6 +103,8 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
         "warmup": warmup,
         "layers_per_stage": per_stage,
         "weight_grad_share": share,
+        "op_overhead_s": "intercept of op time over layers (a one-layer and a "
+                         f"{per_stage}-layer middle stage)" if per_stage > 1 else "not measured (one-layer stages)",
         "links": f"measured between 2 ranks over {accelerator.backend}; inter-node at most cluster.device "
                  f"{config.cluster.device}'s (one machine was measured)" if links is not None
         else f"cluster.device {config.cluster.device}'s (one {accelerator.device_type} device: nothing to measure)",
@@ -105,19 +114,28 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
     return ProfileFile(profile=profile, measured_for=recipe_measured_for(config), source=source)
 
 
-def _layer_cost(middle: StageMeasurement, per_stage: int) -> tuple[BlockCost, float]:
-    """A layer: the middle stage's share per layer, and the weight-gradient share of its
-    split backward."""
-    share = _share(middle.input_grad_s, middle.weight_grad_s)
+def _op_overhead(middle: StageMeasurement, one: StageMeasurement, per_stage: int) -> float:
+    """The fixed cost of an op: the intercept of op time over layers, between the middle
+    stage and the one-layer one, for forwards and backwards alike (never below zero)."""
+    intercepts = [(per_stage * small - large) / (per_stage - 1)
+                  for small, large in ((one.forward_s, middle.forward_s), (one.backward_s, middle.backward_s))]
+    return max(0.0, statistics.mean(intercepts))
+
+
+def _layer_cost(middle: StageMeasurement, per_stage: int, overhead_s: float) -> tuple[BlockCost, float]:
+    """A layer: the middle stage's work beyond an op's fixed cost, per layer, and the
+    weight-gradient share of its split backward."""
+    share = _share(middle.input_grad_s - overhead_s, middle.weight_grad_s - overhead_s)
     held = middle.blocks[0]
+    backward_s = max(0.0, middle.backward_s - overhead_s) / per_stage
     return BlockCost(
-        forward_s=middle.forward_s / per_stage,
-        backward_s=middle.backward_s / per_stage,
+        forward_s=max(0.0, middle.forward_s - overhead_s) / per_stage,
+        backward_s=backward_s,
         param_bytes=held.param_bytes,
         grad_bytes=held.grad_bytes,
         optimizer_bytes=held.optimizer_bytes,
         activation_bytes=middle.activation_bytes // per_stage,
-        weight_grad_s=share * middle.backward_s / per_stage,
+        weight_grad_s=share * backward_s,
     ), share
 
 
@@ -142,7 +160,7 @@ def _edge_cost(block: str, stage: StageMeasurement, middle: StageMeasurement) ->
 
 def _measure_stages(config: RecipeConfig, accelerator: Accelerator, *, per_stage: int, repeats: int,
                     warmup: int) -> list[StageMeasurement]:
-    """First, middle and last stages measured in a one-rank world of this process (the
+    """First, middle and last stages, and a one-layer middle stage where those hold more, measured in a one-rank world of this process (the
     CPU shim installed on CPU, everything put back after)."""
     shim, threads = CpuShim(), torch.get_num_threads()
     if accelerator.device_type == "cpu":
@@ -157,6 +175,8 @@ def _measure_stages(config: RecipeConfig, accelerator: Accelerator, *, per_stage
                                         dp=one, dp_cp=one)
         stages = [StageSpec((0, per_stage), first=first, last=last)
                   for first, last in ((True, False), (False, False), (False, True))]
+        if per_stage > 1:
+            stages.append(StageSpec((0, 1), first=False, last=False))
         return measure_stages(config.model, stages, pg_collection=groups, accelerator=accelerator,
                               device=accelerator.device(0), micro_batch_size=config.training.micro_batch_size,
                               seed=config.training.seed, repeats=repeats, warmup=warmup)

@@ -6,7 +6,9 @@ a random activation, a non-last stage given a random output gradient. Each pass 
 by ``Accelerator.time`` (device events, or CPU time on CPU); passes after the warm-up
 are kept and their median taken. The coupled backward is timed first, then the
 model's linear layers are split (``hooks.weight_grad``) and the input- and
-weight-gradient halves are timed apart. Activation memory is what autograd saves during
+weight-gradient halves are timed apart. The optimizer step (the gradient norm's local
+square and Adam, as ``runtime.rank.plan_runner`` runs them) is timed over the stage's
+parameters after that. Activation memory is what autograd saves during
 one forward (a saved-tensors hook counts each storage once, parameters excluded) plus the
 stage's input and output, which the executor keeps until the backward.
 """
@@ -58,6 +60,8 @@ class StageMeasurement:
     activation_bytes: int
     blocks: dict[Block, BlockBytes]
     """Bytes of every block the stage holds."""
+    optimizer_s: float
+    """One optimizer step over the stage's parameters."""
 
 
 def measure_stages(
@@ -80,13 +84,14 @@ def measure_stages(
     activation_bytes = [bench.activation_bytes() for bench in benches]
     coupled = _interleaved(benches, repeats=repeats, warmup=warmup)
     blocks = [bench.block_bytes() for bench in benches]
+    optimizer_s = [bench.optimizer_s(repeats=repeats, warmup=warmup) for bench in benches]
     for bench in benches:
         bench.split_backward()
     split = _interleaved(benches, repeats=repeats, warmup=warmup)
     return [
         StageMeasurement(forward_s=f, backward_s=b, input_grad_s=b_input, weight_grad_s=w, activation_bytes=a,
-                         blocks=held)
-        for (f, b, _), (_, b_input, w), a, held in zip(coupled, split, activation_bytes, blocks)
+                         blocks=held, optimizer_s=adam)
+        for (f, b, _), (_, b_input, w), a, held, adam in zip(coupled, split, activation_bytes, blocks, optimizer_s)
     ]
 
 
@@ -167,6 +172,21 @@ class _StageBench:
                 keep(tensor)
         self.backward(input_tensor, output)
         return sum(kept.values())
+
+    def optimizer_s(self, *, repeats: int, warmup: int) -> float:
+        """Median seconds of an optimizer step on the gradients the timed backwards left:
+        the local square of the gradient norm, then Adam."""
+        params = list(self.gpt.parameters())
+        optimizer = torch.optim.Adam(params)
+
+        def step() -> None:
+            square = sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)
+            float(square)
+            optimizer.step()
+
+        for _ in range(warmup):
+            step()
+        return statistics.median(self.accelerator.time(step) for _ in range(repeats))
 
     def block_bytes(self) -> dict[Block, BlockBytes]:
         """Parameter, gradient and Adam state bytes per block, after one optimizer step on

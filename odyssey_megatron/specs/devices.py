@@ -23,6 +23,8 @@ class DeviceSpec:
     """Dense BF16/FP16 peak, FLOP/s."""
     memory_bytes: int
     """Device memory (HBM)."""
+    memory_bandwidth: float
+    """Bytes/s of device memory: what a memory-bound optimizer step streams at."""
     reserved_bytes: int
     """Memory the framework keeps for itself (allocator slack, workspaces, comm buffers)."""
     intra_node_bandwidth: float
@@ -47,6 +49,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             name="ascend-910b",
             peak_flops=313e12,
             memory_bytes=64 * GIB,
+            memory_bandwidth=1600 * GB,
             reserved_bytes=4 * GIB,
             intra_node_bandwidth=56 * GB,
             inter_node_bandwidth=25 * GB,
@@ -59,6 +62,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             name="a100-80gb",
             peak_flops=312e12,
             memory_bytes=80 * GIB,
+            memory_bandwidth=2039 * GB,
             reserved_bytes=4 * GIB,
             intra_node_bandwidth=300 * GB,
             inter_node_bandwidth=25 * GB,
@@ -71,6 +75,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             name="h100-80gb",
             peak_flops=989e12,
             memory_bytes=80 * GIB,
+            memory_bandwidth=3350 * GB,
             reserved_bytes=4 * GIB,
             intra_node_bandwidth=450 * GB,
             inter_node_bandwidth=50 * GB,
@@ -83,6 +88,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
             name="cpu",
             peak_flops=50e9,
             memory_bytes=8 * GIB,
+            memory_bandwidth=20 * GB,
             reserved_bytes=512 * 1024**2,
             intra_node_bandwidth=2 * GB,
             inter_node_bandwidth=1 * GB,

@@ -9,18 +9,20 @@ like devices of that profile wherever its times exceed the real ones; an op whos
 work takes longer *overruns* (``EmulatedClock.overruns`` counts them, and a run with
 overruns is not a faithful emulation). Figures from this mode are emulated, not measured.
 
-The executor (``runtime.rank.executor``) and the gradient sync (``hooks.grad_sync``) call an
-``OpClock``. The base class is real time: its hooks do nothing and cost nothing.
-``EmulatedClock`` pads, with the estimator's own cost of each op, so an emulated step
-runs what the estimator prices: a stage's forward and backward are its blocks' times
-(``ModelProfile.stage_compute``), a split backward leaves the weight-gradient part
-(``BlockCost.weight_grad_s``, where measured, else the estimator's share) to its W op, a
-message takes ``estimator.replay.p2p_time`` from the end of the op that produced it (the
-sender posts that moment beside the tensor; every rank reads one monotonic clock, so
-emulation runs on one host), and a sync unit's all-reduce takes
+The executor (``runtime.rank.executor``), the gradient sync (``hooks.grad_sync``) and the
+runner's optimizer phase (``runtime.rank.plan_runner``) call an ``OpClock``. The base
+class is real time: its hooks do nothing and cost nothing. ``EmulatedClock`` pads, with
+the estimator's own cost of each op, so an emulated step runs what the estimator prices:
+a stage's forward, backward, and split backward's B and W ops take
+``ModelProfile.stage_times`` (the fixed cost per op and the measured weight-gradient
+share included), a message takes ``estimator.replay.p2p_time`` from the end of the op
+that produced it (the sender posts that moment beside the tensor; every rank reads one
+monotonic clock, so emulation runs on one host), a sync unit's all-reduce takes
 ``estimator.communication.unit_sync_time`` from the moment its last member started it
-(an all-reduce of the members' start times, MAX, tells every member). The global-norm
-all-reduce and the optimizer step are not priced by the estimator and run in real time.
+(an all-reduce of the members' start times, MAX, tells every member), and the optimizer
+phase ``estimator.optimizer``'s times: the global norm's all-reduce from when the last
+rank finished its sync (the same MAX), then the rank's own Adam step. A staggered step's
+norm all-reduce runs beside the next step and is not padded; nor is its retake snapshot.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import analytic_recipe_profile
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator.communication import unit_sync_time
-from odyssey_megatron.estimator.replay import WEIGHT_GRAD_SHARE, p2p_time
+from odyssey_megatron.estimator.optimizer import norm_allreduce_time
+from odyssey_megatron.estimator.replay import p2p_time
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -82,6 +85,9 @@ class OpClock:
     def collective_finished(self, started: object) -> None:
         pass
 
+    def optimizer_step(self, norm_group: dist.ProcessGroup | None) -> ContextManager[None]:
+        return nullcontext()
+
 
 class EmulatedClock(OpClock):
     """Pads one worker's ops to a profile's times (see the module docstring); one per plan
@@ -94,16 +100,15 @@ class EmulatedClock(OpClock):
         split = any(op.kind == WEIGHT_GRAD for op in ops)
         self._seconds: dict[tuple[str, int, int], float] = {}
         for pi, si, stage in plan.stage_positions():
-            first, last = si == 0, si == plan.pipelines[pi].num_stages - 1
-            forward_s, backward_s = profile.stage_compute(*stage.layers, first=first, last=last)
-            weight_s = sum(_weight_grad_s(profile, block)
-                           for block in profile.compute_blocks(*stage.layers, first=first, last=last))
-            self._seconds[FORWARD, pi, si] = forward_s
-            self._seconds[BACKWARD, pi, si] = backward_s - weight_s if split else backward_s
-            self._seconds[WEIGHT_GRAD, pi, si] = weight_s
+            times = profile.stage_times(*stage.layers, first=si == 0, last=si == plan.pipelines[pi].num_stages - 1)
+            self._seconds[FORWARD, pi, si] = times.forward_s
+            self._seconds[BACKWARD, pi, si] = times.input_grad_s if split else times.backward_s
+            self._seconds[WEIGHT_GRAD, pi, si] = times.weight_grad_s
         self._link_s = {rank: p2p_time(profile, same_node=cluster.same_node(ranks.worker(rank), worker))
                         for rank in range(ranks.world_size)}
         self._sync_s = {index: unit_sync_time(unit, profile, cluster) for index, unit in enumerate(plan.sync_units)}
+        self._norm_s = norm_allreduce_time(plan, profile, cluster)
+        self._adam_s = profile.optimizer_s(plan.holdings(profile).get(worker, ()))
         self._device = device
         self._free_at = time.monotonic()
         """When the worker's last op ends on the emulated timeline."""
@@ -151,7 +156,21 @@ class EmulatedClock(OpClock):
         waiting_since = time.monotonic()
         work, stamp, seconds = started
         work.wait()
-        self._until(float(stamp) + seconds, busy_since=waiting_since)
+        end = self._until(float(stamp) + seconds, busy_since=waiting_since)
+        if not self._computing:  # the next all-reduce or the optimizer starts after this one
+            self._free_at = max(self._free_at, end)
+
+    @contextmanager
+    def optimizer_step(self, norm_group: dist.ProcessGroup | None) -> Iterator[None]:
+        """The norm's all-reduce from when the last rank is ready for it, then Adam."""
+        start = self._free_at
+        if norm_group is not None:
+            stamp = torch.tensor([start], dtype=torch.float64, device=self._device)
+            dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=norm_group)
+            start = float(stamp) + self._norm_s
+        busy_since = time.monotonic()
+        yield
+        self._free_at = self._until(start + self._adam_s, busy_since=max(busy_since, start))
 
     def _until(self, deadline: float, *, busy_since: float) -> float:
         """Wait for ``deadline`` and return when the op ended. Past it already, the op
@@ -165,11 +184,6 @@ class EmulatedClock(OpClock):
             self.overruns += 1
             self.worst_overrun_s = max(self.worst_overrun_s, now - deadline)
         return now
-
-
-def _weight_grad_s(profile: ModelProfile, block) -> float:
-    cost = profile.block(block)
-    return cost.weight_grad_s if cost.weight_grad_s is not None else WEIGHT_GRAD_SHARE * cost.backward_s
 
 
 @dataclass(frozen=True)

@@ -206,14 +206,18 @@ class PlanRunner:
         self.grad_sync.sync()
         if apply:
             self._on_phase("optimizer")
-        self.optimizer.grads_to_masters()
         if self.staggered_optimizer and apply:
-            self._speculative = StaggeredStep(self.optimizer, group=self.groups.norm_group, snapshot=self._snapshot)
+            with self.clock.optimizer_step(None):
+                self.optimizer.grads_to_masters()
+                self._speculative = StaggeredStep(self.optimizer, group=self.groups.norm_group,
+                                                  snapshot=self._snapshot)
             self._snapshot = None
             return StepResult(losses=losses, grad_norm=None)
-        norm = self.optimizer.clip()
-        if apply:
-            self.optimizer.step()
+        with self.clock.optimizer_step(self.groups.norm_group):
+            self.optimizer.grads_to_masters()
+            norm = self.optimizer.clip()
+            if apply:
+                self.optimizer.step()
         return StepResult(losses=losses, grad_norm=norm)
 
     def settle(self) -> float | None:

@@ -1,0 +1,34 @@
+"""Seconds of a step's optimizer phase: the global gradient norm's all-reduce, then Adam.
+
+After the DP sync every training rank all-reduces one scalar, its share of the squared
+global norm (``hooks.stage_optimizer.StageOptimizer.clip``), over all training ranks, then clips
+and steps Adam over the blocks it holds; the next step waits for the slowest rank.
+Under staggered optimizer steps the norm's all-reduce runs beside the next step
+(``runtime.rank.staggered_step``), so only Adam counts.
+"""
+
+from __future__ import annotations
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.communication import allreduce_time
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+
+NORM_BYTES = 4
+"""The norm is one float32: the all-reduce is all latency."""
+
+
+def norm_allreduce_time(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None) -> float:
+    """Seconds of the global norm's all-reduce over every training rank."""
+    workers = plan.workers
+    spans_nodes = cluster is None or len({cluster.node_of_worker(w) for w in workers}) > 1
+    bandwidth, latency_s = profile.allreduce_link(spans_nodes=spans_nodes)
+    return allreduce_time(NORM_BYTES, group_size=len(workers) * plan.tensor_parallel_size, bandwidth=bandwidth,
+                          latency_s=latency_s)
+
+
+def optimizer_time(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, *,
+                   staggered: bool) -> float:
+    """Seconds from the end of the DP sync to the end of the slowest rank's Adam step."""
+    adam_s = max((profile.optimizer_s(blocks) for blocks in plan.holdings(profile).values()), default=0.0)
+    return adam_s + (0.0 if staggered else norm_allreduce_time(plan, profile, cluster))
