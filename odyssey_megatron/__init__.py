@@ -5,7 +5,7 @@ with the op lists and step programs it publishes (``schedules``), and the ``simu
 are pure Python and never import torch (a test checks it); ``hooks`` is where
 Megatron-Core lives (stage models, groups, gradient sync, per-block training state), and
 ``runtime`` is the live job: the rank side inside each worker, the control side around
-them.
+them; ``report`` reads a run directory back into plots and a text summary.
 """
 
 __version__ = "0.1.0"

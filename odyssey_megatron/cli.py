@@ -421,9 +421,7 @@ def _train_command(args: argparse.Namespace) -> int:
     print(outcome.message, file=sys.stderr if outcome.status else sys.stdout)
     if launch.node_rank != 0:
         return outcome.status
-    from odyssey_megatron.runtime.control.run_summary import summarize_run
-
-    print(summarize_run(run_dir))
+    _print_report(run_dir)
     if outcome.wandb_error is not None:
         print(f"odyssey: W&B logging failed ({outcome.wandb_error}); the run's records are in {run_dir}",
               file=sys.stderr)
@@ -433,14 +431,19 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def _report_command(args: argparse.Namespace) -> int:
+    _print_report(args.run_dir, baseline=args.baseline, out=args.out)
+    return 0
+
+
+def _print_report(run_dir, *, baseline=None, out=None) -> None:
+    """Write the run's plots (``RUN_DIR/report`` unless ``out``) and print its summary."""
     from odyssey_megatron.report import read_run, summary_text, write_report
 
-    run = read_run(args.run_dir, key="RUN_DIR")
-    baseline = read_run(args.baseline, key="--baseline") if args.baseline is not None else None
-    paths = write_report(run, Path(args.out) if args.out is not None else run.directory / "report", baseline=baseline)
+    run = read_run(run_dir, key="RUN_DIR")
+    against = read_run(baseline, key="--baseline") if baseline is not None else None
+    paths = write_report(run, Path(out) if out is not None else run.directory / "report", baseline=against)
     print(summary_text(run))
     print(f"report: {', '.join(str(p) for p in paths.values())}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 # as 4 pipelines of 2 stages, with a rank killed in step 5 and two in step 10 (Eq. 8
 # reroutes their micro-batches to data-parallel peers, the cheaper transition) and one
 # hung in step 15 (four ranks down, it reparallelizes into fewer pipelines); prints the
-# recovery summary and the offline W&B run's directory.
+# recovery summary, the plots of `odyssey report` and the offline W&B run's directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -190,7 +190,7 @@ def test_a_lost_node_is_planned_as_one_failure(tmp_path, data_cache):
     done = recoveries(run_dir)
     assert [(r["failed_ranks"], r["cause"]) for r in done] == [([4, 5, 6, 7], "node")]
     assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == list(range(STEPS))
-    assert "1 recovery" in out
+    assert "recoveries: 1 (" in out and (run_dir / "report" / "recovery_phases.png").is_file()
 
 
 def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint(tmp_path, data_cache, reference):

@@ -95,6 +95,7 @@ def transformer_config(model: ModelConfig, *, num_layers: int, tensor_parallel_s
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        cuda_graph_scope=[],  # what the default "full" means, without Megatron's deprecation warning
     )
 
 
