@@ -501,6 +501,11 @@ class OdysseyConfig:
     the decision center prices plans with, instead of the analytic profile of
     cluster.device; it must have been measured for this recipe's model, micro-batch size
     and TP size."""
+    online_profile: bool = True
+    """``odyssey train`` times every op of every step (Megatron's own timer hooks) and
+    rescales the profile's forward, backward and optimizer times to what this cluster
+    measures (a moving average, ``runtime.control.online_profile``), so decisions after a
+    failure price plans with measured times. False: the starting profile throughout."""
     faults: list[FaultSpec] = field(default_factory=list)
     """Failures to inject, each ``{rank | node, step, phase, action}`` (``FaultSpec``), e.g.
     ``'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'``; each fires at

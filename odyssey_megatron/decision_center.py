@@ -147,6 +147,16 @@ class DecisionCenter:
         """The job restarted from a checkpoint onto ``plan`` (no in-memory recovery existed)."""
         self.plan = plan
 
+    def use_profile(self, profile: ModelProfile) -> None:
+        """Price from now on with ``profile`` (the online profile's measured times): the
+        search caches and the decisions prepared with the old one are dropped. Not while
+        ``prepare`` runs."""
+        self.profile = profile
+        self.search = ReparallelizeSearch(profile, max_layer_splits=self.settings.max_layer_splits)
+        self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=self.settings.max_layer_splits)
+        self._prepared = None
+        self._program = None
+
     def likely_failures(self) -> list[frozenset[int]]:
         """The next failures worth preparing for: each live worker of the plan alone, then
         each node that holds one (its live workers), as sets of failed workers."""

@@ -34,6 +34,7 @@ PLOTS = ("throughput.png", "loss.png", "recovery_phases.png", "step_time.png")
 _NUMBERS = {
     "step": ("step", "generation", "loss"),
     "plan": ("generation",),
+    "profile": ("generation",),
     "failure": ("failed_at",),
     "recovery": ("generation", "start_step") + _PHASE_STAMPS,
 }
@@ -162,12 +163,18 @@ def _measured_step_s(run: RunRecords) -> dict[int, float]:
 
 
 def _estimated_step_s(run: RunRecords) -> dict[int, float]:
-    """Generation -> the decision's step-time estimate: the plan event's
-    ``estimated_step_s`` where recorded, else the recovery's chosen candidate's."""
-    estimates = {r["generation"]: r.get("chosen", {}).get("step_time_s") for r in run.kind("recovery")}
-    estimates.update({p["generation"]: p.get("estimated_step_s") for p in run.kind("plan")
-                      if p.get("estimated_step_s") is not None})
-    return {g: s for g, s in estimates.items() if _is_number(s)}
+    """Committed step -> the estimate of its step time then: its plan's (the plan event's
+    ``estimated_step_s``, else the recovery's chosen candidate's), or the latest the
+    online profile made for that plan before the step (``profile`` events)."""
+    chosen = {r["generation"]: r.get("chosen", {}).get("step_time_s") for r in run.kind("recovery")}
+    current: dict[int, float] = {g: s for g, s in chosen.items() if _is_number(s)}
+    estimates = {}
+    for event in run.events:
+        if event["event"] in ("plan", "profile") and _is_number(event.get("estimated_step_s")):
+            current[event["generation"]] = event["estimated_step_s"]
+        elif event["event"] == "step" and event["generation"] in current:
+            estimates[event["step"]] = current[event["generation"]]
+    return estimates
 
 
 def _active_ranks(run: RunRecords) -> list[tuple[float, int]]:
@@ -366,17 +373,13 @@ def _plot_step_time(plt, run: RunRecords, path: Path) -> None:
         axis.plot(sorted(reported), [reported[s] for s in sorted(reported)], marker="x", color="tab:cyan",
                   label="measured by the ranks")
     estimates = _estimated_step_s(run)
-    by_generation: dict[int, list[int]] = {}
-    for e in run.commits:
-        if e["generation"] in estimates:
-            by_generation.setdefault(e["generation"], []).append(e["step"])
-    for n, (generation, steps) in enumerate(sorted(by_generation.items())):
-        axis.hlines(estimates[generation], min(steps) - 0.4, max(steps) + 0.4, color="tab:red", linestyle="--",
-                    label="estimated (plan's decision)" if n == 0 else None)
+    for n, step in enumerate(sorted(estimates)):
+        axis.hlines(estimates[step], step - 0.4, step + 0.4, color="tab:red",
+                    label="estimated (decision, then online profile)" if n == 0 else None)
     _mark_recoveries(axis, run.kind("recovery"))
     axis.set_ylim(bottom=0)
     axis.xaxis.get_major_locator().set_params(integer=True)
-    missing = sorted({e["generation"] for e in run.commits} - set(estimates))
+    missing = sorted({e["generation"] for e in run.commits if e["step"] not in estimates})
     axis.set(xlabel="step", ylabel="step time (s)", title="Estimated vs measured step time"
              + (f" (no estimate for generation {', '.join(map(str, missing))})" if missing else ""))
     _legend(axis, loc="upper left", bbox_to_anchor=(1.01, 1))

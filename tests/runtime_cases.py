@@ -228,3 +228,26 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
         gc.collect()
         resident.append(resident_bytes())
     return resident
+
+
+def op_times(rank: int, world_size: int, published: str, schedule: str) -> dict:
+    """Two training steps with ``runtime.rank.op_timers`` hooked into Megatron's configs;
+    what the timers took after each step."""
+    from odyssey_megatron.runtime.rank.op_timers import OpTimers
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+
+    plan, program = read_published(json.loads(published))
+    ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
+    timers = OpTimers(torch.device("cpu"))
+    runner = PlanRunner(
+        plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
+        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED), optimizer=OPTIMIZER,
+        schedule=schedule, op_timers=timers,
+    )
+    source, taken = data(), []
+    for step in range(2):
+        runner.train_step(lambda m, step=step: source.micro_batch(step, m))
+        runner.settle()
+        taken.append(timers.take())
+    runner.groups.destroy()
+    return {"worker": runner.worker, "executor": type(runner.executor).__name__, "taken": taken}

@@ -109,8 +109,15 @@ def test_failure_free_run_commits_every_step_on_every_sample_once(reference):
     assert (reference / "plan-0.json").is_file() and (reference / "config.yaml").is_file()
     events = [e["event"] for e in read_jsonl(reference / "events.jsonl")]
     assert "failure" not in events and events.count("step") == STEPS and "finished" in events
+    # The online profile: the ranks' op times rescaled the profile after step 1 (step 0 allocates).
+    rescaled = [e for e in read_jsonl(reference / "events.jsonl") if e["event"] == "profile"]
+    assert rescaled and rescaled[0]["step"] == 1 and all(e["generation"] == 0 for e in rescaled)
+    assert all(e[kind] > 0 for e in rescaled for kind in ("forward", "backward", "optimizer", "estimated_step_s"))
     (wandb_run,) = wandb_runs(reference)
-    steps = {row["step"]: row for row in read_wandb_run(wandb_run)[1] if "train/loss" in row}
+    rows = read_wandb_run(wandb_run)[1]
+    assert [row["profile/forward_scale"] for row in rows if "profile/forward_scale" in row] == [
+        e["forward"] for e in rescaled]
+    steps = {row["step"]: row for row in rows if "train/loss" in row}
     measured = [steps[s].get("train/step_time_s") for s in range(STEPS)]
     assert measured[0] is None and all(t > 0 for t in measured[1:])  # step 0 waits for every rank to start
     assert all(steps[s]["train/tokens_per_s"] == pytest.approx(16 * 64 / measured[s]) for s in range(1, STEPS))

@@ -167,8 +167,8 @@ FROZEN = -(1 << 40)
 
 
 def step_report_key(generation: int, step: int) -> str:
-    """Appended JSON lines, one per rank that finished a micro-batch's last stage in
-    ``step``: ``StepReport``."""
+    """Appended JSON lines, one per training rank of the generation that took ``step``'s
+    optimizer step: ``StepReport``."""
     return generation_prefix(generation) + f"report/{step}"
 
 
@@ -372,8 +372,10 @@ class HeartbeatWatch:
 
 @dataclass(frozen=True)
 class StepReport(Message):
-    """A rank's micro-batches whose last stage ran on it in one step: the loss of each and
-    the sample ids it consumed, so the controller can prove every sample was used once."""
+    """A rank's step: the micro-batches whose last stage ran on it, with the loss of each
+    and the sample ids it consumed, so the controller can prove every sample was used
+    once; and the seconds its ops took (``runtime.rank.op_timers``; zeros where
+    ``odyssey.online_profile`` is off), for the online profile."""
 
     KIND = "step_report"
     rank: int
@@ -381,6 +383,15 @@ class StepReport(Message):
     losses: tuple[float, ...]
     samples: tuple[int, ...]
     """Sample ids, micro-batch after micro-batch (``micro_batch_size`` each)."""
+    forward_s: float
+    forwards: int
+    backward_s: float
+    """Whole backwards, or the input-gradient halves where backwards are split."""
+    backwards: int
+    weight_grad_s: float
+    weight_grads: int
+    optimizer_s: float
+    """Megatron's optimizer's inner (Adam) step."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +34,7 @@ from odyssey_megatron.restorer import mapping_bytes
 from odyssey_megatron.run_dir import append_jsonl
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
+from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
 from odyssey_megatron.runtime.final_model import merge_final_parts
 from odyssey_megatron.runtime.protocol import (
     FROZEN,
@@ -46,6 +47,7 @@ from odyssey_megatron.runtime.protocol import (
     ready_key,
     step_report_key,
 )
+from odyssey_megatron.schedules.program import StepProgram
 
 __all__ = ["RunFailed", "TrainingRun"]
 
@@ -86,6 +88,8 @@ class TrainingRun:
         """Steps committed so far: the next generation's start step."""
         self.plan: Optional[ExecutionPlan] = None
         """The generation published last."""
+        self._program: Optional[StepProgram] = None
+        """Its step program."""
         self.settled: Optional[ExecutionPlan] = None
         """The last generation whose first step committed (or the first generation)."""
         self.started = time.monotonic()
@@ -94,6 +98,12 @@ class TrainingRun:
         """The plan the last decision started from (its transfers are priced against it)."""
         self._prepare_stop = threading.Event()
         self._prepare_thread: Optional[threading.Thread] = None
+        self.online = OnlineProfile(center.profile) if config.odyssey.online_profile else None
+        """Measured op times folded into the decision center's profile."""
+        self._priced_scales = Scales()
+        """The online profile's factors when the decision center last took it."""
+        self._start_steps: dict[int, int] = {}
+        """Generation -> the step it started at."""
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -138,7 +148,25 @@ class TrainingRun:
     def _publish(self, plan: ExecutionPlan, estimated_step_s: float) -> None:
         self.controller.publish_plan(plan, self.center.program, start_step=self.committed,
                                      estimated_step_s=estimated_step_s)
-        self.plan = plan
+        self.plan, self._program = plan, self.center.program
+        self._start_steps[plan.generation] = self.committed
+        self._start_preparing()
+
+    def _measured(self, reports: list[StepReport]) -> None:
+        """Fold a committed step's op times into the online profile; once its factors have
+        moved enough, the decision center prices with it (its prepared decisions again)."""
+        self.online.observe(self.plan, reports)
+        if not self.online.scales.differs(self._priced_scales, by=REPRICE_CHANGE):
+            return
+        self._stop_preparing()
+        self.center.use_profile(self.online.profile())
+        self._priced_scales = self.online.scales
+        estimate = estimate_plan(self.plan, self.center.profile, self.center.cluster,
+                                 decouple=self._program.split_backward, staggered=self._program.staggered_optimizer)
+        self.controller.record.event("profile", generation=self.plan.generation, step=self.committed - 1,
+                                     **asdict(self.online.scales), estimated_step_s=estimate.step_time_s)
+        log.info("controller: profile rescaled to measured op times (forward x%.2f, backward x%.2f, "
+                 "optimizer x%.2f)", *self.online.scales.as_tuple())
         self._start_preparing()
 
     # -- commits ------------------------------------------------------------------------
@@ -152,11 +180,13 @@ class TrainingRun:
         """Record committed ``step``: its samples and loss, checked to cover every micro-batch once."""
         by_micro_batch: dict[int, tuple[float, tuple[int, ...]]] = {}
         size = self.config.training.micro_batch_size
+        reports = []
         for line in self.store.get(step_report_key(generation, step)).decode().splitlines():
             try:
                 report = StepReport.from_json(line)
             except ProtocolError as exc:
                 raise RunFailed(f"step {step}: malformed step report: {exc}") from None
+            reports.append(report)
             for i, m in enumerate(report.micro_batches):
                 if m in by_micro_batch:
                     raise RunFailed(f"step {step}: micro-batch {m} ran twice (rank {report.rank} too)")
@@ -170,6 +200,8 @@ class TrainingRun:
                                               "loss": loss})
         self.controller.record.event("step", step=step, generation=generation, loss=loss)
         self.committed = step + 1
+        if self.online is not None and step > self._start_steps[generation]:
+            self._measured(reports)
         if self.settled is not self.plan:
             self.settled = self.plan
         if self._recovery is not None and self._recovery.generation == generation:

@@ -7,7 +7,9 @@ W&B never holds up a recovery.
 Two x-axes (``define_metric``): ``step`` for the training metrics (loss, measured and
 estimated step time, tokens/s, training ranks, plan generation) and ``time_s``, wall-clock
 seconds since the run started, for failures and recoveries (the time of each phase, bytes
-moved by the Kuhn-Munkres and by a naive mapping). Every recovery is also a row of an
+moved by the Kuhn-Munkres and by a naive mapping) and for the online profile's factors
+(``profile/*``, measured over the starting profile's op times; the estimated step time
+follows them). Every recovery is also a row of an
 incremental ``recoveries`` table with its policy and the alternatives' estimates, and
 every published plan an artifact. Offline unless ``logger.wandb_project`` is given; the W&B
 files go into the run directory unless ``logger.wandb_save_dir`` names another. The run id
@@ -108,6 +110,7 @@ class WandbTrace:
         run.define_metric("train/*", step_metric="step")
         run.define_metric("time_s")
         run.define_metric("recovery/*", step_metric="time_s")
+        run.define_metric("profile/*", step_metric="time_s")
         return run, wandb.Table(columns=list(RECOVERY_COLUMNS), log_mode="INCREMENTAL")
 
     def _log(self, run, table, record: dict) -> None:
@@ -130,6 +133,10 @@ class WandbTrace:
                 run.log_artifact(artifact)
         elif event == "step":
             self._log_step(run, record, at, time_s)
+        elif event == "profile":
+            self._estimated_s[record["generation"]] = record["estimated_step_s"]
+            run.log({**{f"profile/{kind}_scale": record[kind] for kind in ("forward", "backward", "optimizer")},
+                     "time_s": time_s})
         elif event == "failure":
             self._failures += 1
             run.log({"recovery/failures": self._failures, "time_s": time_s})

@@ -21,7 +21,7 @@ on the retaken weights, from the inputs they had; nothing else has to be undone.
 from __future__ import annotations
 
 import itertools
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -35,6 +35,7 @@ from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.weight_grad import WeightGradStore
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.rank.emulation import OpClock
+from odyssey_megatron.runtime.rank.op_timers import WEIGHT_GRAD as WEIGHT_GRAD_TIMER
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
 
 MicroBatch = dict[str, torch.Tensor]
@@ -59,6 +60,18 @@ def stage_forward(data_iterator, model, *, first: bool, last: bool, loss_scale: 
     position_ids = batch["position_ids"] if batch is not None else None
     output = model(tokens, position_ids, None)
     return output, partial(language_model_loss, batch["labels"], scale=loss_scale) if last else None
+
+
+@contextmanager
+def _megatron_timer(config, name: str):
+    """Megatron's timer hook (``config.timers``), called as its schedules call it, around
+    an op Megatron does not run itself."""
+    if config.timers is None:
+        yield
+        return
+    config.timers(name).start()
+    yield
+    config.timers(name).stop()
 
 
 @dataclass
@@ -153,7 +166,7 @@ class StepExecutor:
                     send(output, self._rank(op.pipeline, op.stage + 1, op.micro_batch),
                          self._tag(step, op.micro_batch, FORWARD))
             elif op.kind == WEIGHT_GRAD:
-                with self.clock.compute(op):
+                with self.clock.compute(op), _megatron_timer(config, WEIGHT_GRAD_TIMER):
                     self.weight_grads.run((op.pipeline, op.micro_batch))
             else:
                 input_tensor, output = saved.pop((op.pipeline, op.micro_batch))

@@ -15,7 +15,7 @@ carry them into the next plan generation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -32,6 +32,7 @@ from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation, OpClock
 from odyssey_megatron.runtime.rank.executor import MicroBatch, StepExecutor
 from odyssey_megatron.runtime.rank.megatron_1f1b import MegatronPipelineSchedule
+from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot, SnapshotPool
 from odyssey_megatron.runtime.rank.staggered_step import StaggeredStep
 from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
@@ -73,6 +74,7 @@ class PlanRunner:
         device: torch.device = torch.device("cpu"),
         emulation: DeviceEmulation | None = None,
         on_phase: Callable[[str], None] | None = None,
+        op_timers: OpTimers | None = None,
     ):
         """``program`` is the plan's step program (published with it). ``schedule``: auto
         (Megatron's 1F1B unless micro-batches are rerouted, backwards split or the
@@ -85,7 +87,9 @@ class PlanRunner:
         ``emulation`` paces every op to a profile's device time (``runtime.rank.emulation``);
         Megatron's schedule cannot be paced, so the op-list executor runs. ``on_phase`` is
         called as the step enters each phase (forward, backward, grad_sync, optimizer), once
-        per micro-batch for the forward and backward: where a fault injector acts."""
+        per micro-batch for the forward and backward: where a fault injector acts.
+        ``op_timers`` becomes Megatron's ``timers`` of the model and optimizer configs
+        (``runtime.rank.op_timers``): each op's seconds, for the online profile."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if program.generation != plan.generation:
@@ -109,12 +113,13 @@ class PlanRunner:
         self.device = device
         self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection)
         self.model.to(device)
+        self.model.config.timers = op_timers
         self._on_phase = on_phase or (lambda phase: None)
         if on_phase is not None:
             self.model.register_forward_pre_hook(lambda *_: on_phase("forward"))
             next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase("backward"))
         self.optimizer = StageOptimizer(
-            state, self.model, self.stage, config=optimizer,
+            state, self.model, self.stage, config=replace(optimizer, timers=op_timers),
             counted_blocks={b for b, owner in block_owners(plan).items() if owner == self.worker},
             norm_group=self.groups.norm_group, tp_group=self.groups.pg_collection.tp)
         self.params = parameters_by_block(self.model, self.stage)

@@ -56,9 +56,11 @@ from odyssey_megatron.runtime.protocol import (
     ready_key,
     step_report_key,
 )
+from odyssey_megatron.runtime.rank import op_timers
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
+from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
 __all__ = ["GenerationEnded", "train_worker"]
@@ -127,6 +129,7 @@ class Worker:
         # out of the collections that free each generation's stage, so they take milliseconds.
         gc.freeze()
         self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch)
+        self.op_timers = OpTimers(self.device) if self.config.odyssey.online_profile else None
         self.timeouts = launch.timeouts
         self.state: Optional[TrainingState] = None
         self.snapshot: Optional[TrainingState] = None
@@ -225,7 +228,7 @@ class Worker:
         self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=self.config.model,
                                  micro_batch_size=train.micro_batch_size, state=self.state,
                                  optimizer=optimizer_config(train, self.config.model.params_dtype),
-                                 device=self.device, on_phase=self._on_phase)
+                                 device=self.device, on_phase=self._on_phase, op_timers=self.op_timers)
         self.store.add(ready_key(plan.generation), 1)
         interval = self.config.odyssey.checkpoint_interval
         for step in range(published.start_step, train.train_iters):
@@ -281,11 +284,13 @@ class Worker:
         self.phase = "forward"
         result = self.runner.train_step(batch)
         self.runner.settle()
-        if result.losses:
-            order = sorted(result.losses)
-            report = StepReport(self.launch.rank, tuple(order), tuple(result.losses[m] for m in order),
-                                tuple(i for m in order for i in samples[m]))
-            self.store.append(step_report_key(self.generation, step), report.to_json() + "\n")
+        order = sorted(result.losses)
+        times = self.op_timers.take() if self.op_timers is not None else dict.fromkeys(op_timers.TIMED, (0.0, 0))
+        report = StepReport(self.launch.rank, tuple(order), tuple(result.losses[m] for m in order),
+                            tuple(i for m in order for i in samples[m]), *times[op_timers.FORWARD],
+                            *times[op_timers.BACKWARD], *times[op_timers.WEIGHT_GRAD],
+                            times[op_timers.OPTIMIZER][0])
+        self.store.append(step_report_key(self.generation, step), report.to_json() + "\n")
         self.store.add(applied_key(self.generation, step), 1)
 
     def _save_checkpoint(self, committed: int) -> None:
