@@ -34,7 +34,7 @@ def test_the_optimizer_step_scales_with_the_fullest_ranks_parameter_bytes():
     even = asymmetric_plan([(3, 3)], [4])
     uneven = asymmetric_plan([(5, 1)], [4])
     # 3 layers = 300 bytes = 0.3 s on each rank; the norm's ring all-reduce over 2 ranks:
-    # 2 latency steps (8 bytes over free links)
+    # 2 latency steps (4 bytes over free links)
     assert optimizer_time(even, profile, None, staggered=False) == pytest.approx(0.3 + 2 * 0.01)
     assert optimizer_time(uneven, profile, None, staggered=False) == pytest.approx(0.5 + 2 * 0.01)
     assert optimizer_time(uneven, profile, None, staggered=True) == pytest.approx(0.5)
@@ -47,13 +47,13 @@ def test_the_optimizer_step_scales_with_the_fullest_ranks_parameter_bytes():
 def test_the_norm_all_reduce_spans_every_training_rank():
     profile = profile_of(4, link_latency_s=0.01, intra_node_bandwidth=800.0, inter_node_bandwidth=80.0)
     plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)
-    # 4 ranks: 6 steps of latency and 2 * 3/4 of 8 bytes
+    # 4 ranks: 6 steps of latency and 2 * 3/4 of 4 bytes (one float32)
     one_node = ClusterState(world_size=4, devices_per_node=4)
-    assert norm_allreduce_time(plan, profile, one_node) == pytest.approx(6 * 0.01 + 1.5 * 8 / 800)
+    assert norm_allreduce_time(plan, profile, one_node) == pytest.approx(6 * 0.01 + 1.5 * 4 / 800)
     two_nodes = ClusterState(world_size=4, devices_per_node=2)
-    assert norm_allreduce_time(plan, profile, two_nodes) == pytest.approx(6 * 0.01 + 1.5 * 8 / 80)
+    assert norm_allreduce_time(plan, profile, two_nodes) == pytest.approx(6 * 0.01 + 1.5 * 4 / 80)
     fitted = replace(profile, allreduce_bandwidth=400.0, allreduce_latency_s=0.002)
-    assert norm_allreduce_time(plan, fitted, one_node) == pytest.approx(6 * 0.002 + 1.5 * 8 / 400)
+    assert norm_allreduce_time(plan, fitted, one_node) == pytest.approx(6 * 0.002 + 1.5 * 4 / 400)
 
 
 def test_sync_uses_the_profilers_all_reduce_fit_within_a_node():

@@ -65,6 +65,7 @@ from typing import AbstractSet, Iterator, Sequence
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.communication import sync_time, unit_sync_time
+from odyssey_megatron.estimator.optimizer import optimizer_time
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, SyncUnit
 from odyssey_megatron.planner.batch import assign_micro_batch_ids
 from odyssey_megatron.planner.layers import stage_ranges
@@ -400,13 +401,16 @@ class OobleckSystem:
         return pipeline_s + sync_s
 
     def planned_step_time(self, stage_counts: tuple[int, ...]) -> float:
-        """Oobleck's planner estimate, placement-blind: the slowest lone pipeline plus the
-        layer-granular DP sync (equals ``estimate_plan`` without a cluster)."""
+        """Oobleck's planner estimate, placement-blind: the slowest lone pipeline, the
+        layer-granular DP sync and the optimizer step (equals ``estimate_plan`` without a
+        cluster)."""
         if stage_counts not in self._planned_step_s:
             start = [sum(stage_counts[:i]) for i in range(len(stage_counts))]
             canonical = [OobleckPipeline(tuple(range(s, s + n)), n) for s, n in zip(start, stage_counts)]
             plan = with_sync(self._plan_on(canonical, self._distribute(stage_counts)), self.context.profile)
-            self._planned_step_s[stage_counts] = self._pipeline_s(stage_counts) + sync_time(plan, self.context.profile)
+            profile = self.context.profile
+            self._planned_step_s[stage_counts] = (self._pipeline_s(stage_counts) + sync_time(plan, profile)
+                                                  + optimizer_time(plan, profile, None, staggered=False))
         return self._planned_step_s[stage_counts]
 
     # -- copying missing layers (5) --------------------------------------------------
