@@ -30,9 +30,9 @@ table's changes, checked on the 32- and 1,024-rank rows):
 | 16,384 | 70B | 9.17 / 9.49 / 21.68 s | 15 / 15 / 15 ms |
 
 Memory at 16,384 ranks: 7B peak 77.2 MiB, one prepared decision 17.6 MiB (1,126 B per
-rank), at most 8 kept; 70B peak 227.3 MiB (the cold two-rank
-decision's replays), one prepared decision 4.28 MiB (274 B per rank), at most 8 kept. 7B meets the cold targets; 70B does not (its
-reroutes touch every pipeline of a 64-pipeline window: 64 micro-batches spread over 63
+rank), at most 8 kept; 70B peak 227.3 MiB (the cold two-rank decision's replays), one
+prepared decision 4.28 MiB (274 B per rank), at most 8 kept. 7B meets the cold targets;
+70B does not (its reroutes touch every pipeline of a 64-pipeline window: 64 micro-batches spread over 63
 peers, each normalization candidate a pure-Python replay of ~100k ops, several times
 over for split and staggered schedules), and 7B's prepared lookups at 16,384 ranks take
 150-190 ms, above the 50 ms target.

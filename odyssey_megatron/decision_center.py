@@ -35,8 +35,8 @@ from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 PREPARED_RANK_CASES = 1 << 17
 """Prepared decisions kept, times the ranks of the plan (``prepare_cap``): each holds a
-few candidate plans over every worker and their stage copies per TP shard, about 1.2 KB
-per rank (``benchmarks/plan_search.py --memory``), so they stay near 150 MiB at any
+few candidate plans over every worker and their stage copies per TP shard, up to about
+1.1 KB per rank (``benchmarks/plan_search.py --memory``), so they stay under 150 MiB at any
 scale: 8 cases at 16,384 ranks, every likely failure up to a few hundred ranks."""
 
 
