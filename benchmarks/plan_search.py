@@ -6,10 +6,36 @@ on Ascend 910B (TP1 x PP4, 8 micro-batches per pipeline, recipes/llama2_7b/ascen
 and Llama-2 70B on H100 (TP8 x PP8, 64 per pipeline, configs/llama2_70b_h100_1024.yaml),
 8 devices per node. Each cell is the median of --repeats wall times, each on a fresh
 decision center. "cold" prices every candidate inside on_failure; "prepared" first runs
-``prepare`` (the controller's background work after a plan change; its time is printed
-apart) and then times on_failure, a lookup. Targets (issue 20): cold under 1 s at 4,096
-ranks and 5 s at 16,384; prepared under 50 ms at 16,384.
+``prepare`` for the failure it times (the controller's background work after a plan
+change, which covers every worker and node up to ``prepare_cap``; its time for this one
+case is printed apart) and then times on_failure, a lookup. Targets (issue 20): cold
+under 1 s at 4,096 ranks and 5 s at 16,384; prepared under 50 ms at 16,384.
+``--memory`` reports, at --max-ranks, the decision center's tracemalloc peak from its
+build through two prepared cases, a prepared and a cold decision, and what one prepared
+decision keeps (``prepare_cap`` of them are kept).
 Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
+
+One run on the shared 2-core development machine (--repeats 1 --memory; "prepare" is
+the time to prepare that one case; every cell chose the same plan as main before this
+table's changes, checked on the 32- and 1,024-rank rows):
+
+| ranks | model | cold rank / node / two | prepared rank / node / two |
+|---|---|---|---|
+| 32 | 7B | 77 / 17 / 119 ms | 0 / 0 / 0 ms |
+| 1,024 | 7B | 159 / 583 / 230 ms | 7 / 7 / 8 ms |
+| 4,096 | 7B | 468 / 865 / 555 ms | 32 / 31 / 45 ms |
+| 16,384 | 7B | 1.79 / 2.13 / 2.01 s | 153 / 159 / 190 ms |
+| 1,024 | 70B | 3.09 / 3.06 / 4.99 s | 1 / 1 / 1 ms |
+| 4,096 | 70B | 9.47 / 10.06 / 18.35 s | 4 / 4 / 4 ms |
+| 16,384 | 70B | 9.17 / 9.49 / 21.68 s | 15 / 15 / 15 ms |
+
+Memory at 16,384 ranks: 7B peak 77.2 MiB, one prepared decision 17.6 MiB (1,126 B per
+rank), at most 8 kept; 70B peak 227.3 MiB (the cold two-rank decision's replays), one
+prepared decision 4.28 MiB (274 B per rank), at most 8 kept. 7B meets the cold targets;
+70B does not (its reroutes touch every pipeline of a 64-pipeline window: 64 micro-batches spread over 63
+peers, each normalization candidate a pure-Python replay of ~100k ops, several times
+over for split and staggered schedules), and 7B's prepared lookups at 16,384 ranks take
+150-190 ms, above the 50 ms target.
 """
 
 from __future__ import annotations
@@ -52,14 +78,21 @@ def failures(ranks: int, tp: int) -> dict[str, dict]:
     }
 
 
+def failed_workers(center: DecisionCenter, failed: dict) -> frozenset[int]:
+    """The workers ``on_failure(**failed)`` will mark failed: the case to prepare."""
+    cluster = center.cluster
+    return cluster.fail_ranks(failed.get("ranks", ())).fail_nodes(failed.get("nodes", ())).failed_workers \
+        - cluster.failed_workers
+
+
 def time_failure(config, failed: dict, *, prepared: bool, repeats: int) -> tuple[float, float, str]:
-    """(median on_failure seconds, median prepare seconds, what the last one chose)."""
+    """(median on_failure seconds, median seconds to prepare its case, what the last one chose)."""
     times, prepare_times, chosen = [], [], ""
     for _ in range(repeats):
         center = DecisionCenter.from_recipe(config)
         if prepared:
             started = time.perf_counter()
-            center.prepare()
+            assert center.prepare([failed_workers(center, failed)]) == 1
             prepare_times.append(time.perf_counter() - started)
         started = time.perf_counter()
         decision = center.on_failure(**failed)
@@ -74,18 +107,28 @@ def seconds(s: float) -> str:
 
 
 def memory_peak(model: str, ranks: int) -> None:
-    """tracemalloc peak of a decision center from its build to a prepared and a cold decision."""
+    """tracemalloc peak of a decision center from its build through two prepared cases
+    (the rank failure timed above and one in another pipeline), the prepared decision
+    and a cold two-rank one; and the memory one prepared decision keeps."""
     config = recipe(model, ranks)
     tp = MODELS[model][2]
     tracemalloc.start()
     center = DecisionCenter.from_recipe(config)
-    center.prepare()
-    center.on_failure(**failures(ranks, tp)["rank"])
+    cap = center.prepare_cap()
+    rank = failures(ranks, tp)["rank"]
+    cases = [failed_workers(center, rank), failed_workers(center, {"ranks": [ranks // 4]})]
+    center.prepare(cases[:1])  # also fills the caches every case shares
+    before, _ = tracemalloc.get_traced_memory()
+    assert center.prepare(cases[1:]) == 1
+    per_case = tracemalloc.get_traced_memory()[0] - before
+    center.on_failure(**rank)
     center.on_failure(**failures(ranks, tp)["two"])
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    print(f"memory: {model} at {ranks} ranks, build + prepare + prepared rank failure + cold two-rank failure: "
-          f"tracemalloc peak {peak / 2**20:.1f} MiB", flush=True)
+    print(f"memory: {model} at {ranks} ranks: tracemalloc peak {peak / 2**20:.1f} MiB (build, prepare 2 cases, "
+          f"prepared rank failure, cold two-rank failure); one prepared decision keeps {per_case / 2**20:.2f} MiB "
+          f"({per_case / ranks:.0f} B per rank), at most {cap} kept",
+          flush=True)
 
 
 def main() -> None:

@@ -33,6 +33,12 @@ from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.specs import device_spec
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
+PREPARED_RANK_CASES = 1 << 17
+"""Prepared decisions kept, times the ranks of the plan (``prepare_cap``): each holds a
+few candidate plans over every worker and their stage copies per TP shard, up to about
+1.1 KB per rank (``benchmarks/plan_search.py --memory``), so they stay under 150 MiB at any
+scale: 8 cases at 16,384 ranks, every likely failure up to a few hundred ranks."""
+
 
 def recipe_profile(config: RecipeConfig) -> ModelProfile:
     """The profile the recipe's plans are priced with: the file ``odyssey.profile`` names
@@ -167,6 +173,11 @@ class DecisionCenter:
         nodes = sorted({self.cluster.node_of_worker(w) for w in workers})
         return [frozenset([w]) for w in workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
 
+    def prepare_cap(self) -> int:
+        """Most prepared decisions kept for the current plan (``PREPARED_RANK_CASES``)."""
+        ranks = len(self.plan.workers) * self.plan.tensor_parallel_size
+        return max(1, PREPARED_RANK_CASES // max(1, ranks))
+
     def prepare(self, cases: Iterable[frozenset[int]] | None = None, *,
                 stop: Callable[[], bool] = lambda: False) -> int:
         """Price in advance the decisions for ``cases`` (sets of workers that may fail
@@ -174,14 +185,16 @@ class DecisionCenter:
         weighs the priced candidates by Eq. 8, with the failure rate of that moment: a
         lookup. Meant to run after every plan change, in a background thread of the
         controller: it stops between cases once ``stop()`` is true or the plan or cluster
-        has changed, and keeps what it priced so far. Returns the cases priced."""
+        has changed, and keeps what it priced so far; it keeps at most ``prepare_cap``
+        cases. Returns the cases priced."""
         plan, cluster = self.plan, self.cluster
         if self._prepared is None or self._prepared[0] is not plan or self._prepared[1] is not cluster:
             self._prepared = plan, cluster, {}
         prepared = self._prepared[2]
+        cap = self.prepare_cap()
         done = 0
         for workers in self.likely_failures() if cases is None else cases:
-            if stop() or self.plan is not plan or self.cluster is not cluster:
+            if stop() or self.plan is not plan or self.cluster is not cluster or len(prepared) >= cap:
                 break
             after = cluster.fail_ranks(r for w in workers for r in cluster.worker_ranks(w))
             if after.failed_workers in prepared or not after.alive_workers:

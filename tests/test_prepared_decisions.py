@@ -65,3 +65,14 @@ def test_the_likely_failures_are_every_worker_and_every_node():
     cases = center.likely_failures()
     assert cases[:32] == [frozenset([w]) for w in center.plan.workers]
     assert cases[32:] == [frozenset(range(8 * n, 8 * n + 8)) for n in range(4)]
+
+
+def test_prepare_keeps_at_most_its_cap(monkeypatch):
+    """Memory stays bounded at any scale: at most PREPARED_RANK_CASES / ranks cases are
+    kept, however many are asked for and however often prepare runs."""
+    center = _center()
+    monkeypatch.setattr(decision_center, "PREPARED_RANK_CASES", 3 * 32 + 5)  # 32 ranks (TP1): a cap of 3
+    assert center.prepare_cap() == 3
+    assert center.prepare([frozenset([w]) for w in range(6)]) == 3
+    assert center.prepare([frozenset([w]) for w in range(6, 12)]) == 0
+    assert set(center._prepared[2]) == {frozenset([w]) for w in range(3)}

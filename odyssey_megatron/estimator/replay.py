@@ -43,7 +43,7 @@ from typing import Mapping, Sequence
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile, StageTimes
-from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, compile_streams, dependency, settles
+from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, compile_streams
 
 INF = float("inf")
 
@@ -138,31 +138,34 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
     n = len(ops)
     dep, link_s, consumer = [-1] * n, [0.0] * n, [-1] * n
     whole_s, split_s = [0.0] * n, [0.0] * n
-    pipeline, forward, settling = [0] * n, [False] * n, [False] * n
-    for i, op in enumerate(ops):
-        kind, pi, si, _ = op
+    pipeline, forward, settling = [0] * n, [False] * n, [True] * n
+    for i, (kind, pi, si, mb) in enumerate(ops):
         times = compute[pi, si]
-        pipeline[i], forward[i] = pi, kind == FORWARD
-        settling[i] = settles(op, num_stages=num_stages[pi])
+        last = si == num_stages[pi] - 1
+        pipeline[i] = pi
         if kind == FORWARD:
+            forward[i], settling[i] = True, not last  # as ``settles``: a forward settles if it sends
             whole_s[i] = split_s[i] = times.forward_s
+            d = (FORWARD, pi, si - 1, mb) if si else None  # ``dependency``, as a plain tuple: equal to the Op
         elif kind == BACKWARD:
             whole_s[i], split_s[i] = times.backward_s, times.input_grad_s
+            d = (BACKWARD, pi, si + 1, mb) if not last else (FORWARD, pi, si, mb)
         else:
             whole_s[i] = split_s[i] = times.weight_grad_s
             continue  # a W waits for nothing on another stage
-        d = dependency(op, num_stages=num_stages[pi])
         if d is None:
             continue
-        if d not in index:
-            raise ScheduleDeadlock(f"{op} waits for {d}, which no worker runs")
-        dep[i] = j = index[d]
+        j = index.get(d)
+        if j is None:
+            raise ScheduleDeadlock(f"{ops[i]} waits for {Op(*d)}, which no worker runs")
+        dep[i] = j
         consumer[j] = i
         pair = worker[j], worker[i]
-        if pair not in link_cache:
+        link = link_cache.get(pair)
+        if link is None:
             same_node = cluster is None or cluster.same_node(workers[pair[0]], workers[pair[1]])
-            link_cache[pair] = 0.0 if pair[0] == pair[1] else p2p_time(profile, same_node=same_node)
-        link_s[i] = link_cache[pair]
+            link = link_cache[pair] = 0.0 if pair[0] == pair[1] else p2p_time(profile, same_node=same_node)
+        link_s[i] = link
     return OpGraph(
         ops=tuple(ops), index=index, workers=workers, plan_order=tuple(workers.index(w) for w in streams),
         num_pipelines=len(plan.pipelines), streams=tuple(stream_ids), worker=worker, pipeline=pipeline,
@@ -349,6 +352,19 @@ class _Replayer:
         elif at >= worker.free_at:
             heapq.heappush(self.wakeups, (at, worker.index))
 
+    def ready_by(self, worker: _Worker, at: float) -> bool:
+        """Whether the head of ``worker``'s one open stream has its input by ``at`` for sure.
+        Then its choice at ``at`` (that head, or a deferred W if memory is full) depends on
+        nothing another worker may still time, and it can be made without a wakeup."""
+        streams, cursor = worker.streams, worker.cursor
+        s = 0 if len(streams) == 1 else next(j for j, ids in enumerate(streams) if cursor[j] < len(ids))
+        op = streams[s][cursor[s]]
+        d = self.graph.dependency[op]
+        if d < 0:
+            return True
+        ended = self.steps[worker.step].end[d]
+        return ended is not None and ended + self.graph.link_s[op] <= at
+
     def start_step(self, worker: _Worker, k: int, at: float) -> None:
         worker.step, worker.ran, worker.settled = k, 0, False
         worker.cursor = [0] * len(worker.streams)
@@ -468,13 +484,19 @@ class _Replayer:
                     worker.last.append(op)
                 c = consumer[op]
                 if c >= 0 and worker_of[c] != worker.index:
-                    self.wake(workers[worker_of[c]], done + link_s[c])
+                    waiting, at = workers[worker_of[c]], done + link_s[c]  # ``wake``, inlined: once per op
+                    if waiting.ran < waiting.ops_per_step and waiting.open_streams <= 1 and not waiting.deferred:
+                        forced.append(waiting)
+                    elif at >= waiting.free_at:
+                        heapq.heappush(wakeups, (at, waiting.index))
                 if worker.ran == worker.ops_per_step:
                     self.finish_step(worker, k)
                     break
                 if worker.open_streams > 1 or queued:
-                    heapq.heappush(wakeups, (done, worker.index))  # its next choice waits for the clock
-                    break
+                    if speculative or worker.open_streams != 1 or not self.ready_by(worker, done):
+                        heapq.heappush(wakeups, (done, worker.index))  # its next choice waits for the clock
+                        break
+                    now = done  # its choice at ``done`` is settled already: make it now
         stuck = [worker for worker in self.playing if worker.step < iterations]
         if stuck:
             heads = [graph.ops[ids[worker.cursor[j]]] for worker in stuck for j, ids in enumerate(worker.streams)

@@ -39,6 +39,9 @@ class ReparallelizeSearch:
         self.profile = profile
         self.splits = SplitSearch(profile, limit=max_layer_splits)
         self._sync_cache: dict[tuple, float] = {}
+        self._found: dict[tuple, list[Layout]] = {}
+        """``layouts`` per window: every failure of one worker leaves the same number of
+        survivors, so the decisions prepared for them share one search."""
 
     def layouts(
         self,
@@ -53,6 +56,15 @@ class ReparallelizeSearch:
         """Every feasible candidate layout, fastest first: the strategies within the radii of
         the current DP degree and, with ``sweep``, one per pipeline length plus the radii
         around the DP degree of the fastest of those."""
+        key = (num_workers, num_micro_batches, current_dp, dp_radius, pp_radius, sweep)
+        if key not in self._found:
+            self._found[key] = self._search(num_workers=num_workers, num_micro_batches=num_micro_batches,
+                                            current_dp=current_dp, dp_radius=dp_radius, pp_radius=pp_radius,
+                                            sweep=sweep)
+        return list(self._found[key])
+
+    def _search(self, *, num_workers: int, num_micro_batches: int, current_dp: int, dp_radius: int, pp_radius: int,
+                sweep: bool) -> list[Layout]:
         max_idle = max(0, num_workers // max(current_dp, 1) - 1)
         centres = [current_dp]
         found: dict[tuple[int, ...], Layout] = {}
