@@ -249,7 +249,6 @@ class DecisionCenter:
         interval = interval_s if interval_s is not None else \
             self.failure_model.expected_interval_s(self.cluster.alive_devices)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
-        decision = choose(drafts, profile=self.profile, settings=self.settings, interval_s=interval,
-                          search_time_s=search_s)
+        decision = choose(drafts, settings=self.settings, interval_s=interval, search_time_s=search_s)
         self.plan = decision.chosen.plan
         return decision

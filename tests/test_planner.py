@@ -20,7 +20,7 @@ from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, dec
 from odyssey_megatron.planner.layers import SplitSearch, layer_splits
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
-from odyssey_megatron.planner.policy import fatal_share, policy_score
+from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_holders
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep, two_length_partitions
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
@@ -343,8 +343,8 @@ def test_policy_score_is_eq8():
 
 
 def test_fatal_share_counts_sole_holders():
-    assert fatal_share({0: [0, 1], 1: [0, 1], 2: [2], 3: [2]}, 4) == 0.0
-    assert fatal_share({0: [0, 1], 1: [0, 1], 2: [2], 3: [3]}, 5) == pytest.approx(2 / 5)
+    assert fatal_share(sole_holders({0: [0, 1], 1: [0, 1], 2: [2], 3: [2]}), 4) == 0.0
+    assert fatal_share(sole_holders({0: [0, 1], 1: [0, 1], 2: [2], 3: [3]}), 5) == pytest.approx(2 / 5)
 
 
 def test_restart_risk_steers_away_from_plans_without_replicas():
@@ -358,7 +358,7 @@ def test_restart_risk_steers_away_from_plans_without_replicas():
                       settings=_settings(reparallelize_restart_s=30, checkpoint_restart_penalty_s=1200),
                       failure_model=FailureRateModel(device_mtbf_hours=0.1))
     assert decision.chosen.policy == "reparallelize"
-    assert fatal_share(decision.chosen.plan.holdings(profile), 7) == 0.0
+    assert sole_holders(decision.chosen.plan.holdings(profile)) == 0
 
 
 def test_a_join_decision_does_not_pause_for_its_search():

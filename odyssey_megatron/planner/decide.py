@@ -10,7 +10,7 @@ from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
-from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score
+from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score, sole_holders
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.planner.reroute_pricing import RerouteCost
@@ -59,6 +59,10 @@ class Draft:
     """Moving weights and optimizer state into the plan (``transfer_time``)."""
     restart_s: float
     """Rebuilding groups and stages (``odyssey.*_restart_s``)."""
+    sole_holders: int
+    """Workers that alone hold some block of the plan (``policy.sole_holders``)."""
+    layout: str
+    """The plan's layout in words (``describe_layout``)."""
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,12 @@ def _faster(kept: Draft | None, rival: Draft | None) -> Draft | None:
     return rival if rival.estimate.samples_per_s > kept.estimate.samples_per_s else kept
 
 
-def _layout_of(plan: ExecutionPlan) -> str:
-    return describe_layout([p.layer_counts for p in plan.pipelines])
+def _draft(policy: str, plan: ExecutionPlan, estimate: PlanEstimate, moving_s: float, restart_s: float, *,
+           profile: ModelProfile) -> Draft:
+    """A priced candidate with what Eq. 8 weighs it by beside its estimate, computed once:
+    a decision prepared in advance scores the same drafts again at the failure."""
+    return Draft(policy, plan, estimate, moving_s, restart_s, sole_holders=sole_holders(plan.holdings(profile)),
+                 layout=describe_layout([p.layer_counts for p in plan.pipelines]))
 
 
 def decide(
@@ -114,7 +122,7 @@ def decide(
     """
     drafts = draft_candidates(current=current, cluster=cluster, profile=profile, settings=settings, search=search)
     interval = interval_s if interval_s is not None else failure_model.expected_interval_s(cluster.alive_devices)
-    return choose(drafts, profile=profile, settings=settings, interval_s=interval,
+    return choose(drafts, settings=settings, interval_s=interval,
                   search_time_s=drafts.pricing_s if search_time_s is None else search_time_s)
 
 
@@ -173,10 +181,11 @@ def draft_candidates(
             return None
         moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
                                storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9)
-        return Draft("reroute", plan, estimate, moving, settings.reroute_restart_s)
+        return _draft("reroute", plan, estimate, moving, settings.reroute_restart_s, profile=profile)
 
     if not affected:
-        kept = Draft(current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0)
+        kept = _draft(current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0,
+                      profile=profile)
         if not idle:
             return Drafts(current, (kept,), 0, ("no stage owner failed",), affected=False, unchanged=True,
                           alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
@@ -234,7 +243,8 @@ def draft_candidates(
                 storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
             )
             estimate = estimate_plan(plan, profile, cluster, **as_run)
-            drafts.append(Draft("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s))
+            drafts.append(_draft("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s,
+                                 profile=profile))
         if not layouts:
             notes.append("no reparallelized layout fits the memory budget")
 
@@ -247,7 +257,7 @@ def draft_candidates(
                   alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
 
 
-def choose(drafts: Drafts, *, profile: ModelProfile, settings: OdysseyConfig, interval_s: float,
+def choose(drafts: Drafts, *, settings: OdysseyConfig, interval_s: float,
            search_time_s: float) -> Decision:
     """Score every draft by Eq. 8 and pick the best: throughput, less the transition
     (search time while training is paused, moving state, restarting) and the expected
@@ -257,7 +267,7 @@ def choose(drafts: Drafts, *, profile: ModelProfile, settings: OdysseyConfig, in
     current = drafts.current
     if drafts.unchanged:
         kept = drafts.drafts[0]
-        goes_on = Candidate(kept.policy, current, kept.estimate, 0.0, kept.estimate.samples_per_s, _layout_of(current))
+        goes_on = Candidate(kept.policy, current, kept.estimate, 0.0, kept.estimate.samples_per_s, kept.layout)
         return Decision(goes_on, (), 0, search_time_s, interval_s, "; ".join(drafts.notes))
     paused_search_s = search_time_s if drafts.affected else 0.0
     alive = drafts.alive_workers
@@ -265,10 +275,10 @@ def choose(drafts: Drafts, *, profile: ModelProfile, settings: OdysseyConfig, in
     for draft in drafts.drafts:
         plan = draft.plan
         transition = paused_search_s + draft.moving_s + draft.restart_s if plan is not current else 0.0
-        risk = fatal_share(plan.holdings(profile), alive) * settings.checkpoint_restart_penalty_s
+        risk = fatal_share(draft.sole_holders, alive) * settings.checkpoint_restart_penalty_s
         score = policy_score(samples_per_s=draft.estimate.samples_per_s, transition_s=transition,
                              interval_s=interval_s, risk_s=risk)
-        candidates.append(Candidate(draft.policy, plan, draft.estimate, transition, score, _layout_of(plan)))
+        candidates.append(Candidate(draft.policy, plan, draft.estimate, transition, score, draft.layout))
     candidates.sort(key=lambda c: (-c.score, c.plan is not current, c.policy != "reroute"))
     chosen, *others = candidates
     return Decision(chosen, tuple(others), drafts.considered, search_time_s, interval_s, "; ".join(drafts.notes))

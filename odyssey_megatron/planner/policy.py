@@ -26,15 +26,20 @@ def policy_score(*, samples_per_s: float, transition_s: float, interval_s: float
     return samples_per_s * effective
 
 
-def fatal_share(holdings: dict[int, list], alive_workers: int) -> float:
-    """Chance that the next failure hits a worker that is the only live holder of a block
-    (then no in-memory recovery exists): such workers over all live workers."""
+def sole_holders(holdings: dict[int, list]) -> int:
+    """Workers that are the only live holder of some block: if the next failure hits one,
+    no in-memory recovery exists."""
     holders: dict = {}
     for worker, blocks in holdings.items():
         for block in blocks:
             holders.setdefault(block, set()).add(worker)
-    sole = {next(iter(ws)) for ws in holders.values() if len(ws) == 1}
-    return len(sole) / alive_workers if alive_workers else 1.0
+    return len({next(iter(ws)) for ws in holders.values() if len(ws) == 1})
+
+
+def fatal_share(sole_holders: int, alive_workers: int) -> float:
+    """Chance that the next failure hits a sole holder of a block: such workers over all
+    live workers."""
+    return sole_holders / alive_workers if alive_workers else 1.0
 
 
 @dataclass
