@@ -67,7 +67,7 @@ import argparse
 import json
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from odyssey_megatron.cluster import ClusterState
@@ -78,12 +78,13 @@ from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.layers import stage_ranges
 from odyssey_megatron.planner.reroute import reroute_plan
-from odyssey_megatron.profile import BlockCost, ModelProfile
+from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profiler import measure_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.testing.local_world import run_world
+from odyssey_megatron.testing.slow_device import slowed
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes/llama2_7b/tiny_cpu.yaml")
 OVERRIDES = ["model.hidden_size=128", "model.ffn_hidden_size=344", "model.seq_length=128",
@@ -93,24 +94,6 @@ SLOWDOWN = 20.0
 """How much slower than this machine's one-thread profile the emulated device is: 8 ranks
 on 2 cores run their ops up to 4x slower than profiled, and padding must cover that."""
 CLUSTER = ClusterState(world_size=8, devices_per_node=8)
-
-
-def slowed(profile: ModelProfile, factor: float) -> ModelProfile:
-    """``profile`` on a device ``factor`` times slower in everything it prices."""
-    def block(cost: BlockCost) -> BlockCost:
-        return replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor,
-                       weight_grad_s=None if cost.weight_grad_s is None else cost.weight_grad_s * factor)
-
-    return replace(
-        profile, layers=tuple(block(c) for c in profile.layers), embedding=block(profile.embedding),
-        output=block(profile.output), intra_node_bandwidth=profile.intra_node_bandwidth / factor,
-        inter_node_bandwidth=profile.inter_node_bandwidth / factor, link_latency_s=profile.link_latency_s * factor,
-        host_bandwidth=profile.host_bandwidth / factor,
-        allreduce_bandwidth=None if profile.allreduce_bandwidth is None else profile.allreduce_bandwidth / factor,
-        allreduce_latency_s=None if profile.allreduce_latency_s is None else profile.allreduce_latency_s * factor,
-        op_overhead_s=profile.op_overhead_s * factor,
-        optimizer_s_per_param_byte=profile.optimizer_s_per_param_byte * factor,
-    )
 
 
 def pipelines_plan(splits, micro_batches, *, num_layers: int, worker_of=None) -> ExecutionPlan:
