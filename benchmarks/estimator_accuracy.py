@@ -8,7 +8,7 @@ down ``SLOWDOWN`` times (compute, links and Adam alike), so the real work of ran
 two cores fits inside the padded times. Plans, over one node of 8 devices:
 
   a. DP2xPP4, fault-free (Megatron's own 1F1B runs it in real mode)
-  b. a rerouted: its last stage of pipeline 1 failed, 7 ranks, whole backwards
+  b. rerouted: the last stage of pipeline 1 failed, 7 ranks, whole backwards
   b. rerouted+split: the same with split backwards where they pay
   c. [4,3]-stage pipelines over 7 ranks, layers 2-2-2-2 and 3-3-2, 9 and 7 micro-batches
   d. the rerouted plan with split backwards and staggered optimizer steps
