@@ -15,27 +15,28 @@ build through two prepared cases, a prepared and a cold decision, and what one p
 decision keeps (``prepare_cap`` of them are kept).
 Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
 
-One run on the shared 2-core development machine (--repeats 1 --memory; "prepare" is
-the time to prepare that one case; every cell chose the same plan as main before this
-table's changes, checked on the 32- and 1,024-rank rows):
+One run on the shared 2-core development machine (--repeats 1 --memory, 2026-11-26, after
+drafts carry what Eq. 8 weighs them by; "prepare" is the time to prepare that one case;
+every cell chose the same plan as before the prepared-decision and replay changes,
+checked on the 32- and 1,024-rank rows):
 
 | ranks | model | cold rank / node / two | prepared rank / node / two |
 |---|---|---|---|
-| 32 | 7B | 77 / 17 / 119 ms | 0 / 0 / 0 ms |
-| 1,024 | 7B | 159 / 583 / 230 ms | 7 / 7 / 8 ms |
-| 4,096 | 7B | 468 / 865 / 555 ms | 32 / 31 / 45 ms |
-| 16,384 | 7B | 1.79 / 2.13 / 2.01 s | 153 / 159 / 190 ms |
-| 1,024 | 70B | 3.09 / 3.06 / 4.99 s | 1 / 1 / 1 ms |
-| 4,096 | 70B | 9.47 / 10.06 / 18.35 s | 4 / 4 / 4 ms |
-| 16,384 | 70B | 9.17 / 9.49 / 21.68 s | 15 / 15 / 15 ms |
+| 32 | 7B | 75 / 17 / 120 ms | <1 / <1 / <1 ms |
+| 1,024 | 7B | 160 / 524 / 222 ms | <1 / <1 / <1 ms |
+| 4,096 | 7B | 454 / 857 / 540 ms | <1 / <1 / <1 ms |
+| 16,384 | 7B | 2.00 / 2.09 / 2.03 s | 1 / 1 / 1 ms |
+| 1,024 | 70B | 3.21 / 3.87 / 4.82 s | <1 / <1 / <1 ms |
+| 4,096 | 70B | 10.50 / 10.10 / 18.42 s | <1 / <1 / <1 ms |
+| 16,384 | 70B | 9.49 / 9.58 / 21.15 s | <1 / <1 / <1 ms |
 
-Memory at 16,384 ranks: 7B peak 77.2 MiB, one prepared decision 17.6 MiB (1,126 B per
+Memory at 16,384 ranks: 7B peak 77.4 MiB, one prepared decision 17.6 MiB (1,126 B per
 rank), at most 8 kept; 70B peak 227.3 MiB (the cold two-rank decision's replays), one
-prepared decision 4.28 MiB (274 B per rank), at most 8 kept. 7B meets the cold targets;
-70B does not (its reroutes touch every pipeline of a 64-pipeline window: 64 micro-batches spread over 63
-peers, each normalization candidate a pure-Python replay of ~100k ops, several times
-over for split and staggered schedules), and 7B's prepared lookups at 16,384 ranks take
-150-190 ms, above the 50 ms target.
+prepared decision 4.24 MiB (271 B per rank), at most 8 kept. 7B meets the cold targets
+and every prepared lookup the 50 ms one; 70B's cold decisions do not (its reroutes touch
+every pipeline of a 64-pipeline window: 64 micro-batches spread over 63 peers, each
+normalization candidate a pure-Python replay of ~100k ops, several times over for split
+and staggered schedules).
 """
 
 from __future__ import annotations
