@@ -75,8 +75,7 @@ from odyssey_megatron.config import load_config
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.hooks.process_groups import RankMap
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
-from odyssey_megatron.planner.layers import stage_ranges
+from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profiler import measure_profile
@@ -84,6 +83,7 @@ from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.testing.local_world import run_world
+from odyssey_megatron.testing.plans import pipelines_plan
 from odyssey_megatron.testing.slow_device import slowed
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes/llama2_7b/tiny_cpu.yaml")
@@ -96,20 +96,6 @@ on 2 cores run their ops up to 4x slower than profiled, and padding must cover t
 CLUSTER = ClusterState(world_size=8, devices_per_node=8)
 
 
-def pipelines_plan(splits, micro_batches, *, num_layers: int, worker_of=None) -> ExecutionPlan:
-    """Pipelines with the given layers per stage and micro-batch counts; workers pipeline-major
-    unless ``worker_of(pipeline, stage)`` says otherwise."""
-    pipelines, worker, start = [], 0, 0
-    for d, (split, count) in enumerate(zip(splits, micro_batches)):
-        stages = []
-        for s, layers in enumerate(stage_ranges(split)):
-            stages.append(StagePlan(worker_of(d, s) if worker_of else worker, layers))
-            worker += 1
-        pipelines.append(PipelinePlan(tuple(stages), tuple(range(start, start + count))))
-        start += count
-    return ExecutionPlan(0, "reparallelize", num_layers, 1, tuple(pipelines))
-
-
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -119,14 +105,13 @@ class Case:
     staggered: bool = False
 
 
-def cases(profile: ModelProfile, num_layers: int, micro_batches: int) -> list[Case]:
+def cases(profile: ModelProfile, micro_batches: int) -> list[Case]:
     half = micro_batches // 2
-    fault_free = with_sync(pipelines_plan([(2, 2, 2, 2)] * 2, [half, half], num_layers=num_layers,
-                                          worker_of=lambda d, s: s * 2 + d), profile)
-    rerouted = with_sync(reroute_plan(fault_free, failed_workers={7}, profile=profile), profile)
-    asymmetric = with_sync(pipelines_plan([(2, 2, 2, 2), (3, 3, 2)], [half + 1, half - 1], num_layers=num_layers),
+    fault_free = with_sync(pipelines_plan([(2, 2, 2, 2)] * 2, [half, half], worker_of=lambda d, s: s * 2 + d),
                            profile)
-    two_ranks = with_sync(pipelines_plan([(4, 4)], [micro_batches], num_layers=num_layers), profile)
+    rerouted = with_sync(reroute_plan(fault_free, failed_workers={7}, profile=profile), profile)
+    asymmetric = with_sync(pipelines_plan([(2, 2, 2, 2), (3, 3, 2)], [half + 1, half - 1]), profile)
+    two_ranks = with_sync(pipelines_plan([(4, 4)], [micro_batches]), profile)
     return [
         Case("a DP2xPP4", fault_free, 8),
         Case("b rerouted", rerouted, 7),
@@ -217,7 +202,7 @@ def main() -> None:
     num_micro_batches = config.training.global_batch_size // config.training.micro_batch_size
     emulated_profile = slowed(profile, SLOWDOWN)
     rows = {"emulated": [], "real": []}
-    for case in cases(profile, config.model.num_layers, num_micro_batches):
+    for case in cases(profile, num_micro_batches):
         if args.only != "real":
             rows["emulated"].append(measure(case, emulated_profile, args.steps, emulate=True))
         if args.only != "emulated":

@@ -56,11 +56,10 @@ from odyssey_megatron.config import ModelConfig, load_config
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.grad_sync import clip_scale
 from odyssey_megatron.hooks.process_groups import RankMap
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, SyncUnit
+from odyssey_megatron.plan import ExecutionPlan, SyncUnit
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.step_schedule import step_schedule, step_time
-from odyssey_megatron.planner.layers import stage_ranges
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import ModelProfile, uniform_profile
 from odyssey_megatron.profiler import measure_profile
@@ -68,6 +67,7 @@ from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
 from odyssey_megatron.runtime.rank.op_timers import BACKWARD, FORWARD, OpTimers
 from odyssey_megatron.testing.local_world import run_world
+from odyssey_megatron.testing.plans import pipelines_plan
 from odyssey_megatron.testing.slow_device import slowed
 
 MODEL = ModelConfig(num_layers=8, hidden_size=256, ffn_hidden_size=688, num_attention_heads=8, num_query_groups=8,
@@ -84,15 +84,7 @@ PACE = 8.0
 
 
 def _plan(splits, micro_batches, workers_of=None) -> ExecutionPlan:
-    pipelines, worker, start = [], 0, 0
-    for d, (split, count) in enumerate(zip(splits, micro_batches)):
-        stages = []
-        for s, layers in enumerate(stage_ranges(split)):
-            stages.append(StagePlan(workers_of(d, s) if workers_of else worker, layers))
-            worker += 1
-        pipelines.append(PipelinePlan(tuple(stages), tuple(range(start, start + count))))
-        start += count
-    plan = ExecutionPlan(0, "reparallelize", MODEL.num_layers, 1, tuple(pipelines))
+    plan = pipelines_plan(splits, micro_batches, worker_of=workers_of)
     return with_sync(plan, uniform_profile(num_layers=MODEL.num_layers))
 
 

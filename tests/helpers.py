@@ -8,9 +8,9 @@ from typing import Sequence
 from hypothesis import strategies as st
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
-from odyssey_megatron.planner.layers import stage_ranges
+from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import BlockCost, ModelProfile, uniform_profile
+from odyssey_megatron.testing.plans import pipelines_plan
 
 
 def symmetric_plan(*, dp: int, pp: int, num_layers: int, micro_batches_per_pipeline: int) -> ExecutionPlan:
@@ -28,22 +28,8 @@ def asymmetric_plan(
     policy: str = "reparallelize",
 ) -> ExecutionPlan:
     """Pipelines with the given layer counts per stage; workers numbered pipeline-major by default."""
-    pipelines, next_worker, next_mb = [], 0, 0
-    for d, (split, count) in enumerate(zip(splits, micro_batches)):
-        stages = []
-        for s, layers in enumerate(stage_ranges(split)):
-            worker = worker_of(d, s) if worker_of else next_worker
-            next_worker += 1
-            stages.append(StagePlan(worker, layers))
-        pipelines.append(PipelinePlan(tuple(stages), tuple(range(next_mb, next_mb + count))))
-        next_mb += count
-    return ExecutionPlan(
-        generation=0,
-        policy=policy if worker_of is None else "initial",
-        num_layers=sum(splits[0]),
-        tensor_parallel_size=1,
-        pipelines=tuple(pipelines),
-    )
+    return pipelines_plan(splits, micro_batches, worker_of=worker_of,
+                          policy=policy if worker_of is None else "initial")
 
 
 def costly_edges_profile(num_layers: int, *, tie_embeddings: bool = False, budget: int = 1 << 62) -> ModelProfile:
