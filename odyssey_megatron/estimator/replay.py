@@ -352,18 +352,15 @@ class _Replayer:
         elif at >= worker.free_at:
             heapq.heappush(self.wakeups, (at, worker.index))
 
-    def ready_by(self, worker: _Worker, at: float) -> bool:
-        """Whether the head of ``worker``'s one open stream has its input by ``at`` for sure.
-        Then its choice at ``at`` (that head, or a deferred W if memory is full) depends on
-        nothing another worker may still time, and it can be made without a wakeup."""
+    def settled(self, worker: _Worker) -> bool:
+        """Whether the head of ``worker``'s one open stream has its dependency timed (or has
+        none): then when its input arrives is known, so its choice at any time (that head if
+        its input is in, else a deferred W; a W first if memory is full) depends on nothing
+        another worker may still time, and it can be made without a wakeup."""
         streams, cursor = worker.streams, worker.cursor
         s = 0 if len(streams) == 1 else next(j for j, ids in enumerate(streams) if cursor[j] < len(ids))
-        op = streams[s][cursor[s]]
-        d = self.graph.dependency[op]
-        if d < 0:
-            return True
-        ended = self.steps[worker.step].end[d]
-        return ended is not None and ended + self.graph.link_s[op] <= at
+        d = self.graph.dependency[streams[s][cursor[s]]]
+        return d < 0 or self.steps[worker.step].end[d] is not None
 
     def start_step(self, worker: _Worker, k: int, at: float) -> None:
         worker.step, worker.ran, worker.settled = k, 0, False
@@ -493,7 +490,7 @@ class _Replayer:
                     self.finish_step(worker, k)
                     break
                 if worker.open_streams > 1 or queued:
-                    if speculative or worker.open_streams != 1 or not self.ready_by(worker, done):
+                    if speculative or worker.open_streams != 1 or not self.settled(worker):
                         heapq.heappush(wakeups, (done, worker.index))  # its next choice waits for the clock
                         break
                     now = done  # its choice at ``done`` is settled already: make it now

@@ -169,7 +169,9 @@ def _split_if_faster(
     the chosen timing, its step time, and whether it fits in memory (plain 1F1B may not)."""
     if memo is None:
         return _choose_split(plan, profile, cluster, staggered)
-    key = (plan, staggered)
+    # keyed without what the choice never reads, so a plan priced bare (``rerouted_makespan``)
+    # and again with its sync and transfers (``estimate_plan``) is chosen once
+    key = (replace(plan, sync_units=(), comm_rounds=(), transfers=()), staggered)
     if key not in memo:
         memo[key] = _choose_split(plan, profile, cluster, staggered)
     return memo[key]
