@@ -26,9 +26,17 @@ checked on the 32- and 1,024-rank rows):
 | 1,024 | 7B | 160 / 524 / 222 ms | <1 / <1 / <1 ms |
 | 4,096 | 7B | 454 / 857 / 540 ms | <1 / <1 / <1 ms |
 | 16,384 | 7B | 2.00 / 2.09 / 2.03 s | 1 / 1 / 1 ms |
-| 1,024 | 70B | 3.21 / 3.87 / 4.82 s | <1 / <1 / <1 ms |
-| 4,096 | 70B | 10.50 / 10.10 / 18.42 s | <1 / <1 / <1 ms |
-| 16,384 | 70B | 9.49 / 9.58 / 21.15 s | <1 / <1 / <1 ms |
+| 1,024 | 70B | 2.17 / 2.15 / 3.66 s* | <1 / <1 / <1 ms |
+| 4,096 | 70B | 7.33 / 7.12 / 14.56 s* | <1 / <1 / <1 ms |
+| 16,384 | 70B | 8.41 / 8.59 / 20.39 s* | <1 / <1 / <1 ms |
+
+\* Re-measured after the replay savings of issue 20 (a split-or-plain choice that skips
+plain 1F1B's replay where a lower bound rules it out, one memo key for a plan priced
+with and without its sync, choices made without a wakeup once an input's time is
+known): one cold run per cell, main and then this code back to back on the same machine
+state, main giving 2.98 / 2.85 / 4.73 s at 1,024, 9.21 / 9.08 / 17.75 s at 4,096 and
+9.27 / 9.46 / 21.10 s at 16,384 (1.03-1.37x); every chosen plan and every reroute price
+identical. The other cells are from the earlier run.
 
 Memory at 16,384 ranks: 7B peak 77.4 MiB, one prepared decision 17.6 MiB (1,126 B per
 rank), at most 8 kept; 70B peak 227.3 MiB (the cold two-rank decision's replays), one
@@ -36,7 +44,8 @@ prepared decision 4.24 MiB (271 B per rank), at most 8 kept. 7B meets the cold t
 and every prepared lookup the 50 ms one; 70B's cold decisions do not (its reroutes touch
 every pipeline of a 64-pipeline window: 64 micro-batches spread over 63 peers, each
 normalization candidate a pure-Python replay of ~100k ops, several times over for split
-and staggered schedules).
+and staggered schedules; the replay runs at about 1.5 us per op, so what is left is the
+number of ops replayed, not their cost).
 """
 
 from __future__ import annotations

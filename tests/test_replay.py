@@ -35,9 +35,12 @@ from hypothesis import strategies as st
 from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
-from odyssey_megatron.estimator.pipeline import PipelineTiming, fixed_order_step, simulate_pipelines
-from odyssey_megatron.estimator.replay import ScheduleDeadlock, p2p_time
+from odyssey_megatron.estimator.pipeline import (
+    PipelineTiming, fixed_order_step, makespan_lower_bound, simulate_pipelines,
+)
+from odyssey_megatron.estimator.replay import ScheduleDeadlock, op_graph, p2p_time
 from odyssey_megatron.estimator.staggered import staggered_period
+from odyssey_megatron.estimator.step_schedule import ROUNDING, _choose_split, _fits_memory, step_time
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import BlockCost, uniform_profile
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, dependency
@@ -209,3 +212,39 @@ def test_fixed_lists_time_like_a_brute_force_fixed_point(seed):
         again = fixed_order_step(plan, profile, cluster, listed.schedule)
         assert (again.makespan_s, again.pipeline_end_s, again.worker_busy_s) == (
             listed.makespan_s, listed.pipeline_end_s, listed.worker_busy_s)
+
+
+@pytest.mark.parametrize("seed", list(GOLDEN)[:200], ids=str)
+def test_the_plain_makespan_bound_holds_and_choices_match_replaying_every_variant(seed):
+    """``makespan_lower_bound`` never exceeds what list scheduling gives (where it is
+    tight, but for rounding: it sums the same times in another order); and the split-or-plain
+    choice, which skips plain 1F1B's replay where split op lists beat that bound, picks
+    what replaying plain 1F1B first, then the split first step, then the split later step
+    picks, at the same step time and memory verdict."""
+    rng = random.Random(int(seed))
+    plan, profile, cluster, _ = random_case(rng)
+    graph = op_graph(plan, profile, cluster)
+    plain = simulate_pipelines(plan, profile, cluster, graph=graph)
+    assert makespan_lower_bound(graph) * (1 - ROUNDING) <= plain.makespan_s  # equal but for the sums' order
+    for staggered in (False, True):
+        split = decoupled_pipelines(plan, profile, cluster, iterations=2 if staggered else 1)
+        best = plain, step_time(plan, profile, cluster, plain, staggered=staggered)
+        later = (fixed_order_step(plan, profile, cluster, split.last),) if staggered else ()
+        for timing in (split.first, *later):  # the later step only where the steady state is faster
+            timing_s = step_time(plan, profile, cluster, timing, staggered=staggered)
+            if timing is split.first or split.period_s < best[1] * (1 - ROUNDING):
+                if timing_s < best[1] and _fits_memory(plan, profile, timing):
+                    best = timing, timing_s
+        timing, timing_s, fits = _choose_split(plan, profile, cluster, staggered)
+        assert (timing.schedule, timing.makespan_s, timing_s) == (best[0].schedule, best[0].makespan_s, best[1])
+        assert fits == (best[0] is not plain or _fits_memory(plan, profile, plain))
+
+
+def test_the_plain_makespan_bound_is_tight_on_a_uniform_pipeline():
+    """On one pipeline of equal stages 1F1B is as fast as the bound allows: the last
+    stage never waits once its first forward arrives."""
+    profile = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0, layer_state_bytes=1, activation_bytes=1,
+                              memory_budget_bytes=1 << 40)
+    plan = symmetric_plan(dp=1, pp=4, num_layers=4, micro_batches_per_pipeline=6)
+    graph = op_graph(plan, profile, None)
+    assert makespan_lower_bound(graph) == simulate_pipelines(plan, profile, graph=graph).makespan_s

@@ -39,6 +39,39 @@ def simulate_pipelines(
                           worker_busy_s=run.busy_s, schedule=run.first)
 
 
+def makespan_lower_bound(graph: OpGraph) -> float:
+    """Seconds ``simulate_pipelines`` cannot beat on ``graph``, from the graph alone (a
+    small share of a replay's cost): a worker runs its ops one at a time, none before its
+    micro-batch's chain of dependencies (forwards down the stages, then backwards up,
+    with their transfers) could have reached it, and whichever runs last is still
+    followed by the rest of its chain."""
+    whole_s, link_s, consumer, dependency = graph.whole_s, graph.link_s, graph.consumer, graph.dependency
+    earliest = {}  # stream op -> the earliest it can start
+    after = {}  # stream op -> the least time from its end to its chain's end
+    for streams in graph.streams:
+        for ids in streams:
+            for op in ids:
+                if dependency[op] >= 0:
+                    continue  # a chain starts at each first-stage forward
+                chain, at = [], 0.0
+                while op >= 0:
+                    earliest[op] = at
+                    at += whole_s[op]
+                    chain.append(op)
+                    op = consumer[op]
+                    if op >= 0:
+                        at += link_s[op]
+                for op in chain:
+                    after[op] = at - earliest[op] - whole_s[op]
+    bound = 0.0
+    for streams in graph.streams:
+        ids = [op for stream in streams for op in stream]
+        if ids:
+            busy = sum(whole_s[op] for op in ids)
+            bound = max(bound, min(map(earliest.__getitem__, ids)) + busy + min(map(after.__getitem__, ids)))
+    return bound
+
+
 def fixed_order_step(
     plan: ExecutionPlan,
     profile: ModelProfile,

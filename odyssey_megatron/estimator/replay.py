@@ -352,18 +352,15 @@ class _Replayer:
         elif at >= worker.free_at:
             heapq.heappush(self.wakeups, (at, worker.index))
 
-    def ready_by(self, worker: _Worker, at: float) -> bool:
-        """Whether the head of ``worker``'s one open stream has its input by ``at`` for sure.
-        Then its choice at ``at`` (that head, or a deferred W if memory is full) depends on
-        nothing another worker may still time, and it can be made without a wakeup."""
+    def settled(self, worker: _Worker) -> bool:
+        """Whether the head of ``worker``'s one open stream has its dependency timed (or has
+        none): then when its input arrives is known, so its choice at any time (that head if
+        its input is in, else a deferred W; a W first if memory is full) depends on nothing
+        another worker may still time, and it can be made without a wakeup."""
         streams, cursor = worker.streams, worker.cursor
         s = 0 if len(streams) == 1 else next(j for j, ids in enumerate(streams) if cursor[j] < len(ids))
-        op = streams[s][cursor[s]]
-        d = self.graph.dependency[op]
-        if d < 0:
-            return True
-        ended = self.steps[worker.step].end[d]
-        return ended is not None and ended + self.graph.link_s[op] <= at
+        d = self.graph.dependency[streams[s][cursor[s]]]
+        return d < 0 or self.steps[worker.step].end[d] is not None
 
     def start_step(self, worker: _Worker, k: int, at: float) -> None:
         worker.step, worker.ran, worker.settled = k, 0, False
@@ -404,11 +401,12 @@ class _Replayer:
         dependency_of, link_s, consumer, worker_of = graph.dependency, graph.link_s, graph.consumer, graph.worker
         forward, settles, weight_grad, pipeline_of = graph.forward, graph.settles, graph.weight_grad, graph.pipeline
         defer, speculative, iterations = self.defer, self.speculative, self.iterations
+        pipeline_end, last_step, push, pop = self.pipeline_end, iterations - 1, heapq.heappush, heapq.heappop
         while forced or wakeups:
             if forced:
                 worker, now = forced.popleft(), None
             else:
-                now, w = heapq.heappop(wakeups)
+                now, w = pop(wakeups)
                 worker = workers[w]
             k = worker.step
             if k == iterations or worker.ran == worker.ops_per_step or worker.held:
@@ -422,10 +420,12 @@ class _Replayer:
                     start = worker.free_at
                     d = dependency_of[op]
                     if d >= 0:
-                        if end[d] is None:
+                        arrival = end[d]
+                        if arrival is None:
                             break  # timing its dependency wakes it
-                        if end[d] + link_s[op] > start:
-                            start = end[d] + link_s[op]
+                        arrival += link_s[op]
+                        if arrival > start:
+                            start = arrival
                 else:  # a choice, made at a wakeup
                     if now is None or now < worker.free_at:
                         break  # busy; its own wakeup is queued
@@ -437,17 +437,20 @@ class _Replayer:
                         i = ids[p]
                         d = dependency_of[i]
                         if d >= 0:
-                            if end[d] is None:
+                            arrival = end[d]
+                            if arrival is None:
                                 continue
-                            if end[d] + link_s[i] > now:  # on its way
-                                soonest = min(soonest, end[d] + link_s[i])
+                            arrival += link_s[i]
+                            if arrival > now:  # on its way
+                                if arrival < soonest:
+                                    soonest = arrival
                                 continue
                         op, s, position = i, j, p
                     if queued and (op < 0 or forward[op] and worker.live >= worker.room):
                         op, s = queued[0], -1  # idle, or memory full: a deferred W first
                     if op < 0:  # idle until an input on its way arrives (or one not yet sent: its wake)
                         if soonest < INF:
-                            heapq.heappush(wakeups, (soonest, worker.index))
+                            push(wakeups, (soonest, worker.index))
                         break
                     start = now
                 seconds = worker.seconds[op]
@@ -478,9 +481,9 @@ class _Replayer:
                 if k == 0:
                     worker.first.append(op)
                     worker.busy_s += seconds
-                    if done > self.pipeline_end[pipeline_of[op]]:
-                        self.pipeline_end[pipeline_of[op]] = done
-                if k == iterations - 1:
+                    if done > pipeline_end[pipeline_of[op]]:
+                        pipeline_end[pipeline_of[op]] = done
+                if k == last_step:
                     worker.last.append(op)
                 c = consumer[op]
                 if c >= 0 and worker_of[c] != worker.index:
@@ -488,13 +491,13 @@ class _Replayer:
                     if waiting.ran < waiting.ops_per_step and waiting.open_streams <= 1 and not waiting.deferred:
                         forced.append(waiting)
                     elif at >= waiting.free_at:
-                        heapq.heappush(wakeups, (at, waiting.index))
+                        push(wakeups, (at, waiting.index))
                 if worker.ran == worker.ops_per_step:
                     self.finish_step(worker, k)
                     break
                 if worker.open_streams > 1 or queued:
-                    if speculative or worker.open_streams != 1 or not self.ready_by(worker, done):
-                        heapq.heappush(wakeups, (done, worker.index))  # its next choice waits for the clock
+                    if speculative or worker.open_streams != 1 or not self.settled(worker):
+                        push(wakeups, (done, worker.index))  # its next choice waits for the clock
                         break
                     now = done  # its choice at ``done`` is settled already: make it now
         stuck = [worker for worker in self.playing if worker.step < iterations]

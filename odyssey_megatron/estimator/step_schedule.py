@@ -18,7 +18,9 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.estimator.distinct import distinct_pipelines, sub_plan, touched_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
-from odyssey_megatron.estimator.pipeline import PipelineTiming, fixed_order_step, simulate_pipelines
+from odyssey_megatron.estimator.pipeline import (
+    PipelineTiming, fixed_order_step, makespan_lower_bound, simulate_pipelines,
+)
 from odyssey_megatron.estimator.replay import OpGraph, op_graph
 from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.plan import ExecutionPlan
@@ -169,7 +171,9 @@ def _split_if_faster(
     the chosen timing, its step time, and whether it fits in memory (plain 1F1B may not)."""
     if memo is None:
         return _choose_split(plan, profile, cluster, staggered)
-    key = (plan, staggered)
+    # keyed without what the choice never reads, so a plan priced bare (``rerouted_makespan``)
+    # and again with its sync and transfers (``estimate_plan``) is chosen once
+    key = (replace(plan, sync_units=(), comm_rounds=(), transfers=()), staggered)
     if key not in memo:
         memo[key] = _choose_split(plan, profile, cluster, staggered)
     return memo[key]
@@ -178,18 +182,23 @@ def _split_if_faster(
 def _choose_split(
     plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool
 ) -> tuple[PipelineTiming, float, bool]:
+    """Plain 1F1B, or split op lists (the list scheduler's first step, or with
+    ``staggered`` steps its later one) where faster and within memory; plain 1F1B's
+    replay is spared where split op lists that fit beat its ``makespan_lower_bound``."""
     graph = op_graph(plan, profile, cluster)
-    plain = simulate_pipelines(plan, profile, cluster, graph=graph)
-    best = plain, step_time(plan, profile, cluster, plain, staggered=staggered, graph=graph)
     decoupled = decoupled_pipelines(plan, profile, cluster, graph=graph, iterations=2 if staggered else 1)
-
-    def consider(split: PipelineTiming) -> None:
-        nonlocal best
-        split_s = step_time(plan, profile, cluster, split, staggered=staggered, graph=graph)
-        if split_s < best[1] and _fits_memory(plan, profile, split):
-            best = split, split_s
-
-    consider(decoupled.first)
+    first_s = step_time(plan, profile, cluster, decoupled.first, staggered=staggered, graph=graph)
+    first_fits = _fits_memory(plan, profile, decoupled.first)
+    if first_fits and first_s < makespan_lower_bound(graph) * (1 - ROUNDING):  # plain 1F1B cannot beat it
+        plain, best = None, (decoupled.first, first_s)
+    else:
+        plain = simulate_pipelines(plan, profile, cluster, graph=graph)
+        best = plain, step_time(plan, profile, cluster, plain, staggered=staggered, graph=graph)
+        if first_fits and first_s < best[1]:
+            best = decoupled.first, first_s
     if staggered and decoupled.period_s < best[1] * (1 - ROUNDING):  # the list scheduler's steady state is faster
-        consider(fixed_order_step(plan, profile, cluster, decoupled.last, graph=graph))
+        last = fixed_order_step(plan, profile, cluster, decoupled.last, graph=graph)
+        last_s = step_time(plan, profile, cluster, last, staggered=staggered, graph=graph)
+        if last_s < best[1] and _fits_memory(plan, profile, last):
+            best = last, last_s
     return *best, best[0] is not plain or _fits_memory(plan, profile, plain)
