@@ -9,7 +9,7 @@ a block's bytes and time are one tensor-parallel shard's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from odyssey_megatron.specs.devices import DeviceSpec
@@ -162,6 +162,18 @@ class ModelProfile:
         """(forward, whole backward) seconds of one micro-batch on a stage."""
         times = self.stage_times(start, end, first=first, last=last)
         return times.forward_s, times.backward_s
+
+    def compute_scaled(self, *, forward: float, backward: float) -> "ModelProfile":
+        """This profile with every block's forward time, and its backward time (with the
+        weight-gradient half), multiplied by the factors; links, memory and the fixed cost
+        per op as they are."""
+        def block(cost: BlockCost) -> BlockCost:
+            weight_grad_s = None if cost.weight_grad_s is None else cost.weight_grad_s * backward
+            return replace(cost, forward_s=cost.forward_s * forward, backward_s=cost.backward_s * backward,
+                           weight_grad_s=weight_grad_s)
+
+        return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
+                       output=block(self.output))
 
     def optimizer_s(self, blocks) -> float:
         """Seconds of an optimizer step over ``blocks`` (the blocks a rank holds)."""

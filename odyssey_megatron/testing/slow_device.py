@@ -5,19 +5,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from odyssey_megatron.profile import BlockCost, ModelProfile
+from odyssey_megatron.profile import ModelProfile
 
 
 def slowed(profile: ModelProfile, factor: float) -> ModelProfile:
     """``profile`` on a device ``factor`` times slower in everything it prices: compute,
     the fixed cost per op, Adam, links and host copies."""
-    def block(cost: BlockCost) -> BlockCost:
-        return replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor,
-                       weight_grad_s=None if cost.weight_grad_s is None else cost.weight_grad_s * factor)
-
     return replace(
-        profile, layers=tuple(block(c) for c in profile.layers), embedding=block(profile.embedding),
-        output=block(profile.output), intra_node_bandwidth=profile.intra_node_bandwidth / factor,
+        profile.compute_scaled(forward=factor, backward=factor),
+        intra_node_bandwidth=profile.intra_node_bandwidth / factor,
         inter_node_bandwidth=profile.inter_node_bandwidth / factor, link_latency_s=profile.link_latency_s * factor,
         host_bandwidth=profile.host_bandwidth / factor,
         allreduce_bandwidth=None if profile.allreduce_bandwidth is None else profile.allreduce_bandwidth / factor,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import BlockCost, ModelProfile
+from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.runtime.protocol import StepReport
 
 __all__ = ["OnlineProfile", "Scales"]
@@ -87,12 +87,7 @@ class OnlineProfile:
     def profile(self) -> ModelProfile:
         """The starting profile with its compute times rescaled by the factors."""
         forward, backward, optimizer = self.scales.as_tuple()
-
-        def block(cost: BlockCost) -> BlockCost:
-            return replace(cost, forward_s=cost.forward_s * forward, backward_s=cost.backward_s * backward,
-                           weight_grad_s=None if cost.weight_grad_s is None else cost.weight_grad_s * backward)
-
         base = self.base
-        return replace(base, layers=tuple(block(b) for b in base.layers), embedding=block(base.embedding),
-                       output=block(base.output), op_overhead_s=base.op_overhead_s * forward,
+        return replace(base.compute_scaled(forward=forward, backward=backward),
+                       op_overhead_s=base.op_overhead_s * forward,
                        optimizer_s_per_param_byte=base.optimizer_s_per_param_byte * optimizer)

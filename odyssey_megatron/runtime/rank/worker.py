@@ -60,7 +60,6 @@ from odyssey_megatron.runtime.rank import op_timers
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
-from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
 __all__ = ["GenerationEnded", "train_worker"]
@@ -129,7 +128,7 @@ class Worker:
         # out of the collections that free each generation's stage, so they take milliseconds.
         gc.freeze()
         self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch)
-        self.op_timers = OpTimers(self.device) if self.config.odyssey.online_profile else None
+        self.op_timers = op_timers.OpTimers(self.device) if self.config.odyssey.online_profile else None
         self.timeouts = launch.timeouts
         self.state: Optional[TrainingState] = None
         self.snapshot: Optional[TrainingState] = None
