@@ -352,7 +352,7 @@ class _Replayer:
         elif at >= worker.free_at:
             heapq.heappush(self.wakeups, (at, worker.index))
 
-    def settled(self, worker: _Worker) -> bool:
+    def head_input_known(self, worker: _Worker) -> bool:
         """Whether the head of ``worker``'s one open stream has its dependency timed (or has
         none): then when its input arrives is known, so its choice at any time (that head if
         its input is in, else a deferred W; a W first if memory is full) depends on nothing
@@ -496,10 +496,10 @@ class _Replayer:
                     self.finish_step(worker, k)
                     break
                 if worker.open_streams > 1 or queued:
-                    if speculative or worker.open_streams != 1 or not self.settled(worker):
+                    if speculative or worker.open_streams != 1 or not self.head_input_known(worker):
                         push(wakeups, (done, worker.index))  # its next choice waits for the clock
                         break
-                    now = done  # its choice at ``done`` is settled already: make it now
+                    now = done  # its choice at ``done`` is known already: make it now
         stuck = [worker for worker in self.playing if worker.step < iterations]
         if stuck:
             heads = [graph.ops[ids[worker.cursor[j]]] for worker in stuck for j, ids in enumerate(worker.streams)
