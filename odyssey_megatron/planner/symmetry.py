@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Mapping, Optional
 
 from odyssey_megatron.cluster import ClusterState
@@ -140,8 +141,9 @@ def rename_plan(plan: ExecutionPlan, pi: Mapping[int, int]) -> ExecutionPlan:
     def stage(s: StagePlan) -> StagePlan:
         return s if s.worker not in pi else StagePlan(pi[s.worker], s.layers)
 
+    support, worker_of = pi.keys(), attrgetter("worker")  # C-level scans: a plan has up to 16,384 stages
     pipelines = tuple(
-        p if all(s.worker not in pi for s in p.stages) else PipelinePlan(tuple(map(stage, p.stages)), p.micro_batches)
+        p if support.isdisjoint(map(worker_of, p.stages)) else PipelinePlan(tuple(map(stage, p.stages)), p.micro_batches)
         for p in plan.pipelines
     )
     reroutes = tuple(r if r.worker not in pi else Reroute(r.pipeline, r.stage, pi[r.worker], r.micro_batches)
