@@ -32,7 +32,7 @@ all representatives once):
 
 70B's node is one worker (TP8 on 8-device nodes), so its node failure is a rank failure
 of another stage. What is left of a 7B lookup at 16,384 ranks is the scan of every
-pipeline of each of the four drafts for a renamed worker (about 2 ms each) and the
+pipeline of each of the four drafts for a renamed worker (about 1.5 ms each) and the
 cluster's live-device count for Eq. 8.
 
 One run on the shared 2-core development machine (--repeats 1 --memory, 2026-11-26, after
