@@ -73,11 +73,8 @@ class Symmetry:
         if len(failed) == 1:
             (worker,) = failed
             stage, pipeline = divmod(worker, dp)
-            block = pipeline - pipeline % self.group
-            order = list(range(dp))  # order[j]: where pipeline j of the representative goes
-            for i in range(self.group if block else 0):
-                order[i], order[block + i] = block + i, i
-            at = order.index(pipeline)  # the transposition that brings pipeline 0 to ``pipeline``
+            order = self._swap_groups(pipeline)
+            at = order.index(pipeline)  # then the transposition that brings pipeline 0 to ``pipeline``
             order[0], order[at] = order[at], order[0]
             return frozenset([self.worker(stage, 0)]), self._pipeline_map(order)
         first = min(failed) // self.workers_per_node * self.workers_per_node
@@ -86,11 +83,17 @@ class Symmetry:
         if self.group == dp:  # a node holds whole stages: it is its own class
             return failed, {}
         stage, pipeline = divmod(first, dp)
+        return frozenset(self.worker(stage, i) for i in range(self.group)), \
+            self._pipeline_map(self._swap_groups(pipeline))
+
+    def _swap_groups(self, pipeline: int) -> list[int]:
+        """The pipeline permutation (order[j]: where pipeline j goes) that swaps the first
+        group of pipelines with ``pipeline``'s, position by position."""
+        order = list(range(self.data_parallel))
         block = pipeline - pipeline % self.group
-        order = list(range(dp))
         for i in range(self.group if block else 0):
             order[i], order[block + i] = block + i, i
-        return frozenset(self.worker(stage, i) for i in range(self.group)), self._pipeline_map(order)
+        return order
 
     def _pipeline_map(self, order: list[int]) -> dict[int, int]:
         """The worker map of the pipeline permutation ``order``, on its support."""
