@@ -7,13 +7,33 @@ and Llama-2 70B on H100 (TP8 x PP8, 64 per pipeline, configs/llama2_70b_h100_102
 8 devices per node. Each cell is the median of --repeats wall times, each on a fresh
 decision center. "cold" prices every candidate inside on_failure; "prepared" first runs
 ``prepare`` for the failure it times (the controller's background work after a plan
-change, which covers every worker and node up to ``prepare_cap``; its time for this one
-case is printed apart) and then times on_failure, a lookup. Targets (issue 20): cold
+change, which covers every worker and node up to ``prepare_cap``, or on a symmetric plan
+the representatives that stand for them; its time for this one case is printed apart) and then times on_failure, a lookup. Targets (issue 20): cold
 under 1 s at 4,096 ranks and 5 s at 16,384; prepared under 50 ms at 16,384.
 ``--memory`` reports, at --max-ranks, the decision center's tracemalloc peak from its
 build through two prepared cases, a prepared and a cold decision, and what one prepared
 decision keeps (``prepare_cap`` of them are kept).
-Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
+``--renamed`` times, at 4,096 ranks and up, what covers every single-worker and node
+failure of the symmetric starting plan: ``prepare`` of its representatives (one per
+stage and node shape, ``planner.symmetry``), then on_failure for the rank and node
+failures above, neither a representative: the representative's drafts renamed and
+weighed by Eq. 8.
+Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory] [--renamed]
+
+Renamed lookups (--renamed --repeats 3, median, 2026-11-26, same machine; "prepare" is
+all representatives once):
+
+| ranks | model | prepare (cases) | renamed rank / node |
+|---|---|---|---|
+| 4,096 | 7B | 10.4 s (8) | 3 / 4 ms |
+| 16,384 | 7B | 22.0 s (8) | 10 / 11 ms |
+| 4,096 | 70B | 62.6 s (8) | 3 / 3 ms |
+| 16,384 | 70B | 70.6 s (8) | 4 / 4 ms |
+
+70B's node is one worker (TP8 on 8-device nodes), so its node failure is a rank failure
+of another stage. What is left of a 7B lookup at 16,384 ranks is the scan of every
+pipeline of each of the four drafts for a renamed worker (about 1.5 ms each) and the
+cluster's live-device count for Eq. 8.
 
 One run on the shared 2-core development machine (--repeats 1 --memory, 2026-11-26, after
 drafts carry what Eq. 8 weighs them by; "prepare" is the time to prepare that one case;
@@ -51,6 +71,7 @@ number of ops replayed, not their cost).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 import tracemalloc
@@ -112,6 +133,34 @@ def time_failure(config, failed: dict, *, prepared: bool, repeats: int) -> tuple
     return statistics.median(times), statistics.median(prepare_times) if prepare_times else 0.0, chosen
 
 
+def time_renamed(config, *, repeats: int) -> tuple[float, int, dict[str, float], str]:
+    """Prepare a symmetric plan's representatives once (``likely_failures``), then time
+    on_failure for the rank and node failures of ``failures``, neither a representative:
+    a lookup of the representative's drafts, renamed. Returns (seconds to prepare, cases
+    prepared, median on_failure seconds per kind, what the node failure chose)."""
+    center = DecisionCenter.from_recipe(config)
+    started = time.perf_counter()
+    prepared = center.prepare()
+    prepare_s = time.perf_counter() - started
+    representatives = set(center.likely_failures())
+    tp = config.parallel.tensor_model_parallel_size
+    times, chosen = {}, ""
+    for kind, failed in failures(config.parallel.num_ranks, tp).items():
+        if kind == "two":
+            continue
+        assert failed_workers(center, failed) not in representatives
+        runs = []
+        for _ in range(repeats):
+            fresh = copy.copy(center)  # shares the prepared decisions; on_failure replaces its plan and cluster
+            started = time.perf_counter()
+            decision = fresh.on_failure(**failed)
+            runs.append(time.perf_counter() - started)
+        times[kind] = statistics.median(runs)
+        c = decision.chosen
+        chosen = f"{c.policy} {c.layout} step {c.estimate.step_time_s:.3f} s"
+    return prepare_s, prepared, times, chosen
+
+
 def seconds(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
@@ -147,7 +196,18 @@ def main() -> None:
     parser.add_argument("--max-ranks", type=int, default=RANKS[-1])
     parser.add_argument("--no-prepared", action="store_true", help="time cold decisions only")
     parser.add_argument("--memory", action="store_true", help="also the tracemalloc peak at --max-ranks (7B, 70B)")
+    parser.add_argument("--renamed", action="store_true",
+                        help="only the renamed lookups of a symmetric plan, at 4,096 ranks and up (time_renamed)")
     args = parser.parse_args()
+    if args.renamed:
+        print(f"{'model':<5} {'ranks':>6} {'prepare':>9} {'cases':>5} {'rank':>9} {'node':>9}  node chose")
+        for model in MODELS:
+            for ranks in RANKS:
+                if 4096 <= ranks <= args.max_ranks:
+                    prep, cases, times, chosen = time_renamed(recipe(model, ranks), repeats=args.repeats)
+                    print(f"{model:<5} {ranks:>6} {seconds(prep):>9} {cases:>5} {seconds(times['rank']):>9} "
+                          f"{seconds(times['node']):>9}  {chosen}", flush=True)
+        return
     print(f"{'model':<5} {'ranks':>6} {'TPxPPxDP':>10} {'failure':>7} {'cold':>9} {'prepared':>9} {'prepare':>9}"
           "  chosen")
     for model, (_, _, tp, pp, _) in MODELS.items():

@@ -27,6 +27,7 @@ from odyssey_megatron.planner import (
     initial_plan,
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
+from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
 from odyssey_megatron.profile import ModelProfile, analytic_profile
 from odyssey_megatron.profile_file import recipe_profile_file
 from odyssey_megatron.schedules.program import StepProgram, publish
@@ -37,7 +38,9 @@ PREPARED_RANK_CASES = 1 << 17
 """Prepared decisions kept, times the ranks of the plan (``prepare_cap``): each holds a
 few candidate plans over every worker and their stage copies per TP shard, up to about
 1.1 KB per rank (``benchmarks/plan_search.py --memory``), so they stay under 150 MiB at any
-scale: 8 cases at 16,384 ranks, every likely failure up to a few hundred ranks."""
+scale: 8 cases at 16,384 ranks, every likely failure up to a few hundred ranks. A
+symmetric plan keeps at least its representatives (at most two per stage), which cover
+every single-worker and single-node failure."""
 
 
 def recipe_profile(config: RecipeConfig) -> ModelProfile:
@@ -99,6 +102,8 @@ class DecisionCenter:
         self._prepared: tuple[ExecutionPlan, ClusterState, dict[frozenset[int], Drafts]] | None = None
         """Decisions priced in advance (``prepare``): for this plan on this cluster, per set
         of failed workers after the next failure."""
+        self._symmetry: tuple[ExecutionPlan, ClusterState, Symmetry | None] | None = None
+        """The symmetry of this plan on this cluster (``planner.symmetry``), found once."""
         self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
         """``prepare``'s own caches: it may run in a thread beside ``on_failure``."""
         self._program: tuple[ExecutionPlan, StepProgram] | None = None
@@ -139,7 +144,7 @@ class DecisionCenter:
         self._observe(failures=1, at_s=at_s)
         before = self.cluster
         self.cluster = self.cluster.fail_ranks(ranks).fail_nodes(nodes)
-        return self._decide(interval_s, prepared=self._prepared_drafts(before))
+        return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before))
 
     def on_join(self, *, ranks: Iterable[int], at_s: float | None = None, interval_s: float | None = None) -> Decision:
         """Mark repaired or replacement ``ranks`` alive, decide whether to use them (the
@@ -163,9 +168,22 @@ class DecisionCenter:
         self._prepared = None
         self._program = None
 
+    def symmetry(self) -> Symmetry | None:
+        """The current plan's symmetry on the current cluster (``planner.symmetry``), or
+        None where each failure is priced on its own."""
+        if self._symmetry is None or self._symmetry[0] is not self.plan or self._symmetry[1] is not self.cluster:
+            self._symmetry = self.plan, self.cluster, symmetry(self.plan, self.cluster)
+        return self._symmetry[2]
+
     def likely_failures(self) -> list[frozenset[int]]:
-        """The next failures worth preparing for: each live worker of the plan alone, then
-        each node that holds one (its live workers), as sets of failed workers."""
+        """The next failures worth preparing for, as sets of failed workers: on a
+        symmetric plan one representative per class of equivalent workers and nodes
+        (``Symmetry.representatives``), whose decision is renamed for the others; else
+        each live worker of the plan alone, then each node that holds one (its live
+        workers)."""
+        sym = self.symmetry()
+        if sym is not None:
+            return sym.representatives()
         workers = self.plan.workers
         on_node: dict[int, set[int]] = {}
         for worker in self.cluster.alive_workers:
@@ -174,9 +192,11 @@ class DecisionCenter:
         return [frozenset([w]) for w in workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
 
     def prepare_cap(self) -> int:
-        """Most prepared decisions kept for the current plan (``PREPARED_RANK_CASES``)."""
+        """Most prepared decisions kept for the current plan (``PREPARED_RANK_CASES``), and
+        at least every representative of a symmetric plan."""
         ranks = len(self.plan.workers) * self.plan.tensor_parallel_size
-        return max(1, PREPARED_RANK_CASES // max(1, ranks))
+        sym = self.symmetry()
+        return max(1, PREPARED_RANK_CASES // max(1, ranks), len(sym.representatives()) if sym else 0)
 
     def prepare(self, cases: Iterable[frozenset[int]] | None = None, *,
                 stop: Callable[[], bool] = lambda: False) -> int:
@@ -209,13 +229,23 @@ class DecisionCenter:
 
     def _prepared_drafts(self, before: ClusterState) -> Drafts | None:
         """The drafts ``prepare`` priced for the current failure, if any (for this plan,
-        the cluster as it was just before it, and exactly these failed workers)."""
+        the cluster as it was just before it, and exactly these failed workers), or on a
+        symmetric plan those of its representative, renamed (``planner.symmetry``)."""
         if self._prepared is None:
             return None
         plan, cluster, prepared = self._prepared
         if plan is not self.plan or cluster is not before:
             return None
-        return prepared.get(self.cluster.failed_workers)
+        failed = self.cluster.failed_workers
+        if failed in prepared:
+            return prepared[failed]
+        known = self._symmetry
+        sym = known[2] if known is not None and known[0] is plan and known[1] is before else None
+        found = sym.relabelling(failed) if sym is not None else None
+        if found is None or found[0] not in prepared:
+            return None
+        representative, pi = found
+        return rename_drafts(prepared[representative], pi)
 
     @property
     def program(self) -> StepProgram:
@@ -241,11 +271,12 @@ class DecisionCenter:
         self.failure_model.observe(failures=failures, device_hours=exposure)
         self._last_event_s = at_s
 
-    def _decide(self, interval_s: float | None, *, prepared: Drafts | None = None) -> Decision:
-        """Price the candidates (or take the ``prepared`` ones) and weigh them by Eq. 8."""
+    def _decide(self, interval_s: float | None, *,
+                prepared: Callable[[], Drafts | None] = lambda: None) -> Decision:
+        """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8."""
         started = time.perf_counter()
-        drafts = prepared or draft_candidates(current=self.plan, cluster=self.cluster, profile=self.profile,
-                                              settings=self.settings, search=self.search)
+        drafts = prepared() or draft_candidates(current=self.plan, cluster=self.cluster, profile=self.profile,
+                                                settings=self.settings, search=self.search)
         interval = interval_s if interval_s is not None else \
             self.failure_model.expected_interval_s(self.cluster.alive_devices)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s

@@ -3,6 +3,8 @@
 ``DecisionCenter.prepare`` prices the candidates for the likely next failures; a failure
 among them is then only weighed by Eq. 8 with the failure rate of that moment. With the
 search time fixed (as the simulator does), the prepared decision must equal the cold one.
+(Failures equivalent to a prepared one on a symmetric plan get its decision renamed:
+tests/test_symmetry.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from odyssey_megatron import decision_center
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 
-RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"  # DP4 x PP8 on four 8-device nodes
+RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"  # DP8 x PP4 on four 8-device nodes
 
 
 def _center() -> DecisionCenter:
@@ -60,19 +62,39 @@ def test_a_plan_change_makes_the_prepared_decisions_stale(prepared):
     assert len(center._prepared[2]) == 2
 
 
-def test_the_likely_failures_are_every_worker_and_every_node():
+def test_the_likely_failures_of_a_symmetric_plan_are_its_representatives():
+    """DP8 x PP4 with a node per stage: each stage's worker in pipeline 0 and each node
+    stand for every single-worker and single-node failure (``planner.symmetry``)."""
     center = _center()
+    assert center.likely_failures() == [frozenset([8 * s]) for s in range(4)] + \
+        [frozenset(range(8 * n, 8 * n + 8)) for n in range(4)]
+
+
+def test_the_likely_failures_of_other_plans_are_every_worker_and_every_node():
+    center = _center()
+    center.on_failure(ranks=[5])  # rerouted, with a failed worker: no symmetry
+    workers = center.plan.workers
     cases = center.likely_failures()
-    assert cases[:32] == [frozenset([w]) for w in center.plan.workers]
-    assert cases[32:] == [frozenset(range(8 * n, 8 * n + 8)) for n in range(4)]
+    assert cases[:len(workers)] == [frozenset([w]) for w in workers]
+    assert cases[len(workers):] == [frozenset(range(8 * n, 8 * n + 8)) - {5} for n in range(4)]
 
 
 def test_prepare_keeps_at_most_its_cap(monkeypatch):
-    """Memory stays bounded at any scale: at most PREPARED_RANK_CASES / ranks cases are
-    kept, however many are asked for and however often prepare runs."""
+    """Memory stays bounded at any scale: on a plan without symmetry at most
+    PREPARED_RANK_CASES / ranks cases are kept, however many are asked for and however
+    often prepare runs."""
     center = _center()
-    monkeypatch.setattr(decision_center, "PREPARED_RANK_CASES", 3 * 32 + 5)  # 32 ranks (TP1): a cap of 3
+    center.on_failure(ranks=[5])  # rerouted, with a failed worker: no symmetry
+    ranks = len(center.plan.workers)  # TP1
+    monkeypatch.setattr(decision_center, "PREPARED_RANK_CASES", 3 * ranks + 5)
     assert center.prepare_cap() == 3
-    assert center.prepare([frozenset([w]) for w in range(6)]) == 3
-    assert center.prepare([frozenset([w]) for w in range(6, 12)]) == 0
-    assert set(center._prepared[2]) == {frozenset([w]) for w in range(3)}
+    assert center.prepare([frozenset([w]) for w in range(6, 12)]) == 3
+    assert center.prepare([frozenset([w]) for w in range(12, 18)]) == 0
+    assert set(center._prepared[2]) == {frozenset([5, w]) for w in range(6, 9)}
+
+
+def test_a_symmetric_plan_keeps_every_representative_whatever_the_cap(monkeypatch):
+    """Its representatives (at most two per stage) cover every single-worker and node failure."""
+    center = _center()
+    monkeypatch.setattr(decision_center, "PREPARED_RANK_CASES", 3 * 32 + 5)
+    assert center.prepare_cap() == len(center.likely_failures()) == 8
