@@ -468,6 +468,12 @@ class OdysseyConfig:
     step that clipping should have scaled is retaken there (``runtime.rank.staggered_step``)."""
     max_layer_splits: int = 256
     """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
+    prepared_decisions_mib: float = 150.0
+    """Controller memory for decisions priced in advance (``DecisionCenter.prepare``), at
+    about 1.2 KB per rank per decision: a decision for every worker and node up to a few
+    hundred ranks; beyond, on a symmetric plan, one per stage and node shape, renamed for
+    every equivalent failure (``planner.symmetry``), and on other plans as many as fit.
+    0: the representatives only."""
     memory_budget_gib: Optional[float] = None
     """Usable memory per device for the OOM filter; default: device memory minus reserved."""
     reroute_restart_s: float = 1.0
@@ -525,10 +531,12 @@ class OdysseyConfig:
         self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
-                             "reparallelize_restart_s", "checkpoint_restart_penalty_s", "checkpoint_interval")
+                             "reparallelize_restart_s", "checkpoint_restart_penalty_s", "checkpoint_interval",
+                             "prepared_decisions_mib")
         require_at_most("odyssey", self, limits.MAX_SEARCH_RADIUS, "candidates grow with the radii",
                         "dp_search_radius", "pp_search_radius")
         require_at_most("odyssey", self, limits.MAX_LAYER_SPLITS, "each is priced", "max_layer_splits")
+        require_at_most("odyssey", self, 2.0**20, "a TiB", "prepared_decisions_mib")
         require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", "reroute_restart_s",
                         "reparallelize_restart_s", "checkpoint_restart_penalty_s")
         require(self.device_mtbf_hours >= 1e-3, "odyssey.device_mtbf_hours",

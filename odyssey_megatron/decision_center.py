@@ -11,6 +11,7 @@ next decision is Eq. 8 over candidates already priced.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Iterable
 
 from odyssey_megatron.cluster import ClusterState
@@ -32,15 +33,13 @@ from odyssey_megatron.profile import ModelProfile, analytic_profile
 from odyssey_megatron.profile_file import recipe_profile_file
 from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.specs import device_spec
-from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
+from odyssey_megatron.units import GIB, MIB, SECONDS_PER_HOUR
 
-PREPARED_RANK_CASES = 1 << 17
-"""Prepared decisions kept, times the ranks of the plan (``prepare_cap``): each holds a
-few candidate plans over every worker and their stage copies per TP shard, up to about
-1.1 KB per rank (``benchmarks/plan_search.py --memory``), so they stay under 150 MiB at any
-scale: 8 cases at 16,384 ranks, every likely failure up to a few hundred ranks. A
-symmetric plan keeps at least its representatives (at most two per stage), which cover
-every single-worker and single-node failure."""
+PREPARED_BYTES_PER_RANK = 1200
+"""What one prepared decision keeps per rank of the plan, at most: a few candidate plans
+over every worker and their stage copies per TP shard (1,126 B for Llama-2 7B, 271 B for
+70B at 16,384 ranks, ``benchmarks/plan_search.py --memory``). ``odyssey.prepared_decisions_mib``
+divided by it and by the ranks bounds how many are kept: 150 MiB keep 8 at 16,384 ranks."""
 
 
 def recipe_profile(config: RecipeConfig) -> ModelProfile:
@@ -176,27 +175,35 @@ class DecisionCenter:
         return self._symmetry[2]
 
     def likely_failures(self) -> list[frozenset[int]]:
-        """The next failures worth preparing for, as sets of failed workers: on a
-        symmetric plan one representative per class of equivalent workers and nodes
-        (``Symmetry.representatives``), whose decision is renamed for the others; else
-        each live worker of the plan alone, then each node that holds one (its live
-        workers)."""
-        sym = self.symmetry()
-        if sym is not None:
-            return sym.representatives()
+        """The next failures worth preparing for, as sets of failed workers: each live
+        worker of the plan alone, then each node that holds one (its live workers). Where
+        ``odyssey.prepared_decisions_mib`` does not hold them all and the plan is
+        symmetric, one representative per class of equivalent workers and nodes instead
+        (``Symmetry.representatives``), whose decision is renamed for the others: the
+        cold decision of each case where that is affordable, every case covered where not."""
         workers = self.plan.workers
         on_node: dict[int, set[int]] = {}
         for worker in self.cluster.alive_workers:
             on_node.setdefault(self.cluster.node_of_worker(worker), set()).add(worker)
         nodes = sorted({self.cluster.node_of_worker(w) for w in workers})
-        return [frozenset([w]) for w in workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
+        cases = [frozenset([w]) for w in workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
+        sym = self.symmetry()
+        if sym is not None and len(cases) > self._memory_cap():
+            return sym.representatives()
+        return cases
 
     def prepare_cap(self) -> int:
-        """Most prepared decisions kept for the current plan (``PREPARED_RANK_CASES``), and
-        at least every representative of a symmetric plan."""
-        ranks = len(self.plan.workers) * self.plan.tensor_parallel_size
+        """Most prepared decisions kept for the current plan: what
+        ``odyssey.prepared_decisions_mib`` holds, and at least every representative of a
+        symmetric plan."""
         sym = self.symmetry()
-        return max(1, PREPARED_RANK_CASES // max(1, ranks), len(sym.representatives()) if sym else 0)
+        return max(self._memory_cap(), len(sym.representatives()) if sym else 0)
+
+    def _memory_cap(self) -> int:
+        """Prepared decisions ``odyssey.prepared_decisions_mib`` holds (at least one)."""
+        ranks = len(self.plan.workers) * self.plan.tensor_parallel_size
+        budget = int(self.settings.prepared_decisions_mib * MIB)
+        return max(1, budget // (PREPARED_BYTES_PER_RANK * max(1, ranks)))
 
     def prepare(self, cases: Iterable[frozenset[int]] | None = None, *,
                 stop: Callable[[], bool] = lambda: False) -> int:
@@ -227,10 +234,11 @@ class DecisionCenter:
             done += 1
         return done
 
-    def _prepared_drafts(self, before: ClusterState) -> Drafts | None:
+    def _prepared_drafts(self, before: ClusterState) -> tuple[Drafts, str] | None:
         """The drafts ``prepare`` priced for the current failure, if any (for this plan,
         the cluster as it was just before it, and exactly these failed workers), or on a
-        symmetric plan those of its representative, renamed (``planner.symmetry``)."""
+        symmetric plan those of its representative, renamed (``planner.symmetry``); with
+        ``Decision.source``."""
         if self._prepared is None:
             return None
         plan, cluster, prepared = self._prepared
@@ -238,14 +246,14 @@ class DecisionCenter:
             return None
         failed = self.cluster.failed_workers
         if failed in prepared:
-            return prepared[failed]
+            return prepared[failed], "prepared"
         known = self._symmetry
         sym = known[2] if known is not None and known[0] is plan and known[1] is before else None
         found = sym.relabelling(failed) if sym is not None else None
         if found is None or found[0] not in prepared:
             return None
         representative, pi = found
-        return rename_drafts(prepared[representative], pi)
+        return rename_drafts(prepared[representative], pi), "renamed"
 
     @property
     def program(self) -> StepProgram:
@@ -272,14 +280,16 @@ class DecisionCenter:
         self._last_event_s = at_s
 
     def _decide(self, interval_s: float | None, *,
-                prepared: Callable[[], Drafts | None] = lambda: None) -> Decision:
+                prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None) -> Decision:
         """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8."""
         started = time.perf_counter()
-        drafts = prepared() or draft_candidates(current=self.plan, cluster=self.cluster, profile=self.profile,
-                                                settings=self.settings, search=self.search)
+        drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
+                                                         profile=self.profile, settings=self.settings,
+                                                         search=self.search), "cold")
         interval = interval_s if interval_s is not None else \
             self.failure_model.expected_interval_s(self.cluster.alive_devices)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
-        decision = choose(drafts, settings=self.settings, interval_s=interval, search_time_s=search_s)
+        decision = replace(choose(drafts, settings=self.settings, interval_s=interval, search_time_s=search_s),
+                           source=source)
         self.plan = decision.chosen.plan
         return decision

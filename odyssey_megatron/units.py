@@ -2,4 +2,6 @@
 
 GIB = 1024**3
 """Bytes per GiB."""
+MIB = 1024**2
+"""Bytes per MiB."""
 SECONDS_PER_HOUR = 3600.0

@@ -240,6 +240,8 @@ VALUE_CASES = {
     "odyssey.max_layer_splits=0": plan("odyssey.max_layer_splits=0", culprit="odyssey.max_layer_splits"),
     "odyssey.dp_search_radius=-1": plan("odyssey.dp_search_radius=-1", culprit=("odyssey.dp_search_radius", ">= 0")),
     "odyssey.reroute_restart_s=-1": plan("odyssey.reroute_restart_s=-1", culprit="odyssey.reroute_restart_s"),
+    "odyssey.prepared_decisions_mib=-1": plan("odyssey.prepared_decisions_mib=-1",
+                                              culprit="odyssey.prepared_decisions_mib"),
     "odyssey.memory_budget_gib=-1": plan("odyssey.memory_budget_gib=-1", culprit="odyssey.memory_budget_gib"),
     "odyssey.device_mtbf_hours=1e-9": plan("odyssey.device_mtbf_hours=1e-9", culprit="odyssey.device_mtbf_hours"),
     "odyssey.device_mtbf_hours=1e300": plan("odyssey.device_mtbf_hours=1e300", culprit="odyssey.device_mtbf_hours"),

@@ -10,12 +10,14 @@ tests/test_symmetry.py.)
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 
 from odyssey_megatron import decision_center
 from odyssey_megatron.config import load_config
-from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.decision_center import PREPARED_BYTES_PER_RANK, DecisionCenter
+from odyssey_megatron.units import MIB
 
 RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"  # DP8 x PP4 on four 8-device nodes
 
@@ -23,6 +25,14 @@ RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"  # DP8 x PP4 on four 8-device n
 def _center() -> DecisionCenter:
     center = DecisionCenter.from_recipe(load_config(RECIPE, []))
     center.search_time_s = 0.0  # a cold decision's own search time would otherwise differ from a lookup's
+    return center
+
+
+def _holding(center: DecisionCenter, cases: int) -> DecisionCenter:
+    """``center`` with ``odyssey.prepared_decisions_mib`` holding ``cases`` decisions of its plan."""
+    ranks = len(center.plan.workers) * center.plan.tensor_parallel_size
+    mib = (cases * PREPARED_BYTES_PER_RANK * ranks + 1) / MIB
+    center.settings = replace(center.settings, prepared_decisions_mib=mib)
     return center
 
 
@@ -49,6 +59,7 @@ def test_a_prepared_failure_decides_as_a_cold_one(prepared, failed, monkeypatch)
     warm = center.on_failure(**failed, at_s=3600.0)
     assert warm.chosen == cold.chosen
     assert warm.alternatives == cold.alternatives
+    assert (cold.source, warm.source) == ("cold", "prepared")
     prior = _center().failure_model.expected_interval_s(center.cluster.alive_devices)
     assert warm.expected_interval_s == cold.expected_interval_s != prior
 
@@ -62,10 +73,20 @@ def test_a_plan_change_makes_the_prepared_decisions_stale(prepared):
     assert len(center._prepared[2]) == 2
 
 
-def test_the_likely_failures_of_a_symmetric_plan_are_its_representatives():
-    """DP8 x PP4 with a node per stage: each stage's worker in pipeline 0 and each node
-    stand for every single-worker and single-node failure (``planner.symmetry``)."""
+def test_the_likely_failures_of_a_small_symmetric_plan_are_every_worker_and_every_node():
+    """Where ``odyssey.prepared_decisions_mib`` holds every case (150 MiB: 4,096 at 32
+    ranks), each is prepared as it would be decided cold; no decision is renamed."""
     center = _center()
+    assert center.likely_failures() == [frozenset([w]) for w in center.plan.workers] + \
+        [frozenset(range(8 * n, 8 * n + 8)) for n in range(4)]
+    assert center.prepare_cap() == 4096
+
+
+def test_the_likely_failures_of_a_large_symmetric_plan_are_its_representatives():
+    """DP8 x PP4 with a node per stage, when not every case fits: each stage's worker in
+    pipeline 0 and each node stand for every single-worker and single-node failure
+    (``planner.symmetry``)."""
+    center = _holding(_center(), 35)  # one short of every worker and node
     assert center.likely_failures() == [frozenset([8 * s]) for s in range(4)] + \
         [frozenset(range(8 * n, 8 * n + 8)) for n in range(4)]
 
@@ -79,22 +100,20 @@ def test_the_likely_failures_of_other_plans_are_every_worker_and_every_node():
     assert cases[len(workers):] == [frozenset(range(8 * n, 8 * n + 8)) - {5} for n in range(4)]
 
 
-def test_prepare_keeps_at_most_its_cap(monkeypatch):
-    """Memory stays bounded at any scale: on a plan without symmetry at most
-    PREPARED_RANK_CASES / ranks cases are kept, however many are asked for and however
-    often prepare runs."""
+def test_prepare_keeps_at_most_its_cap():
+    """Memory stays bounded at any scale: on a plan without symmetry at most the cases
+    ``odyssey.prepared_decisions_mib`` holds are kept, however many are asked for and
+    however often prepare runs."""
     center = _center()
     center.on_failure(ranks=[5])  # rerouted, with a failed worker: no symmetry
-    ranks = len(center.plan.workers)  # TP1
-    monkeypatch.setattr(decision_center, "PREPARED_RANK_CASES", 3 * ranks + 5)
+    _holding(center, 3)
     assert center.prepare_cap() == 3
     assert center.prepare([frozenset([w]) for w in range(6, 12)]) == 3
     assert center.prepare([frozenset([w]) for w in range(12, 18)]) == 0
     assert set(center._prepared[2]) == {frozenset([5, w]) for w in range(6, 9)}
 
 
-def test_a_symmetric_plan_keeps_every_representative_whatever_the_cap(monkeypatch):
+def test_a_symmetric_plan_keeps_every_representative_whatever_the_cap():
     """Its representatives (at most two per stage) cover every single-worker and node failure."""
-    center = _center()
-    monkeypatch.setattr(decision_center, "PREPARED_RANK_CASES", 3 * 32 + 5)
+    center = _holding(_center(), 3)
     assert center.prepare_cap() == len(center.likely_failures()) == 8

@@ -25,11 +25,14 @@ from odyssey_megatron.restorer import check_transfers, live_holdings, with_sync
 
 
 def _center(dp: int, pp: int, tp: int, per_node: int) -> DecisionCenter:
-    """Llama-2 7B on H100 in Megatron's layout, two micro-batches per pipeline."""
+    """Llama-2 7B on H100 in Megatron's layout, two micro-batches per pipeline; as on a
+    large cluster, a decision for every worker and node does not fit in
+    ``odyssey.prepared_decisions_mib``, so a symmetric plan prepares its representatives."""
     config = load_config(None, [
         "model.spec=llama2-7b", "cluster.device=h100-80gb", f"cluster.devices_per_node={per_node}",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
         f"parallel.data_parallel_size={dp}", "training.micro_batch_size=1", f"training.global_batch_size={2 * dp}",
+        "odyssey.prepared_decisions_mib=0",
     ])
     center = DecisionCenter.from_recipe(config)
     center.search_time_s = 0.0
@@ -146,6 +149,7 @@ def test_on_failure_renames_the_representatives_decision_without_pricing(monkeyp
 
     monkeypatch.setattr(decision_center, "draft_candidates", no_pricing)
     decision = copy.copy(warm).on_failure(ranks=[13], at_s=3600.0)
+    assert (expected.source, decision.source) == ("cold", "renamed")
     assert decision.chosen.score == expected.chosen.score
     assert decision.chosen.estimate == expected.chosen.estimate
     assert decision.chosen.plan == rename_plan(expected.chosen.plan, pi)

@@ -46,6 +46,10 @@ class Decision:
     search_time_s: float
     expected_interval_s: float
     note: str = ""
+    source: str = "cold"
+    """Where its candidates were priced: "cold" (at the failure), "prepared" (in advance,
+    for this failure) or "renamed" (in advance, for an equivalent failure on a symmetric
+    plan: ``planner.symmetry``)."""
 
 
 @dataclass(frozen=True)

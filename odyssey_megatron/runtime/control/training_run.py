@@ -268,7 +268,8 @@ class TrainingRun:
         return {"policy": decision.chosen.policy, "mapping_bytes": chosen_bytes, "naive_mapping_bytes": naive_bytes,
                 "chosen": candidate(decision.chosen),
                 "alternatives": [candidate(c) for c in decision.alternatives],
-                "search_time_s": decision.search_time_s, "start_step": self.committed,
+                "search_time_s": decision.search_time_s, "decision_source": decision.source,
+                "start_step": self.committed,
                 "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers)}
 
     def _wait_ready(self) -> list[Failure]:

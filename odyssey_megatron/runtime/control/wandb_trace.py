@@ -35,9 +35,9 @@ __all__ = ["RECOVERY_COLUMNS", "RUN_ID_FILE", "WandbTrace"]
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = "wandb-run-id"
-RECOVERY_COLUMNS = ("generation", "failed_ranks", "cause", "policy", "start_step", "detection_s", "to_plan_s",
-                    "to_first_step_s", "transfer_bytes", "mapping_bytes", "naive_mapping_bytes", "restarts",
-                    "alternatives")
+RECOVERY_COLUMNS = ("generation", "failed_ranks", "cause", "policy", "decision_source", "start_step", "detection_s",
+                    "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes", "naive_mapping_bytes",
+                    "restarts", "alternatives")
 _RECOVERY_METRICS = ("detection_s", "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes",
                      "naive_mapping_bytes")
 _END = object()
