@@ -246,8 +246,9 @@ def summary_text(run: RunRecords) -> str:
     for r in recoveries:
         phases = phase_seconds(r)
         moved = r.get("transfer_bytes")
-        lines.append(f"  generation {r['generation']}: {r.get('policy', 'unknown')} from step {r['start_step']} after "
-                     f"ranks {r['failed_ranks']} failed: "
+        source = f" ({r['decision_source']} decision)" if r.get("decision_source") else ""
+        lines.append(f"  generation {r['generation']}: {r.get('policy', 'unknown')}{source} from step "
+                     f"{r['start_step']} after ranks {r['failed_ranks']} failed: "
                      + " + ".join(f"{name} {_s(s)}" for name, s in phases.items())
                      + f" = {_s(sum(phases.values()))}"
                      + (f"; {r.get('transfers', 0)} transfers, {moved / 2**20:.2f} MiB moved" if _is_number(moved)

@@ -55,7 +55,8 @@ def test_report_of_a_run_with_a_recovery(run_dir, capsys):
     (recovery,) = [e for e in events if e["event"] == "recovery"]
     assert recovery["failed_ranks"] == [5]
     assert f"recoveries: 1 ({recovery['policy']} 1)" in text
-    assert f"generation 1: {recovery['policy']} from step 3 after ranks [5] failed" in text
+    assert (f"generation 1: {recovery['policy']} ({recovery['decision_source']} decision) from step 3 after ranks [5] "
+            "failed") in text
     assert f"samples: {16 * STEPS} expected (16 x {STEPS} committed steps), {16 * STEPS} distinct seen; " \
            "samples lost: 0; samples doubled: 0" in text
     assert sum(phase_seconds(recovery).values()) == pytest.approx(recovery["to_first_step_s"])
@@ -75,7 +76,7 @@ def step(n: int, generation: int, time: float) -> dict:
 
 RECOVERY = {"event": "recovery", "time": 14.0, "generation": 1, "failed_ranks": [2], "cause": "exit",
             "failed_at": 12.5, "detected_at": 12.75, "decided_at": 13.0, "ready_at": 13.5, "first_step_at": 14.0,
-            "policy": "reroute", "start_step": 3, "transfers": 0, "transfer_bytes": 0}
+            "policy": "reroute", "decision_source": "prepared", "start_step": 3, "transfers": 0, "transfer_bytes": 0}
 EVENTS = [
     {"event": "controller_started", "time": 0.0},
     {"event": "plan", "time": 0.5, "generation": 0, "policy": "initial", "workers": [0, 1, 2, 3], "start_step": 0},
@@ -100,7 +101,8 @@ def test_summary_of_a_worked_example(tmp_path):
         "failures: 1",
         "  ranks [2] (exit) at +12.500 s, detected 0.250 s later",
         "recoveries: 1 (reroute 1)",
-        "  generation 1: reroute from step 3 after ranks [2] failed: detection 0.250 s + decision 0.250 s + "
+        "  generation 1: reroute (prepared decision) from step 3 after ranks [2] failed: detection 0.250 s + "
+        "decision 0.250 s + "
         "entering the plan 0.500 s + first step 0.500 s = 1.500 s; 0 transfers, 0.00 MiB moved",
         "time lost to recoveries: 1.500 s (from each failure to the first step committed after it)",
         "samples: 20 expected (4 x 5 committed steps), 18 distinct seen; samples lost: 2; samples doubled: 2",
