@@ -161,6 +161,49 @@ def time_renamed(config, *, repeats: int) -> tuple[float, int, dict[str, float],
     return prepare_s, prepared, times, chosen
 
 
+def time_cascade(config, *, repeats: int) -> dict:
+    """After a first rank failure (``failures``' "rank", decided cold), prepare the
+    rerouted plan's representatives (``planner.symmetry``: the groups of pipelines the
+    reroute left alone), then time on_failure for a next rank and a next node failure in
+    the last eligible group, neither a representative: cold once (on a copy taken before
+    preparing) and renamed (median of ``repeats``). Returns the figures, or only the first
+    failure's where no group is eligible."""
+    center = DecisionCenter.from_recipe(config)
+    tp = config.parallel.tensor_model_parallel_size
+    started = time.perf_counter()
+    first = center.on_failure(**failures(config.parallel.num_ranks, tp)["rank"])
+    out = {"first_s": time.perf_counter() - started, "first": first.chosen.policy}
+    sym = center.symmetry()
+    if sym is None:
+        return out
+    out["eligible"] = len(sym.eligible) * sym.group
+    last, stage = sym.eligible[-1], sym.stages // 2
+    nexts = {"rank": {"ranks": [center.cluster.worker_ranks(sym.worker(stage, last + sym.group - 1))[0]]}}
+    node = center.cluster.node_of_worker(sym.worker(stage - 1 if stage else stage, last))
+    nexts["node"] = {"nodes": [node]}
+    cold = copy.copy(center)  # before prepare: its next failure finds nothing prepared
+    representatives = sym.representatives()
+    started = time.perf_counter()
+    out["prepared"] = center.prepare(representatives)
+    out["prepare_s"] = time.perf_counter() - started
+    before = center.cluster.failed_workers
+    for kind, failed in nexts.items():
+        if failed_workers(center, failed) in representatives:
+            continue  # one eligible group: its nodes are the representatives
+        started = time.perf_counter()
+        assert copy.copy(cold).on_failure(**failed).source == "cold"
+        out[f"{kind}_cold_s"] = time.perf_counter() - started
+        runs = []
+        for _ in range(repeats):
+            fresh = copy.copy(center)  # shares the prepared decisions; on_failure replaces its plan and cluster
+            started = time.perf_counter()
+            decision = fresh.on_failure(**failed)
+            runs.append(time.perf_counter() - started)
+            assert decision.source == "renamed" and not before - fresh.cluster.failed_workers
+        out[f"{kind}_renamed_s"] = statistics.median(runs)
+    return out
+
+
 def seconds(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
@@ -197,16 +240,30 @@ def main() -> None:
     parser.add_argument("--no-prepared", action="store_true", help="time cold decisions only")
     parser.add_argument("--memory", action="store_true", help="also the tracemalloc peak at --max-ranks (7B, 70B)")
     parser.add_argument("--renamed", action="store_true",
-                        help="only the renamed lookups of a symmetric plan, at 4,096 ranks and up (time_renamed)")
+                        help="only the renamed lookups of a symmetric plan, at 4,096 ranks and up (time_renamed), "
+                             "and of the plan rerouted after a first failure (time_cascade)")
+    parser.add_argument("--cascade-only", action="store_true", help="with --renamed: skip time_renamed")
     args = parser.parse_args()
     if args.renamed:
         print(f"{'model':<5} {'ranks':>6} {'prepare':>9} {'cases':>5} {'rank':>9} {'node':>9}  node chose")
         for model in MODELS:
             for ranks in RANKS:
-                if 4096 <= ranks <= args.max_ranks:
+                if 4096 <= ranks <= args.max_ranks and not args.cascade_only:
                     prep, cases, times, chosen = time_renamed(recipe(model, ranks), repeats=args.repeats)
                     print(f"{model:<5} {ranks:>6} {seconds(prep):>9} {cases:>5} {seconds(times['rank']):>9} "
                           f"{seconds(times['node']):>9}  {chosen}", flush=True)
+        print("after a first rank failure (cold), on the rerouted plan:")
+        print(f"{'model':<5} {'ranks':>6} {'first':>9} {'eligible':>8} {'prepare':>9} {'cases':>5} "
+              f"{'rank cold':>9} {'renamed':>9} {'node cold':>9} {'renamed':>9}")
+        for model in MODELS:
+            for ranks in RANKS:
+                if 4096 <= ranks <= args.max_ranks:
+                    out = time_cascade(recipe(model, ranks), repeats=args.repeats)
+                    cells = [seconds(out[k]) if k in out else "-" for k in
+                             ("prepare_s", "rank_cold_s", "rank_renamed_s", "node_cold_s", "node_renamed_s")]
+                    print(f"{model:<5} {ranks:>6} {seconds(out['first_s']):>9} {out.get('eligible', 0):>8} "
+                          f"{cells[0]:>9} {out.get('prepared', 0):>5} {cells[1]:>9} {cells[2]:>9} {cells[3]:>9} "
+                          f"{cells[4]:>9}  (first: {out['first']})", flush=True)
         return
     print(f"{'model':<5} {'ranks':>6} {'TPxPPxDP':>10} {'failure':>7} {'cold':>9} {'prepared':>9} {'prepare':>9}"
           "  chosen")
