@@ -17,8 +17,10 @@ decision keeps (``prepare_cap`` of them are kept).
 failure of the symmetric starting plan: ``prepare`` of its representatives (one per
 stage and node shape, ``planner.symmetry``), then on_failure for the rank and node
 failures above, neither a representative: the representative's drafts renamed and
-weighed by Eq. 8.
-Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory] [--renamed]
+weighed by Eq. 8. It then does the same on the plan rerouted after a first rank failure
+(``time_cascade``; ``--cascade-only`` skips the first table).
+Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
+     [--renamed [--cascade-only]]
 
 Renamed lookups (--renamed --repeats 3, median, 2026-11-26, same machine; "prepare" is
 all representatives once):
@@ -34,6 +36,23 @@ all representatives once):
 of another stage. What is left of a 7B lookup at 16,384 ranks is the scan of every
 pipeline of each of the four drafts for a renamed worker (about 1.5 ms each) and the
 cluster's live-device count for Eq. 8.
+
+After a first failure (--renamed --cascade-only --repeats 3, 2026-11-26, same machine):
+the first rank failure of ``failures`` decided cold, its reroute's plan prepared for its
+representatives (``planner.symmetry``: the groups of pipelines the reroute left alone,
+"eligible" counts their pipelines), then a next rank and a next node failure in the last
+eligible group, cold once (on a copy taken before preparing) and renamed (median):
+
+| ranks | model | first (cold) | eligible pipelines | prepare (cases) | next rank cold / renamed | next node cold / renamed |
+|---|---|---|---|---|---|---|
+| 4,096 | 7B | 441 ms | 1,008 of 1,024 | 5.45 s (8) | 469 / 3 ms | 982 / 4 ms |
+| 16,384 | 7B | 1.69 s | 4,080 of 4,096 | 16.2 s (8) | 1.92 s / 11 ms | 2.36 s / 12 ms |
+| 4,096 | 70B | 7.35 s | 0 of 64 | - | - | - |
+| 16,384 | 70B | 7.93 s | 191 of 256 | 89.0 s (8) | 10.41 s / 2 ms | 11.50 s / 2 ms |
+
+70B at 4,096 ranks has 64 pipelines and its reroute spreads the failed stage's 64
+micro-batches over all 63 peers, so no pipeline is left alone and the next failure is
+decided cold (or from its own prepared case, within ``prepare_cap``).
 
 One run on the shared 2-core development machine (--repeats 1 --memory, 2026-11-26, after
 drafts carry what Eq. 8 weighs them by; "prepare" is the time to prepare that one case;
