@@ -17,8 +17,10 @@ decision keeps (``prepare_cap`` of them are kept).
 failure of the symmetric starting plan: ``prepare`` of its representatives (one per
 stage and node shape, ``planner.symmetry``), then on_failure for the rank and node
 failures above, neither a representative: the representative's drafts renamed and
-weighed by Eq. 8.
-Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory] [--renamed]
+weighed by Eq. 8. It then does the same on the plan rerouted after a first rank failure
+(``time_cascade``; ``--cascade-only`` skips the first table).
+Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
+     [--renamed [--cascade-only]]
 
 Renamed lookups (--renamed --repeats 3, median, 2026-11-26, same machine; "prepare" is
 all representatives once):
@@ -34,6 +36,23 @@ all representatives once):
 of another stage. What is left of a 7B lookup at 16,384 ranks is the scan of every
 pipeline of each of the four drafts for a renamed worker (about 1.5 ms each) and the
 cluster's live-device count for Eq. 8.
+
+After a first failure (--renamed --cascade-only --repeats 3, 2026-11-26, same machine):
+the first rank failure of ``failures`` decided cold, its reroute's plan prepared for its
+representatives (``planner.symmetry``: the groups of pipelines the reroute left alone,
+"eligible" counts their pipelines), then a next rank and a next node failure in the last
+eligible group, cold once (on a copy taken before preparing) and renamed (median):
+
+| ranks | model | first (cold) | eligible pipelines | prepare (cases) | next rank cold / renamed | next node cold / renamed |
+|---|---|---|---|---|---|---|
+| 4,096 | 7B | 441 ms | 1,008 of 1,024 | 5.45 s (8) | 469 / 3 ms | 982 / 4 ms |
+| 16,384 | 7B | 1.69 s | 4,080 of 4,096 | 16.2 s (8) | 1.92 s / 11 ms | 2.36 s / 12 ms |
+| 4,096 | 70B | 7.35 s | 0 of 64 | - | - | - |
+| 16,384 | 70B | 7.93 s | 191 of 256 | 89.0 s (8) | 10.41 s / 2 ms | 11.50 s / 2 ms |
+
+70B at 4,096 ranks has 64 pipelines and its reroute spreads the failed stage's 64
+micro-batches over all 63 peers, so no pipeline is left alone and the next failure is
+decided cold (or from its own prepared case, within ``prepare_cap``).
 
 One run on the shared 2-core development machine (--repeats 1 --memory, 2026-11-26, after
 drafts carry what Eq. 8 weighs them by; "prepare" is the time to prepare that one case;
@@ -161,6 +180,49 @@ def time_renamed(config, *, repeats: int) -> tuple[float, int, dict[str, float],
     return prepare_s, prepared, times, chosen
 
 
+def time_cascade(config, *, repeats: int) -> dict:
+    """After a first rank failure (``failures``' "rank", decided cold), prepare the
+    rerouted plan's representatives (``planner.symmetry``: the groups of pipelines the
+    reroute left alone), then time on_failure for a next rank and a next node failure in
+    the last eligible group, neither a representative: cold once (on a copy taken before
+    preparing) and renamed (median of ``repeats``). Returns the figures, or only the first
+    failure's where no group is eligible."""
+    center = DecisionCenter.from_recipe(config)
+    tp = config.parallel.tensor_model_parallel_size
+    started = time.perf_counter()
+    first = center.on_failure(**failures(config.parallel.num_ranks, tp)["rank"])
+    out = {"first_s": time.perf_counter() - started, "first": first.chosen.policy}
+    sym = center.symmetry()
+    if sym is None:
+        return out
+    out["eligible"] = len(sym.eligible) * sym.group
+    last, stage = sym.eligible[-1], sym.stages // 2
+    nexts = {"rank": {"ranks": [center.cluster.worker_ranks(sym.worker(stage, last + sym.group - 1))[0]]}}
+    node = center.cluster.node_of_worker(sym.worker(stage - 1 if stage else stage, last))
+    nexts["node"] = {"nodes": [node]}
+    cold = copy.copy(center)  # before prepare: its next failure finds nothing prepared
+    representatives = sym.representatives()
+    started = time.perf_counter()
+    out["prepared"] = center.prepare(representatives)
+    out["prepare_s"] = time.perf_counter() - started
+    before = center.cluster.failed_workers
+    for kind, failed in nexts.items():
+        if failed_workers(center, failed) in representatives:
+            continue  # one eligible group: its nodes are the representatives
+        started = time.perf_counter()
+        assert copy.copy(cold).on_failure(**failed).source == "cold"
+        out[f"{kind}_cold_s"] = time.perf_counter() - started
+        runs = []
+        for _ in range(repeats):
+            fresh = copy.copy(center)  # shares the prepared decisions; on_failure replaces its plan and cluster
+            started = time.perf_counter()
+            decision = fresh.on_failure(**failed)
+            runs.append(time.perf_counter() - started)
+            assert decision.source == "renamed" and not before - fresh.cluster.failed_workers
+        out[f"{kind}_renamed_s"] = statistics.median(runs)
+    return out
+
+
 def seconds(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
@@ -197,16 +259,30 @@ def main() -> None:
     parser.add_argument("--no-prepared", action="store_true", help="time cold decisions only")
     parser.add_argument("--memory", action="store_true", help="also the tracemalloc peak at --max-ranks (7B, 70B)")
     parser.add_argument("--renamed", action="store_true",
-                        help="only the renamed lookups of a symmetric plan, at 4,096 ranks and up (time_renamed)")
+                        help="only the renamed lookups of a symmetric plan, at 4,096 ranks and up (time_renamed), "
+                             "and of the plan rerouted after a first failure (time_cascade)")
+    parser.add_argument("--cascade-only", action="store_true", help="with --renamed: skip time_renamed")
     args = parser.parse_args()
     if args.renamed:
         print(f"{'model':<5} {'ranks':>6} {'prepare':>9} {'cases':>5} {'rank':>9} {'node':>9}  node chose")
         for model in MODELS:
             for ranks in RANKS:
-                if 4096 <= ranks <= args.max_ranks:
+                if 4096 <= ranks <= args.max_ranks and not args.cascade_only:
                     prep, cases, times, chosen = time_renamed(recipe(model, ranks), repeats=args.repeats)
                     print(f"{model:<5} {ranks:>6} {seconds(prep):>9} {cases:>5} {seconds(times['rank']):>9} "
                           f"{seconds(times['node']):>9}  {chosen}", flush=True)
+        print("after a first rank failure (cold), on the rerouted plan:")
+        print(f"{'model':<5} {'ranks':>6} {'first':>9} {'eligible':>8} {'prepare':>9} {'cases':>5} "
+              f"{'rank cold':>9} {'renamed':>9} {'node cold':>9} {'renamed':>9}")
+        for model in MODELS:
+            for ranks in RANKS:
+                if 4096 <= ranks <= args.max_ranks:
+                    out = time_cascade(recipe(model, ranks), repeats=args.repeats)
+                    cells = [seconds(out[k]) if k in out else "-" for k in
+                             ("prepare_s", "rank_cold_s", "rank_renamed_s", "node_cold_s", "node_renamed_s")]
+                    print(f"{model:<5} {ranks:>6} {seconds(out['first_s']):>9} {out.get('eligible', 0):>8} "
+                          f"{cells[0]:>9} {out.get('prepared', 0):>5} {cells[1]:>9} {cells[2]:>9} {cells[3]:>9} "
+                          f"{cells[4]:>9}  (first: {out['first']})", flush=True)
         return
     print(f"{'model':<5} {'ranks':>6} {'TPxPPxDP':>10} {'failure':>7} {'cold':>9} {'prepared':>9} {'prepare':>9}"
           "  chosen")

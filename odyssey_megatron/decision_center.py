@@ -179,8 +179,10 @@ class DecisionCenter:
         worker of the plan alone, then each node that holds one (its live workers). Where
         ``odyssey.prepared_decisions_mib`` does not hold them all and the plan is
         symmetric, one representative per class of equivalent workers and nodes instead
-        (``Symmetry.representatives``), whose decision is renamed for the others: the
-        cold decision of each case where that is affordable, every case covered where not."""
+        (``Symmetry.representatives``), whose decision is renamed for the others, then the
+        cases no representative covers (the workers and nodes of the pipelines a recovery
+        changed): the cold decision of each case where that is affordable, every case of
+        the symmetric part covered where not."""
         workers = self.plan.workers
         on_node: dict[int, set[int]] = {}
         for worker in self.cluster.alive_workers:
@@ -189,7 +191,7 @@ class DecisionCenter:
         cases = [frozenset([w]) for w in workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
         sym = self.symmetry()
         if sym is not None and len(cases) > self._memory_cap():
-            return sym.representatives()
+            return sym.representatives() + [case for case in cases if not all(map(sym.covers, case))]
         return cases
 
     def prepare_cap(self) -> int:
@@ -238,7 +240,8 @@ class DecisionCenter:
         """The drafts ``prepare`` priced for the current failure, if any (for this plan,
         the cluster as it was just before it, and exactly these failed workers), or on a
         symmetric plan those of its representative, renamed (``planner.symmetry``); with
-        ``Decision.source``."""
+        ``Decision.source``. Failures add up: the prepared cases are keyed by every failed
+        worker, the representatives by the new failure only."""
         if self._prepared is None:
             return None
         plan, cluster, prepared = self._prepared
@@ -249,11 +252,14 @@ class DecisionCenter:
             return prepared[failed], "prepared"
         known = self._symmetry
         sym = known[2] if known is not None and known[0] is plan and known[1] is before else None
-        found = sym.relabelling(failed) if sym is not None else None
-        if found is None or found[0] not in prepared:
+        found = sym.relabelling(failed - before.failed_workers) if sym is not None else None
+        if found is None:
             return None
         representative, pi = found
-        return rename_drafts(prepared[representative], pi), "renamed"
+        key = representative | before.failed_workers
+        if key not in prepared:
+            return None
+        return rename_drafts(prepared[key], pi), "renamed"
 
     @property
     def program(self) -> StepProgram:

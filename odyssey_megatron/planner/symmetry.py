@@ -1,11 +1,17 @@
 """Symmetric plans: one priced decision per class of equivalent failures, renamed per failure.
 
 On Megatron's layout (stage s of pipeline d on worker s * DP + d, every pipeline with the
-same stage boundaries and micro-batch count, no reroutes, nothing failed) two failures
-are equivalent when a *structure-preserving* worker permutation pi maps one onto the
-other: pi maps every worker to one of the same stage (same layer range) and keeps nodes
-(two workers share a node after pi exactly when they did before). The plans used here
-are pipeline permutations that keep each group of pipelines sharing nodes together.
+same stage boundaries and micro-batch count) two failures are equivalent when a
+*structure-preserving* worker permutation pi maps one onto the other: pi maps every
+worker to one of the same stage (same layer range) and keeps nodes (two workers share a
+node after pi exactly when they did before). The plans used here are pipeline
+permutations that keep each group of pipelines sharing nodes together.
+
+After a failure the plan is still symmetric on most of it: the groups of pipelines the
+recovery left alone (every stage alive and in Megatron's position, no reroute from or to
+them) are interchangeable among themselves, and pi permutes only those, so the reroutes,
+failed workers and moved stages of the others are its fixed points. A failure in another
+group has no equivalent and is priced on its own.
 
 Renaming the workers of a decision D made for the representative failure R gives a
 decision pi(D) for pi(R), exact in what matters: each worker pi(w) holds the blocks w held
@@ -24,6 +30,7 @@ else is shared with D, so a prepared decision is renamed in milliseconds at 16,3
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import Counter
 from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import Mapping, Optional
@@ -39,7 +46,8 @@ class Symmetry:
 
     Pipelines [k * group, (k + 1) * group) share nodes (a node holds some of their
     workers of one stage, or whole stages of every pipeline when ``group`` is DP), and
-    any permutation of pipelines that maps groups onto groups keeps stages and nodes.
+    any permutation of the ``eligible`` groups' pipelines that maps groups onto groups
+    keeps stages and nodes.
     """
 
     data_parallel: int
@@ -48,51 +56,66 @@ class Symmetry:
     """Pipelines per group of pipelines that share nodes."""
     workers_per_node: int
     """Workers on one node; 1 where a worker spans one node or more."""
+    eligible: tuple[int, ...]
+    """The first pipeline of each interchangeable group, ascending: every group of a
+    failure-free plan, the groups a recovery left alone after a failure (``symmetry``)."""
 
     def worker(self, stage: int, pipeline: int) -> int:
         return stage * self.data_parallel + pipeline
 
+    def covers(self, worker: int) -> bool:
+        """Whether ``worker``'s failure is renamed from a representative's: it is one of
+        Megatron's workers in an eligible group."""
+        if not 0 <= worker < self.stages * self.data_parallel:
+            return False
+        block = worker % self.data_parallel // self.group * self.group
+        i = bisect_left(self.eligible, block)
+        return i < len(self.eligible) and self.eligible[i] == block
+
     def representatives(self) -> list[frozenset[int]]:
-        """One failure per class: each stage's worker in pipeline 0, then each node of
-        the first group of pipelines (every node when a node holds whole stages)."""
-        singles = [frozenset([self.worker(s, 0)]) for s in range(self.stages)]
+        """One failure per class: each stage's worker in the first eligible pipeline,
+        then each node of the first eligible group (every node when a node holds whole
+        stages)."""
+        first = self.eligible[0]
+        singles = [frozenset([self.worker(s, first)]) for s in range(self.stages)]
         if self.workers_per_node < 2:
             return singles
         if self.group == self.data_parallel:
             workers = self.stages * self.data_parallel
             step = self.workers_per_node
             return singles + [frozenset(range(start, min(start + step, workers))) for start in range(0, workers, step)]
-        return singles + [frozenset(self.worker(s, i) for i in range(self.group)) for s in range(self.stages)]
+        return singles + [frozenset(self.worker(s, first + i) for i in range(self.group)) for s in range(self.stages)]
 
     def relabelling(self, failed: frozenset[int]) -> Optional[tuple[frozenset[int], dict[int, int]]]:
         """(representative, pi) with pi(representative) == ``failed``, pi given on its
-        support only; None unless ``failed`` is one worker or one node's workers."""
-        dp, workers = self.data_parallel, self.stages * self.data_parallel
-        if not failed or min(failed) < 0 or max(failed) >= workers:
+        support only; None unless ``failed`` is one worker or one node's workers of an
+        eligible group. ``failed`` is the new failure only, without workers failed before."""
+        dp, workers, first = self.data_parallel, self.stages * self.data_parallel, self.eligible[0]
+        if not failed or not all(map(self.covers, failed)):
             return None
         if len(failed) == 1:
             (worker,) = failed
             stage, pipeline = divmod(worker, dp)
             order = self._swap_groups(pipeline)
-            at = order.index(pipeline)  # then the transposition that brings pipeline 0 to ``pipeline``
-            order[0], order[at] = order[at], order[0]
-            return frozenset([self.worker(stage, 0)]), self._pipeline_map(order)
-        first = min(failed) // self.workers_per_node * self.workers_per_node
-        if failed != frozenset(range(first, min(first + self.workers_per_node, workers))):
+            at = order.index(pipeline)  # then the transposition that brings the first pipeline to ``pipeline``
+            order[first], order[at] = order[at], order[first]
+            return frozenset([self.worker(stage, first)]), self._pipeline_map(order)
+        start = min(failed) // self.workers_per_node * self.workers_per_node
+        if failed != frozenset(range(start, min(start + self.workers_per_node, workers))):
             return None
         if self.group == dp:  # a node holds whole stages: it is its own class
             return failed, {}
-        stage, pipeline = divmod(first, dp)
-        return frozenset(self.worker(stage, i) for i in range(self.group)), \
+        stage, pipeline = divmod(start, dp)
+        return frozenset(self.worker(stage, first + i) for i in range(self.group)), \
             self._pipeline_map(self._swap_groups(pipeline))
 
     def _swap_groups(self, pipeline: int) -> list[int]:
         """The pipeline permutation (order[j]: where pipeline j goes) that swaps the first
-        group of pipelines with ``pipeline``'s, position by position."""
+        eligible group of pipelines with ``pipeline``'s, position by position."""
         order = list(range(self.data_parallel))
-        block = pipeline - pipeline % self.group
-        for i in range(self.group if block else 0):
-            order[i], order[block + i] = block + i, i
+        first, block = self.eligible[0], pipeline - pipeline % self.group
+        for i in range(self.group if block != first else 0):
+            order[first + i], order[block + i] = block + i, first + i
         return order
 
     def _pipeline_map(self, order: list[int]) -> dict[int, int]:
@@ -103,32 +126,48 @@ class Symmetry:
 
 def symmetry(plan: ExecutionPlan, cluster: ClusterState) -> Optional[Symmetry]:
     """The plan's symmetry on ``cluster``, or None where failures must be priced one by
-    one: reroutes, pipelines with different stages or micro-batch counts, a failed or
-    idle worker, workers not in Megatron's order, or nodes that split pipelines unevenly."""
-    if plan.reroutes or cluster.failed_ranks or not plan.pipelines:
+    one: no group of pipelines is eligible, or nodes split pipelines unevenly.
+
+    A group is eligible when each of its pipelines has every stage alive on its Megatron
+    worker, with the layer ranges and micro-batch count most such pipelines have, and no
+    reroute, failed worker or other stage names its pipeline or workers. Its nodes then
+    hold only its workers (a node holds workers of one group, or one worker spans nodes),
+    all alive. Where a node holds whole stages (``group`` is DP) one failure anywhere
+    leaves no group eligible: nothing is interchangeable after it."""
+    if not plan.pipelines:
         return None
-    dp, first = len(plan.pipelines), plan.pipelines[0]
-    pp, per_pipeline = first.num_stages, len(first.micro_batches)
-    ranges = [s.layers for s in first.stages]
-    if cluster.num_workers != dp * pp:
+    dp = len(plan.pipelines)
+    pp, rest = divmod(cluster.num_workers, dp)
+    if rest or not pp:
         return None
-    for d, pipeline in enumerate(plan.pipelines):
-        if len(pipeline.micro_batches) != per_pipeline or len(pipeline.stages) != pp:
-            return None
-        for s, stage in enumerate(pipeline.stages):
-            if stage.worker != s * dp + d or stage.layers != ranges[s]:
-                return None
     tp, per_node = cluster.tensor_parallel_size, cluster.devices_per_node
     if tp % per_node == 0:
-        return Symmetry(dp, pp, group=1, workers_per_node=1)
-    if per_node % tp:
+        group, per = 1, 1
+    elif per_node % tp:
         return None  # a worker straddles two nodes it shares with others
-    g = per_node // tp
-    if dp % g == 0:
-        return Symmetry(dp, pp, group=g, workers_per_node=g)
-    if g % dp == 0:
-        return Symmetry(dp, pp, group=dp, workers_per_node=g)
-    return None
+    elif dp % (per_node // tp) == 0:
+        group = per = per_node // tp
+    elif (per_node // tp) % dp == 0:
+        group, per = dp, per_node // tp
+    else:
+        return None
+    named = Counter(s.worker for p in plan.pipelines for s in p.stages)  # a worker named twice is not free
+    taken = {r.worker for r in plan.reroutes} | set(cluster.failed_workers)
+    sources = {r.pipeline for r in plan.reroutes}
+    keys: list[Optional[tuple]] = []
+    for d, pipeline in enumerate(plan.pipelines):
+        free = d not in sources and len(pipeline.stages) == pp and all(
+            stage.worker == s * dp + d and stage.worker not in taken and named[stage.worker] == 1
+            for s, stage in enumerate(pipeline.stages))
+        keys.append((tuple(s.layers for s in pipeline.stages), len(pipeline.micro_batches)) if free else None)
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        return None
+    reference = max(counts, key=counts.__getitem__)  # the first most common one
+    eligible = tuple(b for b in range(0, dp, group) if all(k == reference for k in keys[b:b + group]))
+    if not eligible:
+        return None
+    return Symmetry(dp, pp, group=group, workers_per_node=per, eligible=eligible)
 
 
 def rename_plan(plan: ExecutionPlan, pi: Mapping[int, int]) -> ExecutionPlan:
