@@ -8,8 +8,9 @@ and Llama-2 70B on H100 (TP8 x PP8, 64 per pipeline, configs/llama2_70b_h100_102
 decision center. "cold" prices every candidate inside on_failure; "prepared" first runs
 ``prepare`` for the failure it times (the controller's background work after a plan
 change, which covers every worker and node up to ``prepare_cap``, or on a symmetric plan
-the representatives that stand for them; its time for this one case is printed apart) and then times on_failure, a lookup. Targets (issue 20): cold
-under 1 s at 4,096 ranks and 5 s at 16,384; prepared under 50 ms at 16,384.
+the representatives that stand for them; its time for this one case is printed apart)
+and then times on_failure, a lookup. Targets (issue 20): cold under 1 s at 4,096 ranks
+and 5 s at 16,384; prepared under 50 ms at 16,384.
 ``--memory`` reports, at --max-ranks, the decision center's tracemalloc peak from its
 build through two prepared cases, a prepared and a cold decision, and what one prepared
 decision keeps (``prepare_cap`` of them are kept).
