@@ -22,6 +22,7 @@ from odyssey_megatron.planner import (
     Decision,
     Drafts,
     FailureRateModel,
+    PricingInterrupted,
     UnrecoverableFailure,
     choose,
     draft_candidates,
@@ -213,26 +214,34 @@ class DecisionCenter:
         next; default ``likely_failures``), so that ``on_failure`` for one of them only
         weighs the priced candidates by Eq. 8, with the failure rate of that moment: a
         lookup. Meant to run after every plan change, in a background thread of the
-        controller: it stops between cases once ``stop()`` is true or the plan or cluster
-        has changed, and keeps what it priced so far; it keeps at most ``prepare_cap``
-        cases. Returns the cases priced."""
+        controller: once ``stop()`` is true or the plan or cluster has changed, it stops
+        at the next pricing, inside a case (which it drops: a 70B case at 4,096 ranks
+        prices for 7 s, which a failure must not wait for), and keeps the cases priced
+        so far; it keeps at most ``prepare_cap`` cases. Returns the cases priced."""
         plan, cluster = self.plan, self.cluster
         if self._prepared is None or self._prepared[0] is not plan or self._prepared[1] is not cluster:
             self._prepared = plan, cluster, {}
         prepared = self._prepared[2]
         cap = self.prepare_cap()
+
+        def stale() -> bool:
+            return stop() or self.plan is not plan or self.cluster is not cluster
+
         done = 0
         for workers in self.likely_failures() if cases is None else cases:
-            if stop() or self.plan is not plan or self.cluster is not cluster or len(prepared) >= cap:
+            if stale() or len(prepared) >= cap:
                 break
             after = cluster.fail_ranks(r for w in workers for r in cluster.worker_ranks(w))
             if after.failed_workers in prepared or not after.alive_workers:
                 continue
             try:
-                prepared[after.failed_workers] = draft_candidates(current=plan, cluster=after, profile=self.profile,
-                                                                  settings=self.settings, search=self._prepare_search)
+                prepared[after.failed_workers] = draft_candidates(
+                    current=plan, cluster=after, profile=self.profile, settings=self.settings,
+                    search=self._prepare_search, interrupted=stale)
             except UnrecoverableFailure:
                 continue  # decided cold, where the failure gets its one-line reason
+            except PricingInterrupted:
+                break
             done += 1
         return done
 

@@ -68,9 +68,23 @@ def test_a_plan_change_makes_the_prepared_decisions_stale(prepared):
     center = copy.deepcopy(prepared)
     center.on_failure(ranks=[5])
     assert center._prepared_drafts(center.cluster) is None
-    calls = []
-    center.prepare(stop=lambda: len(calls) >= 2 or calls.append(1))  # stops after two cases
+    assert center.prepare(stop=lambda: len(center._prepared[2]) >= 2) == 2  # stops after two cases
     assert len(center._prepared[2]) == 2
+
+
+def test_a_stop_inside_a_case_ends_prepare_at_the_next_pricing():
+    """A failure while a case is priced must not wait for the whole case (seconds at
+    scale): prepare gives way at the next pricing and drops the unfinished case."""
+    center = _center()
+    asked = []
+
+    def stop() -> bool:  # false between cases, true once asked inside the case
+        asked.append(1)
+        return len(asked) > 1
+
+    assert center.prepare([frozenset([5]), frozenset([6])], stop=stop) == 0
+    assert center._prepared[2] == {}
+    assert len(asked) == 2
 
 
 def test_the_likely_failures_of_a_small_symmetric_plan_are_every_worker_and_every_node():

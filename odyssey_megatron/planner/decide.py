@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
@@ -23,6 +24,11 @@ PLACED_LAYOUTS = 3
 
 class UnrecoverableFailure(RuntimeError):
     """No plan can continue on the survivors; the message says why."""
+
+
+class PricingInterrupted(Exception):
+    """``draft_candidates``' ``interrupted()`` turned true between two pricings: whoever
+    asked (``DecisionCenter.prepare``) no longer needs the drafts."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,7 @@ def draft_candidates(
     profile: ModelProfile,
     settings: OdysseyConfig,
     search: ReparallelizeSearch | None = None,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> Drafts:
     """Every candidate successor of ``current`` on ``cluster``, priced and its transfers
     checked, before Eq. 8 weighs them (the costly part of a decision, and what a decision
@@ -154,7 +161,9 @@ def draft_candidates(
     and settings). When no layout near the current DP degree fits in memory, the search
     sweeps every pipeline length before giving up on reparallelizing.
     Every plan is priced as the runtime runs it (``odyssey.decoupled_weight_grads``,
-    ``odyssey.staggered_optimizer``).
+    ``odyssey.staggered_optimizer``). ``interrupted`` is asked before each pricing (a
+    second at most on a 70B plan of 4,096 ranks) and raises PricingInterrupted when true:
+    a decision prepared in advance gives way to the failure that makes it stale.
     """
     started = time.perf_counter()
     failed = cluster.failed_workers
@@ -168,11 +177,20 @@ def draft_candidates(
     notes = []
     as_run = dict(  # price plans as the runtime runs them; the memo spares pricing a reroute twice
         decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer, memo={})
-    reroute_cost = RerouteCost(profile, cluster, **as_run)
+    priced = RerouteCost(profile, cluster, **as_run)
+
+    def checkpoint() -> None:
+        if interrupted():
+            raise PricingInterrupted
+
+    def reroute_cost(plan: ExecutionPlan) -> float | None:
+        checkpoint()
+        return priced(plan)
     holdings = live_holdings(current, cluster=cluster, profile=profile)  # before anything moves
 
     def price_reroute(plan: ExecutionPlan) -> Draft | None:
         """Price a rerouted plan, with the stage copies its swapped-in or idle workers need."""
+        checkpoint()
         plan = with_sync(replace(plan, transfers=plan_transfers(plan, holdings=holdings, profile=profile,
                                                                 cluster=cluster)), profile)
         try:
@@ -235,12 +253,14 @@ def draft_candidates(
             pp_radius=settings.pp_search_radius,
         )
         sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
+        checkpoint()
         layouts = search.layouts(**window, sweep=sweep)
         if not layouts and not sweep:  # Eq. 8 needs a reparallelized rival, and one beats a checkpoint restart
             notes.append("no layout near the current DP degree fits; swept every pipeline length")
             layouts = search.layouts(**window, sweep=True)
         considered += len(layouts)
         for layout in layouts[:PLACED_LAYOUTS]:
+            checkpoint()
             plan = place_layout(layout, current=current, holdings=holdings, cluster=cluster, profile=profile)
             moving = transfer_time(
                 plan.transfers, profile=profile, cluster=cluster,
