@@ -104,6 +104,7 @@ import tracemalloc
 
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.planner import Decision
 
 MODELS = {  # name: (spec, device, TP, PP, micro-batches per pipeline)
     "7B": ("llama2-7b", "ascend-910b", 1, 4, 8),
@@ -159,6 +160,18 @@ def time_failure(config, failed: dict, *, prepared: bool, repeats: int) -> tuple
     return statistics.median(times), statistics.median(prepare_times) if prepare_times else 0.0, chosen
 
 
+def time_lookup(center: DecisionCenter, failed: dict, *, repeats: int) -> tuple[float, Decision]:
+    """Median seconds of ``on_failure(**failed)`` on copies of ``center`` (each shares its
+    prepared decisions; on_failure replaces a copy's plan and cluster), and the decision."""
+    runs = []
+    for _ in range(repeats):
+        fresh = copy.copy(center)
+        started = time.perf_counter()
+        decision = fresh.on_failure(**failed)
+        runs.append(time.perf_counter() - started)
+    return statistics.median(runs), decision
+
+
 def time_renamed(config, *, repeats: int) -> tuple[float, int, dict[str, float], str]:
     """Prepare a symmetric plan's representatives once (``likely_failures``), then time
     on_failure for the rank and node failures of ``failures``, neither a representative:
@@ -175,13 +188,7 @@ def time_renamed(config, *, repeats: int) -> tuple[float, int, dict[str, float],
         if kind == "two":
             continue
         assert failed_workers(center, failed) not in representatives
-        runs = []
-        for _ in range(repeats):
-            fresh = copy.copy(center)  # shares the prepared decisions; on_failure replaces its plan and cluster
-            started = time.perf_counter()
-            decision = fresh.on_failure(**failed)
-            runs.append(time.perf_counter() - started)
-        times[kind] = statistics.median(runs)
+        times[kind], decision = time_lookup(center, failed, repeats=repeats)
         c = decision.chosen
         chosen = f"{c.policy} {c.layout} step {c.estimate.step_time_s:.3f} s"
     return prepare_s, prepared, times, chosen
@@ -219,14 +226,8 @@ def time_cascade(config, *, repeats: int) -> dict:
         started = time.perf_counter()
         assert copy.copy(cold).on_failure(**failed).source == "cold"
         out[f"{kind}_cold_s"] = time.perf_counter() - started
-        runs = []
-        for _ in range(repeats):
-            fresh = copy.copy(center)  # shares the prepared decisions; on_failure replaces its plan and cluster
-            started = time.perf_counter()
-            decision = fresh.on_failure(**failed)
-            runs.append(time.perf_counter() - started)
-            assert decision.source == "renamed" and not before - fresh.cluster.failed_workers
-        out[f"{kind}_renamed_s"] = statistics.median(runs)
+        out[f"{kind}_renamed_s"], decision = time_lookup(center, failed, repeats=repeats)
+        assert decision.source == "renamed" and not before & set(decision.chosen.plan.workers)
     return out
 
 
