@@ -186,11 +186,13 @@ def test_a_lost_node_is_planned_as_one_failure(tmp_path, data_cache, reference):
     """Two launchers of 4 ranks on this machine (DP 8); killing node 1's launcher takes
     its workers with it: one node failure, and node 0 trains on. With no memory for a
     decision per worker and node, as on a large cluster, the controller prepared node 0's
-    and renames it for node 1 (``planner.symmetry``): the run trains on the renamed plan."""
+    and renames it for node 1 (``planner.symmetry``): the run trains on the renamed plan.
+    The starting profile throughout, so that nothing restarts the preparation, done long
+    before the failure, just before it."""
     run_dir, port = tmp_path / "run", _free_port()
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
-              "cluster.devices_per_node=4", "odyssey.prepared_decisions_mib=0", "--nnodes", "2",
-              "--master-port", str(port), faults("{node: 1, step: 2, phase: backward, action: kill}")]
+              "cluster.devices_per_node=4", "odyssey.prepared_decisions_mib=0", "odyssey.online_profile=false",
+              "--nnodes", "2", "--master-port", str(port), faults("{node: 1, step: 2, phase: backward, action: kill}")]
     node0 = train(run_dir, data_cache, *common, node_rank=0)
     node1 = train(run_dir, data_cache, *common, node_rank=1)
     status, out, err = finish(node0)
