@@ -171,8 +171,11 @@ class DecisionCenter:
     def symmetry(self) -> Symmetry | None:
         """The current plan's symmetry on the current cluster (``planner.symmetry``), or
         None where each failure is priced on its own."""
-        if self._symmetry is None or self._symmetry[0] is not self.plan or self._symmetry[1] is not self.cluster:
-            self._symmetry = self.plan, self.cluster, symmetry(self.plan, self.cluster)
+        return self._symmetry_of(self.plan, self.cluster)
+
+    def _symmetry_of(self, plan: ExecutionPlan, cluster: ClusterState) -> Symmetry | None:
+        if self._symmetry is None or self._symmetry[0] is not plan or self._symmetry[1] is not cluster:
+            self._symmetry = plan, cluster, symmetry(plan, cluster)
         return self._symmetry[2]
 
     def likely_failures(self) -> list[frozenset[int]]:
@@ -259,8 +262,7 @@ class DecisionCenter:
         failed = self.cluster.failed_workers
         if failed in prepared:
             return prepared[failed], "prepared"
-        known = self._symmetry
-        sym = known[2] if known is not None and known[0] is plan and known[1] is before else None
+        sym = self._symmetry_of(plan, before)  # found by ``prepare``
         found = sym.relabelling(failed - before.failed_workers) if sym is not None else None
         if found is None:
             return None
