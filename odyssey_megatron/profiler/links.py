@@ -4,9 +4,10 @@ Two processes join a world on the accelerator's backend (gloo on CPU), one devic
 and time messages of a small and a large size: a P2P message by ping-pong (half the round
 trip), an all-reduce as both ranks see it. Each figure is the fastest of the timed repeats
 after a warm-up: on a shared host a rank that is descheduled mid-message only adds time
-(a 1 KiB message's median was seen at 4 ms, above an 8 MiB one's, on 2 busy cores). The small message gives the latency, the difference to the large one
-the bandwidth, in the estimator's models: ``latency + bytes / bandwidth`` for a message,
-``2 (n-1) latency + 2 (n-1)/n bytes / bandwidth`` for a ring all-reduce (n = 2 here).
+(a 1 KiB message's median was seen at 4 ms, above an 8 MiB one's, on 2 busy cores). The
+small message gives the latency, the difference to the large one the bandwidth, in the
+estimator's models: ``latency + bytes / bandwidth`` for a message, ``2 (n-1) latency +
+2 (n-1)/n bytes / bandwidth`` for a ring all-reduce (n = 2 here).
 
 On CPU the ranks are forked, so they start without importing torch again; an accelerator
 needs spawned ranks (a forked process cannot initialise CUDA) and two devices.
