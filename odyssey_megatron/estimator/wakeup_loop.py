@@ -1,0 +1,336 @@
+"""The wakeup loop of ``estimator.replay``, compiled (numba) over flat arrays.
+
+A decision at cluster scale replays plans of about 100,000 ops a few dozen times; as
+interpreted Python this loop was two thirds of a cold 70B decision. The rules are
+``replay``'s, op for op, and so are the results: every time is the same max-plus
+expression over the same floats (``tests/test_replay.py`` compares them with frozen
+fingerprints of the loops it replaced).
+
+State lives in arrays indexed by worker (its step, ops run, open streams, when it is
+free, micro-batches holding activations, its ring of deferred W ops), by stream (a
+cursor), by step and op (when it ended; -1 before it ran) and by step and optimizer
+group. Workers whose next op is forced wait in a FIFO; workers with a choice wait in a
+binary heap ordered as ``heapq`` orders (time, worker) tuples, so ties wake in worker
+order as before. Both have a fixed capacity: every entry is added by an op run, a step
+start or a release from the norm wait, except the wakeups a worker re-queues when it
+found nothing ready, each of which follows the removal of its own.
+
+Compiled once per machine (``cache=True`` keeps it beside this file, or in numba's
+cache directory), which takes a few seconds the first time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, inline="always")
+def _earlier(t1, w1, t2, w2):
+    return t1 < t2 or (t1 == t2 and w1 < w2)
+
+
+@njit(cache=True)
+def _heap_push(times, workers, size, at, worker):
+    """Add (at, worker) to the heap of ``size`` entries; returns the new size."""
+    position = size
+    while position > 0:
+        parent = (position - 1) >> 1
+        if not _earlier(at, worker, times[parent], workers[parent]):
+            break
+        times[position] = times[parent]
+        workers[position] = workers[parent]
+        position = parent
+    times[position] = at
+    workers[position] = worker
+    return size + 1
+
+
+@njit(cache=True)
+def _heap_pop(times, workers, size):
+    """Remove the earliest entry; returns (its time, its worker, the new size)."""
+    at, worker = times[0], workers[0]
+    size -= 1
+    if size > 0:
+        t, w = times[size], workers[size]
+        position = 0
+        while True:
+            child = 2 * position + 1
+            if child >= size:
+                break
+            if child + 1 < size and _earlier(times[child + 1], workers[child + 1], times[child], workers[child]):
+                child += 1
+            if not _earlier(times[child], workers[child], t, w):
+                break
+            times[position] = times[child]
+            workers[position] = workers[child]
+            position = child
+        times[position] = t
+        workers[position] = w
+    return at, worker, size
+
+
+@njit(cache=True, inline="always")
+def _later(a, b):
+    """Python's ``max(a, b)``: ``a`` unless ``b`` is greater."""
+    return b if b > a else a
+
+
+@njit(cache=True, inline="always")
+def _open_stream(w, stream_start, stream_ops_start, cursor):
+    """The first stream of worker ``w`` with ops left (its only one, if it has one)."""
+    first, end = stream_start[w], stream_start[w + 1]
+    if end - first != 1:
+        for j in range(first, end):
+            if cursor[j] < stream_ops_start[j + 1] - stream_ops_start[j]:
+                return j
+    return first
+
+
+@njit(cache=True)
+def run_wakeup_loop(
+    # the graph, per op
+    dependency, link_s, consumer, worker_of, forward, settles, weight_grad, pipeline_of, whole_s, split_s,
+    num_pipelines,
+    # the workers: streams (worker -> its streams -> their op ids), options
+    stream_start, stream_ops_start, stream_ops, splits, ops_per_step, room, snapshot_s,
+    # optimizer groups: per worker the groups it is in, per group its members
+    member_start, member_groups, group_start, group_members,
+    playing, defer, iterations, speculative, snapshot_in_line,
+):
+    """Time every op of ``iterations`` steps. Returns (per worker the step it is in:
+    ``iterations`` once done, fewer after a deadlock; per stream its cursor; per step its end; per pipeline its first step's end; per worker its
+    first step's compute seconds; per worker the offset of its op orders in the next
+    four arrays: the first step's op ids in order and how many, the last step's and how
+    many)."""
+    num_ops = dependency.shape[0]
+    num_workers = splits.shape[0]
+    num_groups = group_start.shape[0] - 1
+    num_playing = playing.shape[0]
+    last_step = iterations - 1
+
+    # per step
+    end = np.full((iterations, num_ops), -1.0)
+    group_done = np.zeros((iterations, max(num_groups, 1)), np.int64)
+    group_end = np.zeros((iterations, max(num_groups, 1)))
+    finished = np.zeros(iterations, np.int64)
+    norm_at = np.zeros(iterations)
+    step_end = np.zeros(iterations)
+    held_at = np.empty((iterations, num_workers))  # workers held for the norm, and since when
+    held_worker = np.empty((iterations, num_workers), np.int64)
+    num_held = np.zeros(iterations, np.int64)
+    pipeline_end = np.zeros(num_pipelines)
+
+    # per worker
+    step = np.full(num_workers, iterations, np.int64)  # sits out unless it plays
+    ran = np.zeros(num_workers, np.int64)
+    open_streams = np.zeros(num_workers, np.int64)
+    free_at = np.zeros(num_workers)
+    live = np.zeros(num_workers, np.int64)
+    settled = np.zeros(num_workers, np.bool_)
+    held = np.zeros(num_workers, np.bool_)
+    snapshot_end = np.zeros(num_workers)
+    finish = np.zeros(num_workers)
+    busy = np.zeros(num_workers)
+    cursor = np.zeros(stream_ops_start.shape[0] - 1, np.int64)
+    order_start = np.zeros(num_workers + 1, np.int64)
+    ring_start = np.zeros(num_workers + 1, np.int64)  # deferred W ops: a ring of ops_per_step + 1 each
+    for w in range(num_workers):
+        order_start[w + 1] = order_start[w] + ops_per_step[w]
+        ring_start[w + 1] = ring_start[w] + ops_per_step[w] + 1
+    first = np.empty(order_start[num_workers], np.int64)
+    first_len = np.zeros(num_workers, np.int64)
+    last = np.empty(order_start[num_workers], np.int64)
+    last_len = np.zeros(num_workers, np.int64)
+    ring = np.empty(ring_start[num_workers], np.int64)
+    ring_head = np.zeros(num_workers, np.int64)
+    queued = np.zeros(num_workers, np.int64)
+
+    entries = num_ops * iterations + 2 * num_workers * iterations + 1
+    forced = np.empty(entries, np.int64)  # FIFO of workers whose next op is forced
+    forced_head, forced_tail = 0, 0
+    heap_times = np.empty(2 * entries)  # wakeups of workers with a choice
+    heap_workers = np.empty(2 * entries, np.int64)
+    heap_size = 0
+
+    starting = np.empty(num_workers, np.int64)  # workers starting a step together, and when
+    starting_at = np.empty(num_workers)
+    num_starting = 0
+    for x in range(num_playing):
+        starting[num_starting] = playing[x]
+        starting_at[num_starting] = 0.0
+        num_starting += 1
+    k = 0
+    while True:  # ``start_step`` for each of ``starting``, then ``wake`` it at once
+        for x in range(num_starting):
+            m, at = starting[x], starting_at[x]
+            step[m], ran[m], settled[m] = k, 0, False
+            count = 0
+            for j in range(stream_start[m], stream_start[m + 1]):
+                cursor[j] = 0
+                if stream_ops_start[j + 1] > stream_ops_start[j]:
+                    count += 1
+            open_streams[m] = count
+            snapshot_end[m] = at + snapshot_s[m]
+            free_at[m] = snapshot_end[m] if snapshot_in_line else at
+            if ran[m] < ops_per_step[m] and open_streams[m] <= 1 and queued[m] == 0:
+                forced[forced_tail] = m
+                forced_tail += 1
+            else:
+                heap_size = _heap_push(heap_times, heap_workers, heap_size, free_at[m], m)
+        num_starting = 0
+
+        if forced_head == forced_tail and heap_size == 0:
+            break
+        choosing_at = -1.0  # the wakeup's time; -1: a forced worker, no choice to make
+        if forced_head < forced_tail:
+            w = forced[forced_head]
+            forced_head += 1
+        else:
+            choosing_at, w, heap_size = _heap_pop(heap_times, heap_workers, heap_size)
+        k = step[w]
+        if k == iterations or ran[w] == ops_per_step[w] or held[w]:
+            continue  # done, or waiting for its optimizer groups or for the norm
+        while True:  # run its ops while it can run them now
+            if open_streams[w] <= 1 and queued[w] == 0:  # forced: the next op of its open stream
+                s = _open_stream(w, stream_start, stream_ops_start, cursor)
+                op = stream_ops[stream_ops_start[s] + cursor[s]]
+                start = free_at[w]
+                d = dependency[op]
+                if d >= 0:
+                    arrival = end[k, d]
+                    if arrival < 0.0:
+                        break  # timing its dependency wakes it
+                    arrival += link_s[op]
+                    if arrival > start:
+                        start = arrival
+            else:  # a choice, made at a wakeup
+                now = choosing_at
+                if now < 0.0 or now < free_at[w]:
+                    break  # busy; its own wakeup is queued
+                op, s, position, soonest = -1, -1, 0, np.inf
+                for j in range(stream_start[w], stream_start[w + 1]):  # the ready head earliest in 1F1B order
+                    p = cursor[j]
+                    if p == stream_ops_start[j + 1] - stream_ops_start[j] or (op >= 0 and p >= position):
+                        continue
+                    i = stream_ops[stream_ops_start[j] + p]
+                    d = dependency[i]
+                    if d >= 0:
+                        arrival = end[k, d]
+                        if arrival < 0.0:
+                            continue
+                        arrival += link_s[i]
+                        if arrival > now:  # on its way
+                            if arrival < soonest:
+                                soonest = arrival
+                            continue
+                    op, s, position = i, j, p
+                if queued[w] > 0 and (op < 0 or (forward[op] and live[w] >= room[w])):
+                    op, s = ring[ring_start[w] + ring_head[w]], -1  # idle, or memory full: a deferred W first
+                if op < 0:  # idle until an input on its way arrives (or one not yet sent: its wake)
+                    if soonest < np.inf:
+                        heap_size = _heap_push(heap_times, heap_workers, heap_size, soonest, w)
+                    break
+                start = now
+            seconds = split_s[op] if splits[w] else whole_s[op]
+            if speculative and k > 0 and not settled[w] and settles[op]:
+                if finished[k - 1] < num_playing:
+                    held[w] = True
+                    held_at[k - 1, num_held[k - 1]] = start
+                    held_worker[k - 1, num_held[k - 1]] = w
+                    num_held[k - 1] += 1
+                    break
+                settled[w] = True  # a forward computes, then holds its output until the norm is in
+                if forward[op]:
+                    done = _later(start + seconds, norm_at[k - 1])
+                else:
+                    done = _later(start, norm_at[k - 1]) + seconds
+            else:
+                done = start + seconds
+            if s < 0:
+                ring_head[w] = (ring_head[w] + 1) % (ops_per_step[w] + 1)
+                queued[w] -= 1
+                live[w] -= 1
+            else:
+                cursor[s] += 1
+                if cursor[s] == stream_ops_start[s + 1] - stream_ops_start[s]:
+                    open_streams[w] -= 1
+                if forward[op]:
+                    live[w] += 1
+                elif defer:
+                    ring[ring_start[w] + (ring_head[w] + queued[w]) % (ops_per_step[w] + 1)] = weight_grad[op]
+                    queued[w] += 1
+            end[k, op] = free_at[w] = done
+            ran[w] += 1
+            if k == 0:
+                first[order_start[w] + first_len[w]] = op
+                first_len[w] += 1
+                busy[w] += seconds
+                if done > pipeline_end[pipeline_of[op]]:
+                    pipeline_end[pipeline_of[op]] = done
+            if k == last_step:
+                last[order_start[w] + last_len[w]] = op
+                last_len[w] += 1
+            c = consumer[op]
+            if c >= 0 and worker_of[c] != w:  # ``wake`` the worker waiting for its output
+                x, at = worker_of[c], done + link_s[c]
+                if ran[x] < ops_per_step[x] and open_streams[x] <= 1 and queued[x] == 0:
+                    forced[forced_tail] = x
+                    forced_tail += 1
+                elif at >= free_at[x]:
+                    heap_size = _heap_push(heap_times, heap_workers, heap_size, at, x)
+            if ran[w] == ops_per_step[w]:  # ``finish_step``: release who waited for it
+                last_end = free_at[w]
+                finish[w] = _later(last_end, snapshot_end[w])  # the optimizer step waits for the snapshot
+                step_end[k] = _later(step_end[k], finish[w])
+                finished[k] += 1
+                norm_at[k] = _later(norm_at[k], last_end)
+                if finished[k] == num_playing:
+                    for y in range(num_held[k]):  # they were ready then; only the norm was missing
+                        x, at = held_worker[k, y], held_at[k, y]
+                        held[x] = False
+                        if ran[x] < ops_per_step[x] and open_streams[x] <= 1 and queued[x] == 0:
+                            forced[forced_tail] = x
+                            forced_tail += 1
+                        elif at >= free_at[x]:
+                            heap_size = _heap_push(heap_times, heap_workers, heap_size, at, x)
+                if k + 1 == iterations:
+                    step[w] = iterations
+                    break
+                if member_start[w] == member_start[w + 1]:
+                    starting[num_starting], starting_at[num_starting] = w, finish[w]
+                    num_starting += 1
+                for gx in range(member_start[w], member_start[w + 1]):  # the DP all-reduce needs the gradients only
+                    g = member_groups[gx]
+                    group_done[k, g] += 1
+                    group_end[k, g] = _later(group_end[k, g], last_end)
+                    if group_done[k, g] < group_start[g + 1] - group_start[g]:
+                        continue
+                    for mx in range(group_start[g], group_start[g + 1]):
+                        m = group_members[mx]
+                        if step[m] != k:
+                            continue
+                        ready, at = True, finish[m]
+                        for hx in range(member_start[m], member_start[m + 1]):
+                            h = member_groups[hx]
+                            if group_done[k, h] != group_start[h + 1] - group_start[h]:
+                                ready = False
+                                break
+                            at = _later(at, group_end[k, h])
+                        if ready:
+                            step[m] = k + 1  # starting: later members see it has left step k
+                            starting[num_starting], starting_at[num_starting] = m, at
+                            num_starting += 1
+                k += 1  # the step those start
+                break
+            if open_streams[w] > 1 or queued[w] > 0:
+                known = False  # ``head_input_known``: its choice at ``done`` is known already
+                if not speculative and open_streams[w] == 1:
+                    s = _open_stream(w, stream_start, stream_ops_start, cursor)
+                    d = dependency[stream_ops[stream_ops_start[s] + cursor[s]]]
+                    known = d < 0 or end[k, d] >= 0.0
+                if not known:
+                    heap_size = _heap_push(heap_times, heap_workers, heap_size, done, w)  # its next choice waits
+                    break
+                choosing_at = done  # make it now
+    return step, cursor, step_end, pipeline_end, busy, order_start, first, first_len, last, last_len
