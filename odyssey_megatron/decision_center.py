@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, RecipeConfig
 from odyssey_megatron.estimator.program import step_program
+from odyssey_megatron.estimator.wakeup_loop import warm_up
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import (
     Decision,
@@ -108,6 +109,7 @@ class DecisionCenter:
         """``prepare``'s own caches: it may run in a thread beside ``on_failure``."""
         self._program: tuple[ExecutionPlan, StepProgram] | None = None
         """The plan the program was last computed for, and the program."""
+        warm_up()  # the replay engine is compiled before the first failure, not during it
 
     @classmethod
     def from_recipe(cls, config: RecipeConfig, *, profile: ModelProfile | None = None) -> "DecisionCenter":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from odyssey_megatron.estimator.pipeline import (
 )
 from odyssey_megatron.estimator.replay import ScheduleDeadlock, op_graph, p2p_time
 from odyssey_megatron.estimator.staggered import staggered_period
+from odyssey_megatron.estimator.wakeup_loop import run_wakeup_loop, warm_up
 from odyssey_megatron.estimator.step_schedule import ROUNDING, _choose_split, _fits_memory, step_time
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import BlockCost, uniform_profile
@@ -90,7 +92,7 @@ def _digest(value) -> str:
             return v.hex()
         if isinstance(v, Op):
             return f"{v.kind}{v.pipeline}.{v.stage}.{v.micro_batch}"
-        if isinstance(v, dict):
+        if isinstance(v, Mapping):  # a dict, or a replay's op orders (``OpLists``)
             return [[plain(k), plain(x)] for k, x in v.items()]
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
@@ -248,3 +250,17 @@ def test_the_plain_makespan_bound_is_tight_on_a_uniform_pipeline():
     plan = symmetric_plan(dp=1, pp=4, num_layers=4, micro_batches_per_pipeline=6)
     graph = op_graph(plan, profile, None)
     assert makespan_lower_bound(graph) == simulate_pipelines(plan, profile, graph=graph).makespan_s
+
+
+def test_every_replay_runs_the_one_compiled_loop_that_warm_up_loads():
+    """List scheduling, split backwards, fixed lists and staggered steps all call the
+    compiled loop with the argument types ``warm_up`` compiles, so the decision center's
+    warm-up leaves nothing to compile during a decision (numba compiles per type)."""
+    warm_up()
+    rng = random.Random(7)
+    for _ in range(5):
+        plan, profile, cluster, iterations = random_case(rng)
+        split = decoupled_pipelines(plan, profile, cluster, iterations=iterations)
+        fixed_order_step(plan, profile, cluster, simulate_pipelines(plan, profile, cluster).schedule)
+        _or_deadlock(lambda: staggered_period(plan, profile, cluster, split.last, iterations=iterations))
+    assert len(run_wakeup_loop.signatures) == 1

@@ -10,23 +10,23 @@ answer for rerouted ones.
 
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from odyssey_megatron.estimator.replay import KINDS, op_kinds
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
 
 
-def max_in_flight(ops: list[Op]) -> int:
-    """Most micro-batches holding activations at once on one worker. A forward allocates
-    them; a backward frees them, unless the worker splits its backwards, then the W does."""
-    split = any(op.kind == WEIGHT_GRAD for op in ops)
-    live = peak = 0
-    for op in ops:
-        if op.kind == FORWARD:
-            live += 1
-        elif op.kind == WEIGHT_GRAD or not split:
-            live -= 1
-        peak = max(peak, live)
-    return peak
+def max_in_flight(kinds: np.ndarray) -> int:
+    """Most micro-batches holding activations at once on a worker running ops of
+    ``kinds`` (codes of ``replay.KINDS``) in order. A forward allocates them; a backward
+    frees them, unless the worker splits its backwards, then the W does."""
+    forward, weight_grad = kinds == KINDS.index(FORWARD), kinds == KINDS.index(WEIGHT_GRAD)
+    frees = weight_grad if weight_grad.any() else ~forward
+    return max(0, int(np.cumsum(forward.astype(np.int64) - frees).max(initial=0)))
 
 
 def stage_memory(profile: ModelProfile, start: int, end: int, *, first: bool, last: bool) -> tuple[int, int]:
@@ -36,7 +36,7 @@ def stage_memory(profile: ModelProfile, start: int, end: int, *, first: bool, la
     return static, activation
 
 
-def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: dict[int, list[Op]]) -> dict[int, int]:
+def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: Mapping[int, Sequence[Op]]) -> dict[int, int]:
     """Peak bytes per live stage owner."""
     peaks: dict[int, int] = {}
     for pi, si, stage in plan.stage_positions():
@@ -45,5 +45,5 @@ def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: dict[int, 
         start, end = stage.layers
         static, activation = stage_memory(profile, start, end, first=si == 0,
                                           last=si == plan.pipelines[pi].num_stages - 1)
-        peaks[stage.worker] = static + max_in_flight(schedule.get(stage.worker, [])) * activation
+        peaks[stage.worker] = static + max_in_flight(op_kinds(schedule, stage.worker)) * activation
     return peaks

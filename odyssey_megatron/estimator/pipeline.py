@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.replay import OpGraph, ScheduleDeadlock, op_graph, replay
 from odyssey_megatron.plan import ExecutionPlan
@@ -45,30 +47,28 @@ def makespan_lower_bound(graph: OpGraph) -> float:
     micro-batch's chain of dependencies (forwards down the stages, then backwards up,
     with their transfers) could have reached it, and whichever runs last is still
     followed by the rest of its chain."""
-    whole_s, link_s, consumer, dependency = graph.whole_s, graph.link_s, graph.consumer, graph.dependency
-    earliest = {}  # stream op -> the earliest it can start
-    after = {}  # stream op -> the least time from its end to its chain's end
-    for streams in graph.streams:
-        for ids in streams:
-            for op in ids:
-                if dependency[op] >= 0:
-                    continue  # a chain starts at each first-stage forward
-                chain, at = [], 0.0
-                while op >= 0:
-                    earliest[op] = at
-                    at += whole_s[op]
-                    chain.append(op)
-                    op = consumer[op]
-                    if op >= 0:
-                        at += link_s[op]
-                for op in chain:
-                    after[op] = at - earliest[op] - whole_s[op]
+    num_stream_ops = int(graph.stream_ops_start[-1])
+    earliest = np.zeros(num_stream_ops)  # stream op -> the earliest it can start
+    chain_of = np.zeros(num_stream_ops, np.int64)  # stream op -> the chain it is on
+    heads = np.flatnonzero(graph.dependency[:num_stream_ops] < 0)  # a chain starts at each first-stage forward
+    chain_end = np.zeros(len(heads))  # the earliest each chain can end
+    chains, ops, at = np.arange(len(heads)), heads, np.zeros(len(heads))
+    while len(ops):  # down the stages and back up, every chain a step at once
+        earliest[ops], chain_of[ops] = at, chains
+        at = at + graph.whole_s[ops]
+        chain_end[chains] = at
+        ops = graph.consumer[ops]
+        going = ops >= 0
+        chains, ops = chains[going], ops[going]
+        at = at[going] + graph.link_s[ops]
+    after = chain_end[chain_of] - earliest - graph.whole_s[:num_stream_ops]  # the least time from its end on
+    starts = graph.stream_ops_start[graph.stream_start]  # each worker's stream ops are consecutive
+    whole_s = graph.whole_s.tolist()
     bound = 0.0
-    for streams in graph.streams:
-        ids = [op for stream in streams for op in stream]
-        if ids:
-            busy = sum(whole_s[op] for op in ids)
-            bound = max(bound, min(map(earliest.__getitem__, ids)) + busy + min(map(after.__getitem__, ids)))
+    for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        if hi > lo:
+            busy = sum(whole_s[lo:hi])  # summed in order, as a worker runs them
+            bound = max(bound, float(earliest[lo:hi].min()) + busy + float(after[lo:hi].min()))
     return bound
 
 

@@ -39,15 +39,16 @@ makes it without a wakeup. O(ops log ops).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from functools import cached_property
+from typing import Mapping, MutableMapping, Sequence
 
 import numpy as np
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import ModelProfile, StageTimes
 from odyssey_megatron.estimator.wakeup_loop import run_wakeup_loop
-from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, compile_streams
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, dependency, one_f_one_b, stream_sources
 
 INF = float("inf")
 
@@ -63,129 +64,176 @@ def p2p_time(profile: ModelProfile, *, same_node: bool) -> float:
     return profile.link_latency_s + profile.p2p_bytes / profile.bandwidth(same_node)
 
 
+KINDS = (FORWARD, BACKWARD, WEIGHT_GRAD)
+"""Op kinds by their code in ``OpGraph.kind``."""
+
+
 @dataclass(frozen=True)
 class OpGraph:
     """A plan's ops indexed once: every replay of the plan (plain, split, fixed lists,
     several steps) runs each op on the same worker after the same dependency, so one
-    graph serves them all. Op ids: the plan's stream ops (F and B) worker by worker, then
-    a W per B. Workers are numbered by ascending worker id (their local index)."""
+    graph serves them all. Op ids: the plan's stream ops (F and B) worker by worker,
+    stream by stream, then a W per B. Workers are numbered by ascending worker id (their
+    local index). Per-op attributes are arrays by op id, which the compiled wakeup loop
+    reads as they are; ``ops`` and ``index`` name ops as ``Op`` tuples, built when asked."""
 
-    ops: tuple[Op, ...]
-    """Op of each id."""
-    index: dict[Op, int]
-    """Id of each op."""
+    kind: np.ndarray
+    """Code of each op's kind (``KINDS``)."""
+    pipeline: np.ndarray
+    """Pipeline of each op."""
+    stage: np.ndarray
+    """Stage of each op."""
+    micro_batch: np.ndarray
+    """Micro-batch of each op."""
     workers: tuple[int, ...]
     """Worker id of each local index, ascending (wakeups at one time go in this order)."""
     plan_order: tuple[int, ...]
     """Local indexes in the plan's stage order, the order results list workers in."""
     num_pipelines: int
     """Pipelines of the plan."""
-    streams: tuple[tuple[list[int], ...], ...]
-    """Per local worker, ``compile_streams``'s streams as ids: its own stage's, then the
-    ones it adopts."""
-    worker: list[int]
+    stream_start: np.ndarray
+    """Per local worker (and one past the last), its first stream: ``compile_streams``'s,
+    its own stage's, then the ones it adopts."""
+    stream_ops_start: np.ndarray
+    """Per stream (and one past the last), its first op id; a stream's ops are consecutive."""
+    worker: np.ndarray
     """Local index of the worker running each op."""
-    pipeline: list[int]
-    """Pipeline of each op."""
-    forward: list[bool]
+    forward: np.ndarray
     """Whether each op is a forward."""
-    dependency: list[int]
+    dependency: np.ndarray
     """The op each op waits for (``schedules.ops.dependency``); -1 for none (first-stage
     forwards, W)."""
-    link_s: list[float]
+    link_s: np.ndarray
     """Transfer seconds from each op's dependency's worker to its own (0 on one worker)."""
-    consumer: list[int]
+    consumer: np.ndarray
     """The op waiting for each op's output; -1 for none."""
-    whole_s: list[float]
+    whole_s: np.ndarray
     """Compute seconds of each op with whole backwards."""
-    split_s: list[float]
+    split_s: np.ndarray
     """Compute seconds of each op with split backwards (B: the input-gradient half,
     ``ModelProfile.stage_times``)."""
-    weight_grad: list[int]
+    weight_grad: np.ndarray
     """The W of each B; -1 for other ops."""
-    settles: list[bool]
+    settles: np.ndarray
     """Whether a speculative step must wait for the global norm before it finishes the op:
     it writes gradients (B, W) or sends its result (a forward below the last stage)."""
-    arrays: tuple[np.ndarray, ...]
-    """The per-op lists the wakeup loop reads, as arrays in its argument order:
-    dependency, link_s, consumer, worker, forward, settles, weight_grad, pipeline,
-    whole_s, split_s."""
-    flat_streams: tuple[np.ndarray, ...]
-    """``streams`` as the wakeup loop reads them (``_flatten``)."""
+
+    @cached_property
+    def ops(self) -> tuple[Op, ...]:
+        """Op of each id."""
+        kinds = [KINDS[k] for k in self.kind.tolist()]
+        return tuple(map(Op, kinds, self.pipeline.tolist(), self.stage.tolist(), self.micro_batch.tolist()))
+
+    @cached_property
+    def index(self) -> dict[Op, int]:
+        """Id of each op."""
+        return {op: i for i, op in enumerate(self.ops)}
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-op arrays in the wakeup loop's argument order."""
+        return (self.dependency, self.link_s, self.consumer, self.worker, self.forward, self.settles,
+                self.weight_grad, self.pipeline, self.whole_s, self.split_s)
+
+    @cached_property
+    def flat_streams(self) -> tuple[np.ndarray, ...]:
+        """Every worker's streams as the wakeup loop reads them (``_flatten``)."""
+        stream_ops = np.arange(self.stream_ops_start[-1], dtype=np.int64)
+        owner = self.worker[stream_ops]
+        stream_ops_of = np.bincount(owner, minlength=len(self.workers)).astype(np.int64)
+        backwards_of = np.bincount(owner, weights=self.kind[stream_ops] == 1, minlength=len(self.workers))
+        return self.stream_start, self.stream_ops_start, stream_ops, stream_ops_of, backwards_of.astype(np.int64)
 
 
 def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None) -> OpGraph:
     """The ``OpGraph`` of ``plan``'s ``compile_streams`` (links priced on ``cluster``'s
     nodes; all on one node without it). Raises ScheduleDeadlock if an op waits for one
-    that no worker runs."""
-    streams = compile_streams(plan)
-    num_stages = [p.num_stages for p in plan.pipelines]
-    compute: dict[tuple[int, int], StageTimes] = {}
-    for pi, si, stage in plan.stage_positions():
-        start, end = stage.layers
-        compute[pi, si] = profile.stage_times(start, end, first=si == 0, last=si == num_stages[pi] - 1)
-    workers = tuple(sorted(streams))
-    ops: list[Op] = []
-    worker: list[int] = []
-    stream_ids = []
+    that no worker runs. Built as arrays, one 1F1B order per stream shape."""
+    sources = stream_sources(plan)
+    workers = tuple(sorted(sources))
+    num_stages = np.array([p.num_stages for p in plan.pipelines] or [0], np.int64)
+    orders: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    micro_batches: dict[int, np.ndarray] = {}
+    pieces, stream_lengths, streams_of = [], [], []
     for local, w in enumerate(workers):
-        lists = []
-        for stream in streams[w]:
-            lists.append(list(range(len(ops), len(ops) + len(stream))))
-            ops.extend(stream)
-            worker.extend([local] * len(stream))
-        stream_ids.append(tuple(lists))
-    num_stream_ops = len(ops)
-    weight_grad = [-1] * num_stream_ops
-    for i in range(num_stream_ops):
-        if ops[i][0] == BACKWARD:
-            weight_grad[i] = len(ops)
-            ops.append(Op(WEIGHT_GRAD, *ops[i][1:]))
-            worker.append(worker[i])
-    index = {op: i for i, op in enumerate(ops)}
+        streams_of.append(len(sources[w]))
+        for pi, si, keep in sources[w]:
+            if pi not in micro_batches:
+                micro_batches[pi] = np.array(plan.pipelines[pi].micro_batches, np.int64)
+            mbs = micro_batches[pi]
+            shape = (len(mbs), si, int(num_stages[pi]))
+            if shape not in orders:
+                order = one_f_one_b(range(len(mbs)), stage=si, num_stages=shape[2])
+                orders[shape] = (np.array([kind == BACKWARD for kind, _ in order], np.int8),
+                                 np.array([position for _, position in order], np.int64))
+            kinds, positions = orders[shape]
+            mb = mbs[positions]
+            if keep is not None:
+                kept = np.isin(mb, np.fromiter(keep, np.int64, len(keep)))
+                kinds, mb = kinds[kept], mb[kept]
+            pieces.append((kinds, pi, si, mb, local))
+            stream_lengths.append(len(mb))
+    lengths = np.array(stream_lengths, np.int64)
+    kind = np.concatenate([k for k, *_ in pieces]) if pieces else np.zeros(0, np.int8)
+    pipeline = np.repeat(np.array([p[1] for p in pieces], np.int64), lengths)
+    stage = np.repeat(np.array([p[2] for p in pieces], np.int64), lengths)
+    micro_batch = np.concatenate([p[3] for p in pieces]) if pieces else np.zeros(0, np.int64)
+    worker = np.repeat(np.array([p[4] for p in pieces], np.int64), lengths)
+    backwards = np.flatnonzero(kind == 1)
+    num_stream_ops = len(kind)
+    kind = np.concatenate([kind, np.full(len(backwards), 2, np.int8)])  # a W per B
+    pipeline, stage = np.concatenate([pipeline, pipeline[backwards]]), np.concatenate([stage, stage[backwards]])
+    micro_batch = np.concatenate([micro_batch, micro_batch[backwards]])
+    worker = np.concatenate([worker, worker[backwards]])
+    weight_grad = np.full(len(kind), -1, np.int64)
+    weight_grad[backwards] = num_stream_ops + np.arange(len(backwards))
 
-    link_cache: dict[tuple[int, int], float] = {}
-    n = len(ops)
-    dep, link_s, consumer = [-1] * n, [0.0] * n, [-1] * n
-    whole_s, split_s = [0.0] * n, [0.0] * n
-    pipeline, forward, settling = [0] * n, [False] * n, [True] * n
-    for i, (kind, pi, si, mb) in enumerate(ops):
-        times = compute[pi, si]
-        last = si == num_stages[pi] - 1
-        pipeline[i] = pi
-        if kind == FORWARD:
-            forward[i], settling[i] = True, not last  # as ``settles``: a forward settles if it sends
-            whole_s[i] = split_s[i] = times.forward_s
-            d = (FORWARD, pi, si - 1, mb) if si else None  # ``dependency``, as a plain tuple: equal to the Op
-        elif kind == BACKWARD:
-            whole_s[i], split_s[i] = times.backward_s, times.input_grad_s
-            d = (BACKWARD, pi, si + 1, mb) if not last else (FORWARD, pi, si, mb)
-        else:
-            whole_s[i] = split_s[i] = times.weight_grad_s
-            continue  # a W waits for nothing on another stage
-        if d is None:
-            continue
-        j = index.get(d)
-        if j is None:
-            raise ScheduleDeadlock(f"{ops[i]} waits for {Op(*d)}, which no worker runs")
-        dep[i] = j
-        consumer[j] = i
-        pair = worker[j], worker[i]
-        link = link_cache.get(pair)
-        if link is None:
-            same_node = cluster is None or cluster.same_node(workers[pair[0]], workers[pair[1]])
-            link = link_cache[pair] = 0.0 if pair[0] == pair[1] else p2p_time(profile, same_node=same_node)
-        link_s[i] = link
-    arrays = (
-        np.array(dep, np.int64), np.array(link_s), np.array(consumer, np.int64), np.array(worker, np.int64),
-        np.array(forward, np.bool_), np.array(settling, np.bool_), np.array(weight_grad, np.int64),
-        np.array(pipeline, np.int64), np.array(whole_s), np.array(split_s),
-    )
+    # each op's dependency (``schedules.ops.dependency``), found by key among all ops
+    span = (len(plan.pipelines), int(num_stages.max()) + 1, int(micro_batch.max(initial=0)) + 1)
+
+    def key(k, p, s, m):
+        return ((k * span[0] + p) * span[1] + s) * span[2] + m
+
+    last = stage == num_stages[pipeline] - 1
+    waits = np.where(kind == 0, stage > 0, kind == 1)
+    wanted = np.where(kind == 0, key(0, pipeline, stage - 1, micro_batch),
+                      np.where(last, key(0, pipeline, stage, micro_batch), key(1, pipeline, stage + 1, micro_batch)))
+    by_key = np.argsort(key(kind.astype(np.int64), pipeline, stage, micro_batch), kind="stable")
+    sorted_keys = key(kind.astype(np.int64), pipeline, stage, micro_batch)[by_key]
+    found_at = np.minimum(np.searchsorted(sorted_keys, wanted), max(len(kind) - 1, 0))
+    found = waits & (sorted_keys[found_at] == wanted) if len(kind) else waits
+    if (waits & ~found).any():
+        i = int(np.flatnonzero(waits & ~found)[0])
+        op = Op(KINDS[kind[i]], int(pipeline[i]), int(stage[i]), int(micro_batch[i]))
+        raise ScheduleDeadlock(f"{op} waits for {dependency(op, num_stages=int(num_stages[op.pipeline]))}, "
+                               "which no worker runs")
+    dep = np.where(waits, by_key[found_at] if len(kind) else found_at, -1)
+    consumer = np.full(len(kind), -1, np.int64)
+    consumer[dep[waits]] = np.flatnonzero(waits)
+
+    node = np.array([cluster.node_of_worker(w) if cluster else 0 for w in workers] or [0], np.int64)
+    source = worker[np.maximum(dep, 0)]
+    link_s = np.where(~waits | (source == worker), 0.0,
+                      np.where(node[source] == node[worker], p2p_time(profile, same_node=True),
+                               p2p_time(profile, same_node=False)))
+
+    times = np.zeros((4, len(plan.pipelines), span[1]))  # forward, backward, input-gradient, W seconds
+    for pi, si, st in plan.stage_positions():
+        t = profile.stage_times(*st.layers, first=si == 0, last=si == num_stages[pi] - 1)
+        times[:, pi, si] = t.forward_s, t.backward_s, t.input_grad_s, t.weight_grad_s
+    whole_s = times[[0, 1, 3]][kind, pipeline, stage]  # by kind: F, whole B, W
+    split_s = times[[0, 2, 3]][kind, pipeline, stage]  # by kind: F, input-gradient B, W
+    stream_start = np.zeros(len(workers) + 1, np.int64)
+    np.cumsum(streams_of, out=stream_start[1:])
+    stream_ops_start = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=stream_ops_start[1:])
+    local = {w: i for i, w in enumerate(workers)}
     return OpGraph(
-        ops=tuple(ops), index=index, workers=workers, plan_order=tuple(workers.index(w) for w in streams),
-        num_pipelines=len(plan.pipelines), streams=tuple(stream_ids), worker=worker, pipeline=pipeline,
-        forward=forward, dependency=dep, link_s=link_s, consumer=consumer, whole_s=whole_s, split_s=split_s,
-        weight_grad=weight_grad, settles=settling, arrays=arrays, flat_streams=_flatten(stream_ids, arrays[4]),
+        kind=kind, pipeline=pipeline, stage=stage, micro_batch=micro_batch, workers=workers,
+        plan_order=tuple(local[w] for w in sources), num_pipelines=len(plan.pipelines), stream_start=stream_start,
+        stream_ops_start=stream_ops_start, worker=worker, forward=kind == 0, dependency=dep, link_s=link_s,
+        consumer=consumer, whole_s=whole_s, split_s=split_s, weight_grad=weight_grad,
+        settles=(kind != 0) | ~last,
     )
 
 
@@ -199,10 +247,58 @@ class Replay:
     """Per pipeline, when its last op of the first step ended."""
     busy_s: dict[int, float]
     """Compute seconds of each worker in the first step."""
-    first: dict[int, list[Op]]
+    first: OpLists
     """Each worker's ops in the order the first step ran them."""
-    last: dict[int, list[Op]]
+    last: OpLists
     """Each worker's ops in the order the last step ran them."""
+
+
+class OpLists(MutableMapping[int, list[Op]]):
+    """Each worker's ops in the order it runs them, kept as op ids of one ``OpGraph``: a
+    replay's op orders. Read as lists of ``Op`` (made when a worker's is first read);
+    a replay of the same graph and ``op_kinds`` read the ids, naming no op, which keeps
+    a large decision's schedules from building hundreds of thousands of tuples. A list
+    set for a worker must hold ops of the graph."""
+
+    def __init__(self, graph: OpGraph, ids: dict[int, np.ndarray]):
+        self.graph = graph
+        self.ids = ids
+        """Op ids per worker id, in order."""
+        self._named: dict[int, list[Op]] = {}
+
+    def __getitem__(self, worker: int) -> list[Op]:
+        if worker not in self._named:
+            g, ids = self.graph, self.ids[worker]
+            self._named[worker] = list(map(Op, [KINDS[k] for k in g.kind[ids].tolist()], g.pipeline[ids].tolist(),
+                                           g.stage[ids].tolist(), g.micro_batch[ids].tolist()))
+        return self._named[worker]
+
+    def __setitem__(self, worker: int, ops: Sequence[Op]) -> None:
+        try:
+            self.ids[worker] = np.array([self.graph.index[op] for op in ops], np.int64)
+        except KeyError as exc:
+            raise ValueError(f"worker {worker} runs {exc.args[0]}, which the plan does not have") from None
+        self._named[worker] = list(ops)
+
+    def __delitem__(self, worker: int) -> None:
+        del self.ids[worker]
+        self._named.pop(worker, None)
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+def op_kinds(schedule: Mapping[int, Sequence[Op]], worker: int) -> np.ndarray:
+    """Codes (``KINDS``) of ``worker``'s ops in ``schedule``, in order (none if it has no list)."""
+    if isinstance(schedule, OpLists):
+        return schedule.graph.kind[schedule.ids[worker]] if worker in schedule.ids else np.zeros(0, np.int8)
+    return np.array([KINDS.index(op.kind) for op in schedule.get(worker, ())], np.int8)
 
 
 def replay(
@@ -235,8 +331,8 @@ def replay(
         streams, playing, split = graph.flat_streams, graph.plan_order, [split_backward] * len(graph.workers)
     else:
         fixed, split = _fixed_streams(graph, schedule)
-        streams = _flatten(fixed, graph.arrays[4])
-        playing = tuple(local[w] for w, ops in schedule.items() if ops)
+        streams = _flatten(fixed, graph.forward)
+        playing = tuple(local[w] for w in schedule if len(op_kinds(schedule, w)))
     defer = schedule is None and split_backward
     groups = [[local[w] for w in group if w in local] for group in optimizer_groups]
     member_of: list[list[int]] = [[] for _ in graph.workers]
@@ -252,20 +348,21 @@ def replay(
         *_csr(member_of), *_csr(groups),
         np.array(playing, np.int64), defer, iterations, speculative, snapshot_in_line,
     )
-    names, ops = graph.workers, graph.ops
+    names = graph.workers
     stuck = [w for w in playing if step[w] < iterations]
     if stuck:
-        heads = [ops[stream_ops[stream_ops_start[j] + cursor[j]]] for w in stuck
-                 for j in range(stream_start[w], stream_start[w + 1]) if cursor[j] < stream_ops_start[j + 1] - stream_ops_start[j]]
+        heads = [graph.ops[stream_ops[stream_ops_start[j] + cursor[j]]] for w in stuck
+                 for j in range(stream_start[w], stream_start[w + 1])
+                 if cursor[j] < stream_ops_start[j + 1] - stream_ops_start[j]]
         raise ScheduleDeadlock(f"ops wait on each other in a cycle: {heads[:4]}")
     order_start, first_len, last_len = order_start.tolist(), first_len.tolist(), last_len.tolist()
-    first, last, busy = first.tolist(), last.tolist(), busy.tolist()
+    busy = busy.tolist()
     return Replay(
         step_end_s=tuple(step_end.tolist()),
         pipeline_end_s=tuple(pipeline_end.tolist()),
         busy_s={names[w]: busy[w] for w in playing},
-        first={names[w]: [ops[i] for i in first[order_start[w]:order_start[w] + first_len[w]]] for w in playing},
-        last={names[w]: [ops[i] for i in last[order_start[w]:order_start[w] + last_len[w]]] for w in playing},
+        first=OpLists(graph, {names[w]: first[order_start[w]:order_start[w] + first_len[w]] for w in playing}),
+        last=OpLists(graph, {names[w]: last[order_start[w]:order_start[w] + last_len[w]] for w in playing}),
     )
 
 
@@ -278,7 +375,7 @@ def _flatten(streams: Sequence[tuple[list[int], ...]], forward: np.ndarray) -> t
     np.cumsum([len(worker_streams) for worker_streams in streams], out=stream_start[1:])
     stream_ops_start = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=stream_ops_start[1:])
-    stream_ops = np.array([op for worker_streams in streams for ids in worker_streams for op in ids], np.int64)
+    stream_ops = np.concatenate([np.zeros(0, np.int64), *(ids for worker_streams in streams for ids in worker_streams)])
     owner = np.repeat(np.arange(len(streams)), np.diff(stream_ops_start[stream_start]))
     stream_ops_of = np.bincount(owner, minlength=len(streams)).astype(np.int64)
     backwards_of = np.bincount(owner, weights=~forward[stream_ops], minlength=len(streams)).astype(np.int64)
@@ -301,24 +398,25 @@ def _csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     return start, np.array([x for row in rows for x in row], np.int64)
 
 
-def _fixed_streams(
-    graph: OpGraph, schedule: Mapping[int, Sequence[Op]]
-) -> tuple[list[tuple[list[int], ...]], list[bool]]:
+def _fixed_streams(graph: OpGraph, schedule: Mapping[int, Sequence[Op]]) -> tuple[list[tuple], list[bool]]:
     """Each worker's list as its one stream of ids (none for a worker without ops), and
     whether it splits its backwards (its list holds W ops)."""
     local = {w: i for i, w in enumerate(graph.workers)}
-    streams: list[tuple[list[int], ...]] = [() for _ in graph.workers]
+    streams: list[tuple] = [() for _ in graph.workers]
     split = [False] * len(graph.workers)
-    for worker, ops in schedule.items():
-        if not ops:
+    for worker in schedule:
+        if isinstance(schedule, OpLists) and schedule.graph is graph:
+            ids = schedule.ids[worker]  # op orders of a replay of this graph
+        else:
+            try:
+                ids = np.array([graph.index[op] for op in schedule[worker]], np.int64)
+            except KeyError as exc:
+                raise ValueError(f"worker {worker} runs {exc.args[0]}, which the plan does not have") from None
+        if not len(ids):
             continue
-        try:
-            ids = [graph.index[op] for op in ops]
-        except KeyError as exc:
-            raise ValueError(f"worker {worker} runs {exc.args[0]}, which the plan does not have") from None
         w = local.get(worker)
-        if w is None or any(graph.worker[i] != w for i in ids):
+        if w is None or (graph.worker[ids] != w).any():
             raise ValueError(f"worker {worker} runs ops the plan gives to another worker")
         streams[w] = (ids,)
-        split[w] = any(op.kind == WEIGHT_GRAD for op in ops)
+        split[w] = bool((graph.kind[ids] == 2).any())
     return streams, split

@@ -28,7 +28,7 @@ from collections import defaultdict
 from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.estimator.replay import OpGraph, op_graph, replay
+from odyssey_megatron.estimator.replay import OpGraph, op_graph, op_kinds, replay
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import Op
@@ -72,7 +72,7 @@ def staggered_period(
     as ``step_schedule`` returns it) under staggered optimizer steps, retake snapshots
     included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
     has it."""
-    playing = {worker for worker, ops in schedule.items() if ops}
+    playing = {worker for worker in schedule if len(op_kinds(schedule, worker))}
     ends = replay(graph or op_graph(plan, profile, cluster), schedule, iterations=iterations,
                   optimizer_groups=sync_groups(plan, profile, playing), speculative=True,
                   snapshot_s=retake_snapshot_s(plan, profile), snapshot_in_line=not profile.host_copy_async).step_end_s

@@ -21,7 +21,7 @@ from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.pipeline import (
     PipelineTiming, fixed_order_step, makespan_lower_bound, simulate_pipelines,
 )
-from odyssey_megatron.estimator.replay import OpGraph, op_graph
+from odyssey_megatron.estimator.replay import KINDS, OpGraph, op_graph, op_kinds
 from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -97,7 +97,8 @@ def step_time(
     backward (each pipeline's last op), every op of the next step follows a first-stage
     forward, and all first stages wait for each other (they hold layer 0), so the next
     step starts when the last one ends; retake snapshots only add to the period."""
-    if not (staggered and any(op.kind == WEIGHT_GRAD for ops in timing.schedule.values() for op in ops)):
+    split = KINDS.index(WEIGHT_GRAD)
+    if not (staggered and any((op_kinds(timing.schedule, worker) == split).any() for worker in timing.schedule)):
         return timing.makespan_s
     period = staggered_period(plan, profile, cluster, timing.schedule, graph=graph)
     return period if period < timing.makespan_s * (1 - ROUNDING) else timing.makespan_s

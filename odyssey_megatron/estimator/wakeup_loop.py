@@ -99,10 +99,10 @@ def run_wakeup_loop(
     playing, defer, iterations, speculative, snapshot_in_line,
 ):
     """Time every op of ``iterations`` steps. Returns (per worker the step it is in:
-    ``iterations`` once done, fewer after a deadlock; per stream its cursor; per step its end; per pipeline its first step's end; per worker its
-    first step's compute seconds; per worker the offset of its op orders in the next
-    four arrays: the first step's op ids in order and how many, the last step's and how
-    many)."""
+    ``iterations`` once done, fewer after a deadlock; per stream its cursor; per step its
+    end; per pipeline its first step's end; per worker its first step's compute seconds;
+    per worker the offset of its op orders in the next four arrays: the first step's op
+    ids in order and how many, the last step's and how many)."""
     num_ops = dependency.shape[0]
     num_workers = splits.shape[0]
     num_groups = group_start.shape[0] - 1
@@ -334,3 +334,15 @@ def run_wakeup_loop(
                     break
                 choosing_at = done  # make it now
     return step, cursor, step_end, pipeline_end, busy, order_start, first, first_len, last, last_len
+
+
+def warm_up() -> None:
+    """Compile the loop, or load it from numba's cache (a fraction of a second), now
+    rather than in the first decision: a replay of one forward on one worker, with the
+    argument types every replay passes."""
+    none, zero, one = np.full(1, -1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64)
+    seconds, flag, nothing = np.ones(1), np.ones(1, np.bool_), np.zeros(0, np.int64)
+    bounds = np.array([0, 1], np.int64)
+    run_wakeup_loop(none, np.zeros(1), none, zero, flag, ~flag, none, zero, seconds, seconds, 1,
+                    bounds, bounds, zero, ~flag, one, np.full(1, np.inf), np.zeros(1),
+                    np.zeros(2, np.int64), nothing, zero, nothing, zero, False, 1, False, False)

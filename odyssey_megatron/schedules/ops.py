@@ -71,6 +71,20 @@ def compile_streams(plan: ExecutionPlan) -> dict[int, list[list[Op]]]:
     order, so splitting a stream over peers and interleaving streams on one worker in any
     way can never deadlock. The estimator picks the interleaving (``estimator.pipeline``).
     """
+    streams: dict[int, list[list[Op]]] = {}
+    for worker, sources in stream_sources(plan).items():
+        streams[worker] = []
+        for pi, stage, keep in sources:
+            pipeline = plan.pipelines[pi]
+            order = one_f_one_b(list(pipeline.micro_batches), stage=stage, num_stages=pipeline.num_stages)
+            streams[worker].append([Op(kind, pi, stage, mb) for kind, mb in order if keep is None or mb in keep])
+    return streams
+
+
+def stream_sources(plan: ExecutionPlan) -> dict[int, list[tuple[int, int, Optional[set[int]]]]]:
+    """Per live worker (in the plan's stage order), where its ``compile_streams`` streams
+    come from: (pipeline, stage, the micro-batches it runs, None for all) of its own stage
+    first, then of each pipeline it adopts from, in pipeline order."""
     own: dict[int, tuple[int, int]] = {}  # worker -> (pipeline, stage) it owns
     for pi, si, stage in plan.stage_positions():
         if stage.worker is not None:
@@ -83,14 +97,10 @@ def compile_streams(plan: ExecutionPlan) -> dict[int, list[list[Op]]]:
                 "but does not own that stage of its own pipeline"
             )
         adopted[reroute.worker][reroute.pipeline].update(reroute.micro_batches)
-    streams: dict[int, list[list[Op]]] = {}
-    for worker, (own_pipeline, stage) in own.items():
-        streams[worker] = []
-        for pi, keep in [(own_pipeline, None), *sorted(adopted[worker].items())]:
-            pipeline = plan.pipelines[pi]
-            order = one_f_one_b(list(pipeline.micro_batches), stage=stage, num_stages=pipeline.num_stages)
-            streams[worker].append([Op(kind, pi, stage, mb) for kind, mb in order if keep is None or mb in keep])
-    return streams
+    return {
+        worker: [(own_pipeline, stage, None), *((pi, stage, keep) for pi, keep in sorted(adopted[worker].items()))]
+        for worker, (own_pipeline, stage) in own.items()
+    }
 
 
 def dependency(op: Op, *, num_stages: int) -> Optional[Op]:
