@@ -65,7 +65,7 @@ def process_state(pid: int) -> str | None:
     """The kernel's one-letter state (R, S, T stopped, Z zombie...), None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
         return None
     return stat.rsplit(")", 1)[1].split()[0]
 
