@@ -15,5 +15,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q "torch==2.13.0"
   fi
   .venv/bin/python -m pip install -q -e ".[test]"
+  # compile the estimator's replay loop once (numba caches it beside its source)
+  .venv/bin/python -c "from odyssey_megatron.estimator.wakeup_loop import warm_up; warm_up()"
   touch "$stamp"
 fi

@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.estimator.memory import stage_memory
+from odyssey_megatron.estimator.memory import owner_memory
 from odyssey_megatron.estimator.pipeline import PipelineTiming
 from odyssey_megatron.estimator.replay import OpGraph, op_graph, replay
 from odyssey_megatron.plan import ExecutionPlan
@@ -51,13 +51,13 @@ def decoupled_pipelines(
 ) -> DecoupledTiming:
     """List-schedule ``plan`` with every backward decoupled; raises ScheduleDeadlock.
     ``graph``: the plan's ``op_graph``, if the caller has it."""
-    room = {}  # micro-batches whose activations fit beside a stage owner's weights
+    room = {  # micro-batches whose activations fit beside a stage owner's weights
+        worker: (profile.memory_budget_bytes - static) // activation if activation else float("inf")
+        for worker, (static, activation) in owner_memory(plan, profile).items()
+    }
     stage_peers: dict[int, set[int]] = defaultdict(set)  # optimizer barrier: the stage's DP group
-    for pi, si, stage in plan.stage_positions():
+    for _, si, stage in plan.stage_positions():
         if stage.worker is not None:
-            static, activation = stage_memory(profile, *stage.layers, first=si == 0,
-                                              last=si == plan.pipelines[pi].num_stages - 1)
-            room[stage.worker] = (profile.memory_budget_bytes - static) // activation if activation else float("inf")
             stage_peers[si].add(stage.worker)
     run = replay(graph or op_graph(plan, profile, cluster), split_backward=True, room=room, iterations=iterations,
                  optimizer_groups=[frozenset(peers) for peers in stage_peers.values()])

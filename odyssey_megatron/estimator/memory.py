@@ -36,14 +36,22 @@ def stage_memory(profile: ModelProfile, start: int, end: int, *, first: bool, la
     return static, activation
 
 
-def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: Mapping[int, Sequence[Op]]) -> dict[int, int]:
-    """Peak bytes per live stage owner."""
-    peaks: dict[int, int] = {}
+def owner_memory(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, tuple[int, int]]:
+    """``stage_memory`` of each live stage owner's stage, computed once per stage shape
+    (a large plan has thousands of owners and a few shapes)."""
+    shapes: dict[tuple, tuple[int, int]] = {}
+    owners = {}
     for pi, si, stage in plan.stage_positions():
         if stage.worker is None:
             continue
-        start, end = stage.layers
-        static, activation = stage_memory(profile, start, end, first=si == 0,
-                                          last=si == plan.pipelines[pi].num_stages - 1)
-        peaks[stage.worker] = static + max_in_flight(op_kinds(schedule, stage.worker)) * activation
-    return peaks
+        shape = (*stage.layers, si == 0, si == plan.pipelines[pi].num_stages - 1)
+        if shape not in shapes:
+            shapes[shape] = stage_memory(profile, shape[0], shape[1], first=shape[2], last=shape[3])
+        owners[stage.worker] = shapes[shape]
+    return owners
+
+
+def peak_memory(plan: ExecutionPlan, profile: ModelProfile, schedule: Mapping[int, Sequence[Op]]) -> dict[int, int]:
+    """Peak bytes per live stage owner."""
+    return {worker: static + max_in_flight(op_kinds(schedule, worker)) * activation
+            for worker, (static, activation) in owner_memory(plan, profile).items()}
