@@ -39,7 +39,7 @@ makes it without a wakeup. O(ops log ops).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Mapping, MutableMapping, Sequence
 
 import numpy as np
@@ -145,6 +145,15 @@ class OpGraph:
         return self.stream_start, self.stream_ops_start, stream_ops, stream_ops_of, backwards_of.astype(np.int64)
 
 
+@lru_cache(maxsize=4096)
+def _one_f_one_b_order(num_micro_batches: int, stage: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """``one_f_one_b`` over positions in a micro-batch list: (1 for each backward, 0 for
+    each forward; the position of each op's micro-batch), shared by every stream of that shape."""
+    order = one_f_one_b(range(num_micro_batches), stage=stage, num_stages=num_stages)
+    return (np.array([kind == BACKWARD for kind, _ in order], np.int8),
+            np.array([position for _, position in order], np.int64))
+
+
 def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None) -> OpGraph:
     """The ``OpGraph`` of ``plan``'s ``compile_streams`` (links priced on ``cluster``'s
     nodes; all on one node without it). Raises ScheduleDeadlock if an op waits for one
@@ -152,7 +161,6 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
     sources = stream_sources(plan)
     workers = tuple(sorted(sources))
     num_stages = np.array([p.num_stages for p in plan.pipelines] or [0], np.int64)
-    orders: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
     micro_batches: dict[int, np.ndarray] = {}
     pieces, stream_lengths, streams_of = [], [], []
     for local, w in enumerate(workers):
@@ -161,12 +169,7 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
             if pi not in micro_batches:
                 micro_batches[pi] = np.array(plan.pipelines[pi].micro_batches, np.int64)
             mbs = micro_batches[pi]
-            shape = (len(mbs), si, int(num_stages[pi]))
-            if shape not in orders:
-                order = one_f_one_b(range(len(mbs)), stage=si, num_stages=shape[2])
-                orders[shape] = (np.array([kind == BACKWARD for kind, _ in order], np.int8),
-                                 np.array([position for _, position in order], np.int64))
-            kinds, positions = orders[shape]
+            kinds, positions = _one_f_one_b_order(len(mbs), si, int(num_stages[pi]))
             mb = mbs[positions]
             if keep is not None:
                 kept = np.isin(mb, np.fromiter(keep, np.int64, len(keep)))
@@ -218,9 +221,13 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
                                p2p_time(profile, same_node=False)))
 
     times = np.zeros((4, len(plan.pipelines), span[1]))  # forward, backward, input-gradient, W seconds
+    by_shape: dict[tuple, tuple[float, ...]] = {}
     for pi, si, st in plan.stage_positions():
-        t = profile.stage_times(*st.layers, first=si == 0, last=si == num_stages[pi] - 1)
-        times[:, pi, si] = t.forward_s, t.backward_s, t.input_grad_s, t.weight_grad_s
+        shape = (*st.layers, si == 0, si == num_stages[pi] - 1)
+        if shape not in by_shape:
+            t = profile.stage_times(shape[0], shape[1], first=shape[2], last=shape[3])
+            by_shape[shape] = t.forward_s, t.backward_s, t.input_grad_s, t.weight_grad_s
+        times[:, pi, si] = by_shape[shape]
     whole_s = times[[0, 1, 3]][kind, pipeline, stage]  # by kind: F, whole B, W
     split_s = times[[0, 2, 3]][kind, pipeline, stage]  # by kind: F, input-gradient B, W
     stream_start = np.zeros(len(workers) + 1, np.int64)

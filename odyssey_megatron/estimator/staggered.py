@@ -53,10 +53,12 @@ def sync_groups(plan: ExecutionPlan, profile: ModelProfile, workers: AbstractSet
 def retake_snapshot_s(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
     """Seconds each stage owner spends copying its optimizer state (master weights, Adam
     moments) to host memory for a staggered step's retake."""
-    return {
-        worker: sum(profile.block(b).optimizer_bytes for b in blocks) / profile.host_bandwidth
-        for worker, blocks in plan.holdings(profile).items()
-    }
+    holdings = {worker: tuple(blocks) for worker, blocks in plan.holdings(profile).items()}
+    seconds: dict[tuple, float] = {}  # per set of blocks: thousands of owners hold a few sets
+    for blocks in holdings.values():
+        if blocks not in seconds:
+            seconds[blocks] = sum(profile.block(b).optimizer_bytes for b in blocks) / profile.host_bandwidth
+    return {worker: seconds[blocks] for worker, blocks in holdings.items()}
 
 
 def staggered_period(
