@@ -189,16 +189,17 @@ class DecisionCenter:
         cases no representative covers (the workers and nodes of the pipelines a recovery
         changed): the cold decision of each case where that is affordable, every case of
         the symmetric part covered where not."""
-        workers = self.plan.workers
-        on_node: dict[int, set[int]] = {}
-        for worker in self.cluster.alive_workers:
-            on_node.setdefault(self.cluster.node_of_worker(worker), set()).add(worker)
-        nodes = sorted({self.cluster.node_of_worker(w) for w in workers})
-        cases = [frozenset([w]) for w in workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
-        sym = self.symmetry()
-        if sym is not None and len(cases) > self._memory_cap():
+        cases = _every_case(self.plan, self.cluster)
+        if self._by_representatives(self.cluster, len(cases)):
+            sym = self.symmetry()
             return sym.representatives() + [case for case in cases if not all(map(sym.covers, case))]
         return cases
+
+    def _by_representatives(self, cluster: ClusterState, num_cases: int) -> bool:
+        """Whether ``prepare`` covers the plan's ``num_cases`` likely failures on
+        ``cluster`` by representatives (a symmetric plan whose cases
+        ``odyssey.prepared_decisions_mib`` does not hold) rather than case by case."""
+        return num_cases > self._memory_cap() and self._symmetry_of(self.plan, cluster) is not None
 
     def prepare_cap(self) -> int:
         """Most prepared decisions kept for the current plan: what
@@ -252,10 +253,11 @@ class DecisionCenter:
 
     def _prepared_drafts(self, before: ClusterState) -> tuple[Drafts, str] | None:
         """The drafts ``prepare`` priced for the current failure, if any (for this plan,
-        the cluster as it was just before it, and exactly these failed workers), or on a
-        symmetric plan those of its representative, renamed (``planner.symmetry``); with
-        ``Decision.source``. Failures add up: the prepared cases are keyed by every failed
-        worker, the representatives by the new failure only."""
+        the cluster as it was just before it, and exactly these failed workers), or where
+        ``prepare`` covers the plan by representatives, those of its representative,
+        renamed (``planner.symmetry``); with ``Decision.source``. Failures add up: the
+        prepared cases are keyed by every failed worker, the representatives by the new
+        failure only."""
         if self._prepared is None:
             return None
         plan, cluster, prepared = self._prepared
@@ -264,6 +266,8 @@ class DecisionCenter:
         failed = self.cluster.failed_workers
         if failed in prepared:
             return prepared[failed], "prepared"
+        if not self._by_representatives(before, len(_every_case(plan, before))):
+            return None  # every case is prepared as itself: one not ready yet is decided cold
         sym = self._symmetry_of(plan, before)  # found by ``prepare``
         found = sym.relabelling(failed - before.failed_workers) if sym is not None else None
         if found is None:
@@ -312,3 +316,12 @@ class DecisionCenter:
                            source=source)
         self.plan = decision.chosen.plan
         return decision
+
+
+def _every_case(plan: ExecutionPlan, cluster: ClusterState) -> list[frozenset[int]]:
+    """Each live worker of ``plan`` alone, then each node that holds one (its live workers)."""
+    on_node: dict[int, set[int]] = {}
+    for worker in cluster.alive_workers:
+        on_node.setdefault(cluster.node_of_worker(worker), set()).add(worker)
+    nodes = sorted({cluster.node_of_worker(w) for w in plan.workers})
+    return [frozenset([w]) for w in plan.workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]

@@ -64,6 +64,17 @@ def test_a_prepared_failure_decides_as_a_cold_one(prepared, failed, monkeypatch)
     assert warm.expected_interval_s == cold.expected_interval_s != prior
 
 
+def test_where_every_case_fits_an_unprepared_failure_is_decided_cold_not_renamed(prepared):
+    """A small plan prepares each case as itself: worker 1's case is not prepared (yet),
+    and although worker 0's is and stands for it on this symmetric plan, its renamed
+    decision could differ from the cold one (the search breaks ties by worker id), so
+    worker 1's failure is decided cold."""
+    assert prepared.symmetry().covers(1)
+    decision = copy.deepcopy(prepared).on_failure(ranks=[1])
+    assert decision.source == "cold"
+    assert decision.chosen == _center().on_failure(ranks=[1]).chosen
+
+
 def test_a_plan_change_makes_the_prepared_decisions_stale(prepared):
     center = copy.deepcopy(prepared)
     center.on_failure(ranks=[5])
