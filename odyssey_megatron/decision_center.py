@@ -105,6 +105,8 @@ class DecisionCenter:
         of failed workers after the next failure."""
         self._symmetry: tuple[ExecutionPlan, ClusterState, Symmetry | None] | None = None
         """The symmetry of this plan on this cluster (``planner.symmetry``), found once."""
+        self._cases: tuple[ExecutionPlan, ClusterState, int] | None = None
+        """How many likely failures this plan has on this cluster (``_num_cases``)."""
         self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
         """``prepare``'s own caches: it may run in a thread beside ``on_failure``."""
         self._program: tuple[ExecutionPlan, StepProgram] | None = None
@@ -190,10 +192,18 @@ class DecisionCenter:
         changed): the cold decision of each case where that is affordable, every case of
         the symmetric part covered where not."""
         cases = _every_case(self.plan, self.cluster)
+        self._cases = self.plan, self.cluster, len(cases)
         if self._by_representatives(self.cluster, len(cases)):
             sym = self.symmetry()
             return sym.representatives() + [case for case in cases if not all(map(sym.covers, case))]
         return cases
+
+    def _num_cases(self, plan: ExecutionPlan, cluster: ClusterState) -> int:
+        """How many cases ``_every_case`` lists, counted once per plan and cluster (a
+        lookup at 16,384 ranks must not build them all again)."""
+        if self._cases is None or self._cases[0] is not plan or self._cases[1] is not cluster:
+            self._cases = plan, cluster, len(_every_case(plan, cluster))
+        return self._cases[2]
 
     def _by_representatives(self, cluster: ClusterState, num_cases: int) -> bool:
         """Whether ``prepare`` covers the plan's ``num_cases`` likely failures on
@@ -266,7 +276,7 @@ class DecisionCenter:
         failed = self.cluster.failed_workers
         if failed in prepared:
             return prepared[failed], "prepared"
-        if not self._by_representatives(before, len(_every_case(plan, before))):
+        if not self._by_representatives(before, self._num_cases(plan, before)):
             return None  # every case is prepared as itself: one not ready yet is decided cold
         sym = self._symmetry_of(plan, before)  # found by ``prepare``
         found = sym.relabelling(failed - before.failed_workers) if sym is not None else None
