@@ -192,7 +192,6 @@ class DecisionCenter:
         changed): the cold decision of each case where that is affordable, every case of
         the symmetric part covered where not."""
         cases = _every_case(self.plan, self.cluster)
-        self._cases = self.plan, self.cluster, len(cases)
         if self._by_representatives(self.cluster, len(cases)):
             sym = self.symmetry()
             return sym.representatives() + [case for case in cases if not all(map(sym.covers, case))]
@@ -239,6 +238,7 @@ class DecisionCenter:
             self._prepared = plan, cluster, {}
         prepared = self._prepared[2]
         cap = self.prepare_cap()
+        self._num_cases(plan, cluster)  # counted now, not in the lookup (``_prepared_drafts``)
 
         def stale() -> bool:
             return stop() or self.plan is not plan or self.cluster is not cluster
