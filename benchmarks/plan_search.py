@@ -22,9 +22,9 @@ weighed by Eq. 8. It then does the same on the plan rerouted after a first rank 
 (``time_cascade``; ``--cascade-only`` skips the first table).
 ``--give-way`` times how long the controller's background ``prepare``, stopped 2, 4.5 or
 6.5 s after it started at 4,096 ranks, keeps a failure waiting (the controller joins it
-before deciding): 7 / 26 / 22 ms for 7B and 405 / 532 / 832 ms for 70B (2026-11-26), where
-the code before it, which stopped between cases only, waited 2.06 / 1.23 / 1.43 s and
-5.24 / 2.49 / 0.50 s (same machine, back to back).
+before deciding): 17 / 12 / 0 ms for 7B and 68 / 14 / 0 ms for 70B (2026-11-26; 0 ms:
+it had finished), where stopping between cases only waited 2.06 / 1.23 / 1.43 s and
+5.24 / 2.49 / 0.50 s, and the pure-Python replay 7 / 26 / 22 ms and 405 / 532 / 832 ms.
 Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
      [--renamed [--cascade-only]] [--give-way]
 
@@ -33,10 +33,10 @@ all representatives once):
 
 | ranks | model | prepare (cases) | renamed rank / node |
 |---|---|---|---|
-| 4,096 | 7B | 10.4 s (8) | 3 / 4 ms |
-| 16,384 | 7B | 22.0 s (8) | 10 / 11 ms |
-| 4,096 | 70B | 62.6 s (8) | 3 / 3 ms |
-| 16,384 | 70B | 70.6 s (8) | 4 / 4 ms |
+| 4,096 | 7B | 5.07 s (8) | 3 / 4 ms |
+| 16,384 | 7B | 17.1 s (8) | 11 / 11 ms |
+| 4,096 | 70B | 6.06 s (8) | 3 / 3 ms |
+| 16,384 | 70B | 14.3 s (8) | 4 / 4 ms |
 
 70B's node is one worker (TP8 on 8-device nodes), so its node failure is a rank failure
 of another stage. What is left of a 7B lookup at 16,384 ranks is the scan of every
@@ -51,46 +51,43 @@ eligible group, cold once (on a copy taken before preparing) and renamed (median
 
 | ranks | model | first (cold) | eligible pipelines | prepare (cases) | next rank cold / renamed | next node cold / renamed |
 |---|---|---|---|---|---|---|
-| 4,096 | 7B | 441 ms | 1,008 of 1,024 | 5.45 s (8) | 469 / 3 ms | 982 / 4 ms |
-| 16,384 | 7B | 1.69 s | 4,080 of 4,096 | 16.2 s (8) | 1.92 s / 11 ms | 2.36 s / 12 ms |
-| 4,096 | 70B | 7.35 s | 0 of 64 | - | - | - |
-| 16,384 | 70B | 7.93 s | 191 of 256 | 89.0 s (8) | 10.41 s / 2 ms | 11.50 s / 2 ms |
+| 4,096 | 7B | 402 ms | 1,008 of 1,024 | 4.20 s (8) | 467 / 4 ms | 629 / 4 ms |
+| 16,384 | 7B | 1.78 s | 4,080 of 4,096 | 16.1 s (8) | 2.10 s / 12 ms | 2.27 s / 13 ms |
+| 4,096 | 70B | 792 ms | 0 of 64 | - | - | - |
+| 16,384 | 70B | 1.44 s | 191 of 256 | 21.1 s (8) | 2.13 s / 2 ms | 2.78 s / 2 ms |
 
 70B at 4,096 ranks has 64 pipelines and its reroute spreads the failed stage's 64
 micro-batches over all 63 peers, so no pipeline is left alone and the next failure is
 decided cold (or from its own prepared case, within ``prepare_cap``).
 
-One run on the shared 2-core development machine (--repeats 1 --memory, 2026-11-26, after
-drafts carry what Eq. 8 weighs them by; "prepare" is the time to prepare that one case;
-every cell chose the same plan as before the prepared-decision and replay changes,
-checked on the 32- and 1,024-rank rows):
+One run on the shared 2-core development machine (--repeats 1 --memory, 2026-11-26);
+"before" is the code before the compiled replay (commit 4611895) with --no-prepared,
+run right after it:
 
-| ranks | model | cold rank / node / two | prepared rank / node / two |
-|---|---|---|---|
-| 32 | 7B | 75 / 17 / 120 ms | <1 / <1 / <1 ms |
-| 1,024 | 7B | 160 / 524 / 222 ms | <1 / <1 / <1 ms |
-| 4,096 | 7B | 454 / 857 / 540 ms | <1 / <1 / <1 ms |
-| 16,384 | 7B | 2.00 / 2.09 / 2.03 s | 1 / 1 / 1 ms |
-| 1,024 | 70B | 2.17 / 2.15 / 3.66 s* | <1 / <1 / <1 ms |
-| 4,096 | 70B | 7.33 / 7.12 / 14.56 s* | <1 / <1 / <1 ms |
-| 16,384 | 70B | 8.41 / 8.59 / 20.39 s* | <1 / <1 / <1 ms |
+| ranks | model | cold rank / node / two | before | prepared rank / node / two |
+|---|---|---|---|---|
+| 32 | 7B | 33 / 13 / 41 ms | 69 / 20 / 87 ms | <1 / <1 / <1 ms |
+| 1,024 | 7B | 116 / 249 / 199 ms | 163 / 485 / 224 ms | <1 / <1 / <1 ms |
+| 4,096 | 7B | 468 / 600 / 520 ms | 449 / 786 / 535 ms | <1 / <1 / <1 ms |
+| 16,384 | 7B | 1.80 / 1.94 / 2.27 s | 1.77 / 2.08 / 2.04 s | 1 / 1 / 1 ms |
+| 1,024 | 70B | 493 / 598 / 531 ms | 2.28 / 2.31 / 3.85 s | <1 / <1 / <1 ms |
+| 4,096 | 70B | 832 / 814 ms / 1.49 s | 8.07 / 7.79 / 14.91 s | <1 / <1 / <1 ms |
+| 16,384 | 70B | 1.59 / 1.62 / 3.55 s | 8.53 / 8.67 / 18.55 s | <1 / <1 / <1 ms |
 
-\* Re-measured after the replay savings of issue 20 (a split-or-plain choice that skips
-plain 1F1B's replay where a lower bound rules it out, one memo key for a plan priced
-with and without its sync, choices made without a wakeup once an input's time is
-known): one cold run per cell, main and then this code back to back on the same machine
-state, main giving 2.98 / 2.85 / 4.73 s at 1,024, 9.21 / 9.08 / 17.75 s at 4,096 and
-9.27 / 9.46 / 21.10 s at 16,384 (1.03-1.37x); every chosen plan and every reroute price
-identical. The other cells are from the earlier run.
+Every cell chose the same plan. Both cold targets hold for single-rank and node
+failures; two ranks at once of 70B at 4,096 ranks take 1.49 s (two normalizations of 8
+candidates each, every one a replay of all 64 pipelines). A 70B decision at 4,096 ranks
+replays 24 op graphs of about 100,000 ops (8 normalization candidates, 2-4 variants
+each: split list scheduling over 2 steps, staggered periods of its op lists); the
+compiled loop (``estimator.wakeup_loop``) takes 0.31 s of it, building op graphs 0.15 s.
+7B at 16,384 ranks is about 7 % slower on two ranks: numba's 44k module objects make
+each full pass of the cyclic garbage collector longer (``gc.freeze()`` after the import
+gave it back in a probe).
 
-Memory at 16,384 ranks: 7B peak 77.4 MiB, one prepared decision 17.6 MiB (1,126 B per
-rank), at most 8 kept; 70B peak 227.3 MiB (the cold two-rank decision's replays), one
-prepared decision 4.24 MiB (271 B per rank), at most 8 kept. 7B meets the cold targets
-and every prepared lookup the 50 ms one; 70B's cold decisions do not (its reroutes touch
-every pipeline of a 64-pipeline window: 64 micro-batches spread over 63 peers, each
-normalization candidate a pure-Python replay of ~100k ops, several times over for split
-and staggered schedules; the replay runs at about 1.5 us per op, so what is left is the
-number of ops replayed, not their cost).
+Memory at 16,384 ranks: 7B peak 77.8 MiB, one prepared decision 17.7 MiB (1,134 B per
+rank), at most 8 kept; 70B peak 259.7 MiB (the cold two-rank decision's replays, their
+op graphs now numpy arrays), one prepared decision 4.38 MiB (280 B per rank), at most 8
+kept.
 """
 
 from __future__ import annotations
