@@ -35,19 +35,23 @@ def _earlier(t1, w1, t2, w2):
 
 
 @njit(cache=True)
+def _put(times, workers, slot, position, at, worker):
+    """Store (at, worker) at ``position``, where ``slot`` finds it."""
+    times[position] = at
+    workers[position] = worker
+    slot[worker] = position
+
+
+@njit(cache=True)
 def _sift_up(times, workers, slot, position, at, worker):
-    """Put (at, worker) at ``position`` or above, keeping ``slot[w]`` each worker's position."""
+    """Put (at, worker) at ``position`` or above."""
     while position > 0:
         parent = (position - 1) >> 1
         if not _earlier(at, worker, times[parent], workers[parent]):
             break
-        times[position] = times[parent]
-        workers[position] = workers[parent]
-        slot[workers[position]] = position
+        _put(times, workers, slot, position, times[parent], workers[parent])
         position = parent
-    times[position] = at
-    workers[position] = worker
-    slot[worker] = position
+    _put(times, workers, slot, position, at, worker)
 
 
 @njit(cache=True)
@@ -79,13 +83,9 @@ def _heap_pop(times, workers, slot, size):
                 child += 1
             if not _earlier(times[child], workers[child], t, w):
                 break
-            times[position] = times[child]
-            workers[position] = workers[child]
-            slot[workers[position]] = position
+            _put(times, workers, slot, position, times[child], workers[child])
             position = child
-        times[position] = t
-        workers[position] = w
-        slot[w] = position
+        _put(times, workers, slot, position, t, w)
     return at, worker, size
 
 
