@@ -161,66 +161,93 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
     sources = stream_sources(plan)
     workers = tuple(sorted(sources))
     num_stages = np.array([p.num_stages for p in plan.pipelines] or [0], np.int64)
-    micro_batches: dict[int, np.ndarray] = {}
-    pieces, stream_lengths, streams_of = [], [], []
-    for local, w in enumerate(workers):
-        streams_of.append(len(sources[w]))
-        for pi, si, keep in sources[w]:
-            if pi not in micro_batches:
-                micro_batches[pi] = np.array(plan.pipelines[pi].micro_batches, np.int64)
-            mbs = micro_batches[pi]
-            kinds, positions = _one_f_one_b_order(len(mbs), si, int(num_stages[pi]))
-            mb = mbs[positions]
-            if keep is not None:
-                kept = np.isin(mb, np.fromiter(keep, np.int64, len(keep)))
-                kinds, mb = kinds[kept], mb[kept]
-            pieces.append((kinds, pi, si, mb, local))
-            stream_lengths.append(len(mb))
-    lengths = np.array(stream_lengths, np.int64)
-    kind = np.concatenate([k for k, *_ in pieces]) if pieces else np.zeros(0, np.int8)
-    pipeline = np.repeat(np.array([p[1] for p in pieces], np.int64), lengths)
-    stage = np.repeat(np.array([p[2] for p in pieces], np.int64), lengths)
-    micro_batch = np.concatenate([p[3] for p in pieces]) if pieces else np.zeros(0, np.int64)
-    worker = np.repeat(np.array([p[4] for p in pieces], np.int64), lengths)
+    kind, pipeline, stage, micro_batch, worker, stream_start, stream_ops_start = _stream_ops(plan, sources, workers)
     backwards = np.flatnonzero(kind == 1)
     num_stream_ops = len(kind)
-    kind = np.concatenate([kind, np.full(len(backwards), 2, np.int8)])  # a W per B
+    kind = np.concatenate([kind, np.full(len(backwards), 2, np.int8)])  # a W per B, after every stream op
     pipeline, stage = np.concatenate([pipeline, pipeline[backwards]]), np.concatenate([stage, stage[backwards]])
     micro_batch = np.concatenate([micro_batch, micro_batch[backwards]])
     worker = np.concatenate([worker, worker[backwards]])
     weight_grad = np.full(len(kind), -1, np.int64)
     weight_grad[backwards] = num_stream_ops + np.arange(len(backwards))
-
-    # each op's dependency (``schedules.ops.dependency``), found by key among all ops
-    span = (len(plan.pipelines), int(num_stages.max()) + 1, int(micro_batch.max(initial=0)) + 1)
-
-    def key(k, p, s, m):
-        return ((k * span[0] + p) * span[1] + s) * span[2] + m
-
     last = stage == num_stages[pipeline] - 1
-    waits = np.where(kind == 0, stage > 0, kind == 1)
-    wanted = np.where(kind == 0, key(0, pipeline, stage - 1, micro_batch),
-                      np.where(last, key(0, pipeline, stage, micro_batch), key(1, pipeline, stage + 1, micro_batch)))
-    by_key = np.argsort(key(kind.astype(np.int64), pipeline, stage, micro_batch), kind="stable")
-    sorted_keys = key(kind.astype(np.int64), pipeline, stage, micro_batch)[by_key]
-    found_at = np.minimum(np.searchsorted(sorted_keys, wanted), max(len(kind) - 1, 0))
-    found = waits & (sorted_keys[found_at] == wanted) if len(kind) else waits
-    if (waits & ~found).any():
-        i = int(np.flatnonzero(waits & ~found)[0])
-        op = Op(KINDS[kind[i]], int(pipeline[i]), int(stage[i]), int(micro_batch[i]))
-        raise ScheduleDeadlock(f"{op} waits for {dependency(op, num_stages=int(num_stages[op.pipeline]))}, "
-                               "which no worker runs")
-    dep = np.where(waits, by_key[found_at] if len(kind) else found_at, -1)
+    dep = _dependencies(kind, pipeline, stage, micro_batch, last, num_stages)
+    waits = dep >= 0
     consumer = np.full(len(kind), -1, np.int64)
     consumer[dep[waits]] = np.flatnonzero(waits)
-
     node = np.array([cluster.node_of_worker(w) if cluster else 0 for w in workers] or [0], np.int64)
     source = worker[np.maximum(dep, 0)]
     link_s = np.where(~waits | (source == worker), 0.0,
                       np.where(node[source] == node[worker], p2p_time(profile, same_node=True),
                                p2p_time(profile, same_node=False)))
+    times = _stage_seconds(plan, profile, num_stages)
+    local = {w: i for i, w in enumerate(workers)}
+    return OpGraph(
+        kind=kind, pipeline=pipeline, stage=stage, micro_batch=micro_batch, workers=workers,
+        plan_order=tuple(local[w] for w in sources), num_pipelines=len(plan.pipelines), stream_start=stream_start,
+        stream_ops_start=stream_ops_start, worker=worker, forward=kind == 0, dependency=dep, link_s=link_s,
+        consumer=consumer, whole_s=times[[0, 1, 3]][kind, pipeline, stage],  # by kind: F, whole B, W
+        split_s=times[[0, 2, 3]][kind, pipeline, stage],  # by kind: F, input-gradient B, W
+        weight_grad=weight_grad, settles=(kind != 0) | ~last,
+    )
 
-    times = np.zeros((4, len(plan.pipelines), span[1]))  # forward, backward, input-gradient, W seconds
+
+def _stream_ops(plan: ExecutionPlan, sources: dict, workers: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Every stream op, worker by worker (``workers``), stream by stream: its kind code,
+    pipeline, stage, micro-batch and local worker; where each worker's streams start,
+    and where each stream's ops start."""
+    micro_batches = {pi: np.array(p.micro_batches, np.int64) for pi, p in enumerate(plan.pipelines)}
+    pieces = []
+    for local, w in enumerate(workers):
+        for pi, si, keep in sources[w]:
+            mbs = micro_batches[pi]
+            kinds, positions = _one_f_one_b_order(len(mbs), si, plan.pipelines[pi].num_stages)
+            mb = mbs[positions]
+            if keep is not None:
+                kept = np.isin(mb, np.fromiter(keep, np.int64, len(keep)))
+                kinds, mb = kinds[kept], mb[kept]
+            pieces.append((kinds, pi, si, mb, local))
+    lengths = np.array([len(piece[3]) for piece in pieces], np.int64)
+
+    def each(field: int) -> np.ndarray:
+        return np.repeat(np.array([piece[field] for piece in pieces], np.int64), lengths)
+
+    stream_start = np.zeros(len(workers) + 1, np.int64)
+    np.cumsum([len(sources[w]) for w in workers], out=stream_start[1:])
+    stream_ops_start = np.zeros(len(pieces) + 1, np.int64)
+    np.cumsum(lengths, out=stream_ops_start[1:])
+    return (np.concatenate([np.zeros(0, np.int8), *(piece[0] for piece in pieces)]), each(1), each(2),
+            np.concatenate([np.zeros(0, np.int64), *(piece[3] for piece in pieces)]), each(4),
+            stream_start, stream_ops_start)
+
+
+def _dependencies(kind, pipeline, stage, micro_batch, last, num_stages) -> np.ndarray:
+    """The op id each op waits for (``schedules.ops.dependency``), found by key among all
+    ops; -1 for none. Raises ScheduleDeadlock for one that no worker runs."""
+    span = (len(num_stages), int(num_stages.max()) + 1, int(micro_batch.max(initial=0)) + 1)
+
+    def key(k, p, s, m):
+        return ((k * span[0] + p) * span[1] + s) * span[2] + m
+
+    waits = np.where(kind == 0, stage > 0, kind == 1)
+    wanted = np.where(kind == 0, key(0, pipeline, stage - 1, micro_batch),
+                      np.where(last, key(0, pipeline, stage, micro_batch), key(1, pipeline, stage + 1, micro_batch)))
+    keys = key(kind.astype(np.int64), pipeline, stage, micro_batch)
+    by_key = np.argsort(keys, kind="stable")
+    found_at = np.minimum(np.searchsorted(keys[by_key], wanted), max(len(kind) - 1, 0))
+    found = waits & (keys[by_key][found_at] == wanted) if len(kind) else waits
+    if (waits & ~found).any():
+        i = int(np.flatnonzero(waits & ~found)[0])
+        op = Op(KINDS[kind[i]], int(pipeline[i]), int(stage[i]), int(micro_batch[i]))
+        raise ScheduleDeadlock(f"{op} waits for {dependency(op, num_stages=int(num_stages[op.pipeline]))}, "
+                               "which no worker runs")
+    return np.where(waits, by_key[found_at] if len(kind) else found_at, -1)
+
+
+def _stage_seconds(plan: ExecutionPlan, profile: ModelProfile, num_stages: np.ndarray) -> np.ndarray:
+    """Per (forward, whole backward, input-gradient backward, W), pipeline and stage, the
+    op's compute seconds (``ModelProfile.stage_times``, once per stage shape)."""
+    times = np.zeros((4, len(plan.pipelines), int(num_stages.max()) + 1))
     by_shape: dict[tuple, tuple[float, ...]] = {}
     for pi, si, st in plan.stage_positions():
         shape = (*st.layers, si == 0, si == num_stages[pi] - 1)
@@ -228,20 +255,7 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
             t = profile.stage_times(shape[0], shape[1], first=shape[2], last=shape[3])
             by_shape[shape] = t.forward_s, t.backward_s, t.input_grad_s, t.weight_grad_s
         times[:, pi, si] = by_shape[shape]
-    whole_s = times[[0, 1, 3]][kind, pipeline, stage]  # by kind: F, whole B, W
-    split_s = times[[0, 2, 3]][kind, pipeline, stage]  # by kind: F, input-gradient B, W
-    stream_start = np.zeros(len(workers) + 1, np.int64)
-    np.cumsum(streams_of, out=stream_start[1:])
-    stream_ops_start = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=stream_ops_start[1:])
-    local = {w: i for i, w in enumerate(workers)}
-    return OpGraph(
-        kind=kind, pipeline=pipeline, stage=stage, micro_batch=micro_batch, workers=workers,
-        plan_order=tuple(local[w] for w in sources), num_pipelines=len(plan.pipelines), stream_start=stream_start,
-        stream_ops_start=stream_ops_start, worker=worker, forward=kind == 0, dependency=dep, link_s=link_s,
-        consumer=consumer, whole_s=whole_s, split_s=split_s, weight_grad=weight_grad,
-        settles=(kind != 0) | ~last,
-    )
+    return times
 
 
 @dataclass(frozen=True)
