@@ -138,11 +138,9 @@ class OpGraph:
     @cached_property
     def flat_streams(self) -> tuple[np.ndarray, ...]:
         """Every worker's streams as the wakeup loop reads them (``_flatten``)."""
-        stream_ops = np.arange(self.stream_ops_start[-1], dtype=np.int64)
-        owner = self.worker[stream_ops]
-        stream_ops_of = np.bincount(owner, minlength=len(self.workers)).astype(np.int64)
-        backwards_of = np.bincount(owner, weights=self.kind[stream_ops] == 1, minlength=len(self.workers))
-        return self.stream_start, self.stream_ops_start, stream_ops, stream_ops_of, backwards_of.astype(np.int64)
+        stream_ops = np.arange(self.stream_ops_start[-1], dtype=np.int64)  # stream ops come first, in order
+        return (self.stream_start, self.stream_ops_start, stream_ops,
+                *_counts(self.stream_start, self.stream_ops_start, stream_ops, self.forward))
 
 
 @lru_cache(maxsize=4096)
@@ -397,10 +395,15 @@ def _flatten(streams: Sequence[tuple[list[int], ...]], forward: np.ndarray) -> t
     stream_ops_start = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=stream_ops_start[1:])
     stream_ops = np.concatenate([np.zeros(0, np.int64), *(ids for worker_streams in streams for ids in worker_streams)])
-    owner = np.repeat(np.arange(len(streams)), np.diff(stream_ops_start[stream_start]))
-    stream_ops_of = np.bincount(owner, minlength=len(streams)).astype(np.int64)
-    backwards_of = np.bincount(owner, weights=~forward[stream_ops], minlength=len(streams)).astype(np.int64)
-    return stream_start, stream_ops_start, stream_ops, stream_ops_of, backwards_of
+    return stream_start, stream_ops_start, stream_ops, *_counts(stream_start, stream_ops_start, stream_ops, forward)
+
+
+def _counts(stream_start, stream_ops_start, stream_ops, forward) -> tuple[np.ndarray, np.ndarray]:
+    """Per worker, its stream ops and, of those, its backwards (each defers a W)."""
+    num_workers = len(stream_start) - 1
+    owner = np.repeat(np.arange(num_workers), np.diff(stream_ops_start[stream_start]))
+    return (np.bincount(owner, minlength=num_workers).astype(np.int64),
+            np.bincount(owner, weights=~forward[stream_ops], minlength=num_workers).astype(np.int64))
 
 
 def _per_worker(graph: OpGraph, values: Mapping[int, float] | None, default: float) -> np.ndarray:
