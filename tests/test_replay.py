@@ -45,7 +45,7 @@ from odyssey_megatron.estimator.wakeup_loop import run_wakeup_loop, warm_up
 from odyssey_megatron.estimator.step_schedule import ROUNDING, _choose_split, _fits_memory, step_time
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import BlockCost, uniform_profile
-from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, dependency
+from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op, dependency, one_f_one_b, stream_sources
 
 GOLDEN = json.loads(Path(__file__).with_name("replay_golden.json").read_text())
 """Per seed: fingerprints of the case and of each entry point's results under the old loops."""
@@ -264,3 +264,36 @@ def test_every_replay_runs_the_one_compiled_loop_that_warm_up_loads():
         fixed_order_step(plan, profile, cluster, simulate_pipelines(plan, profile, cluster).schedule)
         _or_deadlock(lambda: staggered_period(plan, profile, cluster, split.last, iterations=iterations))
     assert len(run_wakeup_loop.signatures) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_the_op_graph_holds_each_stream_as_one_f_one_b_restricted_to_its_micro_batches(seed):
+    """The arrays ``op_graph`` builds name, worker by worker, the streams of
+    ``stream_sources`` op for op (each the 1F1B order of its stage over its pipeline's
+    micro-batches, kept to those the worker runs), then a W per B; each op's dependency
+    and consumer are ``dependency``'s, its worker the one running it."""
+    plan, profile, cluster, _ = random_case(random.Random(seed))
+    graph = op_graph(plan, profile, cluster)
+    expected = []
+    for worker in sorted(stream_sources(plan)):
+        for pi, si, keep in stream_sources(plan)[worker]:
+            pipeline = plan.pipelines[pi]
+            order = one_f_one_b(list(pipeline.micro_batches), stage=si, num_stages=pipeline.num_stages)
+            stream = [Op(kind, pi, si, mb) for kind, mb in order if keep is None or mb in keep]
+            expected.append((worker, stream))
+    stream_ops = [op for _, stream in expected for op in stream]
+    assert list(graph.ops) == stream_ops + [op._replace(kind=WEIGHT_GRAD) for op in stream_ops if op.kind == BACKWARD]
+    starts = graph.stream_ops_start.tolist()
+    assert [graph.ops[a:b] for a, b in zip(starts, starts[1:])] == [tuple(stream) for _, stream in expected]
+    owner = {op: worker for worker, stream in expected for op in stream}
+    backward_of = {w: b for b, w in enumerate(graph.weight_grad.tolist()) if w >= 0}
+    for i, op in enumerate(graph.ops):
+        if op.kind == WEIGHT_GRAD:
+            assert graph.dependency[i] == -1 and graph.ops[backward_of[i]] == op._replace(kind=BACKWARD)
+            continue
+        assert graph.workers[graph.worker[i]] == owner[op]
+        wanted = dependency(op, num_stages=plan.pipelines[op.pipeline].num_stages)
+        assert (graph.dependency[i] == -1) if wanted is None else graph.ops[graph.dependency[i]] == wanted
+        if wanted is not None:
+            assert graph.consumer[graph.dependency[i]] == i

@@ -92,8 +92,8 @@ class OpGraph:
     num_pipelines: int
     """Pipelines of the plan."""
     stream_start: np.ndarray
-    """Per local worker (and one past the last), its first stream: ``compile_streams``'s,
-    its own stage's, then the ones it adopts."""
+    """Per local worker (and one past the last), its first stream (``stream_sources``:
+    its own stage's, then the ones it adopts)."""
     stream_ops_start: np.ndarray
     """Per stream (and one past the last), its first op id; a stream's ops are consecutive."""
     worker: np.ndarray
@@ -153,7 +153,7 @@ def _one_f_one_b_order(num_micro_batches: int, stage: int, num_stages: int) -> t
 
 
 def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None) -> OpGraph:
-    """The ``OpGraph`` of ``plan``'s ``compile_streams`` (links priced on ``cluster``'s
+    """The ``OpGraph`` of ``plan``'s streams (``stream_sources``; links priced on ``cluster``'s
     nodes; all on one node without it). Raises ScheduleDeadlock if an op waits for one
     that no worker runs. Built as arrays, one 1F1B order per stream shape."""
     sources = stream_sources(plan)

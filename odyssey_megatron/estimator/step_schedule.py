@@ -97,8 +97,8 @@ def step_time(
     backward (each pipeline's last op), every op of the next step follows a first-stage
     forward, and all first stages wait for each other (they hold layer 0), so the next
     step starts when the last one ends; retake snapshots only add to the period."""
-    split = KINDS.index(WEIGHT_GRAD)
-    if not (staggered and any((op_kinds(timing.schedule, worker) == split).any() for worker in timing.schedule)):
+    weight_grad = KINDS.index(WEIGHT_GRAD)  # split backwards run W ops
+    if not (staggered and any((op_kinds(timing.schedule, w) == weight_grad).any() for w in timing.schedule)):
         return timing.makespan_s
     period = staggered_period(plan, profile, cluster, timing.schedule, graph=graph)
     return period if period < timing.makespan_s * (1 - ROUNDING) else timing.makespan_s

@@ -6,6 +6,6 @@ and the rank's executor (``runtime.rank.executor``), so an estimate is of what a
 runs. Pure Python: no torch.
 """
 
-from odyssey_megatron.schedules.ops import Op, compile_streams, dependency, one_f_one_b
+from odyssey_megatron.schedules.ops import Op, dependency, one_f_one_b, stream_sources
 
-__all__ = ["Op", "compile_streams", "dependency", "one_f_one_b"]
+__all__ = ["Op", "dependency", "one_f_one_b", "stream_sources"]

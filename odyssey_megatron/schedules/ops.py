@@ -6,7 +6,7 @@ micro-batch's forward on the previous stage, or its backward on the next stage,
 wherever that runs (on a rerouting peer in another pipeline, say).
 
 A rerouting peer runs the micro-batches it adopts in the order the failed stage would
-have run them, as a second stream beside its own (``compile_streams``). The estimator
+have run them, as a second stream beside its own (``stream_sources``). The estimator
 interleaves the streams by list scheduling and returns the resulting per-worker op
 lists: that order is the schedule the executor runs.
 """
@@ -62,29 +62,18 @@ def one_f_one_b(items: Sequence, *, stage: int, num_stages: int) -> list[tuple[s
     return order
 
 
-def compile_streams(plan: ExecutionPlan) -> dict[int, list[list[Op]]]:
-    """Every live worker's streams: its own stage first, then each pipeline it adopts from.
-
-    Each (pipeline, stage) stream follows the 1F1B order a dedicated worker would run over
-    the pipeline's whole micro-batch list, restricted to the micro-batches this worker
-    runs. A stage op then only waits on ops of its stream that come earlier in that
-    order, so splitting a stream over peers and interleaving streams on one worker in any
-    way can never deadlock. The estimator picks the interleaving (``estimator.pipeline``).
-    """
-    streams: dict[int, list[list[Op]]] = {}
-    for worker, sources in stream_sources(plan).items():
-        streams[worker] = []
-        for pi, stage, keep in sources:
-            pipeline = plan.pipelines[pi]
-            order = one_f_one_b(list(pipeline.micro_batches), stage=stage, num_stages=pipeline.num_stages)
-            streams[worker].append([Op(kind, pi, stage, mb) for kind, mb in order if keep is None or mb in keep])
-    return streams
-
-
 def stream_sources(plan: ExecutionPlan) -> dict[int, list[tuple[int, int, Optional[set[int]]]]]:
-    """Per live worker (in the plan's stage order), where its ``compile_streams`` streams
-    come from: (pipeline, stage, the micro-batches it runs, None for all) of its own stage
-    first, then of each pipeline it adopts from, in pipeline order."""
+    """Every live worker's streams (in the plan's stage order), as where each comes from:
+    (pipeline, stage, the micro-batches it runs, None for all) of its own stage first,
+    then of each pipeline it adopts from, in pipeline order.
+
+    Each (pipeline, stage) stream follows the 1F1B order (``one_f_one_b``) a dedicated
+    worker would run over the pipeline's whole micro-batch list, restricted to the
+    micro-batches this worker runs. A stage op then only waits on ops of its stream that
+    come earlier in that order, so splitting a stream over peers and interleaving streams
+    on one worker in any way can never deadlock. The estimator picks the interleaving
+    (``estimator.replay``, whose op graph holds the streams' ops).
+    """
     own: dict[int, tuple[int, int]] = {}  # worker -> (pipeline, stage) it owns
     for pi, si, stage in plan.stage_positions():
         if stage.worker is not None:
