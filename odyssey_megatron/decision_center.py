@@ -105,8 +105,8 @@ class DecisionCenter:
         of failed workers after the next failure."""
         self._symmetry: tuple[ExecutionPlan, ClusterState, Symmetry | None] | None = None
         """The symmetry of this plan on this cluster (``planner.symmetry``), found once."""
-        self._cases: tuple[ExecutionPlan, ClusterState, int] | None = None
-        """How many likely failures this plan has on this cluster (``_num_cases``)."""
+        self._cases: tuple[ExecutionPlan, ClusterState, list[frozenset[int]]] | None = None
+        """Every likely failure of this plan on this cluster (``_every_case_of``)."""
         self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
         """``prepare``'s own caches: it may run in a thread beside ``on_failure``."""
         self._program: tuple[ExecutionPlan, StepProgram] | None = None
@@ -191,17 +191,17 @@ class DecisionCenter:
         cases no representative covers (the workers and nodes of the pipelines a recovery
         changed): the cold decision of each case where that is affordable, every case of
         the symmetric part covered where not."""
-        cases = _every_case(self.plan, self.cluster)
+        cases = self._every_case_of(self.plan, self.cluster)
         if self._by_representatives(self.cluster, len(cases)):
             sym = self.symmetry()
             return sym.representatives() + [case for case in cases if not all(map(sym.covers, case))]
         return cases
 
-    def _num_cases(self, plan: ExecutionPlan, cluster: ClusterState) -> int:
-        """How many cases ``_every_case`` lists, counted once per plan and cluster (a
-        lookup at 16,384 ranks must not build them all again)."""
+    def _every_case_of(self, plan: ExecutionPlan, cluster: ClusterState) -> list[frozenset[int]]:
+        """``_every_case``, listed once per plan and cluster: ``prepare`` and the lookups
+        after it (``_prepared_drafts``) share it, 16,384 cases at 16,384 ranks."""
         if self._cases is None or self._cases[0] is not plan or self._cases[1] is not cluster:
-            self._cases = plan, cluster, len(_every_case(plan, cluster))
+            self._cases = plan, cluster, _every_case(plan, cluster)
         return self._cases[2]
 
     def _by_representatives(self, cluster: ClusterState, num_cases: int) -> bool:
@@ -238,7 +238,7 @@ class DecisionCenter:
             self._prepared = plan, cluster, {}
         prepared = self._prepared[2]
         cap = self.prepare_cap()
-        self._num_cases(plan, cluster)  # counted now, not in the lookup (``_prepared_drafts``)
+        self._every_case_of(plan, cluster)  # listed now, not in the lookup (``_prepared_drafts``)
 
         def stale() -> bool:
             return stop() or self.plan is not plan or self.cluster is not cluster
@@ -276,7 +276,7 @@ class DecisionCenter:
         failed = self.cluster.failed_workers
         if failed in prepared:
             return prepared[failed], "prepared"
-        if not self._by_representatives(before, self._num_cases(plan, before)):
+        if not self._by_representatives(before, len(self._every_case_of(plan, before))):
             return None  # every case is prepared as itself: one not ready yet is decided cold
         sym = self._symmetry_of(plan, before)  # found by ``prepare``
         found = sym.relabelling(failed - before.failed_workers) if sym is not None else None
