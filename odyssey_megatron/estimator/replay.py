@@ -232,8 +232,9 @@ def _dependencies(kind, pipeline, stage, micro_batch, last, num_stages) -> np.nd
                       np.where(last, key(0, pipeline, stage, micro_batch), key(1, pipeline, stage + 1, micro_batch)))
     keys = key(kind.astype(np.int64), pipeline, stage, micro_batch)
     by_key = np.argsort(keys, kind="stable")
-    found_at = np.minimum(np.searchsorted(keys[by_key], wanted), max(len(kind) - 1, 0))
-    found = waits & (keys[by_key][found_at] == wanted) if len(kind) else waits
+    sorted_keys = keys[by_key]
+    found_at = np.minimum(np.searchsorted(sorted_keys, wanted), max(len(kind) - 1, 0))
+    found = waits & (sorted_keys[found_at] == wanted) if len(kind) else waits
     if (waits & ~found).any():
         i = int(np.flatnonzero(waits & ~found)[0])
         op = Op(KINDS[kind[i]], int(pipeline[i]), int(stage[i]), int(micro_batch[i]))
