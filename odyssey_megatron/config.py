@@ -30,8 +30,8 @@ from odyssey_megatron import limits
 from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import load_yaml_mapping
-from odyssey_megatron.runtime.protocol import TIMEOUT_ORDER, Timeouts
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
+from odyssey_megatron.timeouts import TIMEOUT_ORDER, Timeouts
 
 __all__ = [
     "Choice",
@@ -557,7 +557,7 @@ class OdysseyConfig:
 
     @property
     def timeouts(self) -> Timeouts:
-        """The runtime's timeouts, shortest first (``runtime.protocol``)."""
+        """The runtime's timeouts, shortest first (``odyssey_megatron.timeouts``)."""
         return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER})
 
 

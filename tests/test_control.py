@@ -40,7 +40,6 @@ from odyssey_megatron.runtime.protocol import (
     RankFailureReport,
     RankRegistration,
     StaleGenerationError,
-    Timeouts,
     WorkerLaunch,
     kill_orders_key,
     node_heartbeat_key,
@@ -50,6 +49,7 @@ from odyssey_megatron.runtime.protocol import (
 )
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.schedules.program import StepProgram, read_published
+from odyssey_megatron.timeouts import Timeouts
 
 TIMEOUTS = OdysseyConfig().timeouts
 SLACK_S = 1.0

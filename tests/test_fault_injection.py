@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from odyssey_megatron.config import ConfigError, FaultSpec, config_yaml, load_config
-from odyssey_megatron.runtime.protocol import Timeouts, WorkerLaunch
+from odyssey_megatron.runtime.protocol import WorkerLaunch
+from odyssey_megatron.timeouts import Timeouts
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector, InjectedFault
 
 TINY = str(Path(__file__).resolve().parents[1] / "recipes/llama2_7b/tiny_cpu.yaml")

@@ -1,5 +1,5 @@
 """What a worker and the processes that outlive it agree on, and nothing else: the store
-keys, the JSON messages and the timeouts with their order.
+keys and the JSON messages (the timeouts they wait by live below, in ``odyssey_megatron.timeouts``).
 
 The rank side (``runtime.rank``) and the control side (``runtime.control``) import this
 module and never each other. Everything crosses the controller's TCPStore as JSON (never
@@ -18,15 +18,14 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Optional
 
-from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.schedules.program import StepProgram, publish, read_published
+from odyssey_megatron.timeouts import Timeouts
 
 __all__ = [
     "CONTROLLER_HEARTBEAT",
     "EXIT_CONTROLLER_LOST",
     "INBOX",
-    "TIMEOUT_ORDER",
     "Heartbeat",
     "HeartbeatWatch",
     "Message",
@@ -40,7 +39,6 @@ __all__ = [
     "RunSpec",
     "StepReport",
     "StaleGenerationError",
-    "Timeouts",
     "WorkerLaunch",
     "FROZEN",
     "RUN_DONE",
@@ -59,41 +57,6 @@ __all__ = [
     "plan_key",
     "rank_heartbeat_key",
 ]
-
-# -- timeouts ------------------------------------------------------------------------
-
-TIMEOUT_ORDER = ("heartbeat_interval", "heartbeat_timeout", "collective_timeout", "recovery_timeout")
-"""Shortest first, each strictly shorter than the next. Several beats may be lost before a
-peer counts as gone; a hung peer is named by its missed heartbeats before the survivors'
-collectives time out on their own; and a recovery, which waits on collectives (group
-init, transfers), sees a stuck one fail inside its own window, so the decision can restart
-with the new survivors instead of the whole recovery timing out."""
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """The recipe's ``odyssey.`` timeouts in seconds (documented there), checked for order."""
-
-    heartbeat_interval: float
-    heartbeat_timeout: float
-    collective_timeout: float
-    recovery_timeout: float
-
-    def __post_init__(self) -> None:
-        for shorter, longer in zip(TIMEOUT_ORDER, TIMEOUT_ORDER[1:]):
-            a, b = getattr(self, shorter), getattr(self, longer)
-            if not a < b:
-                raise ConfigError(
-                    f"odyssey.{longer}",
-                    f"must be greater than odyssey.{shorter} ({a}); got {b} (the order is {' < '.join(TIMEOUT_ORDER)})",
-                )
-
-    @property
-    def poll_interval(self) -> float:
-        """How often a receiver looks at heartbeats and queues: twice per beat, so a change
-        is seen within half a period."""
-        return self.heartbeat_interval / 2
-
 
 # -- store keys ----------------------------------------------------------------------
 

@@ -30,9 +30,10 @@ from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, TrainingRun
 from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
-from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec, Timeouts
+from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec
+from odyssey_megatron.timeouts import Timeouts
 
-__all__ = ["TrainOutcome", "run_timeouts", "train_node"]
+__all__ = ["TrainOutcome", "train_node"]
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,6 @@ class TrainOutcome:
     """Node 0: the W&B run's local directory."""
     wandb_error: Optional[str] = None
     """Node 0: why W&B logging stopped, if it did (the run's records are complete anyway)."""
-
-
-def run_timeouts(config: RecipeConfig) -> Timeouts:
-    o = config.odyssey
-    return Timeouts(heartbeat_interval=o.heartbeat_interval, heartbeat_timeout=o.heartbeat_timeout,
-                    collective_timeout=o.collective_timeout, recovery_timeout=o.recovery_timeout)
 
 
 def check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
@@ -72,7 +67,7 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     ``resume``: (committed steps, checkpoint directory) to continue from."""
     from odyssey_megatron.runtime.rank.worker import train_worker
 
-    timeouts = run_timeouts(config)
+    timeouts = config.odyssey.timeouts
     if launch.node_rank != 0:
         status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")

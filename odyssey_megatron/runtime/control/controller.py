@@ -39,12 +39,12 @@ from odyssey_megatron.runtime.protocol import (
     RankFailureReport,
     RankRegistration,
     StaleGenerationError,
-    Timeouts,
     kill_orders_key,
     parse_inbox,
     plan_key,
 )
 from odyssey_megatron.schedules.program import StepProgram
+from odyssey_megatron.timeouts import Timeouts
 
 __all__ = ["Controller"]
 

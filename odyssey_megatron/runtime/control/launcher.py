@@ -44,11 +44,11 @@ from odyssey_megatron.runtime.protocol import (
     NodeRegistration,
     ProtocolError,
     RankExit,
-    Timeouts,
     WorkerLaunch,
     kill_orders_key,
     node_heartbeat_key,
 )
+from odyssey_megatron.timeouts import Timeouts
 
 __all__ = ["NodeLauncher"]
 

@@ -1,0 +1,43 @@
+"""The run's timeouts and their order: a recipe's ``odyssey.`` section sets them
+(``OdysseyConfig.timeouts``), the runtime's two sides wait by them (``runtime.protocol``
+hands them to every worker). They sit below both, so neither imports upward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from odyssey_megatron.errors import ConfigError
+
+__all__ = ["TIMEOUT_ORDER", "Timeouts"]
+
+TIMEOUT_ORDER = ("heartbeat_interval", "heartbeat_timeout", "collective_timeout", "recovery_timeout")
+"""Shortest first, each strictly shorter than the next. Several beats may be lost before a
+peer counts as gone; a hung peer is named by its missed heartbeats before the survivors'
+collectives time out on their own; and a recovery, which waits on collectives (group
+init, transfers), sees a stuck one fail inside its own window, so the decision can restart
+with the new survivors instead of the whole recovery timing out."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The recipe's ``odyssey.`` timeouts in seconds (documented there), checked for order."""
+
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    collective_timeout: float
+    recovery_timeout: float
+
+    def __post_init__(self) -> None:
+        for shorter, longer in zip(TIMEOUT_ORDER, TIMEOUT_ORDER[1:]):
+            a, b = getattr(self, shorter), getattr(self, longer)
+            if not a < b:
+                raise ConfigError(
+                    f"odyssey.{longer}",
+                    f"must be greater than odyssey.{shorter} ({a}); got {b} (the order is {' < '.join(TIMEOUT_ORDER)})",
+                )
+
+    @property
+    def poll_interval(self) -> float:
+        """How often a receiver looks at heartbeats and queues: twice per beat, so a change
+        is seen within half a period."""
+        return self.heartbeat_interval / 2
