@@ -31,6 +31,7 @@ from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import load_yaml_mapping
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
+from odyssey_megatron.specs.hf_config import read_model_fields
 from odyssey_megatron.timeouts import TIMEOUT_ORDER, Timeouts
 
 __all__ = [
@@ -795,8 +796,6 @@ def _model_spec_fields(spec_name: str) -> dict[str, Any]:
         return dict(MODEL_SPECS[spec_name])
     if not Path(spec_name).exists():
         raise ConfigError("model.spec", _SPEC_ALLOWED + f"; got {spec_name!r}")
-    from odyssey_megatron.hooks.hf_llama import read_model_fields  # imports transformers: only when asked
-
     try:
         return read_model_fields(spec_name)
     except ValueError as exc:

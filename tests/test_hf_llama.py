@@ -203,7 +203,7 @@ def test_query_groups_default_to_the_head_count():
 
 
 def test_the_published_llama2_7b_config_maps_to_the_shipped_spec(tmp_path):
-    from odyssey_megatron.hooks.hf_llama import read_model_fields
+    from odyssey_megatron.specs.hf_config import read_model_fields
 
     # The config.json of meta-llama/Llama-2-7b-hf (transformers 4.31 era: top-level rope keys).
     (tmp_path / "config.json").write_text(json.dumps({

@@ -32,11 +32,10 @@ import torch
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.model import EMBEDDING_WEIGHT, FINAL_NORM, TIED_OUTPUT
+from odyssey_megatron.specs.hf_config import read_model_fields
 
-__all__ = ["hf_state_dict", "llama_config", "load_hf_checkpoint", "megatron_state_dict", "model_fields",
-           "read_model_fields", "save_hf_checkpoint"]
+__all__ = ["hf_state_dict", "llama_config", "load_hf_checkpoint", "megatron_state_dict", "save_hf_checkpoint"]
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -53,56 +52,8 @@ _GLOBAL_NAMES = {"model.embed_tokens.weight": EMBEDDING_WEIGHT, "model.norm.weig
                  "lm_head.weight": TIED_OUTPUT}
 
 
-def model_fields(config: Any) -> dict[str, Any]:
-    """``ModelConfig`` fields from a transformers ``LlamaConfig``; ValueError names what the
-    Megatron stage cannot express."""
-    problems = []
-    if config.model_type != "llama":
-        problems.append(f"model_type is {config.model_type!r}, not 'llama'")
-    if config.hidden_act != "silu":
-        problems.append(f"hidden_act is {config.hidden_act!r}, not 'silu' (SwiGLU)")
-    if config.attention_bias or config.mlp_bias:
-        problems.append("attention_bias/mlp_bias are set; the stage has no biases")
-    rope = config.rope_parameters or {}
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_type is {rope['rope_type']!r}; only 'default' RoPE is supported")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim * config.num_attention_heads != config.hidden_size:
-        problems.append(f"head_dim {head_dim} * num_attention_heads != hidden_size {config.hidden_size}")
-    if problems:
-        raise ValueError("not a Llama the stage can build: " + "; ".join(problems))
-    return dict(
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads or config.num_attention_heads,
-        vocab_size=config.vocab_size,
-        seq_length=config.max_position_embeddings,
-        tie_embeddings=bool(config.tie_word_embeddings),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        norm_epsilon=float(config.rms_norm_eps),
-    )
-
-
-def read_model_fields(path: str | Path) -> dict[str, Any]:
-    """``ModelConfig`` fields from a Hugging Face ``config.json`` (or the directory holding one)."""
-    from transformers import LlamaConfig
-
-    path = Path(path)
-    if path.is_dir():
-        path = path / CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(f"no Hugging Face config at {path}")
-    try:
-        config = LlamaConfig.from_json_file(str(path))
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise ValueError(f"{path} is not a readable config.json ({exc})") from None
-    return model_fields(config)
-
-
 def llama_config(model: ModelConfig) -> Any:
-    """The transformers ``LlamaConfig`` of ``model`` (the inverse of ``model_fields``)."""
+    """The transformers ``LlamaConfig`` of ``model`` (the inverse of ``specs.hf_config.model_fields``)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
