@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.hooks.model import EMBEDDING_WEIGHT, StageSpec, global_name, is_tied
+from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import EMBEDDING, OUTPUT, Block
-from odyssey_megatron.runtime.rank.emulation import OpClock
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

@@ -10,8 +10,8 @@ work takes longer *overruns* (``EmulatedClock.overruns`` counts them, and a run 
 overruns is not a faithful emulation). Figures from this mode are emulated, not measured.
 
 The executor (``runtime.rank.executor``), the gradient sync (``hooks.grad_sync``) and the
-runner's optimizer phase (``runtime.rank.plan_runner``) call an ``OpClock``. The base
-class is real time: its hooks do nothing and cost nothing. ``EmulatedClock`` pads, with
+runner's optimizer phase (``runtime.rank.plan_runner``) call an ``OpClock``
+(``hooks.op_clock``, below them all). The base class is real time: its hooks do nothing and cost nothing. ``EmulatedClock`` pads, with
 the estimator's own cost of each op, so an emulated step runs what the estimator prices:
 a stage's forward, backward, and split backward's B and W ops take
 ``ModelProfile.stage_times`` (the fixed cost per op and the measured weight-gradient
@@ -28,10 +28,10 @@ norm all-reduce runs beside the next step and is not padded; nor is its retake s
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator.communication import unit_sync_time
 from odyssey_megatron.estimator.optimizer import norm_allreduce_time
 from odyssey_megatron.estimator.replay import p2p_time
+from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -50,43 +51,11 @@ from odyssey_megatron.profile_file import recipe_profile_file
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op
 from odyssey_megatron.specs import DEVICE_SPECS
 
-__all__ = ["DeviceEmulation", "EmulatedClock", "OpClock", "STAMP_TAG_OFFSET", "recipe_emulation"]
+__all__ = ["DeviceEmulation", "EmulatedClock", "STAMP_TAG_OFFSET", "recipe_emulation"]
 
 STAMP_TAG_OFFSET = 1 << 24
 """Added to a message's tag for its send-time stamp: above every tag the executor uses
 (8 per micro-batch at most, and ``limits.MAX_MICRO_BATCHES`` is 65,536)."""
-
-
-class OpClock:
-    """Real time: every op takes what its work takes. The hooks' calling contract, which
-    ``EmulatedClock`` relies on: ``resume`` when the rank starts a step's op list and
-    after it waited for something no hook sees (a staggered step's settling); ``compute``
-    around an op's work, its inputs received; ``sent`` right after a message's send is
-    posted, its works waited on with the message's; ``receiving`` around a message's
-    receive; ``collective_started`` right before a sync unit's all-reduce is started, in
-    the same order on every member, and ``collective_finished`` with its result once the
-    all-reduce is waited on."""
-
-    def resume(self) -> None:
-        pass
-
-    def compute(self, op: Op) -> ContextManager[None]:
-        return nullcontext()
-
-    def sent(self, dst: int, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
-        return []
-
-    def receiving(self, src: int, tag: int) -> ContextManager[None]:
-        return nullcontext()
-
-    def collective_started(self, unit: int, group: dist.ProcessGroup) -> object:
-        return None
-
-    def collective_finished(self, started: object) -> None:
-        pass
-
-    def optimizer_step(self, norm_group: dist.ProcessGroup | None) -> ContextManager[None]:
-        return nullcontext()
 
 
 class EmulatedClock(OpClock):

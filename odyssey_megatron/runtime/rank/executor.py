@@ -31,10 +31,10 @@ import torch.distributed as dist
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
+from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.weight_grad import WeightGradStore
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.runtime.rank.emulation import OpClock
 from odyssey_megatron.runtime.rank.op_timers import WEIGHT_GRAD as WEIGHT_GRAD_TIMER
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op, settle_point
 
