@@ -495,6 +495,11 @@ class OdysseyConfig:
     """Seconds without a new heartbeat after which a worker counts as hung (its launcher
     kills it), a launcher's node as lost, and the controller as gone (workers and launchers
     then exit, leaving no orphans) (nvidia-resiliency-ext's name)."""
+    initial_heartbeat_timeout: float = 60.0
+    """The heartbeat timeout of a worker that has not yet entered its first plan generation
+    (starting up: imports, data, building its stage on a busy node), at least
+    heartbeat_timeout; a worker silent that long while starting counts as hung
+    (nvidia-resiliency-ext's initial_rank_heartbeat_timeout)."""
     collective_timeout: float = 30.0
     """Seconds a collective or point-to-point transfer may wait before it raises (the
     process groups' timeout); longer than heartbeat_timeout, so a hung peer is named by the
@@ -553,13 +558,15 @@ class OdysseyConfig:
             require_at_most("odyssey", self, 2.0**20, "a PiB per device", "memory_budget_gib")
         require(self.heartbeat_interval >= 0.01, "odyssey.heartbeat_interval",
                 f"must be >= 0.01 (10 ms; shorter floods the store); got {self.heartbeat_interval}")
-        require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", *TIMEOUT_ORDER)
+        require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", *TIMEOUT_ORDER,
+                        "initial_heartbeat_timeout")
         self.timeouts  # checks their order
 
     @property
     def timeouts(self) -> Timeouts:
         """The runtime's timeouts, shortest first (``odyssey_megatron.timeouts``)."""
-        return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER})
+        return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER},
+                        initial_heartbeat_timeout=self.initial_heartbeat_timeout)
 
 
 @dataclass

@@ -26,8 +26,15 @@ class Timeouts:
     heartbeat_timeout: float
     collective_timeout: float
     recovery_timeout: float
+    initial_heartbeat_timeout: float = 60.0
+    """The heartbeat timeout of a worker that has not entered its first plan generation yet
+    (starting: imports, data, the first stage build); at least ``heartbeat_timeout``."""
 
     def __post_init__(self) -> None:
+        if not self.initial_heartbeat_timeout >= self.heartbeat_timeout:
+            raise ConfigError("odyssey.initial_heartbeat_timeout",
+                              f"must be at least odyssey.heartbeat_timeout ({self.heartbeat_timeout}); "
+                              f"got {self.initial_heartbeat_timeout}")
         for shorter, longer in zip(TIMEOUT_ORDER, TIMEOUT_ORDER[1:]):
             a, b = getattr(self, shorter), getattr(self, longer)
             if not a < b:

@@ -9,9 +9,12 @@ policy is covered by a few runs (each costs ~35 s of two shared cores)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +44,9 @@ def train(run_dir: Path, data_cache: Path, *args: str, node_rank: int | None = N
                str(run_dir), f"training.train_iters={STEPS}", f"data.cache_dir={data_cache}", *args]
     if node_rank is not None:
         command += ["--node-rank", str(node_rank)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    # A session of its own: a test can freeze or signal the node's whole process group.
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
 
 
 def finish(process: subprocess.Popen) -> tuple[int, str, str]:
@@ -203,6 +208,46 @@ def test_a_lost_node_is_planned_as_one_failure(tmp_path, data_cache, reference):
         ([4, 5, 6, 7], "node", "renamed")]
     assert_same_training(run_dir, reference)
     assert "recoveries: 1 (" in out and (run_dir / "report" / "recovery_phases.png").is_file()
+
+
+def wait_for_step(run_dir: Path, step: int, *, within: float = RUN_TIMEOUT_S) -> None:
+    """Until ``samples.jsonl`` records ``step`` as committed."""
+    deadline = time.monotonic() + within
+    samples = run_dir / "samples.jsonl"
+    while not (samples.is_file() and any(json.loads(line)["step"] >= step
+                                         for line in samples.read_text().splitlines() if line.endswith("}"))):
+        assert time.monotonic() < deadline, f"step {step} was not committed within {within} s"
+        time.sleep(0.02)
+
+
+def test_a_frozen_node_costs_the_survivors_no_collective_timeout(tmp_path, data_cache, reference):
+    """4 nodes of 2 ranks on this machine (4 pipelines of 2 stages: every stage keeps a
+    replica). Once step 1 has committed, node 2 is frozen whole from outside (SIGSTOP of
+    its launcher, fork server and workers): no socket closes, as when a node hangs or drops
+    off the network. The controller names the node from its silent launcher and aborts the
+    generation; the survivors leave their collectives at once instead of waiting out
+    the 30 s collective timeout, train on and end with the failure-free model."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=4",
+              "cluster.devices_per_node=2", "odyssey.online_profile=false", "odyssey.collective_timeout=30",
+              "--nnodes", "4", "--master-port", str(port)]
+    nodes = [train(run_dir, data_cache, *common, node_rank=n) for n in range(4)]
+    try:
+        wait_for_step(run_dir, 1)
+        os.killpg(nodes[2].pid, signal.SIGSTOP)
+        status, out, err = finish(nodes[0])
+    finally:
+        os.killpg(nodes[2].pid, signal.SIGKILL)
+        os.killpg(nodes[2].pid, signal.SIGCONT)
+        for node in nodes[1:]:
+            finish(node)
+    assert status == 0, err[-4000:]
+    (recovery,) = recoveries(run_dir)
+    assert recovery["cause"] == "node" and recovery["failed_ranks"] == [4, 5]
+    # Back to training well inside the collective timeout (the heartbeat timeout is 1 s;
+    # the recovery benchmark measures the figure itself).
+    assert recovery["ready_at"] - recovery["failed_at"] < 10, recovery
+    assert_same_training(run_dir, reference)
 
 
 def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint(tmp_path, data_cache, reference):

@@ -21,6 +21,7 @@ gets a new set of groups; ``PlanGroups.destroy`` drops this set's groups.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -79,6 +80,11 @@ class PlanGroups:
     the next step's point-to-point traffic runs on the default group."""
     _owned: list[dist.ProcessGroup] = field(default_factory=list)
 
+    @property
+    def owned(self) -> list[dist.ProcessGroup]:
+        """Every group of this set that this rank is in."""
+        return list(self._owned)
+
     def destroy(self) -> None:
         """Tear down this generation's groups; drop every other reference too (gloo closes
         sockets only when the last Python reference to a group is gone)."""
@@ -89,13 +95,16 @@ class PlanGroups:
         self.pipeline_group = self.norm_group = None
 
 
-def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap) -> PlanGroups:
-    """This rank's groups for ``plan``; collective: every rank must call it."""
+def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap,
+                      timeout: datetime.timedelta | None = None) -> PlanGroups:
+    """This rank's groups for ``plan``; collective: every rank must call it. ``timeout``:
+    how long an operation on them may wait (the collective timeout); without it a group
+    takes its backend's default (gloo: 30 minutes), not the default group's."""
     tp = plan.tensor_parallel_size
     mine: list[dist.ProcessGroup] = []
 
     def create(ranks: list[int]) -> dist.ProcessGroup | None:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine.append(group)
             return group

@@ -24,6 +24,7 @@ from odyssey_megatron.timeouts import Timeouts
 
 __all__ = [
     "CONTROLLER_HEARTBEAT",
+    "CollectiveStalled",
     "EXIT_CONTROLLER_LOST",
     "INBOX",
     "Heartbeat",
@@ -258,6 +259,19 @@ class RankFailureReport(Message):
 
 
 @dataclass(frozen=True)
+class CollectiveStalled(Message):
+    """A worker's collective waited out the collective timeout with no abort from the
+    controller: a peer that still beats does not answer (a data-plane fault the heartbeats
+    do not see). The worker has left the generation."""
+
+    KIND = "collective_stalled"
+    rank: int
+    generation: Optional[int]
+    detail: str
+    reported_at: float
+
+
+@dataclass(frozen=True)
 class NodeLeft(Message):
     """A launcher whose workers have all exited leaves; its silence is then no node failure."""
 
@@ -266,7 +280,8 @@ class NodeLeft(Message):
     left_at: float
 
 
-_INBOX_KINDS = {cls.KIND: cls for cls in (RankRegistration, NodeRegistration, RankExit, RankFailureReport, NodeLeft)}
+_INBOX_KINDS = {cls.KIND: cls for cls in (RankRegistration, NodeRegistration, RankExit, RankFailureReport,
+                                          CollectiveStalled, NodeLeft)}
 
 
 def parse_inbox(text: str | bytes) -> Message:

@@ -29,6 +29,7 @@ from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     INBOX,
+    CollectiveStalled,
     Heartbeat,
     Message,
     NodeLeft,
@@ -39,6 +40,7 @@ from odyssey_megatron.runtime.protocol import (
     RankFailureReport,
     RankRegistration,
     StaleGenerationError,
+    abort_key,
     kill_orders_key,
     parse_inbox,
     plan_key,
@@ -92,7 +94,7 @@ class Controller:
                                    timeout=datetime.timedelta(seconds=timeouts.recovery_timeout))
         self._seq = 0
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
-        self.detector = Detector(timeouts.heartbeat_timeout)
+        self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout)
         self.published_generation = -1
         self._failures: queue.Queue[Failure] = queue.Queue()
         self._stop = threading.Event()
@@ -202,6 +204,13 @@ class Controller:
             failure = self.detector.rank_reported(msg, wall)
             if failure is not None:
                 self._report(store, failure)
+        elif isinstance(msg, CollectiveStalled):
+            self.record.event("collective_stalled", rank=msg.rank, generation=msg.generation, detail=msg.detail)
+            ended = msg.generation is None or msg.generation < self.published_generation or store.check(
+                [abort_key(msg.generation)])
+            failure = None if ended else self.detector.rank_stalled(msg, wall)
+            if failure is not None:  # the first stall of a running generation ends it
+                self._report(store, failure)
         elif isinstance(msg, NodeLeft):
             self.detector.node_left(msg)
             self.record.event("node_left", node=msg.node, left_at=msg.left_at)
@@ -213,7 +222,8 @@ class Controller:
         self.record.event("failure", **failure.to_record())
         log.warning("controller: ranks %s failed (%s): %s; detected %.3f s after", list(failure.ranks),
                     failure.cause.value, failure.detail, failure.detected_at - failure.failed_at)
-        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR):
+        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE):
+            # a lost node's launcher kills its ranks if it ever comes back (fencing)
             for rank in failure.ranks:
                 store.queue_push(kill_orders_key(self.detector.node_of(rank)), str(rank))
         self._failures.put(failure)

@@ -8,7 +8,11 @@ plain Python, every rule is unit-tested with made-up times. Ranks fail four ways
 - **exit**: its launcher saw the process end (a clean exit, status 0, is no failure);
 - **error**: the worker reported an error of its own and can not go on;
 - **heartbeat**: its heartbeats stopped while its launcher lived on: hung (SIGSTOP, a
-  deadlock holding the GIL); its launcher kills it;
+  deadlock holding the GIL); its launcher kills it. Until a worker has entered its first
+  plan generation (its beats carry none) it gets the longer initial timeout: starting up
+  on a busy node may starve its heartbeat thread;
+- **stall**: one of its collectives waited out the collective timeout with every heartbeat
+  alive (a data-plane fault): it is taken out like a hung rank, so the run goes on;
 - **node**: the launcher stopped beating: the node is lost with every rank on it.
 
 A rank's heartbeats and its launcher's stop together when a node dies, and the rank's
@@ -25,6 +29,7 @@ from enum import Enum
 from typing import Optional
 
 from odyssey_megatron.runtime.protocol import (
+    CollectiveStalled,
     Heartbeat,
     HeartbeatWatch,
     NodeLeft,
@@ -43,6 +48,7 @@ class Cause(str, Enum):
     EXIT = "exit"
     ERROR = "error"
     HEARTBEAT = "heartbeat"
+    STALL = "stall"
     NODE = "node"
 
 
@@ -108,8 +114,10 @@ class Detector:
     """Every rank's and node's liveness; methods take the controller's monotonic ``now``
     (heartbeat ages) and wall-clock ``wall`` (records)."""
 
-    def __init__(self, heartbeat_timeout: float):
+    def __init__(self, heartbeat_timeout: float, initial_heartbeat_timeout: Optional[float] = None):
         self.heartbeat_timeout = heartbeat_timeout
+        self.initial_heartbeat_timeout = initial_heartbeat_timeout or heartbeat_timeout
+        """A rank's timeout until its beats name a generation (it entered its first)."""
         self.ranks: dict[int, _Rank] = {}
         self.nodes: dict[int, _Node] = {}
 
@@ -123,7 +131,7 @@ class Detector:
     def rank_joined(self, msg: RankRegistration, now: float) -> None:
         rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))
         rank.state, rank.pid, rank.host = _State.ALIVE, msg.pid, msg.host
-        rank.watch = HeartbeatWatch(self.heartbeat_timeout, now)
+        rank.watch = HeartbeatWatch(self.initial_heartbeat_timeout, now)
 
     def rank_exited(self, msg: RankExit, wall: float) -> Optional[Failure]:
         rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))
@@ -139,6 +147,15 @@ class Detector:
             return None
         rank.state = _State.FAILED
         return Failure(Cause.ERROR, (msg.rank,), None, msg.reported_at, wall, msg.error)
+
+    def rank_stalled(self, msg: CollectiveStalled, wall: float) -> Optional[Failure]:
+        """A rank whose collective timed out with no failure known: it is taken out. The
+        controller passes only the first report of a generation it has not ended."""
+        rank = self.ranks.get(msg.rank)
+        if rank is None or rank.state not in (_State.STARTING, _State.ALIVE):
+            return None
+        rank.state = _State.FAILED
+        return Failure(Cause.STALL, (msg.rank,), None, msg.reported_at, wall, msg.detail)
 
     def node_left(self, msg: NodeLeft) -> None:
         if msg.node in self.nodes:
@@ -158,6 +175,8 @@ class Detector:
             beat = beats.get(rank_heartbeat_key(r))
             if beat is not None and rank.watch is not None:
                 rank.watch.see(beat, now)
+                if beat.generation is not None:  # started: the start-up grace is over
+                    rank.watch.timeout = self.heartbeat_timeout
                 changed |= beat.generation != rank.generation
                 rank.generation = beat.generation
         for n, node in self.nodes.items():
@@ -192,7 +211,7 @@ class Detector:
         if not rank.watch.stale(now):
             return False
         node = self.nodes.get(rank.node)
-        return node is None or node.watch.changed_at > rank.watch.changed_at + self.heartbeat_timeout
+        return node is None or node.watch.changed_at > rank.watch.changed_at + rank.watch.timeout
 
     # -- views ---------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """A worker's tie to the controller: registration, heartbeats, failure reports, plans.
 
 The heartbeat runs on a daemon thread with its own store connection, so it beats while the
-training thread computes or sits in a collective. Each beat also reads the controller's
-heartbeat; when that stops changing for ``heartbeat_timeout``, or the store connection
+training thread computes or sits in a collective. Each beat also looks for the abort key of
+the generation the worker runs and, once it is set, calls ``on_abort`` (the worker's
+collective guard), which ends the training thread's waits on that generation's groups
+even where no socket closes. Each beat reads the controller's heartbeat too; when that stops changing for ``heartbeat_timeout``, or the store connection
 breaks, the controller is gone and the thread ends the process at once (``os._exit``:
 the training thread may be blocked where no exception reaches it). A lost node leaves no
 orphans either: every beat checks that the launcher still runs. (The kernel's
@@ -22,13 +24,14 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     EXIT_CONTROLLER_LOST,
+    CollectiveStalled,
     INBOX,
     Heartbeat,
     HeartbeatWatch,
@@ -37,6 +40,7 @@ from odyssey_megatron.runtime.protocol import (
     RankFailureReport,
     RankRegistration,
     WorkerLaunch,
+    abort_key,
     plan_key,
     rank_heartbeat_key,
 )
@@ -83,11 +87,17 @@ class ControllerLink:
     store: dist.TCPStore
     """The worker's main connection (registration, reports, plans); waits up to the recovery timeout."""
     generation: Optional[int]
-    """The plan generation the worker runs, sent with every heartbeat; set it on adopting a plan."""
+    """The plan generation the worker has entered, sent with every heartbeat (None while
+    it starts up: the detector's start-up grace); set it once entered."""
+    watching: Optional[int]
+    """The plan generation the worker enters or runs; set it on adopting a plan."""
+    on_abort: Optional[Callable[[str], None]]
+    """Called (on the heartbeat thread) once the controller aborts ``watching``."""
 
     def __init__(self, launch: WorkerLaunch):
         self.launch = launch
-        self.generation = None
+        self.generation = self.watching = None
+        self.on_abort = None
         self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
                                    timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
         self._beats = self.store.clone()
@@ -106,8 +116,13 @@ class ControllerLink:
 
     def report_failure(self, error: str) -> None:
         """Name this worker failed by an error of its own; its launcher then kills it."""
-        report = RankFailureReport(self.launch.rank, self.generation, error, time.time())
+        report = RankFailureReport(self.launch.rank, self.watching, error, time.time())
         self.store.queue_push(INBOX, report.to_json())
+
+    def report_stall(self, generation: Optional[int], detail: str) -> None:
+        """Tell the controller a collective of ``generation`` waited out the collective
+        timeout with no abort: nothing else would end the generation."""
+        self.store.queue_push(INBOX, CollectiveStalled(self.launch.rank, generation, detail, time.time()).to_json())
 
     def wait_plan(self, *, newer_than: int) -> PlanPublished:
         """Wait (up to the recovery timeout) for plan generation ``newer_than + 1`` and
@@ -126,12 +141,18 @@ class ControllerLink:
         timeouts = self.launch.timeouts
         controller = HeartbeatWatch(timeouts.heartbeat_timeout, time.monotonic())
         next_beat = time.monotonic() + timeouts.heartbeat_interval
+        aborted: Optional[int] = None
         while True:  # until the process ends; a clean exit is reported by the launcher
             time.sleep(max(0.0, next_beat - time.monotonic()))
             next_beat = max(next_beat + timeouts.heartbeat_interval, time.monotonic())
             try:
                 self._beat(self._beats)
                 controller.see(Heartbeat.from_json(self._beats.get(CONTROLLER_HEARTBEAT)), time.monotonic())
+                generation = self.watching
+                if generation is not None and generation != aborted and self._beats.check([abort_key(generation)]):
+                    aborted = generation
+                    if self.on_abort is not None:
+                        self.on_abort(f"the controller ended generation {generation}")
             except (dist.DistError, ProtocolError) as exc:
                 self._controller_lost(f"store unreachable: {str(exc).splitlines()[0]}")
             if controller.stale(time.monotonic()):

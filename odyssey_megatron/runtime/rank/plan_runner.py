@@ -15,6 +15,7 @@ carry them into the next plan generation.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -75,6 +76,7 @@ class PlanRunner:
         emulation: DeviceEmulation | None = None,
         on_phase: Callable[[str], None] | None = None,
         op_timers: OpTimers | None = None,
+        collective_timeout: datetime.timedelta | None = None,
     ):
         """``program`` is the plan's step program (published with it). ``schedule``: auto
         (Megatron's 1F1B unless micro-batches are rerouted, backwards split or the
@@ -89,7 +91,8 @@ class PlanRunner:
         called as the step enters each phase (forward, backward, grad_sync, optimizer), once
         per micro-batch for the forward and backward: where a fault injector acts.
         ``op_timers`` becomes Megatron's ``timers`` of the model and optimizer configs
-        (``runtime.rank.op_timers``): each op's seconds, for the online profile."""
+        (``runtime.rank.op_timers``): each op's seconds, for the online profile.
+        ``collective_timeout``: the plan's process groups' timeout (``build_plan_groups``)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if program.generation != plan.generation:
@@ -108,7 +111,7 @@ class PlanRunner:
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
         """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
-        self.groups = build_plan_groups(plan, rank=rank, ranks=ranks)
+        self.groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=collective_timeout)
         self.stage = StageSpec.of_worker(plan, self.worker)
         self.device = device
         self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection)

@@ -9,13 +9,17 @@ its optimizer step (``protocol.applied_key``); before its next optimizer step a 
 waits for that, and keeps a host copy of its blocks from before its own, so that at most
 one step can run ahead of the commit and a rank that took it rolls it back.
 
-When a peer fails, the survivors' collectives fail (gloo reports a closed connection as
-soon as a dead peer's or an aborting survivor's sockets close) or, for a rank waiting on
-the store, the controller's abort key ends the wait. The worker then leaves the
-generation: it keeps its blocks, destroys every process group and drops every reference
-to them (gloo closes a socket only when the last one is gone, and that close is what ends
-the peers' waits) and waits for the controller's next plan. An error of its own (an
-injected fault, a bug) is reported to the controller and ends the process.
+When a peer fails, the survivors' collectives end: gloo reports a closed connection as
+soon as a dead peer's sockets close, and where nothing closes (a frozen node, a dropped
+link) the controller names the failure from missed heartbeats and sets the generation's
+abort key, which the worker's heartbeat thread sees and turns into an abort of every wait
+on the generation's groups (``hooks.collective_guard``). Either way the wait raises
+``PeerLost`` where the collective was called. The worker then leaves the generation: it
+keeps its blocks, lets go of its process groups (held until their operations have surely
+ended) and waits for the controller's next plan. A collective that waits past the
+collective timeout with no abort is reported to the controller, which ends the generation.
+An error of its own (an injected fault, a bug) is reported to the controller and ends the
+process.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.distributed as dist
 from odyssey_megatron.config import RecipeConfig, recipe_from_yaml
 from odyssey_megatron.data import IndexedTokens, PreparedData
 from odyssey_megatron.hooks.accelerator import select_accelerator
+from odyssey_megatron.hooks.collective_guard import CollectiveGuard, PeerLost, prepare_backend
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.process_groups import PlanGroups, RankMap, build_plan_groups
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
@@ -71,14 +76,9 @@ class GenerationEnded(Exception):
     """The controller ended the generation the worker runs (a failure elsewhere)."""
 
 
-def _peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` means a peer or the generation is gone (then recover), rather than
-    an error of this worker's own (then report it and exit)."""
-    if isinstance(exc, (GenerationEnded, dist.DistError)):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out"))
+_GENERATION_LEFT = (GenerationEnded, PeerLost, dist.DistError)
+"""What ends a generation without being this worker's own error: the controller ended it,
+a collective lost a peer (raised where it was called), or the store rendezvous failed."""
 
 
 def train_worker(launch: WorkerLaunch) -> None:
@@ -130,6 +130,15 @@ class Worker:
         self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch)
         self.op_timers = op_timers.OpTimers(self.device) if self.config.odyssey.online_profile else None
         self.timeouts = launch.timeouts
+        self.collective_timeout = datetime.timedelta(seconds=self.timeouts.collective_timeout)
+        self.guard = CollectiveGuard(backend=self.accelerator.backend, timeout_s=self.timeouts.collective_timeout)
+        """Ends every wait on the generation's groups when the controller aborts it."""
+        prepare_backend(self.accelerator.backend)
+        self.guard.install()
+        link.on_abort = self.guard.abort
+        self.group_store = self.store.clone()
+        """The process groups' rendezvous: waits no longer than a collective may."""
+        self.group_store.set_timeout(self.collective_timeout)
         self.state: Optional[TrainingState] = None
         self.snapshot: Optional[TrainingState] = None
         """A host copy of the blocks from before the last optimizer step taken, which may not commit."""
@@ -156,13 +165,13 @@ class Worker:
                 log.info("rank %d: the run is done", self.launch.rank)
                 return
             self.generation = published.plan.generation
-            self.link.generation = self.generation
+            self.link.watching = self.generation
             try:
                 self._run_generation(published)
                 ended = False
-            except Exception as exc:
-                if not _peer_failure(exc):
-                    raise
+            except _GENERATION_LEFT as exc:
+                if isinstance(exc, PeerLost) and exc.timed_out:
+                    self.link.report_stall(self.generation, str(exc))
                 log.warning("rank %d: generation %d ended in %s of step %d: %s", self.launch.rank, self.generation,
                             self.phase, self.step, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 ended = True
@@ -187,6 +196,7 @@ class Worker:
 
     def _run_generation(self, published: PlanPublished) -> None:
         plan, program = published.plan, published.program
+        self.guard.reopen()
         self.phase, self.step = "recovery", published.start_step
         self.start_step = published.start_step
         ranks = RankMap.of(plan.participants, self.tp)
@@ -196,6 +206,7 @@ class Worker:
             if self.state is not None:
                 self._set_aside([], held=self.state.blocks)
                 self.state = TrainingState()
+            self.link.generation = plan.generation
             self._wait_until_ended()
             return
         rank = ranks.rank(self.worker_id, self.tp_rank)
@@ -203,8 +214,9 @@ class Worker:
             self.injector.fire("recovery", self.step)
         self._wait_all_arrived(ranks.world_size)
         dist.init_process_group(self.accelerator.backend, rank=rank, world_size=ranks.world_size,
-                                store=dist.PrefixStore(process_group_prefix(plan.generation), self.store),
-                                timeout=datetime.timedelta(seconds=self.timeouts.collective_timeout))
+                                store=dist.PrefixStore(process_group_prefix(plan.generation), self.group_store),
+                                timeout=self.collective_timeout)
+        self.guard.track([dist.distributed_c10d._get_default_group()])
         if self.state is None:
             self.state = self._first_state(plan, ranks, rank)
         self._roll_back_to(published.start_step)
@@ -219,16 +231,19 @@ class Worker:
         self.state.keep(needed)
         self._set_aside(needed, held=held)
         if not training:  # sent its blocks; holds nothing the plan trains
-            self.idle_groups = build_plan_groups(plan, rank=rank, ranks=ranks)
-            self.store.add(ready_key(plan.generation), 1)
+            self.idle_groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=self.collective_timeout)
+            self.guard.track(self.idle_groups.owned)
+            self._entered(plan.generation)
             self._wait_until_ended()
             return
         train = self.config.training
         self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=self.config.model,
                                  micro_batch_size=train.micro_batch_size, state=self.state,
                                  optimizer=optimizer_config(train, self.config.model.params_dtype),
-                                 device=self.device, on_phase=self._on_phase, op_timers=self.op_timers)
-        self.store.add(ready_key(plan.generation), 1)
+                                 device=self.device, on_phase=self._on_phase, op_timers=self.op_timers,
+                                 collective_timeout=self.collective_timeout)
+        self.guard.track(self.runner.groups.owned)
+        self._entered(plan.generation)
         interval = self.config.odyssey.checkpoint_interval
         for step in range(published.start_step, train.train_iters):
             self.step = step
@@ -242,6 +257,11 @@ class Worker:
                          tp_rank=self.tp_rank, state=self.runner.training_state(), rank=self.launch.rank)
         self.store.add(final_key(plan.generation), 1)
         self._wait_until_ended()
+
+    def _entered(self, generation: int) -> None:
+        """Count this rank in the generation (its groups built, blocks moved, stage built)."""
+        self.store.add(ready_key(generation), 1)
+        self.link.generation = generation
 
     def _set_aside(self, needed: list, *, held: dict) -> None:
         """Of the blocks ``held`` before the generation, keep those not ``needed`` aside in
@@ -325,7 +345,7 @@ class Worker:
             if count == world:
                 self.spare = None  # a step of this generation committed: it is settled
                 return
-            if count < 0 or self.store.check([abort_key(self.generation)]):
+            if count < 0 or self.guard.aborted or self.store.check([abort_key(self.generation)]):
                 raise GenerationEnded(f"step {step} did not commit")
             if time.monotonic() > deadline:
                 raise GenerationEnded(f"step {step} did not commit within the collective timeout")
@@ -361,7 +381,9 @@ class Worker:
         raise GenerationEnded("the controller ended the generation")
 
     def _leave_generation(self, *, abandoned: bool) -> None:
-        """Keep the blocks, drop the stage model and every process group."""
+        """Keep the blocks, drop the stage model and let go of every process group (the
+        guard holds an abandoned generation's groups until their operations have ended)."""
+        self.guard.abandon()
         if self.runner is not None:
             self.state = self.runner.release(abandoned=abandoned)
             self.runner = None

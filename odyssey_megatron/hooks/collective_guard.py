@@ -1,0 +1,257 @@
+"""Collectives a survivor can leave: once its generation is aborted, every wait on a
+process group's work ends within milliseconds, with one typed error, ``PeerLost``.
+
+On a cluster a node that freezes, loses power or drops off the network closes no socket,
+so its peers' collectives wait until a timeout fires (on one machine a killed process's
+sockets close at once, which is why only frozen nodes show this). The controller names
+such a node from its missed heartbeats and aborts the generation; each worker's watching
+thread then calls ``CollectiveGuard.abort``, and what that does depends on the backend:
+
+- **gloo**: ``ProcessGroup.abort()`` and ``shutdown()`` return at once but do not end an
+  operation in flight (checked on torch 2.13: an all-reduce with a SIGSTOPped peer waited
+  out its whole timeout after both), and a point-to-point work can neither be polled
+  (``is_completed`` stays False until waited) nor waited with a timeout (the timeout fails
+  the receive). So a gloo work is waited on by a helper thread while the calling thread
+  waits for that, looking at the abort flag every ``slice_s``. An abandoned operation
+  still holds its group's sockets and threads (and its helper thread) until the group's
+  own timeout ends it, and dropping the group's last reference before then blocks until
+  it does: the guard keeps the generation's groups (the graveyard) until their operations
+  have surely ended.
+- **NCCL and HCCL**: the communicators are aborted from the watching thread (a thread
+  other than the one blocked in the collective, as nvidia-resiliency-ext's monitor does),
+  which ends the kernels in flight; the watchdog is told to clean up rather than tear the
+  process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``NCCL_ERROR_HANDLING``).
+
+Every wait is guarded because ``torch.distributed.Work.wait`` is: the synchronous
+collectives of torch.distributed and Megatron-Core's point-to-point requests both wait
+through it; and the functions that start operations (``isend``, ``all_reduce``, ...) are
+wrapped too, since gloo raises at once when a pair's socket is already closed. So the
+classification happens where the collective was called, for code the project does not
+own too. A wait that outlasts ``timeout_s`` raises ``PeerLost`` with
+``timed_out`` set, which the worker reports to the controller.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import functools
+import os
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveGuard", "PeerLost", "is_peer_loss", "prepare_backend"]
+
+_PEER_LOSS_MARKS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
+                    "Socket closed", "Broken pipe", "Timed out", "timed out", "Connection refused", "aborted")
+"""What gloo's transport (and a backend aborting) says when a peer or the group is gone."""
+_SLICED_BACKENDS = ("gloo",)
+_ABORTED_BACKENDS = ("nccl", "hccl")
+
+
+class PeerLost(RuntimeError):
+    """A collective or point-to-point operation ended because a peer or the generation is
+    gone (a closed connection, an abort, a timeout): the worker leaves the generation and
+    keeps its state, rather than treating it as an error of its own."""
+
+    def __init__(self, detail: str, *, timed_out: bool = False):
+        super().__init__(detail)
+        self.timed_out = timed_out
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether an error raised by a collective means a lost peer or group."""
+    if isinstance(exc, (PeerLost, dist.DistError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _PEER_LOSS_MARKS)
+
+
+def prepare_backend(backend: str) -> None:
+    """Before any process group exists: an NCCL/HCCL watchdog that sees an error aborts the
+    communicators and lets the process live (the default tears it down)."""
+    if backend == "nccl":
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # CleanUpOnly
+    elif backend == "hccl":
+        os.environ["HCCL_ASYNC_ERROR_HANDLING"] = "2"
+
+
+_ORIGINAL_WAIT = dist.Work.wait
+_STARTERS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce", "broadcast", "barrier",
+             "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+"""The torch.distributed functions that start operations (Megatron-Core calls them by module attribute)."""
+_ORIGINAL_STARTERS = {name: getattr(dist.distributed_c10d, name) for name in _STARTERS}
+_installed: Optional["CollectiveGuard"] = None
+
+
+def _guarded_wait(work: dist.Work, timeout: Optional[datetime.timedelta] = None) -> bool:
+    guard = _installed
+    if guard is None or timeout is not None:
+        return _ORIGINAL_WAIT(work) if timeout is None else _ORIGINAL_WAIT(work, timeout)
+    return guard.wait(work)
+
+
+def _guarded_start(start: Callable) -> Callable:
+    @functools.wraps(start)
+    def guarded(*args, **kwargs):
+        guard = _installed
+        if guard is not None:
+            guard.check()
+        try:
+            return start(*args, **kwargs)
+        except PeerLost:
+            raise
+        except Exception as exc:
+            if guard is not None and (guard.aborted or is_peer_loss(exc)):
+                raise PeerLost(_first_line(exc)) from exc
+            raise
+
+    return guarded
+
+
+class CollectiveGuard:
+    """One per worker process: ``install`` once, ``track`` each generation's groups as they
+    are made, ``abort`` from any thread when the generation ends, ``abandon`` when leaving
+    it, ``reopen`` before entering the next."""
+
+    backend: str
+    timeout_s: float
+    """How long one wait may take before it raises ``PeerLost(timed_out=True)``: the
+    collective timeout, which the groups themselves are created with too."""
+    slice_s: float
+    """How long a sliced wait blocks between two looks at the abort flag."""
+
+    def __init__(self, *, backend: str, timeout_s: float, slice_s: float = 0.05):
+        self.backend, self.timeout_s, self.slice_s = backend, timeout_s, slice_s
+        self._aborted = threading.Event()
+        self._reason = ""
+        self._lock = threading.Lock()
+        self._groups: list[dist.ProcessGroup] = []
+        self._graveyard: list[tuple[float, list]] = []
+        """(monotonic time after which every operation has ended, what must outlive it)."""
+        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="odyssey-wait")
+        """Threads that wait on gloo works for the calling thread (one each while it waits)."""
+
+    def install(self) -> None:
+        """Route every ``Work.wait`` of this process, and every start of an operation,
+        through this guard."""
+        global _installed
+        _installed = self
+        dist.Work.wait = _guarded_wait
+        for name, start in _ORIGINAL_STARTERS.items():
+            guarded = _guarded_start(start)
+            # Both bindings: P2POp checks its op against distributed_c10d's own isend and irecv.
+            setattr(dist, name, guarded)
+            setattr(dist.distributed_c10d, name, guarded)
+
+    def uninstall(self) -> None:
+        global _installed
+        _installed = None
+        dist.Work.wait = _ORIGINAL_WAIT
+        for name, start in _ORIGINAL_STARTERS.items():
+            setattr(dist, name, start)
+            setattr(dist.distributed_c10d, name, start)
+
+    # -- the generation's lifecycle ------------------------------------------------------
+
+    def track(self, groups: Iterable[dist.ProcessGroup]) -> None:
+        """Groups of the current generation: aborted with it, kept until their operations end."""
+        with self._lock:
+            self._groups.extend(g for g in groups if g is not None)
+            aborted = self._aborted.is_set()
+        if aborted:  # made after the abort came: end them too
+            self._abort_groups()
+
+    def abort(self, reason: str) -> None:
+        """End the generation's waits (callable from any thread, more than once)."""
+        with self._lock:
+            if self._aborted.is_set():
+                return
+            self._reason = reason
+            self._aborted.set()
+        self._abort_groups()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def check(self) -> None:
+        """Raise ``PeerLost`` if the generation was aborted: for loops that wait on the store."""
+        if self._aborted.is_set():
+            raise PeerLost(f"the generation was aborted ({self._reason})")
+
+    def abandon(self) -> None:
+        """Leaving the generation: keep its groups (and whatever else the caller passes
+        through ``keep``) alive until every operation on them has surely ended, so that no
+        thread blocks dropping them."""
+        with self._lock:
+            groups, self._groups = self._groups, []
+        if self._aborted.is_set() or groups:
+            default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+            self.keep([*groups, default] if default is not None else groups)
+
+    def keep(self, objects: list) -> None:
+        """Hold ``objects`` (groups, works) until the collective timeout has passed."""
+        self._graveyard.append((time.monotonic() + self.timeout_s + 1.0, objects))
+
+    def reopen(self) -> None:
+        """Before entering the next generation: clear the abort, drop what has surely ended."""
+        now = time.monotonic()
+        self._graveyard = [(until, kept) for until, kept in self._graveyard if until > now]
+        with self._lock:
+            self._aborted.clear()
+            self._reason = ""
+
+    @property
+    def kept(self) -> int:
+        """Entries (an abandoned generation's groups, an abandoned work) still held."""
+        return len(self._graveyard)
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def wait(self, work: dist.Work) -> bool:
+        """``work.wait()``, ending with ``PeerLost`` on an abort, a timeout or a lost peer."""
+        if self.backend not in _SLICED_BACKENDS:
+            try:
+                return _ORIGINAL_WAIT(work)
+            except Exception as exc:
+                if self._aborted.is_set() or is_peer_loss(exc):
+                    raise PeerLost(_first_line(exc)) from exc
+                raise
+        self.check()
+        started = time.monotonic()
+        waited = self._waiters.submit(_ORIGINAL_WAIT, work)
+        while True:
+            try:
+                return waited.result(timeout=self.slice_s)
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception as exc:
+                if is_peer_loss(exc):
+                    raise PeerLost(_first_line(exc), timed_out="imed out" in str(exc)) from exc
+                raise
+            if self._aborted.is_set():
+                self.keep([work])
+                raise PeerLost(f"the generation was aborted ({self._reason})")
+            if time.monotonic() - started > self.timeout_s:
+                self.keep([work])
+                raise PeerLost(f"a collective waited over the collective timeout ({self.timeout_s} s)",
+                               timed_out=True)
+
+    def _abort_groups(self) -> None:
+        if self.backend not in _ABORTED_BACKENDS:
+            return
+        with self._lock:
+            groups = list(self._groups)
+        for group in groups:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - a group already torn down by its watchdog
+                pass
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,167 @@
+"""The collective guard: a survivor leaves a collective whose peer froze (SIGSTOP: no
+socket closes, as with a frozen node on a cluster) as soon as the generation is aborted,
+with ``PeerLost``, and can enter a new world while the abandoned operation still runs."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from odyssey_megatron.hooks.collective_guard import CollectiveGuard, PeerLost, is_peer_loss, prepare_backend
+
+pytestmark = pytest.mark.timeout(120)
+
+GROUP_TIMEOUT_S = 20.0
+ABORT_AFTER_S = 1.0
+
+
+def _survivor_or_frozen(rank: int, port: int, mode: str, results: mp.Queue) -> None:
+    """Three ranks all-reduce once; rank 2 then freezes and the others all-reduce again,
+    guarded. ``mode``: abort (another thread aborts after ABORT_AFTER_S), timeout (the
+    guard's own timeout of 1 s ends the wait) or recv (as abort, but rank 0 waits on a
+    receive from rank 2 through ``batch_isend_irecv``, as Megatron's schedule does, and
+    rank 1 on a plain ``recv``)."""
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", rank=rank, world_size=3, store=dist.PrefixStore("gen0", store),
+                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        group = dist.new_group([0, 1, 2], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        guard = CollectiveGuard(backend="gloo", timeout_s=1.0 if mode == "timeout" else GROUP_TIMEOUT_S)
+        guard.install()
+        guard.track([group, dist.distributed_c10d._get_default_group()])
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor, group=group)
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        if mode in ("abort", "recv"):
+            threading.Timer(ABORT_AFTER_S, guard.abort, args=("test",)).start()
+        started = time.monotonic()
+        try:
+            if mode != "recv":
+                dist.all_reduce(tensor, group=group)
+            elif rank == 0:
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, 2)]):
+                    work.wait()
+            else:
+                dist.recv(tensor, 2)
+            results.put((rank, "error", "the all-reduce with a frozen peer returned"))
+            return
+        except PeerLost as exc:
+            waited, timed_out = time.monotonic() - started, exc.timed_out
+        # Leave: destroy and drop everything; the guard keeps the groups, so nothing blocks.
+        guard.abandon()
+        left = time.monotonic()
+        dist.destroy_process_group(group)
+        dist.destroy_process_group()
+        del group
+        import gc
+
+        gc.collect()
+        leave_s = time.monotonic() - left
+        guard.reopen()
+        dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.PrefixStore("gen1", store),
+                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor)
+        results.put((rank, "ok", (waited, timed_out, leave_s, float(tensor[0]), guard.kept)))
+    except BaseException as exc:  # noqa: BLE001
+        results.put((rank, "error", repr(exc)))
+
+
+def _run(mode: str) -> dict[int, tuple]:
+    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_survivor_or_frozen, args=(r, store.port, mode, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < 2:  # the survivors
+            rank, status, payload = results.get(timeout=90)
+            assert status != "error", f"rank {rank}: {payload}"
+            got[rank] = payload
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    return got
+
+
+def test_an_abort_ends_a_collective_whose_peer_froze_and_the_survivors_form_a_new_world():
+    got = _run("abort")
+    for rank in (0, 1):
+        waited, timed_out, leave_s, reduced, kept = got[rank]
+        assert ABORT_AFTER_S <= waited < ABORT_AFTER_S + 0.5, waited  # not the group's 20 s
+        assert not timed_out
+        assert leave_s < 1.0  # dropping the groups did not wait for the abandoned operation
+        assert reduced == 2.0 and kept > 0  # the new world of two works; the old groups are still held
+
+
+def test_an_abort_ends_a_receive_from_a_frozen_peer():
+    got = _run("recv")
+    for rank in (0, 1):
+        waited, timed_out, _, reduced, _ = got[rank]
+        assert ABORT_AFTER_S <= waited < ABORT_AFTER_S + 0.5 and not timed_out and reduced == 2.0
+
+
+def test_a_collective_that_outlasts_the_timeout_raises_peer_lost_marked_timed_out():
+    got = _run("timeout")
+    for rank in (0, 1):
+        waited, timed_out, _, reduced, _ = got[rank]
+        assert 1.0 <= waited < 2.0 and timed_out and reduced == 2.0
+
+
+def test_gloo_transport_errors_and_dist_errors_are_peer_loss_and_others_are_not():
+    assert is_peer_loss(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"))
+    assert is_peer_loss(RuntimeError("[../gloo/transport/tcp/pair.cc:589] Write error: Broken pipe"))
+    assert is_peer_loss(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv"))
+    assert is_peer_loss(dist.DistNetworkError("store gone"))
+    assert is_peer_loss(PeerLost("x"))
+    assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_loss(ValueError("Connection closed by peer"))
+
+
+class _RecordingGroup:
+    """Stands in for a ProcessGroupNCCL: records that it was aborted (no GPU here)."""
+
+    def __init__(self):
+        self.aborted = 0
+
+    def abort(self):
+        self.aborted += 1
+
+
+def test_on_nccl_an_abort_aborts_every_tracked_group_also_those_made_after_it(monkeypatch):
+    guard = CollectiveGuard(backend="nccl", timeout_s=5)
+    first, second = _RecordingGroup(), _RecordingGroup()
+    guard.track([first])
+    guard.abort("node 2 lost")
+    guard.abort("again")  # once only
+    assert first.aborted == 1
+    guard.track([second])  # made while the generation was already aborted
+    assert second.aborted == 1
+    with pytest.raises(PeerLost, match="node 2 lost"):
+        guard.check()
+    guard.abandon()
+    guard.reopen()
+    guard.check()  # the next generation starts clean
+
+
+def test_the_nccl_watchdog_is_told_to_clean_up_instead_of_tearing_the_process_down(monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    prepare_backend("nccl")
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    prepare_backend("gloo")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
