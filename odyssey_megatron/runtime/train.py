@@ -157,5 +157,7 @@ def _prepare_data(config: RecipeConfig):
         return prepare_data(corpus=data.corpus, tokenizer=data.tokenizer, vocab_size=model.vocab_size,
                             seq_length=model.seq_length, num_samples=train.train_iters * train.global_batch_size,
                             seed=train.seed, cache_dir=data.cache_dir)
+    except ConfigError:
+        raise  # already names its key (an untrusted cache file: file_trust)
     except ValueError as exc:
         raise ConfigError("data.corpus", str(exc)) from None
