@@ -18,7 +18,6 @@ Absolute times on a shared 2-core machine are noisy; the run prints each repeat.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,9 @@ def recovery_record(policy: str, work: Path, data_cache: Path) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"odyssey train ({policy}) exited {done.returncode}:\n{done.stderr[-3000:]}")
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    from odyssey_megatron.run_dir import read_jsonl
+
+    events = read_jsonl(run_dir / "events.jsonl", key="--run-dir")
     (record,) = [e for e in events if e["event"] == "recovery"]
     return record
 

@@ -8,12 +8,12 @@ from gaps between successive commits of one plan generation, recovery phases fro
 recovery's ``failed_at``, ``detected_at``, ``decided_at``, ``ready_at`` and
 ``first_step_at``. Fields a run may lack (estimates on plan or step events) are read with
 ``.get`` and their series left out. Unreadable records are one ``ConfigError`` naming the
-argument the directory came from.
+argument the directory came from; a torn last line (the run was killed mid-append) is
+skipped (``run_dir.read_jsonl``).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import load_yaml_mapping
+from odyssey_megatron.run_dir import read_jsonl
 
 __all__ = ["PHASES", "PLOTS", "RunRecords", "phase_seconds", "read_run", "samples_account", "summary_text",
            "write_report"]
@@ -69,29 +70,6 @@ class RunRecords:
         return {e["step"]: e["loss"] for e in self.commits}
 
 
-def _jsonl(path: Path, key: str) -> list[dict]:
-    records = []
-    try:
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(key, f"{path} line {number} is not JSON ({exc.msg}); the run's records are "
-                                           "damaged") from None
-                if not isinstance(record, dict):
-                    raise ConfigError(key, f"{path} line {number} is not a JSON object; the run's records are "
-                                           "damaged")
-                records.append(record)
-    except UnicodeDecodeError:
-        raise ConfigError(key, f"{path} is not UTF-8 text; give the directory of an odyssey train run") from None
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from None
-    return records
-
-
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -129,11 +107,11 @@ def read_run(directory: str | Path, *, key: str) -> RunRecords:
     config = load_yaml_mapping(directory / "config.yaml", key=key)
     seq_length = _positive_int(config, "model", "seq_length", directory / "config.yaml", key)
     global_batch = _positive_int(config, "training", "global_batch_size", directory / "config.yaml", key)
-    events = _jsonl(directory / "events.jsonl", key)
+    events = read_jsonl(directory / "events.jsonl", key=key)
     _check_events(events, directory / "events.jsonl", key)
     samples = {}
     if (directory / "samples.jsonl").is_file():
-        for number, row in enumerate(_jsonl(directory / "samples.jsonl", key), 1):
+        for number, row in enumerate(read_jsonl(directory / "samples.jsonl", key=key), 1):
             ids = row.get("samples")
             if not isinstance(row.get("step"), int) or not isinstance(ids, list):
                 raise ConfigError(key, f"{directory / 'samples.jsonl'} record {number} lacks a step or its "

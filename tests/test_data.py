@@ -8,6 +8,9 @@ same tokens, and the tokens are the text's own (documents packed between EOD tok
 
 from __future__ import annotations
 
+import os
+import pickle
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import torch
 from odyssey_megatron.data import IndexedTokens, PreparedData, prepare_data
 from odyssey_megatron.data.corpus import load_corpus
 from odyssey_megatron.data.tokenizer import load_megatron_tokenizer, load_tokenizer, prepare_tokenizer
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.testing.local_world import run_world
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,6 +105,35 @@ def test_the_reading_tokenizer_is_the_writing_tokenizer(prepared):
     assert read.eod == written.eos_token_id and read.vocab_size == len(written) <= 320
     for line in LINES[:3]:
         assert read.tokenize(line) == written(line, add_special_tokens=False)["input_ids"]
+
+
+class _Planted:
+    """What another user could leave in the index cache: unpickling it makes a directory."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_an_index_cache_others_may_write_is_refused_before_megatron_unpickles_it(prepared, tmp_path):
+    cache_dir, index_cache = Path(prepared.prefix).parents[1], Path(prepared.index_cache)
+    assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700  # a new cache is made for its owner alone
+    (shuffle,) = index_cache.glob("*shuffle_index.npy")
+    original, marker = shuffle.read_bytes(), tmp_path / "ran"
+    shuffle.write_bytes(pickle.dumps(_Planted(marker)))  # numpy.load(allow_pickle=True) would unpickle it
+    cache_dir.chmod(0o755)
+    index_cache.chmod(0o757)
+    try:
+        with pytest.raises(ConfigError, match=f"^{index_cache}: is writable by group or others"):
+            prepare_data(corpus=str(cache_dir.parent / "notes.txt"), tokenizer=None, vocab_size=320,
+                         seq_length=SEQ_LENGTH, num_samples=prepared.num_samples, seed=5, cache_dir=cache_dir)
+        assert not marker.exists()
+    finally:
+        index_cache.chmod(0o755)
+        cache_dir.chmod(0o700)
+        shuffle.write_bytes(original)
 
 
 def test_trained_tokenizer_is_cached_and_a_given_one_is_used_as_is(prepared, tmp_path):

@@ -140,6 +140,16 @@ def test_garbled_events_are_refused(tmp_path, capsys):
     assert "record 1 (recovery) lacks a valid ready_at" in err
 
 
+def test_a_run_killed_mid_append_is_read_without_its_torn_last_line(tmp_path):
+    run = write_run(tmp_path / "run", EVENTS, [{"step": 0, "generation": 0, "samples": [0, 1, 2, 3]}])
+    with (run / "events.jsonl").open("a") as handle:
+        handle.write('{"event": "step", "time": 16.0, "ste')
+    with (run / "samples.jsonl").open("a") as handle:
+        handle.write('{"step": 1, "generation": 0, "sam')
+    records = read_run(run, key="RUN_DIR")
+    assert len(records.events) == len(EVENTS) and list(records.samples) == [0]
+
+
 def test_a_baseline_that_is_not_a_run_is_refused(tmp_path, capsys):
     run = write_run(tmp_path / "run", EVENTS, [])
     (tmp_path / "other").mkdir()

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -261,6 +262,10 @@ def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint
     assert "unrecoverable: blocks 2, 3 were lost on every replica (ranks [2, 3] failed)" in err
     assert f"resume from the checkpoint of step 2 with: odyssey train --resume {run_dir}" in err
     assert json.loads((run_dir / "outcome.json").read_text())["status"] == 3
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700  # --resume unpickles the checkpoints in it
+    for name in ("samples.jsonl", "events.jsonl"):  # as if the run had been killed mid-append
+        with (run_dir / name).open("a") as records:
+            records.write('{"step": 3, "gen')
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir)]
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]

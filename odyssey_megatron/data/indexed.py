@@ -4,7 +4,11 @@
 tokenizes every document, appends the end-of-document token, writes the ``.bin``/``.idx``
 pair with ``IndexedDatasetBuilder`` and has ``GPTDataset`` build and cache its document,
 sample and shuffle indices (its C++ helpers ship compiled in the megatron-core wheel).
-Everything is cached under keys of its inputs, so a rerun reuses it.
+Everything is cached under keys of its inputs, so a rerun reuses it. GPTDataset loads its
+cached indices with ``numpy.load(allow_pickle=True)`` (a pickle if the file is not
+``.npy``) and cannot be told otherwise, so ``prepare_data`` opens a cache that only you
+could have written (``file_trust``; a new cache directory is made for its owner alone).
+The workers open it after that check: no one else can change it in between.
 
 ``IndexedTokens`` is what a rank reads from: global sample ``i`` is ``GPTDataset[i]``,
 ``seq_length + 1`` packed tokens chosen by the seeded shuffle, the same on every rank and
@@ -26,6 +30,7 @@ import torch
 
 from odyssey_megatron.data.corpus import corpus_files, load_corpus
 from odyssey_megatron.data.tokenizer import load_megatron_tokenizer, load_tokenizer, prepare_tokenizer
+from odyssey_megatron.file_trust import check_private
 
 __all__ = ["IndexedTokens", "PreparedData", "open_dataset", "prepare_data"]
 
@@ -97,8 +102,10 @@ def prepare_data(
     """Tokenize, index and pack ``corpus`` (see ``data.corpus``) once; ``tokenizer`` is a
     Hugging Face tokenizer directory or None for a BPE trained on the corpus with at most
     ``vocab_size`` tokens. ValueError names what is wrong (no such corpus, a tokenizer
-    larger than the model's vocabulary, too little text for one sample)."""
+    larger than the model's vocabulary, too little text for one sample); ConfigError names
+    a cache file another user could have written."""
     cache_dir = Path(cache_dir)
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     files = corpus_files(corpus, cache_dir=cache_dir, hub_cache=hub_cache, docstring_root=docstring_root)
     documents = load_corpus(corpus, cache_dir=cache_dir, hub_cache=hub_cache, docstring_root=docstring_root)
     texts = (text for batch in documents.iter(batch_size=_BATCH_DOCUMENTS) for text in batch["text"] if text.strip())
@@ -113,6 +120,7 @@ def prepare_data(
         prefix.parent.mkdir(parents=True, exist_ok=True)
         _write_indexed(documents, hf_tokenizer, str(prefix))
     prepared = PreparedData(str(prefix), str(tokenizer_dir), seq_length, num_samples, seed)
+    check_private(Path(prepared.index_cache), root=cache_dir)
     dataset = open_dataset(prepared)  # builds and caches GPTDataset's indices
     if len(dataset) < 1:
         raise ValueError(f"corpus {corpus}: too little text for one sample of {seq_length + 1} tokens")

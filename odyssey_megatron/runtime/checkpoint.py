@@ -8,14 +8,16 @@ keyed by global parameter name (``param/<name>``, ``exp_avg/<name>``, ``exp_avg_
 ``step/<block>``), so data-parallel replicas are written once and any stage split or
 data-parallel degree reads back exactly the blocks it needs. A TP shard's key carries its
 TP rank (``.../tp<k>of<n>``): a resume keeps the TP degree. ``latest.json``, written by
-the save's coordinator once the step's files are complete, names the checkpoint to
-resume from, so a save cut short by a failure is never read.
+the save's coordinator once the step's files are complete and durable (DCP fsyncs each
+file it writes; the coordinator fsyncs the directories that list them), names the
+checkpoint to resume from, so a save cut short by a failure or a power cut is never read.
+DCP unpickles a checkpoint's metadata, so ``latest_checkpoint`` hands out only one that
+no other user could have written (``file_trust``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -23,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.file_trust import check_private
 from odyssey_megatron.hooks.model import StageSpec, tensor_parallel_dim
 from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_block, stage_blocks
+from odyssey_megatron.run_dir import fsync_directory, write_json
 
 __all__ = ["CHECKPOINTS", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -50,28 +54,30 @@ def save_checkpoint(run_dir: Path, state: TrainingState, *, step: int, tp_rank: 
                for block in state.held() for key, tensor in state.export(block).items()}
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, checkpoint_id=str(directory), process_group=group)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
     if dist.get_rank(group) == 0:
-        latest = Path(run_dir) / CHECKPOINTS / _LATEST
-        partial = latest.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"step": step, "path": directory.name}))
-        os.replace(partial, latest)
+        for entries in (directory, directory.parent, Path(run_dir)):
+            fsync_directory(entries)
+        write_json(directory.parent / _LATEST, {"step": step, "path": directory.name})
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[tuple[int, Path]]:
-    """The last complete checkpoint of ``run_dir``: (committed steps, directory), or None."""
+    """The last complete checkpoint of ``run_dir``: (committed steps, directory), or None.
+    ConfigError if another user could have written it (``file_trust.check_private``)."""
     latest = Path(run_dir) / CHECKPOINTS / _LATEST
     if not latest.is_file():
         return None
     marker = json.loads(latest.read_text())
-    return marker["step"], latest.parent / marker["path"]
+    directory = latest.parent / marker["path"]
+    check_private(directory, root=run_dir)
+    return marker["step"], directory
 
 
 def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp_rank: int,
                     tp_size: int) -> TrainingState:
     """This rank's blocks of ``stage`` from a checkpoint ``save_checkpoint`` wrote, under
-    any stage split; ValueError naming the block if the checkpoint lacks one or holds it
-    in other shapes (another model)."""
+    any stage split (``directory`` as ``latest_checkpoint`` checked it); ValueError naming
+    the block if the checkpoint lacks one or holds it in other shapes (another model)."""
     import torch.distributed.checkpoint as dcp
 
     wanted = {block: empty_block(model, block, tp_size=tp_size, device=torch.device("cpu"))

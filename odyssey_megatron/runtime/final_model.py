@@ -4,12 +4,12 @@ names, so two runs (one that lost ranks, one that did not) compare tensor by ten
 At the end of a run each training rank writes its part under ``RUN_DIR/final/``: its TP
 shard of the blocks of its stage that no worker before it in the plan holds, so each
 replicated block is written once. The controller merges the parts of the last
-generation's ranks into ``final.pt`` and removes them.
+generation's ranks into ``final.pt`` and removes them. Both are written whole or not at
+all (``run_dir.write_atomically``): a crash leaves the earlier file or none, never half.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -20,6 +20,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.model import StageShard, StageSpec, merge_stage_state_dicts
 from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.run_dir import write_atomically
 
 __all__ = ["FINAL_MODEL", "merge_final_parts", "write_final_part"]
 
@@ -45,9 +46,8 @@ def write_final_part(run_dir: Path, *, plan: ExecutionPlan, model: ModelConfig, 
               for name, tensor in held.params.items()}
     path = _part_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"tp_rank": tp_rank, "tp_size": plan.tensor_parallel_size, "params": params}, partial)
-    os.replace(partial, path)
+    part = {"tp_rank": tp_rank, "tp_size": plan.tensor_parallel_size, "params": params}
+    write_atomically(path, lambda out: torch.save(part, out))
 
 
 def merge_final_parts(run_dir: Path, *, ranks: Iterable[int], tied: bool) -> Path:
@@ -61,6 +61,7 @@ def merge_final_parts(run_dir: Path, *, ranks: Iterable[int], tied: bool) -> Pat
         part = torch.load(path, weights_only=True)
         shards.append(StageShard(_GLOBAL, part["tp_rank"], part["tp_size"], part["params"]))
     target = Path(run_dir) / FINAL_MODEL
-    torch.save(merge_stage_state_dicts(shards, tied=tied), target)
+    merged = merge_stage_state_dicts(shards, tied=tied)
+    write_atomically(target, lambda out: torch.save(merged, out))
     shutil.rmtree(Path(run_dir) / _PARTS)
     return target

@@ -11,7 +11,6 @@ parent-death signal follows that thread); the controller's polling and the run's
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ from odyssey_megatron.config import DType, RecipeConfig, config_yaml
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
-from odyssey_megatron.run_dir import write_json
+from odyssey_megatron.run_dir import private_directory, read_jsonl, write_json, write_jsonl, write_text
 from odyssey_megatron.runtime.checkpoint import latest_checkpoint
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
@@ -71,13 +70,13 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     if launch.node_rank != 0:
         status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_directory(run_dir)
     start_step = 0
     if resume is not None:
         start_step = resume[0]
         _forget_steps_from(run_dir / SAMPLES, start_step)
     else:
-        (run_dir / "config.yaml").write_text(config_yaml(config))
+        write_text(run_dir / "config.yaml", config_yaml(config))
     prepared = _prepare_data(config)
     controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
     if launch.master_port == 0:
@@ -128,10 +127,10 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
 
 
 def _forget_steps_from(samples: Path, step: int) -> None:
-    """Drop the records of steps from ``step`` on: a resumed run commits them again."""
+    """Drop the records of steps from ``step`` on (and a torn last line): a resumed run
+    commits them again."""
     if samples.is_file():
-        kept = [line for line in samples.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
-        samples.write_text("".join(line + "\n" for line in kept))
+        write_jsonl(samples, [record for record in read_jsonl(samples, key="--resume") if record["step"] < step])
 
 
 def _wait_other_nodes(controller: Controller, timeouts: Timeouts) -> None:
@@ -152,5 +151,7 @@ def _prepare_data(config: RecipeConfig):
         return prepare_data(corpus=data.corpus, tokenizer=data.tokenizer, vocab_size=model.vocab_size,
                             seq_length=model.seq_length, num_samples=train.train_iters * train.global_batch_size,
                             seed=train.seed, cache_dir=data.cache_dir)
+    except ConfigError:
+        raise  # already names its key (an untrusted cache file: file_trust)
     except ValueError as exc:
         raise ConfigError("data.corpus", str(exc)) from None
