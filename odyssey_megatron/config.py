@@ -139,7 +139,10 @@ class LengthSweep(Choice):
 
 
 class FaultPhase(Choice):
-    """Where in a worker's step an injected fault strikes."""
+    """Where in a worker's step an injected fault strikes: forward and backward (each
+    micro-batch), grad_sync (before the DP all-reduces), optimizer (after the global norm
+    and the step's commit, before the step is applied: its replicas apply it), transfer
+    (before a recovery's first block moves), recovery (entering a new generation)."""
 
     forward = "forward"
     backward = "backward"
@@ -466,7 +469,9 @@ class OdysseyConfig:
     the global gradient norm, so stages that finish early start the next step early
     (paper 003's Staggered Optimizer), on plans where that shortens the step. Exact: the
     next step runs ahead only until it would send a result or write a gradient, and a
-    step that clipping should have scaled is retaken there (``runtime.rank.staggered_step``)."""
+    step that clipping should have scaled is retaken there (``runtime.rank.staggered_step``).
+    ``odyssey plan`` and ``odyssey simulate`` model it; ``odyssey train`` turns it off (a
+    staggered rank would step before its step commits) and prices its plans without it."""
     max_layer_splits: int = 256
     """Remainder placements enumerated per pipeline length before falling back to a heuristic set."""
     prepared_decisions_mib: float = 150.0

@@ -144,6 +144,7 @@ class _RecordingGroup:
 
 def test_on_nccl_an_abort_aborts_every_tracked_group_also_those_made_after_it(monkeypatch):
     guard = CollectiveGuard(backend="nccl", timeout_s=5)
+    guard.reopen(3)
     first, second = _RecordingGroup(), _RecordingGroup()
     guard.track([first])
     guard.abort("node 2 lost")
@@ -154,8 +155,19 @@ def test_on_nccl_an_abort_aborts_every_tracked_group_also_those_made_after_it(mo
     with pytest.raises(PeerLost, match="node 2 lost"):
         guard.check()
     guard.abandon()
-    guard.reopen()
+    guard.reopen(4)
     guard.check()  # the next generation starts clean
+
+
+def test_an_abort_that_arrives_for_a_generation_the_worker_left_is_ignored():
+    """The heartbeat thread may see generation 3's abort key after the worker left it (a
+    closed socket ended it first) and entered generation 4: that must not abort 4."""
+    guard = CollectiveGuard(backend="gloo", timeout_s=5)
+    guard.reopen(4)
+    guard.abort("the controller ended generation 3", generation=3)
+    assert not guard.aborted
+    guard.abort("the controller ended generation 4", generation=4)
+    assert guard.aborted
 
 
 def test_the_nccl_watchdog_is_told_to_clean_up_instead_of_tearing_the_process_down(monkeypatch):

@@ -30,6 +30,7 @@ from odyssey_megatron.runtime.control.detector import Cause, Detector
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.protocol import (
     EXIT_CONTROLLER_LOST,
+    CollectiveStalled,
     INBOX,
     Heartbeat,
     NodeLeft,
@@ -261,6 +262,34 @@ def test_exits_and_reports_fail_a_rank_once():
     assert detector.heartbeat_keys() == []
 
 
+def test_a_starting_rank_gets_the_initial_timeout_until_it_has_entered_a_generation():
+    """The case of a slow start on a busy node: a healthy rank silent for over the
+    heartbeat timeout before its first generation is not hung; once it has entered one,
+    the ordinary timeout holds."""
+    detector = Detector(T, initial_heartbeat_timeout=10 * T)
+    detector.node_joined(NodeRegistration(0, 10, "h", (0, 1)), now=0.0, wall=1000.0)
+    for rank in (0, 1):
+        detector.rank_joined(RankRegistration(rank, 20 + rank, "h", 0), now=0.0)
+    for tick in range(1, 9):  # the launcher beats on; rank 0 is silent for 8 timeouts, rank 1 beats in generation 0
+        detector.observe({rank_heartbeat_key(1): _beat(tick, generation=0), node_heartbeat_key(0): _beat(tick)},
+                         now=tick * T)
+        assert detector.check(now=tick * T, wall=2000.0) == []
+    detector.observe({rank_heartbeat_key(0): _beat(1, generation=0), node_heartbeat_key(0): _beat(20)}, now=9 * T)
+    for tick in range(10, 12):  # now started, rank 0 gets the ordinary timeout
+        detector.observe({rank_heartbeat_key(1): _beat(tick, generation=0), node_heartbeat_key(0): _beat(tick + 20)},
+                         now=tick * T + 0.5)
+    [failure] = detector.check(now=11 * T + 0.5, wall=2001.0)
+    assert (failure.cause, failure.ranks) == (Cause.HEARTBEAT, (0,))
+
+
+def test_a_stalled_collective_takes_its_rank_out_once():
+    detector = _detector_with_node((0, 1))
+    stall = detector.rank_stalled(CollectiveStalled(1, 3, "a collective waited over the collective timeout", 5.0),
+                                  wall=6.0)
+    assert (stall.cause, stall.ranks, stall.failed_at) == (Cause.STALL, (1,), 5.0)
+    assert detector.rank_stalled(CollectiveStalled(1, 3, "again", 7.0), wall=7.0) is None
+
+
 def test_heartbeats_carry_the_generation_each_worker_runs():
     detector = _detector_with_node()
     assert detector.observe({rank_heartbeat_key(0): _beat(1)}, now=0.1) is False  # still no plan
@@ -273,7 +302,7 @@ def test_heartbeats_carry_the_generation_each_worker_runs():
 
 def test_messages_round_trip_and_malformed_ones_are_refused():
     for msg in (RankRegistration(3, 99, "h", 1), NodeRegistration(1, 98, "h", (2, 3)), RankExit(3, 1, -9, 1.5),
-                RankFailureReport(3, None, "boom", 2.0), NodeLeft(1, 3.0)):
+                RankFailureReport(3, None, "boom", 2.0), CollectiveStalled(3, 2, "timed out", 2.5), NodeLeft(1, 3.0)):
         assert parse_inbox(msg.to_json()) == msg
     assert Heartbeat.from_json(_beat(4, generation=2).to_json()) == _beat(4, generation=2)
     with pytest.raises(ProtocolError, match="unknown inbox message kind 'shutdown'"):
@@ -285,9 +314,9 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
     with pytest.raises(ProtocolError, match="not a JSON message"):
         Heartbeat.from_json(b"\x80(pickle")
     with pytest.raises(ProtocolError, match="malformed plan"):
-        PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "start_step": 0, "plan": {"generation": 1}}',
-                                current_generation=0)
-    with pytest.raises(ProtocolError, match="with published_at and start_step"):
+        PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "start_step": 0, "fresh": false, '
+                                '"plan": {"generation": 1}}', current_generation=0)
+    with pytest.raises(ProtocolError, match="with published_at, start_step and fresh"):
         PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "plan": {"generation": 1}}', current_generation=0)
 
 

@@ -164,7 +164,9 @@ def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_pat
 def test_reparallelizing_survives_a_kill_during_recovery_and_two_at_once(tmp_path, data_cache, reference):
     """A kill in backward, then a second rank killed while the survivors move blocks (the
     decision restarts from what they hold); a kill in the gradient sync; two ranks killed
-    together in the optimizer step, then a third as the survivors enter the next plan."""
+    in the optimizer step, after step 3 committed and before they applied it (their
+    replicas apply it, so the next plan starts at step 4), then a third as the survivors
+    enter that plan."""
     run_dir = tmp_path / "run"
     status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reparallelize", faults(
         "{rank: 5, step: 1, phase: backward, action: kill}",
@@ -172,12 +174,12 @@ def test_reparallelizing_survives_a_kill_during_recovery_and_two_at_once(tmp_pat
         "{rank: 4, step: 2, phase: grad_sync, action: kill}",
         "{rank: 0, step: 3, phase: optimizer, action: kill}",
         "{rank: 7, step: 3, phase: optimizer, action: kill}",
-        "{rank: 6, step: 3, phase: recovery, action: kill}")))
+        "{rank: 6, step: 4, phase: recovery, action: kill}")))
     assert status == 0, err[-4000:]
     assert_same_training(run_dir, reference)
     done = recoveries(run_dir)
     assert [(r["failed_ranks"], r["policy"], r["start_step"]) for r in done] == [
-        ([2, 5], "reparallelize", 1), ([4], "reparallelize", 2), ([0, 6, 7], "reparallelize", 3)]
+        ([2, 5], "reparallelize", 1), ([4], "reparallelize", 2), ([0, 6, 7], "reparallelize", 4)]
     assert done[0]["restarts"] >= 1 and done[1]["restarts"] == 0 and done[2]["restarts"] >= 1
     assert all(r["transfer_bytes"] > 0 and r["mapping_bytes"] <= r["naive_mapping_bytes"] for r in done)
 
@@ -248,6 +250,27 @@ def test_a_frozen_node_costs_the_survivors_no_collective_timeout(tmp_path, data_
     # Back to training well inside the collective timeout (the heartbeat timeout is 1 s;
     # the recovery benchmark measures the figure itself).
     assert recovery["ready_at"] - recovery["failed_at"] < 10, recovery
+    assert_same_training(run_dir, reference)
+
+
+def test_a_node_lost_before_the_first_commit_needs_no_trained_state(tmp_path, data_cache, reference):
+    """Two nodes of 4 ranks (PP 2 x DP 4: node 1 holds every replica of stage 1). Node 1
+    dies in step 0, before any step committed: no trained state exists, so nothing is lost;
+    the survivors draw their new stages from the seed, move no block, and train to the
+    failure-free model."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=4",
+              "cluster.devices_per_node=4", "odyssey.online_profile=false",
+              "--nnodes", "2", "--master-port", str(port), faults("{node: 1, step: 0, phase: backward, action: kill}")]
+    node0 = train(run_dir, data_cache, *common, node_rank=0)
+    node1 = train(run_dir, data_cache, *common, node_rank=1)
+    status, out, err = finish(node0)
+    finish(node1)
+    assert status == 0, err[-4000:]
+    (recovery,) = recoveries(run_dir)
+    assert recovery["failed_ranks"] == [4, 5, 6, 7] and recovery["start_step"] == 0
+    plan = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "plan" and e["generation"] == 1)
+    assert plan["start_step"] == 0
     assert_same_training(run_dir, reference)
 
 

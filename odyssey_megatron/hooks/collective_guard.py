@@ -127,6 +127,8 @@ class CollectiveGuard:
         self.backend, self.timeout_s, self.slice_s = backend, timeout_s, slice_s
         self._aborted = threading.Event()
         self._reason = ""
+        self._generation: Optional[int] = None
+        """The generation whose groups are guarded now (``reopen``)."""
         self._lock = threading.Lock()
         self._groups: list[dist.ProcessGroup] = []
         self._graveyard: list[tuple[float, list]] = []
@@ -164,10 +166,12 @@ class CollectiveGuard:
         if aborted:  # made after the abort came: end them too
             self._abort_groups()
 
-    def abort(self, reason: str) -> None:
-        """End the generation's waits (callable from any thread, more than once)."""
+    def abort(self, reason: str, *, generation: Optional[int] = None) -> None:
+        """End the generation's waits (callable from any thread, more than once).
+        ``generation``: the one the abort is for; an abort that arrives for an earlier
+        one, after the worker moved on, is ignored."""
         with self._lock:
-            if self._aborted.is_set():
+            if self._aborted.is_set() or (generation is not None and generation != self._generation):
                 return
             self._reason = reason
             self._aborted.set()
@@ -196,13 +200,14 @@ class CollectiveGuard:
         """Hold ``objects`` (groups, works) until the collective timeout has passed."""
         self._graveyard.append((time.monotonic() + self.timeout_s + 1.0, objects))
 
-    def reopen(self) -> None:
-        """Before entering the next generation: clear the abort, drop what has surely ended."""
+    def reopen(self, generation: Optional[int] = None) -> None:
+        """Before entering ``generation``: clear the abort, drop what has surely ended."""
         now = time.monotonic()
         self._graveyard = [(until, kept) for until, kept in self._graveyard if until > now]
         with self._lock:
             self._aborted.clear()
             self._reason = ""
+            self._generation = generation
 
     @property
     def kept(self) -> int:

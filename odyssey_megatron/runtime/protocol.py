@@ -46,6 +46,7 @@ __all__ = [
     "RUN_SPEC",
     "abort_key",
     "applied_key",
+    "decided_key",
     "arrived_key",
     "final_key",
     "generation_prefix",
@@ -120,10 +121,17 @@ def abort_key(generation: int) -> str:
 
 
 def applied_key(generation: int, step: int) -> str:
-    """Counter: ranks of the generation that took ``step``'s optimizer step. The step is
-    committed once it equals the generation's world size; the controller freezes it
-    (``FROZEN``) when a failure ends the generation, so a late rank cannot commit it."""
+    """Counter: ranks of the generation whose gradients for ``step`` are final
+    (``step_ledger``). The step is committed once it equals the generation's training
+    ranks; the controller freezes it (``FROZEN``) when a failure ends the generation, so a
+    late rank cannot commit it."""
     return generation_prefix(generation) + f"applied/{step}"
+
+
+def decided_key(generation: int, step: int) -> str:
+    """Whether ``step`` committed (``step_ledger``): set once its counter decided it, by the
+    rank that completed it or by the controller that froze it."""
+    return generation_prefix(generation) + f"decided/{step}"
 
 
 FROZEN = -(1 << 40)
@@ -166,6 +174,8 @@ def _conforms(value: Any, annotation: str) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if base == "str":
         return isinstance(value, str)
+    if base == "bool":
+        return isinstance(value, bool)
     if base in ("tuple[int, ...]", "tuple[float, ...]"):
         return isinstance(value, (list, tuple)) and all(_conforms(v, base[6:-6]) for v in value)
     raise TypeError(f"no JSON check for {annotation}")
@@ -302,11 +312,15 @@ class PlanPublished:
     program: StepProgram
     published_at: float
     start_step: int = 0
-    """The first step the generation runs: the number of steps committed before it. A rank
-    that took a later optimizer step rolls it back."""
+    """The first step the generation runs: the number of steps committed before it."""
+    fresh: bool = False
+    """No step has committed since the run started (or resumed): no trained state exists,
+    so every worker draws its stage from the seed (or the resumed checkpoint) and no block
+    moves, whatever it held before."""
 
     def to_json(self) -> str:
         return json.dumps({"kind": "plan", "published_at": self.published_at, "start_step": self.start_step,
+                           "fresh": self.fresh,
                            "plan": publish(self.plan, self.program)}, allow_nan=False)
 
     @classmethod
@@ -314,8 +328,9 @@ class PlanPublished:
         """Parse, refusing a plan not newer than ``current_generation`` (the reader's; -1 before any)."""
         data = _loads(text)
         if not (isinstance(data, dict) and data.get("kind") == "plan" and _conforms(data.get("published_at"), "float")
-                and _conforms(data.get("start_step"), "int")):
-            raise ProtocolError(f"expected a 'plan' message with published_at and start_step; got {str(data)[:200]}")
+                and _conforms(data.get("start_step"), "int") and _conforms(data.get("fresh"), "bool")):
+            raise ProtocolError(f"expected a 'plan' message with published_at, start_step and fresh; got "
+                                f"{str(data)[:200]}")
         try:
             plan, program = read_published(data["plan"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -323,7 +338,8 @@ class PlanPublished:
         if plan.generation <= current_generation:
             raise StaleGenerationError(f"plan generation {plan.generation} is stale: generation {current_generation} "
                                        "is already running")
-        return cls(plan=plan, program=program, published_at=data["published_at"], start_step=data["start_step"])
+        return cls(plan=plan, program=program, published_at=data["published_at"], start_step=data["start_step"],
+                   fresh=data["fresh"])
 
 
 # -- liveness ------------------------------------------------------------------------

@@ -70,6 +70,12 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     if launch.node_rank != 0:
         status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
+    if config.odyssey.staggered_optimizer:
+        # A staggered rank steps before the global norm, so before its step commits: the
+        # live run commits every step first, and its decisions price exactly that step.
+        log.info("odyssey train: the optimizer steps after each step commits (odyssey.staggered_optimizer "
+                 "is for odyssey plan and simulate)")
+        config = replace(config, odyssey=replace(config.odyssey, staggered_optimizer=False))
     private_directory(run_dir)
     start_step = 0
     if resume is not None:
@@ -108,10 +114,13 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
 
 
 def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
-    """The owner thread: run to the end, then release the workers."""
+    """The owner thread: run to the end, then release the workers. If it fails, it first
+    ends the running generation, so no worker trains on unrecorded."""
     try:
         final = run.run()
         outcome.append(TrainOutcome(0, f"trained {run.committed} steps; final model in {final}"))
+        run.store.set(RUN_DONE, "1")
+        return
     except UnrecoverableFailure as exc:
         checkpoint = latest_checkpoint(run.run_dir)
         then = (f"; resume from the checkpoint of step {checkpoint[0]} with: odyssey train --resume {run.run_dir}"
@@ -122,6 +131,9 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
     except Exception as exc:  # noqa: BLE001 - the launcher must still be released
         log.exception("run: failed")
         outcome.append(TrainOutcome(1, f"{type(exc).__name__}: {exc}"))
+    try:
+        if run.plan is not None:
+            run.end_generation()
     finally:
         run.store.set(RUN_DONE, "1")
 

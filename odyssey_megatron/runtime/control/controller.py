@@ -123,16 +123,16 @@ class Controller:
             return None
 
     def publish_plan(self, plan: ExecutionPlan, program: StepProgram, *, start_step: int = 0,
-                     estimated_step_s: float | None = None) -> None:
+                     fresh: bool = False, estimated_step_s: float | None = None) -> None:
         """Publish ``plan`` with its step program as JSON under its generation's key, to
         be run from step ``start_step``; generations go up one by one, so an older or
         repeated one is refused (a decision overtaken by a newer one). ``estimated_step_s``
-        (the estimator's step time) goes into the record."""
+        (the estimator's step time) goes into the record; ``fresh``: see ``PlanPublished``."""
         if plan.generation != self.published_generation + 1:
             problem = "stale" if plan.generation <= self.published_generation else "not the next one"
             raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
                                        f"{self.published_generation} was published last")
-        published = PlanPublished(plan, program, time.time(), start_step)  # checks that the program is the plan's
+        published = PlanPublished(plan, program, time.time(), start_step, fresh)  # checks that the program is the plan's
         self.record.plan(plan, program)
         self.store.set(plan_key(plan.generation), published.to_json())
         self.published_generation = plan.generation

@@ -2,11 +2,14 @@
 steps into ``samples.jsonl``, and on every failure runs the decision center and
 publishes the next generation.
 
-A step is committed when every rank of its generation has counted its optimizer step
-under ``protocol.applied_key``. On a failure the owner ends the generation (the abort key
-for ranks waiting on the store) and freezes the counter of the first uncommitted step,
-so the commit is decided exactly once: committed steps stay, the rest replays in the
-next generation from ``start_step``, on the same global batch.
+A step is committed when every training rank of its generation has counted into it
+(``runtime.step_ledger``: gradients final, optimizer step not yet applied). On a failure
+the owner ends the generation (the abort key, which ends every rank's waits) and freezes
+the counters from the first step it has not collected: each step the ranks completed
+commits, the next one is frozen and applied nowhere, so the commit is decided exactly
+once and nothing rolls back: committed steps stay, the rest replays in the next
+generation from ``start_step``, on the same global batch. Until a first step commits no
+trained state exists, and the plans published say so (``fresh``).
 
 What survivors hold when a failure strikes: the blocks of the last generation whose
 first step committed (the last *settled* plan), plus what a later one moved to them
@@ -37,16 +40,15 @@ from odyssey_megatron.runtime.control.detector import Cause, Failure
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
 from odyssey_megatron.runtime.final_model import merge_final_parts
 from odyssey_megatron.runtime.protocol import (
-    FROZEN,
     RUN_DONE,
     ProtocolError,
     StepReport,
     abort_key,
-    applied_key,
     final_key,
     ready_key,
     step_report_key,
 )
+from odyssey_megatron.runtime.step_ledger import StepLedger
 from odyssey_megatron.schedules.program import StepProgram
 
 __all__ = ["RunFailed", "TrainingRun"]
@@ -86,6 +88,8 @@ class TrainingRun:
         self.iters = config.training.train_iters
         self.committed = start_step
         """Steps committed so far: the next generation's start step."""
+        self.first_step = start_step
+        """The step this invocation started at: until one more commits, no trained state exists."""
         self.plan: Optional[ExecutionPlan] = None
         """The generation published last."""
         self._program: Optional[StepProgram] = None
@@ -145,8 +149,16 @@ class TrainingRun:
             return False
         return self.store.add(final_key(self.plan.generation), 0) == len(self._training_ranks(self.plan))
 
+    @property
+    def fresh(self) -> bool:
+        """No step committed since this invocation started: no trained state exists."""
+        return self.committed == self.first_step
+
+    def _ledger(self, plan: ExecutionPlan) -> StepLedger:
+        return StepLedger(self.store, generation=plan.generation, training_ranks=len(self._training_ranks(plan)))
+
     def _publish(self, plan: ExecutionPlan, estimated_step_s: float) -> None:
-        self.controller.publish_plan(plan, self.center.program, start_step=self.committed,
+        self.controller.publish_plan(plan, self.center.program, start_step=self.committed, fresh=self.fresh,
                                      estimated_step_s=estimated_step_s)
         self.plan, self._program = plan, self.center.program
         self._start_steps[plan.generation] = self.committed
@@ -172,9 +184,9 @@ class TrainingRun:
     # -- commits ------------------------------------------------------------------------
 
     def _collect_commits(self) -> None:
-        generation, world = self.plan.generation, len(self._training_ranks(self.plan))
-        while self.committed < self.iters and self.store.add(applied_key(generation, self.committed), 0) == world:
-            self._commit(generation, self.committed)
+        ledger = self._ledger(self.plan)
+        while self.committed < self.iters and ledger.committed(self.committed):
+            self._commit(self.plan.generation, self.committed)
 
     def _commit(self, generation: int, step: int) -> None:
         """Record committed ``step``: its samples and loss, checked to cover every micro-batch once."""
@@ -221,7 +233,7 @@ class TrainingRun:
             while (more := self.controller.next_failure(timeout=0)) is not None:
                 failures.append(more)
             seen += failures
-            self._end_generation()
+            self.end_generation()
             decision = self._decide(failures)
             self._recovery = _Recovery(generation=decision.chosen.plan.generation, failures=list(seen),
                                        restarts=restarts, decided_at=time.time(),
@@ -230,15 +242,13 @@ class TrainingRun:
             failures = self._wait_ready()
             restarts += 1
 
-    def _end_generation(self) -> None:
-        """Stop the running generation: the abort key, and freeze the first uncommitted
-        step's counter (if every rank had counted it, it is committed first)."""
-        generation, world = self.plan.generation, len(self._training_ranks(self.plan))
-        self.store.set(abort_key(generation), "1")
+    def end_generation(self) -> None:
+        """Stop the running generation: the abort key, and freeze its step counters (the
+        steps every rank completed commit first, in order)."""
+        self.store.set(abort_key(self.plan.generation), "1")
         if self.committed < self.iters:
-            before = self.store.add(applied_key(generation, self.committed), FROZEN) - FROZEN
-            if before == world:
-                self._commit(generation, self.committed)
+            for step in self._ledger(self.plan).freeze(self.committed, self.iters - 1):
+                self._commit(self.plan.generation, step)
 
     def _decide(self, failures: list[Failure]) -> Decision:
         """Run the decision center from the settled plan on the new survivors."""
@@ -249,7 +259,7 @@ class TrainingRun:
         self._before = self.center.plan
         decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
         lost = sorted({t.layer for t in decision.chosen.plan.transfers if t.src is None}, key=block_sort_key)
-        if lost:
+        if lost and not self.fresh:  # fresh: every block is drawn again from the seed or checkpoint
             failed = sorted(self.center.cluster.failed_ranks)
             raise UnrecoverableFailure(f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
                                        f"{failed} failed): no survivor holds them")

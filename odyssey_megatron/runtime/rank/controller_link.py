@@ -91,8 +91,9 @@ class ControllerLink:
     it starts up: the detector's start-up grace); set it once entered."""
     watching: Optional[int]
     """The plan generation the worker enters or runs; set it on adopting a plan."""
-    on_abort: Optional[Callable[[str], None]]
-    """Called (on the heartbeat thread) once the controller aborts ``watching``."""
+    on_abort: Optional[Callable[[int], None]]
+    """Called with the generation (on the heartbeat thread) once the controller aborts
+    ``watching``; the worker may have moved on to the next one meanwhile."""
 
     def __init__(self, launch: WorkerLaunch):
         self.launch = launch
@@ -152,7 +153,7 @@ class ControllerLink:
                 if generation is not None and generation != aborted and self._beats.check([abort_key(generation)]):
                     aborted = generation
                     if self.on_abort is not None:
-                        self.on_abort(f"the controller ended generation {generation}")
+                        self.on_abort(generation)
             except (dist.DistError, ProtocolError) as exc:
                 self._controller_lost(f"store unreachable: {str(exc).splitlines()[0]}")
             if controller.stale(time.monotonic()):

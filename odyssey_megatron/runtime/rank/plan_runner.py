@@ -88,8 +88,9 @@ class PlanRunner:
         with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``).
         ``emulation`` paces every op to a profile's device time (``runtime.rank.emulation``);
         Megatron's schedule cannot be paced, so the op-list executor runs. ``on_phase`` is
-        called as the step enters each phase (forward, backward, grad_sync, optimizer), once
-        per micro-batch for the forward and backward: where a fault injector acts.
+        called as the step enters each phase (forward, backward, grad_sync, optimizer: after
+        the global norm and the commit, before the step is applied), once per micro-batch
+        for the forward and backward: where a fault injector acts.
         ``op_timers`` becomes Megatron's ``timers`` of the model and optimizer configs
         (``runtime.rank.op_timers``): each op's seconds, for the online profile.
         ``collective_timeout``: the plan's process groups' timeout (``build_plan_groups``)."""
@@ -207,14 +208,19 @@ class PlanRunner:
             self._take_snapshot()
         return retaken
 
-    def finish_step(self, losses: dict[int, float], *, apply: bool = True) -> StepResult:
+    def finish_step(self, losses: dict[int, float], *, apply: bool = True,
+                    commit: Callable[[], None] | None = None) -> StepResult:
         """Second half: DP sync, global-norm clipping and (if ``apply``) the optimizer
-        step; staggered, the step is taken now and clipping is settled later."""
+        step; staggered, the step is taken now and clipping is settled later. ``commit``
+        (not with a staggered program) is called once the gradients are final, before the
+        step is applied: the live run's commit, which raises if the step did not commit."""
         self._on_phase("grad_sync")
         self.grad_sync.sync()
-        if apply:
-            self._on_phase("optimizer")
         if self.staggered_optimizer and apply:
+            if commit is not None:
+                raise ValueError("a staggered optimizer step is taken before the global norm: it cannot wait "
+                                 "for its commit")
+            self._on_phase("optimizer")
             with self.clock.optimizer_step(None):
                 self.optimizer.grads_to_masters()
                 self._speculative = StaggeredStep(self.optimizer, group=self.groups.norm_group,
@@ -225,6 +231,9 @@ class PlanRunner:
             self.optimizer.grads_to_masters()
             norm = self.optimizer.clip()
             if apply:
+                if commit is not None:
+                    commit()
+                self._on_phase("optimizer")
                 self.optimizer.step()
         return StepResult(losses=losses, grad_norm=norm)
 

@@ -4,10 +4,12 @@ trains plan generation after plan generation until the run is done.
 A generation is one plan: the worker joins a fresh process group among the plan's
 participants (on the generation's store prefix), moves the blocks the plan's transfers
 name, builds its stage on Megatron-Core from the per-block state it holds and trains
-from the plan's ``start_step``. A step counts once every rank of the generation has taken
-its optimizer step (``protocol.applied_key``); before its next optimizer step a rank
-waits for that, and keeps a host copy of its blocks from before its own, so that at most
-one step can run ahead of the commit and a rank that took it rolls it back.
+from the plan's ``start_step``. A step counts once every rank of the generation has its
+final gradients (``runtime.step_ledger``); a rank applies its optimizer step only after
+that, so a step that did not commit was applied nowhere and nothing is ever rolled back.
+Until the first step of the run (or of a resumed run) commits, no trained state exists:
+a worker entering a generation then (``PlanPublished.fresh``) draws its stage from the
+seed or the checkpoint, and no block moves.
 
 When a peer fails, the survivors' collectives end: gloo reports a closed connection as
 soon as a dead peer's sockets close, and where nothing closes (a frozen node, a dropped
@@ -53,8 +55,8 @@ from odyssey_megatron.runtime.protocol import (
     StepReport,
     WorkerLaunch,
     abort_key,
-    applied_key,
     arrived_key,
+    decided_key,
     final_key,
     plan_key,
     process_group_prefix,
@@ -66,6 +68,7 @@ from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+from odyssey_megatron.runtime.step_ledger import COMMITTED, StepLedger
 
 __all__ = ["GenerationEnded", "train_worker"]
 
@@ -135,18 +138,19 @@ class Worker:
         """Ends every wait on the generation's groups when the controller aborts it."""
         prepare_backend(self.accelerator.backend)
         self.guard.install()
-        link.on_abort = self.guard.abort
+        link.on_abort = lambda generation: self.guard.abort(f"the controller ended generation {generation}",
+                                                            generation=generation)
         self.group_store = self.store.clone()
         """The process groups' rendezvous: waits no longer than a collective may."""
         self.group_store.set_timeout(self.collective_timeout)
         self.state: Optional[TrainingState] = None
-        self.snapshot: Optional[TrainingState] = None
-        """A host copy of the blocks from before the last optimizer step taken, which may not commit."""
         self.spare: Optional[TrainingState] = None
         """Blocks held before this generation that its stage does not train (``_set_aside``)."""
         self.runner: Optional[PlanRunner] = None
         self.training_ranks = 0
         """Ranks that train in the current generation: those that count its steps."""
+        self.ledger: Optional[StepLedger] = None
+        """The current generation's step counters."""
         self.generation = -1
         self.step = 0
         """The step running (or, between steps, the next one)."""
@@ -196,11 +200,14 @@ class Worker:
 
     def _run_generation(self, published: PlanPublished) -> None:
         plan, program = published.plan, published.program
-        self.guard.reopen()
+        self.guard.reopen(plan.generation)
         self.phase, self.step = "recovery", published.start_step
         self.start_step = published.start_step
         ranks = RankMap.of(plan.participants, self.tp)
         self.training_ranks = len(plan.workers) * self.tp
+        self.ledger = StepLedger(self.group_store, generation=plan.generation, training_ranks=self.training_ranks)
+        if published.fresh:  # nothing trained yet: what is held now is drawn again for the new stage
+            self.state, self.spare = None, None
         if self.worker_id not in ranks.workers:  # no stage and nothing to send: idle until the next plan
             log.info("rank %d: idle in generation %d", self.launch.rank, plan.generation)
             if self.state is not None:
@@ -217,14 +224,14 @@ class Worker:
                                 store=dist.PrefixStore(process_group_prefix(plan.generation), self.group_store),
                                 timeout=self.collective_timeout)
         self.guard.track([dist.distributed_c10d._get_default_group()])
-        if self.state is None:
-            self.state = self._first_state(plan, ranks, rank)
-        self._roll_back_to(published.start_step)
-        self.phase = "transfer"
         training = self.worker_id in plan.workers
+        if self.state is None:
+            self.state = self._first_state(plan, ranks, rank) if training else TrainingState()
+        self._check_steps(published.start_step)
+        self.phase = "transfer"
         needed = worker_blocks(self.config.model, plan, self.worker_id)
         held = dict(self.state.blocks)
-        if plan.transfers:
+        if plan.transfers and not published.fresh:
             self.injector.fire("transfer", self.step)
             execute_transfers(plan=plan, state=self.state, rank=rank, ranks=ranks, model=self.config.model,
                               device=self.device)
@@ -251,8 +258,6 @@ class Worker:
                 self._save_checkpoint(step)
             self._train_step(step)
         self.step = train.train_iters
-        if published.start_step < train.train_iters:
-            self._wait_committed(train.train_iters - 1)
         write_final_part(self.run_dir, plan=plan, model=self.config.model, worker=self.worker_id,
                          tp_rank=self.tp_rank, state=self.runner.training_state(), rank=self.launch.rank)
         self.store.add(final_key(plan.generation), 1)
@@ -279,14 +284,10 @@ class Worker:
         return initial_state(plan=plan, rank=rank, ranks=ranks, model=self.config.model,
                              seed=self.config.training.seed, device=self.device)
 
-    def _roll_back_to(self, committed: int) -> None:
-        """Hold every block as of ``committed`` steps: a block that took the step after it
-        (which did not commit) goes back to the host copy from before that step."""
-        ahead = [block for block, state in self.state.blocks.items() if state.step == committed + 1]
-        if ahead:  # the trained blocks stepped; spare ones set aside from before did not
-            log.info("rank %d: rolling back step %d, which did not commit", self.launch.rank, committed)
-            self.state.blocks.update({block: self.snapshot.blocks[block] for block in ahead})
-            self.snapshot = None
+    def _check_steps(self, committed: int) -> None:
+        """Every block held has taken exactly ``committed`` steps: a rank applies only
+        committed steps, so anything else means it could not learn a step's fate (its
+        wait for the decision failed) and cannot join."""
         steps = {block.step for block in self.state.blocks.values()}
         if steps - {committed}:
             raise RuntimeError(f"blocks at steps {sorted(steps)}; generation {self.generation} starts after "
@@ -301,21 +302,29 @@ class Worker:
             return {key: loaded[key] for key in ("tokens", "labels", "position_ids")}
 
         self.phase = "forward"
-        result = self.runner.train_step(batch)
-        self.runner.settle()
-        order = sorted(result.losses)
+        losses = self.runner.forward_backward(batch)
+        self.runner.finish_step(losses, commit=lambda: self._commit(step, losses, samples))
+
+    def _commit(self, step: int, losses: dict[int, float], samples: dict[int, list[int]]) -> None:
+        """With this rank's gradients final: report the step, count in, and return once it
+        committed (then the optimizer step is applied); GenerationEnded if it was frozen."""
+        order = sorted(losses)
         times = self.op_timers.take() if self.op_timers is not None else dict.fromkeys(op_timers.TIMED, (0.0, 0))
-        report = StepReport(self.launch.rank, tuple(order), tuple(result.losses[m] for m in order),
+        report = StepReport(self.launch.rank, tuple(order), tuple(losses[m] for m in order),
                             tuple(i for m in order for i in samples[m]), *times[op_timers.FORWARD],
                             *times[op_timers.BACKWARD], *times[op_timers.WEIGHT_GRAD],
                             times[op_timers.OPTIMIZER][0])
         self.store.append(step_report_key(self.generation, step), report.to_json() + "\n")
-        self.store.add(applied_key(self.generation, step), 1)
+        committed = self.ledger.count_in(step)
+        if committed is None:
+            committed = self.ledger.wait_decided(step, timeout=self.collective_timeout)
+        if not committed:
+            raise GenerationEnded(f"step {step} did not commit")
+        self.spare = None  # a step of this generation committed: it is settled
 
     def _save_checkpoint(self, committed: int) -> None:
         """Save the blocks after ``committed`` steps, with every training rank."""
         self.phase = "checkpoint"
-        self._wait_committed(committed - 1)
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
@@ -326,30 +335,9 @@ class Worker:
 
     def _on_phase(self, phase: str) -> None:
         self.phase = phase
-        if phase == "optimizer":
-            if self.step > self.start_step:  # earlier steps committed before the generation began
-                self._wait_committed(self.step - 1)
-            state = self.runner.training_state()
-            self.snapshot = state.copy(torch.device("cpu"))
         self.injector.fire(phase, self.step)
 
     # -- waiting on the store ----------------------------------------------------------
-
-    def _wait_committed(self, step: int) -> None:
-        """Until every rank of the generation has taken ``step``'s optimizer step;
-        GenerationEnded if the controller froze it (a failure) or ended the generation."""
-        key, world = applied_key(self.generation, step), self.training_ranks
-        deadline = time.monotonic() + self.timeouts.collective_timeout
-        while True:
-            count = self.store.add(key, 0)
-            if count == world:
-                self.spare = None  # a step of this generation committed: it is settled
-                return
-            if count < 0 or self.guard.aborted or self.store.check([abort_key(self.generation)]):
-                raise GenerationEnded(f"step {step} did not commit")
-            if time.monotonic() > deadline:
-                raise GenerationEnded(f"step {step} did not commit within the collective timeout")
-            time.sleep(self.timeouts.poll_interval / 10)
 
     def _wait_all_arrived(self, world_size: int) -> None:
         """Count this rank in and wait for the generation's every rank, or its abort."""
@@ -366,8 +354,8 @@ class Worker:
 
     def _first_step_committed(self) -> bool:
         """Whether the generation's first step committed: its plan is then the settled one."""
-        key = applied_key(self.generation, self.start_step)
-        return self.store.check([key]) and self.store.add(key, 0) == self.training_ranks
+        key = decided_key(self.generation, self.start_step)
+        return self.store.check([key]) and self.store.get(key) == COMMITTED
 
     def _wait_until_ended(self) -> None:
         """An idle worker (or one done training) waits for the next plan or the run's end;

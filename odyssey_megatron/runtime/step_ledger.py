@@ -1,0 +1,93 @@
+"""When a training step counts: one counter per step in the store, decided exactly once.
+
+A rank counts itself into step ``s`` (``count_in``) once its gradients are final (synced
+across its DP peers and clipped by the global norm) and its ``StepReport`` is in the
+store, and only then applies its optimizer step. The step commits when the counter reaches
+the generation's training ranks. Applying it needs no other rank (the global norm is known
+by then), so a failure after the commit loses nothing: the failed rank's DP replicas apply
+the same step, and the next generation starts after it. A failure before the commit
+freezes the counter (``freeze``: the controller adds ``FROZEN``), so no rank applies the
+step; nothing ever has to be rolled back, and no rank keeps a copy of its state for that.
+
+The atomic ``add`` on the counter is the one decision: a rank whose add brings it to the
+world size, or the controller whose freezing add finds it there, knows the step
+committed; whoever knows writes the decision key, which wakes the ranks waiting for it
+without polling. ``freeze`` walks every step from the first one the controller has not
+collected yet, so a controller that lags behind the ranks commits what they committed.
+
+Both sides of the runtime use it (the rank side to count in and wait, the control side to
+collect and freeze); it knows nothing but a store (``dist.Store``'s ``add``, ``set``,
+``get``, ``check``, ``wait``), so the rules are unit-tested over a dict.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Protocol
+
+from odyssey_megatron.runtime.protocol import FROZEN, applied_key, decided_key
+
+__all__ = ["COMMITTED", "NOT_COMMITTED", "StepLedger", "StepStore"]
+
+COMMITTED = b"committed"
+NOT_COMMITTED = b"frozen"
+
+
+class StepStore(Protocol):
+    def add(self, key: str, amount: int) -> int: ...
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
+
+
+class StepLedger:
+    """The steps of one plan generation, trained by ``training_ranks`` ranks."""
+
+    def __init__(self, store: StepStore, *, generation: int, training_ranks: int):
+        self.store, self.generation, self.training_ranks = store, generation, training_ranks
+
+    # -- the rank side ------------------------------------------------------------------
+
+    def count_in(self, step: int) -> bool | None:
+        """Count this rank into ``step``: True if that committed it, False if the step was
+        frozen already, None if others are still to come (``wait_decided``)."""
+        count = self.store.add(applied_key(self.generation, step), 1)
+        if count == self.training_ranks:
+            self.store.set(decided_key(self.generation, step), COMMITTED)
+            return True
+        return False if count < 0 else None
+
+    def wait_decided(self, step: int, *, timeout: datetime.timedelta) -> bool:
+        """Whether ``step`` committed, once it is decided; a store error (the controller
+        gone, or ``timeout`` passed) propagates."""
+        key = decided_key(self.generation, step)
+        self.store.wait([key], timeout)
+        return self.store.get(key) == COMMITTED
+
+    # -- the control side ---------------------------------------------------------------
+
+    def committed(self, step: int) -> bool:
+        """Whether every training rank counted into ``step`` (it is not frozen)."""
+        return self.store.add(applied_key(self.generation, step), 0) == self.training_ranks
+
+    def freeze(self, first: int, last: int) -> list[int]:
+        """End the generation's counting from step ``first`` on: each step that every rank
+        had counted into by now is committed (returned, in order); the first that was not
+        is frozen, so no rank applies it (or any later one). ``last``: the last step of the
+        run, beyond which nothing is frozen."""
+        committed = []
+        for step in range(first, last + 1):
+            decided = decided_key(self.generation, step)
+            if self.store.check([decided]) and self.store.get(decided) == COMMITTED:
+                committed.append(step)  # its last rank decided it already
+                self.store.add(applied_key(self.generation, step), FROZEN)
+                continue
+            before = self.store.add(applied_key(self.generation, step), FROZEN) - FROZEN
+            if before == self.training_ranks:
+                self.store.set(decided_key(self.generation, step), COMMITTED)
+                committed.append(step)
+                continue
+            self.store.set(decided_key(self.generation, step), NOT_COMMITTED)
+            break
+        return committed
