@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import ConfigError, config_yaml, load_config
+from odyssey_megatron.config import ConfigError, config_yaml, load_config, load_recipe
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
@@ -241,7 +241,7 @@ def _describe(decision: Decision, failed: str) -> str:
 def _plan_command(args: argparse.Namespace) -> int:
     from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
 
-    config = load_config(args.config, args.overrides)
+    config, bridge = load_recipe(args.config, args.overrides)
     if args.print_config:
         print(config_yaml(config), end="")
         return 0
@@ -249,7 +249,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     try:
         center = DecisionCenter.from_recipe(config, profile=profile)
     except ValueError as exc:
-        raise ConfigError("parallel", str(exc)) from None
+        raise (bridge.plan_error(str(exc), config) if bridge else ConfigError("parallel", str(exc))) from None
     failed, failed_nodes = sorted(set(args.failed)), sorted(set(args.failed_nodes))
     world = config.parallel.num_ranks
     bad = [r for r in failed if not 0 <= r < world]

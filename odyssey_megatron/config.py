@@ -53,6 +53,7 @@ __all__ = [
     "TrainingConfig",
     "config_yaml",
     "load_config",
+    "load_recipe",
 ]
 
 log = logging.getLogger(__name__)
@@ -818,23 +819,30 @@ def _model_spec_layer(recipe: DictConfig, cli: DictConfig) -> list[DictConfig]:
     return [OmegaConf.create({"model": spec})] if spec else []
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--config") -> RecipeConfig:
+def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                flag: str = "--config") -> tuple[RecipeConfig, Optional[BridgeRecipe]]:
     """Load and validate a recipe, in this layout or Megatron-Bridge's (the overrides in the
     file's); raises ConfigError with a one-line explanation naming the key as the user
-    wrote it (``flag`` names the file: the command-line flag or the scenario key). What a
-    valid Bridge recipe holds that the plugin does not use is named in one warning."""
+    wrote it (``flag`` names the file: the command-line flag or the scenario key). Also
+    returns the Bridge reading, whose ``user_error`` names later errors in Bridge's keys;
+    what a valid Bridge recipe holds that the plugin does not use is named in one warning."""
     schema = OmegaConf.structured(RecipeConfig)
     loaded, cli = read_layers(path, overrides, flag=flag, schema=schema)
     if not is_bridge_recipe(loaded):
-        return build_structured(schema, loaded, cli, defaults=_model_spec_layer)
+        return build_structured(schema, loaded, cli, defaults=_model_spec_layer), None
     bridge = BridgeRecipe.translate(loaded, cli)
     try:
         config = build_structured(schema, bridge.recipe, OmegaConf.create(), defaults=_model_spec_layer)
     except ConfigError as exc:
         raise bridge.user_error(exc) from None
-    if bridge.ignored:
-        log.warning(bridge.ignored_note())
-    return config
+    for note in bridge.notes(config):
+        log.warning(note)
+    return config, bridge
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--config") -> RecipeConfig:
+    """``load_recipe``'s validated recipe."""
+    return load_recipe(path, overrides, flag=flag)[0]
 
 
 def config_yaml(config: Any) -> str:
