@@ -29,7 +29,7 @@ from typing import NoReturn, Sequence
 from odyssey_megatron import limits
 from odyssey_megatron.config import ConfigError, config_yaml, load_config, load_recipe
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
-from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS
+from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 EXIT_USAGE = 2
@@ -142,8 +142,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                        help="continue a run that stopped with exit 3 from its checkpoint")
     for field, (flag, env) in LAUNCH_FLAGS.items():
         if field != "nproc_per_node":
+            slurm = f", then ${SLURM_VARIABLES[field]}" if field in SLURM_VARIABLES else ""
             train.add_argument(flag, action=_Once, default=None, dest=field,
-                               help=f"torchrun's {flag} (else ${env})")
+                               help=f"torchrun's {flag} (else ${env}{slurm})")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. 'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'")
     report = commands.add_parser("report", help="plots and a summary of an odyssey train run", allow_abbrev=False)
