@@ -538,7 +538,8 @@ def _dtype(settings: Mapping[str, tuple[str, Any]], names: dict[str, str]) -> st
             if key == "model.params_dtype":
                 this = DTYPES.get(value) if isinstance(value, str) else None
                 if this is None:
-                    raise ConfigError(written, f"must be one of {', '.join(sorted(set(DTYPES)))}; got {value!r}")
+                    raise ConfigError(written, "must be one of bf16, fp16, fp32 (Bridge writes torch.bfloat16, "
+                                               f"torch.float16, torch.float32); got {value!r}")
             elif not isinstance(value, bool):
                 raise ConfigError(written, f"must be true or false; got {value!r}")
             elif not value:

@@ -163,7 +163,7 @@ def test_errors_about_other_keys_use_bridge_names_too():
     ("cluster.devices_per_nodes=8", "cluster.devices_per_nodes: unknown key"),
     ("dataset.seq_length=128", "dataset.seq_length: must agree with model.seq_length (64), which sets the same; got 128"),
     ("model.bf16=true", "model.bf16: must agree with model.params_dtype ('fp32')"),
-    ("model.params_dtype=torch.float8_e4m3fn", "model.params_dtype: must be one of 16-mixed, 32-true"),
+    ("model.params_dtype=torch.float8_e4m3fn", "model.params_dtype: must be one of bf16, fp16, fp32 (Bridge writes"),
     ("model.seq_length=???", "model.seq_length: ??? is not a value"),
     ("train=3", "train: is a section and must be a mapping of its keys; got 3"),
 ])
