@@ -29,6 +29,7 @@ from typing import NoReturn, Sequence
 from odyssey_megatron import limits
 from odyssey_megatron.config import ConfigError, config_yaml, load_config, load_recipe
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
+from odyssey_megatron.plotting import pyplot
 from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
@@ -293,6 +294,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config_yaml({"scenario": scenario.config, "recipe": scenario.recipe}), end="")
         return 0
+    pyplot()  # before hours of simulation: a bad MPLBACKEND is one line
     events = scenario_events(scenario)
     default_out = Path("runs/simulate") / f"{Path(args.scenario).stem}-seed{scenario.config.seed}"
     run_dir = RunDir.prepare(args.out or default_out, key="--out", explicit=args.out is not None, force=args.force)
@@ -403,6 +405,7 @@ def _train_command(args: argparse.Namespace) -> int:
         raise ConfigError("--config", "is required (or --resume RUN_DIR)")
     else:
         config = load_config(args.config, args.overrides)
+    pyplot()  # the report drawn at the end
     flags = {field: getattr(args, field) for field in LAUNCH_FLAGS if field != "nproc_per_node"}
     flags["nproc_per_node"] = str(config.cluster.devices_per_node)
     launch = LaunchConfig.resolve(flags, os.environ)

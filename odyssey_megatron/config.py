@@ -688,10 +688,13 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
     omegaconf would let the last silently win."""
     seen, cli = set(), OmegaConf.create()
     for item in overrides:
-        key, equals, _ = item.partition("=")
-        key = key.strip()
+        key, equals, value = item.partition("=")
+        if key != key.strip():
+            raise ConfigError(item, "an override must look like section.key=value, with no space before '='")
         if not equals or not _OVERRIDE_KEY.fullmatch(key):
             raise ConfigError(item, "an override must look like section.key=value")
+        if not value.strip():
+            raise ConfigError(key, "has no value after '='; give one (null unsets a setting)")
         if key in seen:
             raise ConfigError(key, "set twice among the overrides; give it once")
         seen.add(key)
@@ -828,6 +831,9 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (), *
     what a valid Bridge recipe holds that the plugin does not use is named in one warning."""
     schema = OmegaConf.structured(RecipeConfig)
     loaded, cli = read_layers(path, overrides, flag=flag, schema=schema)
+    if "recipe" in loaded and "model" not in loaded:
+        raise ConfigError(flag, f"{path} is a simulation scenario (it has recipe: {loaded.get('recipe')}), not a "
+                                "recipe; give it to odyssey simulate --scenario, or give its recipe here")
     if not is_bridge_recipe(loaded):
         return build_structured(schema, loaded, cli, defaults=_model_spec_layer), None
     bridge = BridgeRecipe.translate(loaded, cli)
