@@ -8,4 +8,11 @@ Megatron-Core lives (stage models, groups, gradient sync, per-block training sta
 them; ``report`` reads a run directory back into plots and a text summary.
 """
 
+import warnings
+
 __version__ = "0.1.0"
+
+# Megatron-Core warns at import that Transformer Engine and Apex are missing and that it
+# falls back to torch's kernels, which is how the plugin runs on CPUs and plain GPUs: a dozen
+# lines above every answer, saying nothing the user can act on.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed", category=UserWarning)

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import ConfigError, config_yaml, load_config
+from odyssey_megatron.config import ConfigError, config_yaml, load_config, load_recipe
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
-from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS
+from odyssey_megatron.plotting import pyplot
+from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 EXIT_USAGE = 2
@@ -142,8 +143,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                        help="continue a run that stopped with exit 3 from its checkpoint")
     for field, (flag, env) in LAUNCH_FLAGS.items():
         if field != "nproc_per_node":
+            slurm = f", then ${SLURM_VARIABLES[field]}" if field in SLURM_VARIABLES else ""
             train.add_argument(flag, action=_Once, default=None, dest=field,
-                               help=f"torchrun's {flag} (else ${env})")
+                               help=f"torchrun's {flag} (else ${env}{slurm})")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. 'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'")
     report = commands.add_parser("report", help="plots and a summary of an odyssey train run", allow_abbrev=False)
@@ -241,7 +243,7 @@ def _describe(decision: Decision, failed: str) -> str:
 def _plan_command(args: argparse.Namespace) -> int:
     from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
 
-    config = load_config(args.config, args.overrides)
+    config, bridge = load_recipe(args.config, args.overrides)
     if args.print_config:
         print(config_yaml(config), end="")
         return 0
@@ -249,7 +251,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     try:
         center = DecisionCenter.from_recipe(config, profile=profile)
     except ValueError as exc:
-        raise ConfigError("parallel", str(exc)) from None
+        raise (bridge.plan_error(str(exc), config) if bridge else ConfigError("parallel", str(exc))) from None
     failed, failed_nodes = sorted(set(args.failed)), sorted(set(args.failed_nodes))
     world = config.parallel.num_ranks
     bad = [r for r in failed if not 0 <= r < world]
@@ -292,6 +294,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config_yaml({"scenario": scenario.config, "recipe": scenario.recipe}), end="")
         return 0
+    pyplot()  # before hours of simulation: a bad MPLBACKEND is one line
     events = scenario_events(scenario)
     default_out = Path("runs/simulate") / f"{Path(args.scenario).stem}-seed{scenario.config.seed}"
     run_dir = RunDir.prepare(args.out or default_out, key="--out", explicit=args.out is not None, force=args.force)
@@ -402,6 +405,7 @@ def _train_command(args: argparse.Namespace) -> int:
         raise ConfigError("--config", "is required (or --resume RUN_DIR)")
     else:
         config = load_config(args.config, args.overrides)
+    pyplot()  # the report drawn at the end
     flags = {field: getattr(args, field) for field in LAUNCH_FLAGS if field != "nproc_per_node"}
     flags["nproc_per_node"] = str(config.cluster.devices_per_node)
     launch = LaunchConfig.resolve(flags, os.environ)

@@ -54,6 +54,7 @@ __all__ = [
     "TrainingConfig",
     "config_yaml",
     "load_config",
+    "load_recipe",
 ]
 
 log = logging.getLogger(__name__)
@@ -700,10 +701,13 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
     omegaconf would let the last silently win."""
     seen, cli = set(), OmegaConf.create()
     for item in overrides:
-        key, equals, _ = item.partition("=")
-        key = key.strip()
+        key, equals, value = item.partition("=")
+        if key != key.strip():
+            raise ConfigError(item, "an override must look like section.key=value, with no space before '='")
         if not equals or not _OVERRIDE_KEY.fullmatch(key):
             raise ConfigError(item, "an override must look like section.key=value")
+        if not value.strip():
+            raise ConfigError(key, "has no value after '='; give one (null unsets a setting)")
         if key in seen:
             raise ConfigError(key, "set twice among the overrides; give it once")
         seen.add(key)
@@ -829,23 +833,33 @@ def _model_spec_layer(recipe: DictConfig, cli: DictConfig) -> list[DictConfig]:
     return [OmegaConf.create({"model": spec})] if spec else []
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--config") -> RecipeConfig:
+def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                flag: str = "--config") -> tuple[RecipeConfig, Optional[BridgeRecipe]]:
     """Load and validate a recipe, in this layout or Megatron-Bridge's (the overrides in the
     file's); raises ConfigError with a one-line explanation naming the key as the user
-    wrote it (``flag`` names the file: the command-line flag or the scenario key). What a
-    valid Bridge recipe holds that the plugin does not use is named in one warning."""
+    wrote it (``flag`` names the file: the command-line flag or the scenario key). Also
+    returns the Bridge reading, whose ``user_error`` names later errors in Bridge's keys;
+    what a valid Bridge recipe holds that the plugin does not use is named in one warning."""
     schema = OmegaConf.structured(RecipeConfig)
     loaded, cli = read_layers(path, overrides, flag=flag, schema=schema)
+    if "recipe" in loaded and "model" not in loaded:
+        raise ConfigError(flag, f"{path} is a simulation scenario (it has recipe: {loaded.get('recipe')}), not a "
+                                "recipe; give it to odyssey simulate --scenario, or give its recipe here")
     if not is_bridge_recipe(loaded):
-        return build_structured(schema, loaded, cli, defaults=_model_spec_layer)
+        return build_structured(schema, loaded, cli, defaults=_model_spec_layer), None
     bridge = BridgeRecipe.translate(loaded, cli)
     try:
         config = build_structured(schema, bridge.recipe, OmegaConf.create(), defaults=_model_spec_layer)
     except ConfigError as exc:
         raise bridge.user_error(exc) from None
-    if bridge.ignored:
-        log.warning(bridge.ignored_note())
-    return config
+    for note in bridge.notes(config):
+        log.warning(note)
+    return config, bridge
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--config") -> RecipeConfig:
+    """``load_recipe``'s validated recipe."""
+    return load_recipe(path, overrides, flag=flag)[0]
 
 
 def config_yaml(config: Any) -> str:

@@ -41,6 +41,8 @@ _BOMS = [
 
 def read_text(path: str | Path, *, key: str, max_bytes: int = MAX_FILE_BYTES) -> str:
     """The file's text (a UTF-8 byte-order mark dropped); ``key`` names it in errors."""
+    if not str(path).strip():
+        raise ConfigError(key, "is empty; give the path of a file")
     path = Path(path)
     try:
         info = path.stat()

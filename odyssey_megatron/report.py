@@ -374,10 +374,9 @@ def _save(plt, figure, path: Path) -> None:
 def write_report(run: RunRecords, out: Path, *, baseline: RunRecords | None = None) -> dict[str, Path]:
     """``PLOTS`` and ``report.txt`` under ``out`` (replacing an earlier report's); returns
     their paths by file name."""
-    import matplotlib
+    from odyssey_megatron.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out = Path(out)
     try:

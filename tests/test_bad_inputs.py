@@ -128,6 +128,8 @@ FILE_CASES = {
     "bridge unknown section in file": recipe("train:\n  train_iters: 2\nschedular:\n  lr_warmup_iters: 2\n",
                                              ("schedular", "unknown key")),
     "section scalar": recipe("model: 3\n", ("model", "must be a mapping")),
+    "scenario as recipe": recipe(SCENARIO, ("--config", "is a simulation scenario", "odyssey simulate --scenario")),
+    "empty --config": Bad(["plan", "--config", ""], ("--config", "is empty")),
     "section list": recipe("model: [1, 2]\n", ("model", "must be a mapping")),
     "section null": recipe("model:\n", ("model", "must be a mapping")),
     "unknown section": recipe("modle:\n  num_layers: 4\n", ("modle", "unknown key")),
@@ -263,6 +265,8 @@ VALUE_CASES = {
     "model.spec=gpt5": plan("model.spec=gpt5", culprit="model.spec"),
     "model.spec=-1": plan("model.spec=-1", culprit=("model.spec", "got -1")),
     "model.spec=[1]": plan("model.spec=[1]", culprit=("model.spec", "got [1]")),
+    "model.spec= (empty)": plan("model.spec=", culprit=("model.spec", "has no value after '='")),
+    "space before =": plan("odyssey.policy =x", culprit=("odyssey.policy =x", "no space before '='")),
     "model.hidden_size=4001": plan("model.hidden_size=4001", culprit=("model.hidden_size", "divisible")),
     "model.num_query_groups=5": plan("model.num_query_groups=5", culprit="model.num_query_groups"),
     "training.micro_batch_size=3": plan("training.micro_batch_size=3", culprit="training.global_batch_size"),
@@ -685,6 +689,18 @@ def test_no_traceback_reaches_stderr_of_a_real_process(name, tmp_path, monkeypat
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("odyssey: error:")
+
+
+def test_a_bad_mplbackend_is_one_line_before_anything_is_simulated(tmp_path, monkeypatch):
+    """A process of its own: matplotlib reads MPLBACKEND once, when first imported."""
+    argv = _prepare(Bad(["simulate", "--scenario", "@TMP/s.yaml"], ()), tmp_path, monkeypatch)
+    before = _snapshot(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "odyssey_megatron.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "bogus"})
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("odyssey: error: MPLBACKEND: 'bogus' is not a "
+                                                                   "valid value for backend"), done.stderr
+    assert _snapshot(tmp_path) == before
 
 
 def test_an_interrupted_simulation_leaves_no_files(tmp_path, monkeypatch, capsys):

@@ -36,7 +36,7 @@ from odyssey_megatron.simulator.scenario import FailureProcess, ScenarioConfig, 
 REPO = Path(__file__).resolve().parents[1]
 BRIDGE = REPO / "recipes/llama2_7b/bridge_tiny.yaml"
 TINY = REPO / "recipes/llama2_7b/tiny_cpu.yaml"
-IGNORED_SECTIONS = "sections scheduler, checkpoint, ddp, mixed_precision"
+IGNORED_SECTIONS = "sections scheduler, checkpoint"
 
 
 @pytest.fixture(autouse=True)
@@ -93,12 +93,16 @@ def test_the_ignored_sections_are_named_in_one_line(caplog, tmp_path):
     notes = [record.getMessage() for record in caplog.records]
     assert len(notes) == 1
     assert IGNORED_SECTIONS in notes[0]
-    assert "keys train.eval_interval, optimizer.min_lr, dataset.num_workers, logger.log_interval" in notes[0]
+    # Named where they differ from Bridge's defaults; train.eval_interval is at its default.
+    assert "keys optimizer.min_lr, dataset.num_workers, logger.log_interval, ddp.grad_reduce_in_fp32" in notes[0]
+    assert notes[0].endswith("; 1 more field at its default")
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        load_config(bridge_recipe(tmp_path), ["ddp.overlap_grad_reduce=true", "profiling.use_nsys_profiler=false"])
+        load_config(bridge_recipe(tmp_path), ["ddp.grad_reduce_in_fp32=false", "profiling.use_nsys_profiler=false",
+                                              "checkpoint.save=x"])
     (note,) = [record.getMessage() for record in caplog.records]
-    assert "profiling" in note and note.count("ddp") == 1  # the file's and the overrides' sections, each once
+    assert "profiling" in note and note.count("checkpoint") == 1  # the file's and the overrides' sections, each once
+    assert "ddp.grad_reduce_in_fp32" not in note  # the override put it back at its default
 
 
 def test_a_process_prints_the_note_once_on_stderr_and_the_plan_on_stdout():
@@ -115,13 +119,14 @@ BAD_VALUES = {
     "model.hidden_size": "65", "model.ffn_hidden_size": "0", "model.num_attention_heads": "0",
     "model.num_query_groups": "3", "model.vocab_size": "0", "model.seq_length": "0",
     "model.share_embeddings_and_output_weights": "maybe", "model.rotary_base": "0", "model.layernorm_epsilon": "-1",
-    "model.params_dtype": "torch.float8_e4m3fn", "train.global_batch_size": "15", "train.micro_batch_size": "0",
+    "train.global_batch_size": "15", "train.micro_batch_size": "0",
     "train.train_iters": "0", "optimizer.lr": "0", "optimizer.clip_grad": "-1",
     "optimizer.weight_decay": "-0.1", "optimizer.adam_beta1": "1", "optimizer.adam_beta2": "-0.5",
     "optimizer.adam_eps": "0", "rng.seed": "-1",
     "dataset.seq_length": "0", "dataset.sequence_length": "0", "dataset.data_path": "no/such/corpus",
     "dataset.path_to_cache": "[1]", "tokenizer.tokenizer_model": "no/such/tokenizer", "logger.wandb_project": "a/b",
     "logger.wandb_exp_name": "' '", "logger.wandb_entity": "[1]", "logger.wandb_save_dir": "' '",
+    "model.spec": "gpt5",
 }
 
 
@@ -151,13 +156,14 @@ def test_errors_about_other_keys_use_bridge_names_too():
     ("model.normalization=LayerNorm", "model.normalization: must be RMSNorm"),
     ("optimizer.optimizer=sgd", "optimizer.optimizer: must be adam"),
     ("tokenizer.tokenizer_type=Llama2Tokenizer", "tokenizer.tokenizer_type: must be HuggingFaceTokenizer or NullTokenizer"),
-    ("train.micro_batch_sise=2", "train.micro_batch_sise: unknown key; allowed here: eval_interval, eval_iters"),
-    ("model.tie_embeddings=true", "model.tie_embeddings: unknown key; allowed here: activation_func"),
-    ("schedular.lr_warmup_iters=2", "schedular: unknown key; allowed here: checkpoint, cluster, comm_overlap"),
+    ("train.micro_batch_sise=2", "train.micro_batch_sise: unknown key: not fields of Megatron-Core"),
+    ("model.tie_embeddings=true", "model.tie_embeddings: unknown key"),
+    ("schedular.lr_warmup_iters=2", "schedular: unknown key"),
     ("odyssey.polcy=auto", "odyssey.polcy: unknown key; allowed here: checkpoint_interval, checkpoint_restart_penalty_s"),
     ("cluster.devices_per_nodes=8", "cluster.devices_per_nodes: unknown key"),
     ("dataset.seq_length=128", "dataset.seq_length: must agree with model.seq_length (64), which sets the same; got 128"),
     ("model.bf16=true", "model.bf16: must agree with model.params_dtype ('fp32')"),
+    ("model.params_dtype=torch.float8_e4m3fn", "model.params_dtype: must be one of bf16, fp16, fp32 (Bridge writes"),
     ("model.seq_length=???", "model.seq_length: ??? is not a value"),
     ("train=3", "train: is a section and must be a mapping of its keys; got 3"),
 ])
@@ -178,8 +184,8 @@ def test_a_recipe_mixing_both_layouts_is_refused(tmp_path):
 
 @pytest.mark.parametrize("precision, dtype", [
     ({"params_dtype": "torch.bfloat16"}, DType.bf16), ({"params_dtype": "bfloat16"}, DType.bf16),
-    ({"params_dtype": "float16"}, DType.fp16), ({"bf16": True}, DType.bf16), ({"fp16": True, "bf16": False}, DType.fp16),
-    ({"params_dtype": "bf16", "bf16": True}, DType.bf16),
+    ({"params_dtype": {"_target_": "torch.bfloat16", "_call_": False}}, DType.bf16), ({"bf16": True}, DType.bf16),
+    ({"params_dtype": "bf16", "bf16": True}, DType.bf16), ({"bf16": False}, DType.fp32),
 ])
 def test_bridge_precision_spellings(precision, dtype, tmp_path):
     path = bridge_recipe(tmp_path, ("model.params_dtype",), model=precision)
@@ -282,3 +288,149 @@ def test_print_config_on_simulate_prints_scenario_and_recipe_and_writes_nothing(
     assert printed["scenario"]["seed"] == 7 and printed["scenario"]["systems"] == ["odyssey", "checkpoint"]
     assert printed["recipe"]["parallel"]["data_parallel_size"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]
+
+
+# Bridge's own output: ConfigContainer.to_yaml() dumps, both model layouts -------------------------
+
+DUMPS = REPO / "tests/data/bridge"
+FLAT, NESTED = DUMPS / "llama2_7b_pretrain.yaml", DUMPS / "llama2_7b_pretrain_nested.yaml"
+HF_LLAMA2_7B = DUMPS / "llama2_7b_hf"
+LAYOUTS = {FLAT: "model.", NESTED: "model.transformer."}
+"""Each dump -> how it spells a TransformerConfig field."""
+
+
+@pytest.mark.parametrize("dump", LAYOUTS, ids=["flat", "nested"])
+def test_a_bridge_dump_of_llama2_7b_plans_with_its_shape(dump, capsys):
+    config = load_config(dump)
+    model = config.model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+            model.num_query_groups, model.vocab_size, model.seq_length) == (32, 4096, 11008, 32, 32, 32000, 4096)
+    assert not model.tie_embeddings and model.params_dtype is DType.bf16  # mixed_precision: bf16_mixed wins
+    assert (config.training.adam_beta2, config.training.weight_decay) == (0.95, 0.1)  # Bridge's, not ours
+    # DP from the world size: 4 nodes x 8 / (TP 2 x PP 1), then 2 nodes.
+    assert (config.parallel.tensor_model_parallel_size, config.parallel.data_parallel_size) == (2, 16)
+    assert load_config(dump, ["cluster.num_nodes=2"]).parallel.data_parallel_size == 8
+    plan = plan_of(["--config", dump], capsys)
+    assert plan["policy"] == "initial" and len(plan["pipelines"]) == 16
+
+
+@pytest.mark.parametrize("dump", LAYOUTS, ids=["flat", "nested"])
+@pytest.mark.parametrize("field, value, why", [
+    ("num_moe_experts", "8", "mixture of experts"), ("moe_router_topk", "4", "mixture of experts"),
+    ("fp8", "hybrid", "FP8/FP4 training"), ("fp8_param", "true", "FP8/FP4 training"),
+    ("recompute_granularity", "full", "activation recomputation"), ("qk_layernorm", "true", "changes the layer"),
+])
+def test_a_dump_with_a_field_that_changes_what_runs_is_refused_naming_it(dump, field, value, why):
+    key = f"{LAYOUTS[dump]}{field}"
+    with pytest.raises(ConfigError) as info:
+        load_config(dump, [f"{key}={value}"])
+    assert info.value.key == key and why in info.value.problem, str(info.value)
+    assert "leave it at Megatron-Core's default" in info.value.problem
+
+
+def test_rope_scaling_and_a_head_size_that_is_not_llamas_are_refused():
+    with pytest.raises(ConfigError, match=r"^model.rope_scaling: changes what runs .*a RoPE variant"):
+        load_config(FLAT, ["model.rope_scaling=true"])
+    with pytest.raises(ConfigError, match=r"^model.transformer.kv_channels: must be null or hidden_size / "
+                                          r"num_attention_heads = 128"):
+        load_config(NESTED, ["model.transformer.kv_channels=64"])
+
+
+def test_all_unknown_keys_come_in_one_message():
+    with pytest.raises(ConfigError) as info:
+        load_config(NESTED, ["model.transformer.num_layer=3", "optimizer.adam_beta3=0.5", "schedular.x=1"])
+    assert info.value.key == "schedular, model.transformer.num_layer, optimizer.adam_beta3"
+    assert "did you mean: scheduler for schedular; model.num_layers for model.transformer.num_layer" in str(info.value)
+
+
+OVERRIDE = {  # the shape of Bridge's Llama-3.2-1B tutorial override: no architecture, the Python recipe has it
+    "dataset": {"seq_length": 4096}, "train": {"train_iters": 100, "global_batch_size": 8, "micro_batch_size": 1},
+    "optimizer": {"lr": 3e-4, "min_lr": 3e-5}, "scheduler": {"lr_warmup_iters": 20},
+    "model": {"seq_length": 4096, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 4,
+              "context_parallel_size": 1},
+    "rng": {"seed": 1234}, "cluster": {"device": "h100-80gb", "num_nodes": 1}, "odyssey": {"policy": "auto"},
+}
+
+
+def write(tmp_path: Path, recipe: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_an_override_file_without_architecture_is_refused_naming_what_is_missing(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, {**OVERRIDE, "mixed_precision": "bf16_mixed"}))
+    assert info.value.key == ("model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads, "
+                              "model.vocab_size, model.share_embeddings_and_output_weights")
+    assert info.value.problem.startswith("missing: a Bridge YAML file alone does not carry")
+    with pytest.raises(ConfigError, match=r"^mixed_precision: missing: Bridge's Python recipe sets it"):
+        load_config(write(tmp_path, {**OVERRIDE, "model": {**OVERRIDE["model"], "hf_model_id": str(HF_LLAMA2_7B)}}))
+
+
+@pytest.mark.parametrize("reference", [
+    {"hf_model_id": str(HF_LLAMA2_7B)}, {"extra_checkpoint_metadata": {"hf_model_id": str(HF_LLAMA2_7B)}},
+    {"spec": str(HF_LLAMA2_7B / "config.json")},
+], ids=["hf_model_id", "extra_checkpoint_metadata", "spec"])
+def test_an_override_file_with_a_hugging_face_config_plans_that_model(reference, tmp_path, capsys):
+    path = write(tmp_path, {**OVERRIDE, "mixed_precision": "bf16_mixed", "model": {**OVERRIDE["model"], **reference}})
+    model = load_config(path).model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.vocab_size) == (32, 4096, 11008, 32000)
+    assert plan_of(["--config", path], capsys)["policy"] == "initial"
+
+
+def test_a_hub_id_outside_the_local_cache_is_refused_since_nothing_is_downloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    path = write(tmp_path, {**OVERRIDE, "mixed_precision": "bf16_mixed",
+                            "model": {**OVERRIDE["model"], "hf_model_id": "meta-llama/Llama-3.2-1B"}})
+    with pytest.raises(ConfigError, match=r"^model.hf_model_id: meta-llama/Llama-3.2-1B is neither a local path nor"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16_mixed", DType.bf16), ("bf16-mixed", DType.bf16), (None, DType.fp32)])
+def test_mixed_precision_is_honoured(precision, dtype, tmp_path):
+    recipe = yaml.safe_load(BRIDGE.read_text())
+    del recipe["model"]["params_dtype"]
+    config = load_config(write(tmp_path, {**recipe, "mixed_precision": precision}))
+    assert config.model.params_dtype is dtype and config.model.dtype_bytes == (4 if dtype is DType.fp32 else 2)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["mixed_precision=fp16_mixed"], "mixed_precision"),
+    (["mixed_precision=null"], "model.fp16"),  # the dump's own model fields (fp16: true) decide then, as in Bridge
+])
+def test_fp16_is_refused_in_one_line_saying_why(overrides, key, capsys):
+    code, out, err = run(["plan", "--config", FLAT, *overrides], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == f"odyssey: error: {key}: is fp16: fp16 training needs a loss scaler " \
+        "(Megatron's DynamicGradScaler), which the plugin's training loop does not apply, so small gradients would " \
+        "vanish; use bf16_mixed, or null for fp32"
+    with pytest.raises(ConfigError, match=r"^mixed_precision: bf16_with_fp8_delayed_scaling_mixed trains with FP8"):
+        load_config(FLAT, ["mixed_precision=bf16_with_fp8_delayed_scaling_mixed"])
+
+
+def test_a_distributed_optimizer_is_named_with_its_cost_and_the_memory_error_names_bridges_keys(caplog, capsys):
+    with caplog.at_level(logging.WARNING):
+        load_config(NESTED)
+    assert caplog.records[-1].getMessage() == (
+        "optimizer.use_distributed_optimizer: true is not applied: the plugin keeps a full copy of the optimizer "
+        "state on every rank (fp32 master weights and Adam moments, 37.7 GiB per rank here, where Megatron's "
+        "distributed optimizer would hold 2.4 GiB)")
+    code, _, err = run(["plan", "--config", NESTED, "model.transformer.tensor_model_parallel_size=1"], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "odyssey: error: model.transformer.pipeline_model_parallel_size: no split of 32 layers over 1 stages fits the "
+        "memory budget of 76.0 GiB per device; each rank holds a full copy of the optimizer state (75.3 GiB; "
+        "optimizer.use_distributed_optimizer would shard it to 2.4 GiB, which the plugin does not do yet); raise "
+        "model.transformer.pipeline_model_parallel_size or model.transformer.tensor_model_parallel_size, or use "
+        "devices with more memory")
+
+
+def test_plan_on_a_dump_prints_its_answer_with_no_warning_lines_above_it():
+    done = subprocess.run([sys.executable, "-m", "odyssey_megatron.cli", "plan", "--config", str(FLAT), "--failed", "3"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**{k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["Megatron-Bridge recipe", "optimizer.use_distributed_optimizer"]
+    assert done.stdout.startswith("after failure of ranks [3]:")

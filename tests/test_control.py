@@ -27,7 +27,7 @@ from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Detector
-from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+from odyssey_megatron.runtime.control.launch_config import LaunchConfig, first_host
 from odyssey_megatron.runtime.protocol import (
     EXIT_CONTROLLER_LOST,
     CollectiveStalled,
@@ -342,7 +342,25 @@ def test_launch_config_reads_torchrun_flags_then_environment_then_defaults():
     assert LaunchConfig.resolve(flags, env) == LaunchConfig(2, 1, "node0", 1234, 1)  # a flag wins over its variable
 
 
+def test_launch_config_reads_slurms_variables_where_torchruns_are_absent():
+    slurm = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "MASTER_PORT": "29500"}
+    assert LaunchConfig.resolve({"nproc_per_node": "8"}, slurm) == LaunchConfig(4, 2, "gpu07", 29500, 8)
+    torchrun = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}
+    assert LaunchConfig.resolve({}, {**slurm, **torchrun}) == LaunchConfig(2, 1, "10.0.0.1", 29500, 1)
+    assert LaunchConfig.resolve({"node_rank": "3"}, slurm).node_rank == 3  # a flag wins over both
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("node1", "node1"), ("login1,gpu[1-4]", "login1"), ("gpu[003-005],login1", "gpu003"), ("a-b[2,5]-ib,c", "a-b2-ib"),
+])
+def test_the_master_is_the_first_host_of_slurms_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
 @pytest.mark.parametrize("flags, env, culprit", [
+    ({}, {"SLURM_NNODES": "2", "SLURM_NODEID": "2", "MASTER_PORT": "1"}, "SLURM_NODEID: must lie in 0..1; got 2"),
+    ({}, {"SLURM_JOB_NODELIST": "[1-2]"}, "SLURM_JOB_NODELIST: is not a SLURM node list"),
+    ({}, {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n1"}, "--master-port: must name a port (not 0) when there are 2"),
     ({"node_rank": "2", "nnodes": "2", "master_port": "1"}, {}, "--node-rank: must lie in 0..1; got 2"),
     ({}, {"NNODES": "2", "NODE_RANK": "x", "MASTER_PORT": "1"}, "NODE_RANK: must be an integer; got 'x'"),
     ({"nnodes": "2"}, {}, "--master-port: must name a port (not 0) when there are 2 nodes"),

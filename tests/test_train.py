@@ -274,6 +274,27 @@ def test_a_node_lost_before_the_first_commit_needs_no_trained_state(tmp_path, da
     assert_same_training(run_dir, reference)
 
 
+LAUNCH_VARIABLES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+
+
+def test_a_slurm_launch_of_two_nodes_trains_from_slurms_variables(tmp_path, data_cache):
+    """Two node processes on this machine as ``srun --ntasks-per-node=1`` starts them: no
+    torchrun flag or variable, only SLURM_NNODES, SLURM_NODEID and SLURM_JOB_NODELIST (its
+    first host is the master) and the job script's MASTER_PORT. Two steps: it launches and trains."""
+    run_dir, steps = tmp_path / "run", 2
+    base = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES and not key.startswith("SLURM")}
+    slurm = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,otherhost", "MASTER_PORT": str(_free_port())}
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config", str(RECIPE), "--run-dir", str(run_dir),
+               f"training.train_iters={steps}", f"data.cache_dir={data_cache}", "cluster.devices_per_node=4"]
+    nodes = [subprocess.Popen(command, env={**base, **slurm, "SLURM_NODEID": str(node)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for node in (0, 1)]
+    (status, _, err), (status1, _, err1) = finish(nodes[0]), finish(nodes[1])
+    assert status == 0, err[-4000:]
+    assert status1 == 0, err1[-4000:]
+    assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == list(range(steps))
+    assert "node 1: started rank 4 " in err1 and "node 1: started rank 7 " in err1  # SLURM_NODEID=1: ranks 4..7
+
+
 def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint(tmp_path, data_cache, reference):
     """Both replicas of stage 1 die in step 3: no plan can go on in memory. The run exits 3
     naming the lost blocks and the checkpoint taken after step 2; ``--resume`` replays

@@ -63,10 +63,9 @@ def summary_json(result: SimulationResult) -> dict:
 
 def write_outputs(result: SimulationResult, series: dict[str, list[dict]], out_dir: Path) -> dict[str, Path]:
     """series.json, summary.json, active_devices.png and throughput.png under ``out_dir``."""
-    import matplotlib
+    from odyssey_megatron.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"series": out_dir / "series.json", "summary": out_dir / "summary.json"}

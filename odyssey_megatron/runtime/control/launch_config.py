@@ -1,20 +1,25 @@
 """Where this node sits in the job, in torchrun's names: ``--nnodes``, ``--node-rank``,
 ``--master-addr``, ``--master-port`` (or the ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT`` environment variables a scheduler sets) and ``--nproc-per-node``.
+``MASTER_PORT`` environment variables a scheduler sets) and ``--nproc-per-node``. Under
+SLURM (one ``odyssey train`` per node, started by ``srun``) the node count, the node's
+index and the master host come from SLURM's own variables when torchrun's are absent:
+``SLURM_NNODES``, ``SLURM_NODEID`` and the first host of ``SLURM_JOB_NODELIST``. SLURM
+names no port: the job script sets ``MASTER_PORT``.
 
-A flag given wins over its environment variable, which wins over the default; an error
-names whichever of the two the bad value came from.
+A flag given wins over its environment variable, which wins over SLURM's, which wins over
+the default; an error names whichever the bad value came from.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from odyssey_megatron import limits
 from odyssey_megatron.errors import ConfigError
 
-__all__ = ["LAUNCH_FLAGS", "LaunchConfig"]
+__all__ = ["LAUNCH_FLAGS", "SLURM_VARIABLES", "LaunchConfig", "first_host"]
 
 LAUNCH_FLAGS = {
     "nnodes": ("--nnodes", "NNODES"),
@@ -24,6 +29,24 @@ LAUNCH_FLAGS = {
     "nproc_per_node": ("--nproc-per-node", None),
 }
 """Field -> (flag, environment variable or None)."""
+SLURM_VARIABLES = {"nnodes": "SLURM_NNODES", "node_rank": "SLURM_NODEID", "master_addr": "SLURM_JOB_NODELIST"}
+"""Field -> the SLURM variable read when neither the flag nor torchrun's variable is given."""
+_NODELIST = re.compile(r"([^,\[\]]+)(?:\[([^\]]+)\]([^,\[\]]*))?(?:,|$)")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list, as ``scontrol show hostnames`` would list it
+    (``gpu[07-09,12],login1`` -> ``gpu07``); ValueError if it is not one."""
+    match = _NODELIST.match(nodelist.strip())
+    if match is None:
+        raise ValueError(f"is not a SLURM node list (host[01-04],other); got {nodelist!r}")
+    prefix, ranges, suffix = match.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0].strip()
+    if not first:
+        raise ValueError(f"is not a SLURM node list (host[01-04],other); got {nodelist!r}")
+    return f"{prefix}{first}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -52,12 +75,20 @@ class LaunchConfig:
         """From flag values as typed (``flags[field]``, None or absent when not given) and the environment."""
         values, sources = {}, {}
         for name, (flag, env) in LAUNCH_FLAGS.items():
+            slurm = SLURM_VARIABLES.get(name)
             if flags.get(name) is not None:
                 values[name], sources[name] = flags[name], flag
             elif env is not None and env in environ:
                 values[name], sources[name] = environ[env], env
+            elif slurm is not None and slurm in environ:
+                values[name], sources[name] = environ[slurm], slurm
             else:
                 sources[name] = flag
+        if sources["master_addr"] == SLURM_VARIABLES["master_addr"]:
+            try:
+                values["master_addr"] = first_host(values["master_addr"])
+            except ValueError as exc:
+                raise ConfigError(sources["master_addr"], str(exc)) from None
 
         def integer(name: str, low: int, high: int) -> int:
             text = values[name]
