@@ -239,7 +239,8 @@ def _describe(decision: Decision, failed: str) -> str:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
+    from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.profile_file import recipe_profile
 
     config = load_config(args.config, args.overrides)
     if args.print_config:
