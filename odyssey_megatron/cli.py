@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import ConfigError, config_yaml, load_config
+from odyssey_megatron.config import config_yaml, load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR

@@ -37,7 +37,6 @@ from odyssey_megatron.timeouts import TIMEOUT_ORDER, Timeouts
 __all__ = [
     "Choice",
     "ClusterConfig",
-    "ConfigError",
     "DataConfig",
     "DType",
     "Device",

@@ -22,7 +22,6 @@ import yaml
 from odyssey_megatron.bridge_recipe import KEYS
 from odyssey_megatron.cli import main
 from odyssey_megatron.config import (
-    ConfigError,
     Device,
     DType,
     LengthSweep,
@@ -31,6 +30,7 @@ from odyssey_megatron.config import (
     Policy,
     load_config,
 )
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.simulator.scenario import FailureProcess, ScenarioConfig, System, WandbMode
 
 REPO = Path(__file__).resolve().parents[1]

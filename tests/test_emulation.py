@@ -17,7 +17,8 @@ import torch
 from helpers import symmetric_plan
 from odyssey_megatron.cli import dumps
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ConfigError, load_config
+from odyssey_megatron.config import load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.hooks.process_groups import RankMap

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from odyssey_megatron.cli import main
-from odyssey_megatron.config import ConfigError, load_config
+from odyssey_megatron.config import load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.profile_file import (
     check_output,
     profile_json,

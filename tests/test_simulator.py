@@ -13,7 +13,8 @@ from helpers import symmetric_plan
 
 from odyssey_megatron.cli import main
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ConfigError, OdysseyConfig, load_config
+from odyssey_megatron.config import OdysseyConfig, load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.planner import reroute_plan

@@ -14,7 +14,6 @@ from typing import List, Optional, Sequence
 from odyssey_megatron import limits
 from odyssey_megatron.config import (
     Choice,
-    ConfigError,
     RecipeConfig,
     choice,
     load_config,
@@ -26,6 +25,7 @@ from odyssey_megatron.config import (
     require_positive,
     require_wandb_project,
 )
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.units import SECONDS_PER_HOUR
