@@ -106,6 +106,15 @@ def _open_stream(w, stream_start, stream_ops_start, cursor):
     return first
 
 
+@njit(cache=True, inline="always")
+def _forced(ran, ops_per_step, open_streams, queued):
+    """Whether a worker's next op is forced (it joins the FIFO when woken, rather than
+    choosing at a time): ops left in its step, one open stream at most, no deferred W op.
+    It takes scalars: an inlined helper that takes arrays costs an NRT incref and decref per
+    array and call, which made the loop 20-50 % slower when the whole wake was one."""
+    return ran < ops_per_step and open_streams <= 1 and queued == 0
+
+
 @njit(cache=True)
 def run_wakeup_loop(
     # the graph, per op
@@ -193,7 +202,7 @@ def run_wakeup_loop(
             open_streams[m] = count
             snapshot_end[m] = at + snapshot_s[m]
             free_at[m] = snapshot_end[m] if snapshot_in_line else at
-            if ran[m] < ops_per_step[m] and open_streams[m] <= 1 and queued[m] == 0:
+            if _forced(ran[m], ops_per_step[m], open_streams[m], queued[m]):
                 forced[forced_tail] = m
                 forced_tail += 1
             else:
@@ -297,7 +306,7 @@ def run_wakeup_loop(
             c = consumer[op]
             if c >= 0 and worker_of[c] != w:  # ``wake`` the worker waiting for its output
                 x, at = worker_of[c], done + link_s[c]
-                if ran[x] < ops_per_step[x] and open_streams[x] <= 1 and queued[x] == 0:
+                if _forced(ran[x], ops_per_step[x], open_streams[x], queued[x]):
                     forced[forced_tail] = x
                     forced_tail += 1
                 elif at >= free_at[x]:
@@ -312,7 +321,7 @@ def run_wakeup_loop(
                     for y in range(num_held[k]):  # they were ready then; only the norm was missing
                         x, at = held_worker[k, y], held_at[k, y]
                         held[x] = False
-                        if ran[x] < ops_per_step[x] and open_streams[x] <= 1 and queued[x] == 0:
+                        if _forced(ran[x], ops_per_step[x], open_streams[x], queued[x]):
                             forced[forced_tail] = x
                             forced_tail += 1
                         elif at >= free_at[x]:
