@@ -258,7 +258,7 @@ class MegatronStep:
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from odyssey_megatron.runtime.rank.executor import stage_forward
+        from odyssey_megatron.hooks.stage_step import stage_forward
 
         first, last = self.stage.first, self.stage.last
         self.model.zero_grad_buffer()

@@ -469,9 +469,11 @@ class BridgeRecipe:
         rename = lambda text: pattern.sub(lambda m: names[m.group(1)], text)  # noqa: E731
         return ConfigError(rename(exc.key), rename(exc.problem))
 
-    def notes(self, config: Any) -> list[str]:
+    def notes(self, optimizer_bytes: tuple[float, float]) -> list[str]:
         """The lines to print once the recipe is read: what the plugin does not use, and what
-        a full optimizer copy per rank costs where the recipe asked for a distributed one."""
+        a full optimizer copy per rank costs where the recipe asked for a distributed one
+        (``optimizer_bytes``: a full copy's bytes per rank and a sharded one's,
+        ``profile_file.optimizer_bytes_per_rank``)."""
         sections = [name for name in self.ignored if "." not in name]
         keys = [name for name in self.ignored if "." in name]
         parts = ([f"sections {', '.join(sections)}"] if sections else []) + ([f"keys {', '.join(keys)}"] if keys else [])
@@ -479,18 +481,19 @@ class BridgeRecipe:
             parts.append(f"{self.at_default} more field{'s' if self.at_default > 1 else ''} at {'their' if self.at_default > 1 else 'its'} default")
         lines = [f"Megatron-Bridge recipe: not used by the odyssey plugin: {'; '.join(parts)}"] if parts else []
         if self.distributed_optimizer is not None:
-            full, sharded = _optimizer_bytes(config)
+            full, sharded = optimizer_bytes
             lines.append(f"{self.distributed_optimizer}: true is not applied: the plugin keeps a full copy of the "
                          f"optimizer state on every rank (fp32 master weights and Adam moments, {full / GIB:.1f} GiB "
                          f"per rank here, where Megatron's distributed optimizer would hold {sharded / GIB:.1f} GiB)")
         return lines
 
-    def plan_error(self, problem: str, config: Any) -> ConfigError:
-        """No plan of the recipe's layout fits memory: say so in Bridge's keys, with the cause."""
+    def plan_error(self, problem: str, optimizer_bytes: tuple[float, float]) -> ConfigError:
+        """No plan of the recipe's layout fits memory: say so in Bridge's keys, with the cause
+        (``optimizer_bytes`` as ``notes`` takes them)."""
         pp, tp = self.names["parallel.pipeline_model_parallel_size"], self.names["parallel.tensor_model_parallel_size"]
         cause = ""
         if self.distributed_optimizer is not None:
-            full, sharded = _optimizer_bytes(config)
+            full, sharded = optimizer_bytes
             cause = (f"; each rank holds a full copy of the optimizer state ({full / GIB:.1f} GiB; "
                      f"{self.distributed_optimizer} would shard it to {sharded / GIB:.1f} GiB, which the plugin "
                      "does not do yet)")
@@ -581,15 +584,3 @@ def _check_kv_channels(settings: Mapping[str, tuple[str, Any]], values: Mapping[
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and value != hidden // heads:
         raise ConfigError(written, f"must be null or hidden_size / num_attention_heads = {hidden // heads} (the "
                                    f"plugin's attention has heads of that size); got {value!r}")
-
-
-def _optimizer_bytes(config: Any) -> tuple[float, float]:
-    """Bytes of optimizer state per rank: a full copy of its stage's, and what Megatron's
-    distributed optimizer would hold (sharded over the data-parallel ranks)."""
-    from odyssey_megatron.decision_center import analytic_recipe_profile
-    from odyssey_megatron.profile import EMBEDDING, OUTPUT
-
-    profile = analytic_recipe_profile(config, device=config.cluster.device)
-    blocks = [EMBEDDING, *range(profile.num_layers), OUTPUT]
-    full = sum(profile.block(block).optimizer_bytes for block in blocks) / config.parallel.pipeline_model_parallel_size
-    return full, full / config.parallel.data_parallel_size

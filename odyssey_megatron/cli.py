@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import ConfigError, config_yaml, load_config, load_recipe
+from odyssey_megatron.config import config_yaml, load_config, load_recipe
+from odyssey_megatron.profile_file import optimizer_bytes_per_rank
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 from odyssey_megatron.plotting import pyplot
 from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES
@@ -241,9 +244,10 @@ def _describe(decision: Decision, failed: str) -> str:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
+    from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.profile_file import recipe_profile
 
-    config, bridge = load_recipe(args.config, args.overrides)
+    config, bridge = _load_recipe(args.config, args.overrides)
     if args.print_config:
         print(config_yaml(config), end="")
         return 0
@@ -251,7 +255,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     try:
         center = DecisionCenter.from_recipe(config, profile=profile)
     except ValueError as exc:
-        raise (bridge.plan_error(str(exc), config) if bridge else ConfigError("parallel", str(exc))) from None
+        raise (bridge.plan_error(str(exc), optimizer_bytes_per_rank(config)) if bridge
+               else ConfigError("parallel", str(exc))) from None
     failed, failed_nodes = sorted(set(args.failed)), sorted(set(args.failed_nodes))
     world = config.parallel.num_ranks
     bad = [r for r in failed if not 0 <= r < world]
@@ -349,7 +354,7 @@ def _profile_command(args: argparse.Namespace) -> int:
 
     if args.force and args.out is None:
         raise ConfigError("--force", "replaces an earlier profile at --out; give --out with it")
-    config = load_config(args.config, args.overrides)
+    config = _load_recipe(args.config, args.overrides)[0]
     out = check_output(args.out, key="--out", force=args.force) if args.out is not None else None
     from odyssey_megatron.profiler import (
         measure_profile,  # torch and Megatron: once the arguments are good
@@ -404,7 +409,7 @@ def _train_command(args: argparse.Namespace) -> int:
     elif args.config is None:
         raise ConfigError("--config", "is required (or --resume RUN_DIR)")
     else:
-        config = load_config(args.config, args.overrides)
+        config = _load_recipe(args.config, args.overrides)[0]
     pyplot()  # the report drawn at the end
     flags = {field: getattr(args, field) for field in LAUNCH_FLAGS if field != "nproc_per_node"}
     flags["nproc_per_node"] = str(config.cluster.devices_per_node)
@@ -448,6 +453,16 @@ def _print_report(run_dir, *, baseline=None, out=None) -> None:
     paths = write_report(run, Path(out) if out is not None else run.directory / "report", baseline=against)
     print(summary_text(run))
     print(f"report: {', '.join(str(p) for p in paths.values())}")
+
+
+def _load_recipe(path, overrides) -> tuple:
+    """``config.load_recipe``, then a Megatron-Bridge recipe's notes, one line each on stderr:
+    what the plugin does not use, and what its full optimizer copy per rank costs."""
+    config, bridge = load_recipe(path, overrides)
+    if bridge is not None:
+        for note in bridge.notes(optimizer_bytes_per_rank(config)):
+            logging.getLogger(__name__).warning(note)
+    return config, bridge
 
 
 def main(argv: Sequence[str] | None = None) -> int:

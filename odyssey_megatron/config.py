@@ -12,7 +12,6 @@ Every problem becomes a ``ConfigError`` naming the key and what is allowed.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -37,7 +36,6 @@ from odyssey_megatron.timeouts import TIMEOUT_ORDER, Timeouts
 __all__ = [
     "Choice",
     "ClusterConfig",
-    "ConfigError",
     "DataConfig",
     "DType",
     "Device",
@@ -56,8 +54,6 @@ __all__ = [
     "load_config",
     "load_recipe",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def require(ok: bool, key: str, problem: str) -> None:
@@ -838,8 +834,8 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (), *
     """Load and validate a recipe, in this layout or Megatron-Bridge's (the overrides in the
     file's); raises ConfigError with a one-line explanation naming the key as the user
     wrote it (``flag`` names the file: the command-line flag or the scenario key). Also
-    returns the Bridge reading, whose ``user_error`` names later errors in Bridge's keys;
-    what a valid Bridge recipe holds that the plugin does not use is named in one warning."""
+    returns the Bridge reading, whose ``user_error`` names later errors in Bridge's keys
+    and whose ``notes`` say what the plugin does not use (the commands print them)."""
     schema = OmegaConf.structured(RecipeConfig)
     loaded, cli = read_layers(path, overrides, flag=flag, schema=schema)
     if "recipe" in loaded and "model" not in loaded:
@@ -852,8 +848,6 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (), *
         config = build_structured(schema, bridge.recipe, OmegaConf.create(), defaults=_model_spec_layer)
     except ConfigError as exc:
         raise bridge.user_error(exc) from None
-    for note in bridge.notes(config):
-        log.warning(note)
     return config, bridge
 
 

@@ -31,47 +31,16 @@ from odyssey_megatron.planner import (
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
-from odyssey_megatron.profile import ModelProfile, analytic_profile
-from odyssey_megatron.profile_file import recipe_profile_file
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
-from odyssey_megatron.specs import device_spec
-from odyssey_megatron.units import GIB, MIB, SECONDS_PER_HOUR
+from odyssey_megatron.units import MIB, SECONDS_PER_HOUR
 
 PREPARED_BYTES_PER_RANK = 1200
 """What one prepared decision keeps per rank of the plan, at most: a few candidate plans
 over every worker and their stage copies per TP shard (1,126 B for Llama-2 7B, 271 B for
 70B at 16,384 ranks, ``benchmarks/plan_search.py --memory``). ``odyssey.prepared_decisions_mib``
 divided by it and by the ranks bounds how many are kept: 150 MiB keep 8 at 16,384 ranks."""
-
-
-def recipe_profile(config: RecipeConfig) -> ModelProfile:
-    """The profile the recipe's plans are priced with: the file ``odyssey.profile`` names
-    (``profile_file``; ConfigError if it is bad or measured for another model), else the
-    analytic profile of its model on ``cluster.device``."""
-    if config.odyssey.profile is not None:
-        return recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
-    return analytic_recipe_profile(config, device=config.cluster.device)
-
-
-def analytic_recipe_profile(config: RecipeConfig, *, device: str) -> ModelProfile:
-    """The analytic profile of the recipe's model on the shipped device spec ``device``."""
-    model = config.model
-    budget = config.odyssey.memory_budget_gib
-    return analytic_profile(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        vocab_size=model.vocab_size,
-        seq_length=model.seq_length,
-        tie_embeddings=model.tie_embeddings,
-        dtype_bytes=model.dtype_bytes,
-        micro_batch_size=config.training.micro_batch_size,
-        tensor_parallel_size=config.parallel.tensor_model_parallel_size,
-        device=device_spec(device),
-        memory_budget_bytes=None if budget is None else int(budget * GIB),
-    )
 
 
 class DecisionCenter:

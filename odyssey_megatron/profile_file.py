@@ -1,4 +1,5 @@
-"""The profile file: a ``ModelProfile`` as versioned JSON, and the check that it fits a recipe.
+"""The profile file: a ``ModelProfile`` as versioned JSON, and the check that it fits a recipe;
+and the profile a recipe's plans are priced with (``recipe_profile``: its file, else analytic).
 
 ``odyssey profile`` writes one from measurements; ``odyssey.profile: FILE`` makes
 ``plan`` and ``simulate`` price plans with it instead of the analytic profile, and
@@ -38,11 +39,13 @@ from odyssey_megatron import limits
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import read_text
-from odyssey_megatron.profile import BlockCost, ModelProfile
+from odyssey_megatron.profile import BlockCost, ModelProfile, analytic_profile
+from odyssey_megatron.specs import device_spec
 from odyssey_megatron.units import GIB
 
-__all__ = ["FORMAT", "MEASURED_FOR", "VERSION", "ProfileFile", "check_output", "profile_json", "read_profile",
-           "recipe_measured_for", "recipe_profile_file", "write_profile"]
+__all__ = ["FORMAT", "MEASURED_FOR", "VERSION", "ProfileFile", "analytic_recipe_profile", "check_output",
+           "profile_json", "read_profile", "recipe_measured_for", "recipe_profile", "recipe_profile_file",
+           "write_profile"]
 
 FORMAT = "odyssey-profile"
 VERSION = 2
@@ -158,6 +161,36 @@ def recipe_profile_file(path: str | Path, config: RecipeConfig, *, key: str) -> 
     return loaded.profile if budget is None else replace(loaded.profile, memory_budget_bytes=int(budget * GIB))
 
 
+def recipe_profile(config: RecipeConfig) -> ModelProfile:
+    """The profile the recipe's plans are priced with: the file ``odyssey.profile`` names
+    (``profile_file``; ConfigError if it is bad or measured for another model), else the
+    analytic profile of its model on ``cluster.device``."""
+    if config.odyssey.profile is not None:
+        return recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
+    return analytic_recipe_profile(config, device=config.cluster.device)
+
+
+def analytic_recipe_profile(config: RecipeConfig, *, device: str) -> ModelProfile:
+    """The analytic profile of the recipe's model on the shipped device spec ``device``."""
+    model = config.model
+    budget = config.odyssey.memory_budget_gib
+    return analytic_profile(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        vocab_size=model.vocab_size,
+        seq_length=model.seq_length,
+        tie_embeddings=model.tie_embeddings,
+        dtype_bytes=model.dtype_bytes,
+        micro_batch_size=config.training.micro_batch_size,
+        tensor_parallel_size=config.parallel.tensor_model_parallel_size,
+        device=device_spec(device),
+        memory_budget_bytes=None if budget is None else int(budget * GIB),
+    )
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     data = {}
     for name, value in pairs:
@@ -260,3 +293,14 @@ def _value(hint: Any, value: Any, where: str, *, positive: bool) -> Any:
     if value < 0 or (positive and value == 0) or not math.isfinite(value):
         raise _Bad(where, f"must be {'> 0' if positive else '>= 0'}; got {value!r}")
     return value if hint is int else float(value)
+
+
+def optimizer_bytes_per_rank(config: RecipeConfig) -> tuple[float, float]:
+    """Bytes of optimizer state per rank: a full copy of its stage's (what the plugin keeps),
+    and what Megatron's distributed optimizer would hold (sharded over the DP ranks)."""
+    from odyssey_megatron.profile import EMBEDDING, OUTPUT
+
+    profile = analytic_recipe_profile(config, device=config.cluster.device)
+    blocks = [EMBEDDING, *range(profile.num_layers), OUTPUT]
+    full = sum(profile.block(block).optimizer_bytes for block in blocks) / config.parallel.pipeline_model_parallel_size
+    return full, full / config.parallel.data_parallel_size

@@ -500,8 +500,7 @@ OUTPUT_CASES = {
 
 def _valid_profile() -> dict:
     from odyssey_megatron.config import load_config
-    from odyssey_megatron.decision_center import recipe_profile
-    from odyssey_megatron.profile_file import profile_json, recipe_measured_for
+    from odyssey_megatron.profile_file import profile_json, recipe_measured_for, recipe_profile
 
     config = load_config(TINY)
     return profile_json(recipe_profile(config), measured_for=recipe_measured_for(config), source={})

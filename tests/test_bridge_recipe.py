@@ -10,7 +10,6 @@ tried with a bad value and the error's key must be the Bridge key, never ours.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -22,7 +21,6 @@ import yaml
 from odyssey_megatron.bridge_recipe import KEYS
 from odyssey_megatron.cli import main
 from odyssey_megatron.config import (
-    ConfigError,
     Device,
     DType,
     LengthSweep,
@@ -30,7 +28,10 @@ from odyssey_megatron.config import (
     OdysseyConfig,
     Policy,
     load_config,
+    load_recipe,
 )
+from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.profile_file import optimizer_bytes_per_rank
 from odyssey_megatron.simulator.scenario import FailureProcess, ScenarioConfig, System, WandbMode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,21 +87,21 @@ def test_overrides_use_the_files_layout(capsys):
     assert code == 2 and err.startswith("odyssey: error: training: is the odyssey layout's section")
 
 
-def test_the_ignored_sections_are_named_in_one_line(caplog, tmp_path):
-    with caplog.at_level(logging.WARNING):
-        load_config(BRIDGE)
-        load_config(TINY)
-    notes = [record.getMessage() for record in caplog.records]
+def _notes(path, overrides=()) -> list[str]:
+    """The lines ``odyssey`` prints for a recipe it reads (none for the plugin's own layout)."""
+    config, bridge = load_recipe(path, overrides)
+    return [] if bridge is None else bridge.notes(optimizer_bytes_per_rank(config))
+
+
+def test_the_ignored_sections_are_named_in_one_line(tmp_path):
+    notes = _notes(BRIDGE) + _notes(TINY)
     assert len(notes) == 1
     assert IGNORED_SECTIONS in notes[0]
     # Named where they differ from Bridge's defaults; train.eval_interval is at its default.
     assert "keys optimizer.min_lr, dataset.num_workers, logger.log_interval, ddp.grad_reduce_in_fp32" in notes[0]
     assert notes[0].endswith("; 1 more field at its default")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        load_config(bridge_recipe(tmp_path), ["ddp.grad_reduce_in_fp32=false", "profiling.use_nsys_profiler=false",
-                                              "checkpoint.save=x"])
-    (note,) = [record.getMessage() for record in caplog.records]
+    (note,) = _notes(bridge_recipe(tmp_path), ["ddp.grad_reduce_in_fp32=false", "profiling.use_nsys_profiler=false",
+                                               "checkpoint.save=x"])
     assert "profiling" in note and note.count("checkpoint") == 1  # the file's and the overrides' sections, each once
     assert "ddp.grad_reduce_in_fp32" not in note  # the override put it back at its default
 
@@ -409,10 +410,8 @@ def test_fp16_is_refused_in_one_line_saying_why(overrides, key, capsys):
         load_config(FLAT, ["mixed_precision=bf16_with_fp8_delayed_scaling_mixed"])
 
 
-def test_a_distributed_optimizer_is_named_with_its_cost_and_the_memory_error_names_bridges_keys(caplog, capsys):
-    with caplog.at_level(logging.WARNING):
-        load_config(NESTED)
-    assert caplog.records[-1].getMessage() == (
+def test_a_distributed_optimizer_is_named_with_its_cost_and_the_memory_error_names_bridges_keys(capsys):
+    assert _notes(NESTED)[-1] == (
         "optimizer.use_distributed_optimizer: true is not applied: the plugin keeps a full copy of the optimizer "
         "state on every rank (fp32 master weights and Adam moments, 37.7 GiB per rank here, where Megatron's "
         "distributed optimizer would hold 2.4 GiB)")

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from odyssey_megatron.cli import main
-from odyssey_megatron.config import ConfigError, load_config
+from odyssey_megatron.config import load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.plan import ExecutionPlan, validate_plan
 
 RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"

@@ -21,7 +21,8 @@ import pytest
 import torch.distributed as dist
 
 from control_cases import LocalCluster, alive, process_state, wait_for
-from odyssey_megatron.config import ConfigError, OdysseyConfig
+from odyssey_megatron.config import OdysseyConfig
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.profile import uniform_profile

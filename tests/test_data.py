@@ -179,7 +179,8 @@ def test_a_local_directory_is_read_by_the_same_path(tmp_path):
 
 
 def test_the_recipe_data_section_names_a_known_corpus_or_a_path(tmp_path):
-    from odyssey_megatron.config import ConfigError, load_config
+    from odyssey_megatron.config import load_config
+    from odyssey_megatron.errors import ConfigError
 
     assert load_config(None).data.corpus == "python-docstrings"
     assert load_config(None, [f"data.corpus={tmp_path}"]).data.corpus == str(tmp_path)

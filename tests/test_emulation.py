@@ -17,13 +17,19 @@ import torch
 from helpers import symmetric_plan
 from odyssey_megatron.cli import dumps
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ConfigError, load_config
-from odyssey_megatron.decision_center import analytic_recipe_profile, recipe_profile
+from odyssey_megatron.config import load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.profile import BlockCost, ModelProfile
-from odyssey_megatron.profile_file import profile_json, recipe_measured_for, write_profile
+from odyssey_megatron.profile_file import (
+    analytic_recipe_profile,
+    profile_json,
+    recipe_measured_for,
+    recipe_profile,
+    write_profile,
+)
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation, EmulatedClock, recipe_emulation
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op

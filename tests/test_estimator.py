@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.config import load_config
-from odyssey_megatron.decision_center import recipe_profile
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, stage_peak_memory, symmetric_step_time
@@ -29,6 +28,7 @@ from odyssey_megatron.planner.initial import initial_plan
 from odyssey_megatron.planner.layers import SplitSearch, lone_pipeline_lower_bound, stage_ranges
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.restorer import with_sync
 
 

@@ -18,7 +18,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from odyssey_megatron.config import ConfigError, ModelConfig, load_config
+from odyssey_megatron.config import ModelConfig, load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.hooks.hf_llama import (
     hf_state_dict,
     load_hf_checkpoint,

@@ -15,9 +15,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from odyssey_megatron.config import load_config
-from odyssey_megatron.decision_center import DecisionCenter, analytic_recipe_profile, recipe_profile
+from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.profile_file import profile_json, recipe_measured_for, write_profile
+from odyssey_megatron.profile_file import (
+    analytic_recipe_profile,
+    profile_json,
+    recipe_measured_for,
+    recipe_profile,
+    write_profile,
+)
 
 TINY = "recipes/llama2_7b/tiny_cpu.yaml"
 OVERRIDES = ["training.global_batch_size=32"]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
-from odyssey_megatron.decision_center import DecisionCenter, recipe_profile
+from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import validate_plan
@@ -23,6 +23,7 @@ from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_holders
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep, two_length_partitions
 from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
 
 

@@ -10,13 +10,14 @@ from dataclasses import replace
 import pytest
 
 from odyssey_megatron.cli import main
-from odyssey_megatron.config import ConfigError, load_config
-from odyssey_megatron.decision_center import recipe_profile
+from odyssey_megatron.config import load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.profile_file import (
     check_output,
     profile_json,
     read_profile,
     recipe_measured_for,
+    recipe_profile,
     write_profile,
 )
 from odyssey_megatron.simulator.scenario import load_scenario

@@ -16,9 +16,9 @@ import pytest
 
 from odyssey_megatron.cli import main
 from odyssey_megatron.config import load_config
-from odyssey_megatron.decision_center import DecisionCenter, analytic_recipe_profile, recipe_profile
+from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.profile_file import read_profile, recipe_measured_for
+from odyssey_megatron.profile_file import analytic_recipe_profile, read_profile, recipe_measured_for, recipe_profile
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]

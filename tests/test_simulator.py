@@ -13,13 +13,14 @@ from helpers import symmetric_plan
 
 from odyssey_megatron.cli import main
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ConfigError, OdysseyConfig, load_config
-from odyssey_megatron.decision_center import recipe_profile
+from odyssey_megatron.config import OdysseyConfig, load_config
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_step_time
 from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.restart import best_symmetric_layout
 from odyssey_megatron.simulator.engine import Segment, Timeline, run_system

@@ -106,6 +106,149 @@ def _open_stream(w, stream_start, stream_ops_start, cursor):
     return first
 
 
+# The loop's steps below run as calls, not inlined: compiled without the NRT (``_nrt=False``:
+# they allocate nothing and keep no array), a call costs no reference counting, where an
+# inlined helper (``inline="always"``) pays an NRT incref and decref per array argument and
+# made the loop 20-50 % slower.
+
+
+@njit(cache=True, _nrt=False)
+def _wake(x, at, ran, ops_per_step, open_streams, queued, free_at, forced, forced_tail, heap_times, heap_workers,
+          slot, heap_size):
+    """``wake`` worker ``x`` at ``at`` (its step starts, an input arrives, the norm is in):
+    a forced next op (ops left in its step, one open stream at most, no deferred W op)
+    joins the FIFO; else ``x`` chooses at ``at``, if it is free by then. Returns the FIFO's
+    tail and the heap's size."""
+    if ran[x] < ops_per_step[x] and open_streams[x] <= 1 and queued[x] == 0:
+        forced[forced_tail] = x
+        forced_tail += 1
+    elif at >= free_at[x]:
+        heap_size = _wake_at(heap_times, heap_workers, slot, heap_size, at, x)
+    return forced_tail, heap_size
+
+
+@njit(cache=True, _nrt=False)
+def _start_step(m, k, at, step, ran, settled, stream_start, stream_ops_start, cursor, open_streams, snapshot_s,
+                snapshot_end, free_at, snapshot_in_line):
+    """``start_step``: worker ``m`` starts step ``k`` at ``at``, its streams rewound."""
+    step[m], ran[m], settled[m] = k, 0, False
+    count = 0
+    for j in range(stream_start[m], stream_start[m + 1]):
+        cursor[j] = 0
+        if stream_ops_start[j + 1] > stream_ops_start[j]:
+            count += 1
+    open_streams[m] = count
+    snapshot_end[m] = at + snapshot_s[m]
+    free_at[m] = snapshot_end[m] if snapshot_in_line else at
+
+
+@njit(cache=True, _nrt=False)
+def _forced_op(w, k, free_at, stream_start, stream_ops_start, stream_ops, cursor, dependency, link_s, end):
+    """Worker ``w``'s forced op in step ``k``, the next of its open stream: (the op, its
+    stream, when it can start); op -1 while its dependency has not run (timing that wakes ``w``)."""
+    s = _open_stream(w, stream_start, stream_ops_start, cursor)
+    op = stream_ops[stream_ops_start[s] + cursor[s]]
+    start = free_at[w]
+    d = dependency[op]
+    if d >= 0:
+        arrival = end[k, d]
+        if arrival < 0.0:
+            return -1, s, start
+        arrival += link_s[op]
+        if arrival > start:
+            start = arrival
+    return op, s, start
+
+
+@njit(cache=True, _nrt=False)
+def _ready_head(w, k, now, stream_start, stream_ops_start, stream_ops, cursor, dependency, link_s, end):
+    """Of worker ``w``'s stream heads in step ``k``, the one ready at ``now`` earliest in 1F1B
+    order: (the op, its stream; -1, -1 if none is ready; and the soonest arrival of an input
+    on its way, inf if none)."""
+    op, s, position, soonest = -1, -1, 0, np.inf
+    for j in range(stream_start[w], stream_start[w + 1]):
+        p = cursor[j]
+        if p == stream_ops_start[j + 1] - stream_ops_start[j] or (op >= 0 and p >= position):
+            continue
+        i = stream_ops[stream_ops_start[j] + p]
+        d = dependency[i]
+        if d >= 0:
+            arrival = end[k, d]
+            if arrival < 0.0:
+                continue
+            arrival += link_s[i]
+            if arrival > now:  # on its way
+                if arrival < soonest:
+                    soonest = arrival
+                continue
+        op, s, position = i, j, p
+    return op, s, soonest
+
+
+@njit(cache=True, _nrt=False)
+def _take(w, op, s, cursor, stream_ops_start, open_streams, forward, live, defer, ring, ring_start, ring_head,
+          queued, ops_per_step, weight_grad):
+    """Worker ``w`` takes ``op``: from stream ``s`` (its cursor moves on; a forward holds its
+    activations, a deferred backward queues its W op) or, ``s`` -1, from its ring of
+    deferred W ops (which frees the activations)."""
+    if s < 0:
+        ring_head[w] = (ring_head[w] + 1) % (ops_per_step[w] + 1)
+        queued[w] -= 1
+        live[w] -= 1
+        return
+    cursor[s] += 1
+    if cursor[s] == stream_ops_start[s + 1] - stream_ops_start[s]:
+        open_streams[w] -= 1
+    if forward[op]:
+        live[w] += 1
+    elif defer:
+        ring[ring_start[w] + (ring_head[w] + queued[w]) % (ops_per_step[w] + 1)] = weight_grad[op]
+        queued[w] += 1
+
+
+@njit(cache=True, _nrt=False)
+def _release_groups(w, k, member_start, member_groups, group_start, group_members, group_done, group_end, last_end,
+                    step, finish, starting, starting_at, num_starting):
+    """Worker ``w`` finished step ``k`` at ``last_end``: count it done in its optimizer groups
+    (the DP all-reduce needs the gradients only), and start step ``k + 1`` for each member
+    whose groups are all done, once the last of them is (``starting``). Returns how many
+    start."""
+    for gx in range(member_start[w], member_start[w + 1]):
+        g = member_groups[gx]
+        group_done[k, g] += 1
+        group_end[k, g] = _later(group_end[k, g], last_end)
+        if group_done[k, g] < group_start[g + 1] - group_start[g]:
+            continue
+        for mx in range(group_start[g], group_start[g + 1]):
+            m = group_members[mx]
+            if step[m] != k:
+                continue
+            ready, at = True, finish[m]
+            for hx in range(member_start[m], member_start[m + 1]):
+                h = member_groups[hx]
+                if group_done[k, h] != group_start[h + 1] - group_start[h]:
+                    ready = False
+                    break
+                at = _later(at, group_end[k, h])
+            if ready:
+                step[m] = k + 1  # starting: later members see it has left step k
+                starting[num_starting], starting_at[num_starting] = m, at
+                num_starting += 1
+    return num_starting
+
+
+@njit(cache=True, _nrt=False)
+def _next_choice_known(w, k, speculative, open_streams, stream_start, stream_ops_start, stream_ops, cursor,
+                       dependency, end):
+    """``head_input_known``: whether worker ``w``'s choice once its op ends is known already
+    (its one open stream's head has its input timed), so it makes it at once."""
+    if speculative or open_streams[w] != 1:
+        return False
+    s = _open_stream(w, stream_start, stream_ops_start, cursor)
+    d = dependency[stream_ops[stream_ops_start[s] + cursor[s]]]
+    return d < 0 or end[k, d] >= 0.0
+
+
 @njit(cache=True)
 def run_wakeup_loop(
     # the graph, per op
@@ -181,23 +324,13 @@ def run_wakeup_loop(
         starting_at[num_starting] = 0.0
         num_starting += 1
     k = 0
-    while True:  # ``start_step`` for each of ``starting``, then ``wake`` it at once
+    while True:
         for x in range(num_starting):
-            m, at = starting[x], starting_at[x]
-            step[m], ran[m], settled[m] = k, 0, False
-            count = 0
-            for j in range(stream_start[m], stream_start[m + 1]):
-                cursor[j] = 0
-                if stream_ops_start[j + 1] > stream_ops_start[j]:
-                    count += 1
-            open_streams[m] = count
-            snapshot_end[m] = at + snapshot_s[m]
-            free_at[m] = snapshot_end[m] if snapshot_in_line else at
-            if ran[m] < ops_per_step[m] and open_streams[m] <= 1 and queued[m] == 0:
-                forced[forced_tail] = m
-                forced_tail += 1
-            else:
-                heap_size = _wake_at(heap_times, heap_workers, slot, heap_size, free_at[m], m)
+            m = starting[x]
+            _start_step(m, k, starting_at[x], step, ran, settled, stream_start, stream_ops_start, cursor, open_streams,
+                        snapshot_s, snapshot_end, free_at, snapshot_in_line)
+            forced_tail, heap_size = _wake(m, free_at[m], ran, ops_per_step, open_streams, queued, free_at, forced,
+                                           forced_tail, heap_times, heap_workers, slot, heap_size)
         num_starting = 0
 
         if forced_head == forced_tail and heap_size == 0:
@@ -213,51 +346,28 @@ def run_wakeup_loop(
             continue  # done, or waiting for its optimizer groups or for the norm
         while True:  # run its ops while it can run them now
             if open_streams[w] <= 1 and queued[w] == 0:  # forced: the next op of its open stream
-                s = _open_stream(w, stream_start, stream_ops_start, cursor)
-                op = stream_ops[stream_ops_start[s] + cursor[s]]
-                start = free_at[w]
-                d = dependency[op]
-                if d >= 0:
-                    arrival = end[k, d]
-                    if arrival < 0.0:
-                        break  # timing its dependency wakes it
-                    arrival += link_s[op]
-                    if arrival > start:
-                        start = arrival
+                op, s, start = _forced_op(w, k, free_at, stream_start, stream_ops_start, stream_ops, cursor,
+                                          dependency, link_s, end)
+                if op < 0:
+                    break  # timing its dependency wakes it
             else:  # a choice, made at a wakeup
-                now = choosing_at
-                if now < 0.0:
+                start = choosing_at
+                if start < 0.0:
                     break  # not woken: it waits for its wakeup
-                if now < free_at[w]:  # busy: woken by an input that arrived while it runs
+                if start < free_at[w]:  # busy: woken by an input that arrived while it runs
                     heap_size = _wake_at(heap_times, heap_workers, slot, heap_size, free_at[w], w)
                     break
-                op, s, position, soonest = -1, -1, 0, np.inf
-                for j in range(stream_start[w], stream_start[w + 1]):  # the ready head earliest in 1F1B order
-                    p = cursor[j]
-                    if p == stream_ops_start[j + 1] - stream_ops_start[j] or (op >= 0 and p >= position):
-                        continue
-                    i = stream_ops[stream_ops_start[j] + p]
-                    d = dependency[i]
-                    if d >= 0:
-                        arrival = end[k, d]
-                        if arrival < 0.0:
-                            continue
-                        arrival += link_s[i]
-                        if arrival > now:  # on its way
-                            if arrival < soonest:
-                                soonest = arrival
-                            continue
-                    op, s, position = i, j, p
+                op, s, soonest = _ready_head(w, k, start, stream_start, stream_ops_start, stream_ops, cursor,
+                                             dependency, link_s, end)
                 if queued[w] > 0 and (op < 0 or (forward[op] and live[w] >= room[w])):
                     op, s = ring[ring_start[w] + ring_head[w]], -1  # idle, or memory full: a deferred W first
                 if op < 0:  # idle until an input on its way arrives (or one not yet sent: its wake)
                     if soonest < np.inf:
                         heap_size = _wake_at(heap_times, heap_workers, slot, heap_size, soonest, w)
                     break
-                start = now
             seconds = split_s[op] if splits[w] else whole_s[op]
             if speculative and k > 0 and not settled[w] and settles[op]:
-                if finished[k - 1] < num_playing:
+                if finished[k - 1] < num_playing:  # held until the norm is in
                     held[w] = True
                     held_at[k - 1, num_held[k - 1]] = start
                     held_worker[k - 1, num_held[k - 1]] = w
@@ -270,19 +380,8 @@ def run_wakeup_loop(
                     done = _later(start, norm_at[k - 1]) + seconds
             else:
                 done = start + seconds
-            if s < 0:
-                ring_head[w] = (ring_head[w] + 1) % (ops_per_step[w] + 1)
-                queued[w] -= 1
-                live[w] -= 1
-            else:
-                cursor[s] += 1
-                if cursor[s] == stream_ops_start[s + 1] - stream_ops_start[s]:
-                    open_streams[w] -= 1
-                if forward[op]:
-                    live[w] += 1
-                elif defer:
-                    ring[ring_start[w] + (ring_head[w] + queued[w]) % (ops_per_step[w] + 1)] = weight_grad[op]
-                    queued[w] += 1
+            _take(w, op, s, cursor, stream_ops_start, open_streams, forward, live, defer, ring, ring_start, ring_head,
+                  queued, ops_per_step, weight_grad)
             end[k, op] = free_at[w] = done
             ran[w] += 1
             if k == 0:
@@ -295,13 +394,10 @@ def run_wakeup_loop(
                 last[order_start[w] + last_len[w]] = op
                 last_len[w] += 1
             c = consumer[op]
-            if c >= 0 and worker_of[c] != w:  # ``wake`` the worker waiting for its output
-                x, at = worker_of[c], done + link_s[c]
-                if ran[x] < ops_per_step[x] and open_streams[x] <= 1 and queued[x] == 0:
-                    forced[forced_tail] = x
-                    forced_tail += 1
-                elif at >= free_at[x]:
-                    heap_size = _wake_at(heap_times, heap_workers, slot, heap_size, at, x)
+            if c >= 0 and worker_of[c] != w:  # wake the worker waiting for its output
+                forced_tail, heap_size = _wake(worker_of[c], done + link_s[c], ran, ops_per_step, open_streams,
+                                               queued, free_at, forced, forced_tail, heap_times, heap_workers, slot,
+                                               heap_size)
             if ran[w] == ops_per_step[w]:  # ``finish_step``: release who waited for it
                 last_end = free_at[w]
                 finish[w] = _later(last_end, snapshot_end[w])  # the optimizer step waits for the snapshot
@@ -310,49 +406,25 @@ def run_wakeup_loop(
                 norm_at[k] = _later(norm_at[k], last_end)
                 if finished[k] == num_playing:
                     for y in range(num_held[k]):  # they were ready then; only the norm was missing
-                        x, at = held_worker[k, y], held_at[k, y]
+                        x = held_worker[k, y]
                         held[x] = False
-                        if ran[x] < ops_per_step[x] and open_streams[x] <= 1 and queued[x] == 0:
-                            forced[forced_tail] = x
-                            forced_tail += 1
-                        elif at >= free_at[x]:
-                            heap_size = _wake_at(heap_times, heap_workers, slot, heap_size, at, x)
+                        forced_tail, heap_size = _wake(x, held_at[k, y], ran, ops_per_step, open_streams, queued,
+                                                       free_at, forced, forced_tail, heap_times, heap_workers, slot,
+                                                       heap_size)
                 if k + 1 == iterations:
                     step[w] = iterations
                     break
                 if member_start[w] == member_start[w + 1]:
                     starting[num_starting], starting_at[num_starting] = w, finish[w]
                     num_starting += 1
-                for gx in range(member_start[w], member_start[w + 1]):  # the DP all-reduce needs the gradients only
-                    g = member_groups[gx]
-                    group_done[k, g] += 1
-                    group_end[k, g] = _later(group_end[k, g], last_end)
-                    if group_done[k, g] < group_start[g + 1] - group_start[g]:
-                        continue
-                    for mx in range(group_start[g], group_start[g + 1]):
-                        m = group_members[mx]
-                        if step[m] != k:
-                            continue
-                        ready, at = True, finish[m]
-                        for hx in range(member_start[m], member_start[m + 1]):
-                            h = member_groups[hx]
-                            if group_done[k, h] != group_start[h + 1] - group_start[h]:
-                                ready = False
-                                break
-                            at = _later(at, group_end[k, h])
-                        if ready:
-                            step[m] = k + 1  # starting: later members see it has left step k
-                            starting[num_starting], starting_at[num_starting] = m, at
-                            num_starting += 1
+                num_starting = _release_groups(w, k, member_start, member_groups, group_start, group_members,
+                                               group_done, group_end, last_end, step, finish, starting, starting_at,
+                                               num_starting)
                 k += 1  # the step those start
                 break
             if open_streams[w] > 1 or queued[w] > 0:
-                known = False  # ``head_input_known``: its choice at ``done`` is known already
-                if not speculative and open_streams[w] == 1:
-                    s = _open_stream(w, stream_start, stream_ops_start, cursor)
-                    d = dependency[stream_ops[stream_ops_start[s] + cursor[s]]]
-                    known = d < 0 or end[k, d] >= 0.0
-                if not known:
+                if not _next_choice_known(w, k, speculative, open_streams, stream_start, stream_ops_start,
+                                          stream_ops, cursor, dependency, end):
                     heap_size = _wake_at(heap_times, heap_workers, slot, heap_size, done, w)  # its next choice waits
                     break
                 choosing_at = done  # make it now

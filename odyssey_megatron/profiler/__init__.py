@@ -29,13 +29,12 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from odyssey_megatron.config import RecipeConfig
-from odyssey_megatron.decision_center import analytic_recipe_profile
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.hooks.accelerator import Accelerator, select_accelerator
 from odyssey_megatron.hooks.cpu_shim import CpuShim
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.profile import EMBEDDING, OUTPUT, BlockCost
-from odyssey_megatron.profile_file import ProfileFile, recipe_measured_for
+from odyssey_megatron.profile_file import ProfileFile, analytic_recipe_profile, recipe_measured_for
 from odyssey_megatron.profiler.links import measure_links
 from odyssey_megatron.profiler.stages import StageMeasurement, measure_stages
 

@@ -30,9 +30,9 @@ from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.accelerator import Accelerator
 from odyssey_megatron.hooks.grad_sync import parameters_by_block
 from odyssey_megatron.hooks.model import StageSpec, build_stage_model
+from odyssey_megatron.hooks.stage_step import stage_forward
 from odyssey_megatron.hooks.weight_grad import WeightGradStore, split_linear_backward
 from odyssey_megatron.profile import Block
-from odyssey_megatron.runtime.rank.executor import stage_forward
 
 _KEY = "profile"
 """The one micro-batch key the split backward holds its weight GEMMs under."""

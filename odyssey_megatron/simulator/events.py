@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import ConfigError
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import read_text
 from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig
 from odyssey_megatron.units import SECONDS_PER_HOUR

@@ -9,7 +9,7 @@ from typing import Callable
 
 from odyssey_megatron import limits
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ConfigError
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.engine import Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent, generate_events, read_trace

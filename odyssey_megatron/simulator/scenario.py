@@ -14,7 +14,6 @@ from typing import List, Optional, Sequence
 from odyssey_megatron import limits
 from odyssey_megatron.config import (
     Choice,
-    ConfigError,
     RecipeConfig,
     choice,
     load_config,
@@ -26,8 +25,9 @@ from odyssey_megatron.config import (
     require_positive,
     require_wandb_project,
 )
-from odyssey_megatron.decision_center import recipe_profile
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
 SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle")
@@ -163,7 +163,7 @@ class Scenario:
     config: ScenarioConfig
     recipe: RecipeConfig
     profile: ModelProfile
-    """The job's profile (``decision_center.recipe_profile``), read with the scenario so a
+    """The job's profile (``profile_file.recipe_profile``), read with the scenario so a
     bad ``odyssey.profile`` is refused before anything runs."""
     base_dir: Path
     """Where relative paths in the scenario (recipe, trace) are resolved first."""

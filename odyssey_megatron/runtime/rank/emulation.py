@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig
-from odyssey_megatron.decision_center import analytic_recipe_profile
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator.communication import unit_sync_time
 from odyssey_megatron.estimator.optimizer import norm_allreduce_time
@@ -47,7 +46,7 @@ from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.profile_file import recipe_profile_file
+from odyssey_megatron.profile_file import analytic_recipe_profile, recipe_profile_file
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op
 from odyssey_megatron.specs import DEVICE_SPECS
 

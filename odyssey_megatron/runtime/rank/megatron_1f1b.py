@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from odyssey_megatron.runtime.rank.executor import MicroBatch, stage_forward
+from odyssey_megatron.hooks.stage_step import MicroBatch, stage_forward
 
 
 @dataclass
