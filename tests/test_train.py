@@ -295,6 +295,40 @@ def test_a_slurm_launch_of_two_nodes_trains_from_slurms_variables(tmp_path, data
     assert "node 1: started rank 4 " in err1 and "node 1: started rank 7 " in err1  # SLURM_NODEID=1: ranks 4..7
 
 
+def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeats_nothing(tmp_path, data_cache,
+                                                                                          reference):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) once step 1 committed: the
+    run stops, every block is saved as of the last committed step and the run exits 130
+    saying how to resume. The resumed run is stopped by SIGTERM to its main process (as
+    SLURM or Kubernetes send it), exits 143, and a second resume trains to the end: the
+    failure-free model, and every step committed exactly once over the three runs."""
+    run_dir = tmp_path / "run"
+    stops = []
+    for stop, command in ((signal.SIGINT, None), (signal.SIGTERM, ["--resume", str(run_dir)])):
+        process = (train(run_dir, data_cache) if command is None else subprocess.Popen(
+            [sys.executable, "-m", "odyssey_megatron.cli", "train", *command], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True))
+        wait_for_step(run_dir, stops[-1] + 1 if stops else 1)
+        if stop == signal.SIGINT:
+            os.killpg(process.pid, stop)
+        else:
+            process.send_signal(stop)
+        status, _, err = finish(process)
+        assert status == 128 + stop, err[-4000:]
+        outcome = json.loads((run_dir / "outcome.json").read_text())
+        assert outcome["resume"] == f"odyssey train --resume {run_dir}", outcome
+        stops.append([e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stop"][-1]["step"])
+        assert f"saved as checkpoint/step-{stops[-1]}" in outcome["message"]
+        assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == list(range(stops[-1]))
+    assert 1 <= stops[0] < stops[1] <= STEPS
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir)]
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_same_training(run_dir, reference)
+    committed = [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "step"]
+    assert committed == list(range(STEPS))  # none trained twice, none lost
+
+
 def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint(tmp_path, data_cache, reference):
     """Both replicas of stage 1 die in step 3: no plan can go on in memory. The run exits 3
     naming the lost blocks and the checkpoint taken after step 2; ``--resume`` replays

@@ -13,6 +13,12 @@ file it writes; the coordinator fsyncs the directories that list them), names th
 checkpoint to resume from, so a save cut short by a failure or a power cut is never read.
 DCP unpickles a checkpoint's metadata, so ``latest_checkpoint`` hands out only one that
 no other user could have written (``file_trust``).
+
+A run that stops on purpose (a signal, a failed owner) saves what is committed without a
+collective, since its groups may be gone: each worker writes the blocks the controller
+assigned it (``save_part``) into ``step-<n>/rank-<r>/`` with a ``rank-<r>.json`` beside it
+naming them, and the controller marks the step the latest once the parts hold every block
+(``parts_complete``). ``load_checkpoint`` reads either layout.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from odyssey_megatron.hooks.model import StageSpec, tensor_parallel_dim
 from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_block, stage_blocks
 from odyssey_megatron.run_dir import fsync_directory, write_json
 
-__all__ = ["CHECKPOINTS", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINTS", "checkpoint_directory", "latest_checkpoint", "load_checkpoint", "mark_latest",
+           "parts_complete", "save_checkpoint", "save_part"]
 
 CHECKPOINTS = "checkpoint"
 _LATEST = "latest.json"
@@ -56,9 +63,48 @@ def save_checkpoint(run_dir: Path, state: TrainingState, *, step: int, tp_rank: 
 
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
     if dist.get_rank(group) == 0:
-        for entries in (directory, directory.parent, Path(run_dir)):
-            fsync_directory(entries)
-        write_json(directory.parent / _LATEST, {"step": step, "path": directory.name})
+        mark_latest(run_dir, step)
+
+
+def checkpoint_directory(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step}"
+
+
+def mark_latest(run_dir: Path, step: int) -> None:
+    """Name the checkpoint of ``step`` the one to resume from, once its files are durable."""
+    directory = checkpoint_directory(run_dir, step)
+    for entries in (directory, directory.parent, Path(run_dir)):
+        fsync_directory(entries)
+    write_json(directory.parent / _LATEST, {"step": step, "path": directory.name})
+
+
+def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, rank: int, tp_rank: int,
+              tp_size: int) -> None:
+    """Write ``blocks`` of this rank's ``state`` (each at ``step`` steps) as its part of the
+    checkpoint of ``step``; no collective. The part's manifest comes last, so a part cut
+    short is never read."""
+    directory = checkpoint_directory(run_dir, step)
+    tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor.detach().cpu()
+               for block in blocks for key, tensor in state.export(block).items()}
+    import torch.distributed.checkpoint as dcp
+
+    part = directory / f"rank-{rank}"
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(part, sync_files=True), no_dist=True)
+    fsync_directory(part)
+    write_json(directory / f"rank-{rank}.json", {"step": step, "blocks": [str(b) for b in blocks],
+                                                  "tp_rank": tp_rank, "tp_size": tp_size})
+
+
+def _parts(directory: Path) -> list[tuple[Path, dict]]:
+    """(part directory, manifest) of every part written under a checkpoint ``directory``."""
+    return [(manifest.with_suffix(""), json.loads(manifest.read_text()))
+            for manifest in sorted(directory.glob("rank-*.json"))]
+
+
+def parts_complete(directory: Path, blocks: list, *, tp_size: int) -> list:
+    """The blocks of ``blocks`` that no part under ``directory`` holds for some TP rank."""
+    held = {(name, part["tp_rank"]) for _, part in _parts(directory) for name in part["blocks"]}
+    return [b for b in blocks if any((str(b), k) not in held for k in range(tp_size))]
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[tuple[int, Path]]:
@@ -84,11 +130,25 @@ def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp
               for block in stage_blocks(model, stage)}
     tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor
                for block, held in wanted.items() for key, tensor in held.items()}
-    try:
-        dcp.load(tensors, checkpoint_id=str(directory), no_dist=True)
-    except Exception as exc:  # DCP reports missing keys and shape mismatches its own ways
-        raise ValueError(f"checkpoint {directory} does not fit this model's stage {stage.layers}: "
-                         f"{str(exc).splitlines()[0][:300]}") from None
+    sources = {directory: list(wanted)}
+    parts = _parts(directory)
+    if parts:  # a stopped run's parts: each block from the first part that holds it
+        sources = {}
+        for block in wanted:
+            source = next((path for path, part in parts if str(block) in part["blocks"]
+                           and part["tp_rank"] == tp_rank and part["tp_size"] == tp_size), None)
+            if source is None:
+                raise ValueError(f"checkpoint {directory} holds no part with block {block} (TP rank {tp_rank} of "
+                                 f"{tp_size})")
+            sources.setdefault(source, []).append(block)
+    for source, blocks in sources.items():
+        subset = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): wanted[block][key]
+                  for block in blocks for key in wanted[block]}
+        try:
+            dcp.load(subset, checkpoint_id=str(source), no_dist=True)
+        except Exception as exc:  # DCP reports missing keys and shape mismatches its own ways
+            raise ValueError(f"checkpoint {directory} does not fit this model's stage {stage.layers}: "
+                             f"{str(exc).splitlines()[0][:300]}") from None
     state = TrainingState()
     for block, held in wanted.items():
         state.receive(block, {key: tensors[_key(key, block, tp_rank=tp_rank, tp_size=tp_size)] for key in held})

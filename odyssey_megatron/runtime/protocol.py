@@ -44,6 +44,9 @@ __all__ = [
     "FROZEN",
     "RUN_DONE",
     "RUN_SPEC",
+    "RUN_STOP",
+    "StopOrder",
+    "StopRequested",
     "abort_key",
     "applied_key",
     "decided_key",
@@ -53,6 +56,7 @@ __all__ = [
     "process_group_prefix",
     "ready_key",
     "step_report_key",
+    "stopped_key",
     "kill_orders_key",
     "node_heartbeat_key",
     "parse_inbox",
@@ -92,6 +96,10 @@ def plan_key(generation: int) -> str:
 
 RUN_SPEC = "run/spec"
 """The training run's ``RunSpec``, set by the controller before any worker starts."""
+RUN_STOP = "run/stop"
+"""A ``StopOrder``, set by the controller when the run stops on purpose (a signal) or its
+owner fails: every worker leaves its generation, writes the blocks the order assigns it as
+of the last committed step, sets its ``stopped_key`` and exits."""
 RUN_DONE = "run/done"
 """Set by the controller when the last step is committed and ``final.pt`` written: idle
 workers and those waiting for a plan exit."""
@@ -126,6 +134,11 @@ def applied_key(generation: int, step: int) -> str:
     ranks; the controller freezes it (``FROZEN``) when a failure ends the generation, so a
     late rank cannot commit it."""
     return generation_prefix(generation) + f"applied/{step}"
+
+
+def stopped_key(rank: int) -> str:
+    """Set by a rank once it carried out the ``StopOrder`` (wrote its part, or had none)."""
+    return f"run/stopped/{rank}"
 
 
 def decided_key(generation: int, step: int) -> str:
@@ -176,6 +189,8 @@ def _conforms(value: Any, annotation: str) -> bool:
         return isinstance(value, str)
     if base == "bool":
         return isinstance(value, bool)
+    if base == "dict[str, int]":
+        return isinstance(value, dict) and all(isinstance(k, str) and _conforms(v, "int") for k, v in value.items())
     if base in ("tuple[int, ...]", "tuple[float, ...]"):
         return isinstance(value, (list, tuple)) and all(_conforms(v, base[6:-6]) for v in value)
     raise TypeError(f"no JSON check for {annotation}")
@@ -290,8 +305,31 @@ class NodeLeft(Message):
     left_at: float
 
 
+@dataclass(frozen=True)
+class StopRequested(Message):
+    """A launcher of another node was told to stop (SIGINT or SIGTERM): the whole run stops."""
+
+    KIND = "stop_requested"
+    node: int
+    signal: str
+    requested_at: float
+
+
+@dataclass(frozen=True)
+class StopOrder(Message):
+    """Under ``RUN_STOP``: save what is committed and exit. ``writers`` maps each block
+    (``str(block)``) to the worker that writes it (each of its TP ranks its shard): the
+    first live holder in the last settled plan, so every block is written once."""
+
+    KIND = "stop"
+    step: int
+    """Committed steps: every block written has taken exactly this many."""
+    reason: str
+    writers: dict[str, int]
+
+
 _INBOX_KINDS = {cls.KIND: cls for cls in (RankRegistration, NodeRegistration, RankExit, RankFailureReport,
-                                          CollectiveStalled, NodeLeft)}
+                                          CollectiveStalled, NodeLeft, StopRequested)}
 
 
 def parse_inbox(text: str | bytes) -> Message:

@@ -27,7 +27,8 @@ from odyssey_megatron.runtime.checkpoint import latest_checkpoint
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
-from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, TrainingRun
+from odyssey_megatron.runtime.control.stop_signals import StopAtOnce, StopSignals
+from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, RunStopped, TrainingRun
 from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
 from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec
 from odyssey_megatron.timeouts import Timeouts
@@ -40,12 +41,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TrainOutcome:
     status: int
-    """0: trained to the end; 1: the run failed; 3: no plan could go on."""
+    """0: trained to the end; 1: the run failed; 3: no plan could go on; 130 or 143:
+    stopped by SIGINT or SIGTERM."""
     message: str
     wandb_dir: Optional[Path] = None
     """Node 0: the W&B run's local directory."""
     wandb_error: Optional[str] = None
     """Node 0: why W&B logging stopped, if it did (the run's records are complete anyway)."""
+    resume: Optional[str] = None
+    """The command that continues the run, where a checkpoint holds its committed steps."""
 
 
 def check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
@@ -68,7 +72,15 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
 
     timeouts = config.odyssey.timeouts
     if launch.node_rank != 0:
-        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
+        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker)
+        signals = StopSignals(lambda name, status: launcher.request_stop(name))
+        signals.install()
+        try:
+            status = launcher.run()
+        except StopAtOnce as stop:
+            return TrainOutcome(stop.status, f"node {launch.node_rank}: {stop}")
+        finally:
+            signals.restore()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
     if config.odyssey.staggered_optimizer:
         # A staggered rank steps before the global norm, so before its step commits: the
@@ -99,14 +111,23 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     outcome: list[TrainOutcome] = []
     owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)
     owner.start()
-    status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
-    owner.join(timeout=timeouts.recovery_timeout)
-    if not outcome:
-        outcome.append(TrainOutcome(1, f"the workers ended (launcher status {status}) before the run did"))
-    _wait_other_nodes(controller, timeouts)
+    signals = StopSignals(lambda name, status: controller.request_stop(f"{name} on node 0", status=status))
+    signals.install()
+    try:
+        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
+        owner.join(timeout=timeouts.recovery_timeout)
+        if not outcome:
+            outcome.append(TrainOutcome(1, f"the workers ended (launcher status {status}) before the run did"))
+        _wait_other_nodes(controller, timeouts)
+    except StopAtOnce as stop:  # this node's workers are killed; the others go with the controller
+        checkpoint = latest_checkpoint(run_dir)
+        outcome[:] = [TrainOutcome(stop.status, f"{stop}: nothing saved past {_resume_hint(run_dir, checkpoint)}")]
+    finally:
+        signals.restore()
     controller.record.event("run_end", status=outcome[0].status, message=outcome[0].message)
     controller.stop()
-    write_json(run_dir / "outcome.json", {"status": outcome[0].status, "message": outcome[0].message})
+    write_json(run_dir / "outcome.json", {"status": outcome[0].status, "message": outcome[0].message,
+                                          "resume": outcome[0].resume})
     try:
         return replace(outcome[0], wandb_dir=trace.finish())
     except RuntimeError as exc:
@@ -121,11 +142,20 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
         outcome.append(TrainOutcome(0, f"trained {run.committed} steps; final model in {final}"))
         run.store.set(RUN_DONE, "1")
         return
+    except RunStopped as stop:
+        checkpoint = latest_checkpoint(run.run_dir)
+        what = (f"saved as checkpoint/step-{stop.step}" if stop.saved else
+                "nothing to save: no step committed since the start" if run.fresh else
+                "the save missed blocks (see the log)")
+        outcome.append(TrainOutcome(stop.status, f"stopped ({stop.reason}) after {stop.step} committed steps, {what}; "
+                                                 f"{_resume_hint(run.run_dir, checkpoint)}",
+                                    resume=_resume_command(run.run_dir) if checkpoint else None))
+        run.store.set(RUN_DONE, "1")
+        return
     except UnrecoverableFailure as exc:
         checkpoint = latest_checkpoint(run.run_dir)
-        then = (f"; resume from the checkpoint of step {checkpoint[0]} with: odyssey train --resume {run.run_dir}"
-                if checkpoint else "; no checkpoint to resume from (odyssey.checkpoint_interval is 0 or none was due)")
-        outcome.append(TrainOutcome(3, f"unrecoverable: {exc}{then}"))
+        outcome.append(TrainOutcome(3, f"unrecoverable: {exc}; {_resume_hint(run.run_dir, checkpoint)}",
+                                    resume=_resume_command(run.run_dir) if checkpoint else None))
     except RunFailed as exc:
         outcome.append(TrainOutcome(1, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the launcher must still be released
@@ -136,6 +166,16 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
             run.end_generation()
     finally:
         run.store.set(RUN_DONE, "1")
+
+
+def _resume_command(run_dir: Path) -> str:
+    return f"odyssey train --resume {run_dir}"
+
+
+def _resume_hint(run_dir: Path, checkpoint: Optional[tuple[int, Path]]) -> str:
+    if checkpoint is None:
+        return "no checkpoint to resume from (odyssey.checkpoint_interval is 0 or none was due)"
+    return f"resume from the checkpoint of step {checkpoint[0]} with: {_resume_command(run_dir)}"
 
 
 def _forget_steps_from(samples: Path, step: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import signal
 import socket
 import threading
 import time
@@ -40,6 +41,7 @@ from odyssey_megatron.runtime.protocol import (
     RankFailureReport,
     RankRegistration,
     StaleGenerationError,
+    StopRequested,
     abort_key,
     kill_orders_key,
     parse_inbox,
@@ -83,6 +85,8 @@ class Controller:
     # -- plans
     published_generation: int
     """The newest generation published; -1 before the first."""
+    stop_request: Optional[tuple[str, int]]
+    """(reason, exit status) once the run was asked to stop on purpose (``request_stop``)."""
 
     def __init__(self, *, host: str, port: int, timeouts: Timeouts, run_dir: Path):
         self.timeouts = timeouts
@@ -96,6 +100,7 @@ class Controller:
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout)
         self.published_generation = -1
+        self.stop_request = None
         self._failures: queue.Queue[Failure] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="odyssey-controller", daemon=True)
@@ -121,6 +126,13 @@ class Controller:
             if self._crash is not None:
                 raise RuntimeError("the controller's polling thread died") from self._crash
             return None
+
+    def request_stop(self, reason: str, *, status: int) -> None:
+        """Ask the run to stop at its next step boundary (the first request counts);
+        ``status``: the exit status it then ends with (128 + the signal)."""
+        if self.stop_request is None:
+            self.stop_request = (reason, status)
+            self.record.event("stop_requested", reason=reason)
 
     def publish_plan(self, plan: ExecutionPlan, program: StepProgram, *, start_step: int = 0,
                      fresh: bool = False, estimated_step_s: float | None = None) -> None:
@@ -211,6 +223,9 @@ class Controller:
             failure = None if ended else self.detector.rank_stalled(msg, wall)
             if failure is not None:  # the first stall of a running generation ends it
                 self._report(store, failure)
+        elif isinstance(msg, StopRequested):
+            self.request_stop(f"{msg.signal} on node {msg.node}", status=128 + signal.Signals[msg.signal].value)
+            return False
         elif isinstance(msg, NodeLeft):
             self.detector.node_left(msg)
             self.record.event("node_left", node=msg.node, left_at=msg.left_at)

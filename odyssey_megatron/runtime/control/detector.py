@@ -215,6 +215,10 @@ class Detector:
 
     # -- views ---------------------------------------------------------------------------
 
+    def live_ranks(self) -> list[int]:
+        """Ranks starting or alive (neither failed nor exited)."""
+        return [r for r, rank in list(self.ranks.items()) if rank.state in (_State.STARTING, _State.ALIVE)]
+
     def node_of(self, rank: int) -> int:
         return self.ranks[rank].node
 

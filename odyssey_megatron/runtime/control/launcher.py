@@ -44,6 +44,7 @@ from odyssey_megatron.runtime.protocol import (
     NodeRegistration,
     ProtocolError,
     RankExit,
+    StopRequested,
     WorkerLaunch,
     kill_orders_key,
     node_heartbeat_key,
@@ -75,6 +76,8 @@ class NodeLauncher:
         self._beating = threading.Event()
         """Set when the node's heartbeat thread must stop."""
         self._beater: threading.Thread | None = None
+        self._stop_signal: str | None = None
+        """A stop signal this node's main process received, until sent to the controller."""
 
     def run(self) -> int:
         node = self.config.node_rank
@@ -98,6 +101,11 @@ class NodeLauncher:
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
         log.info("node %d: all workers exited", node)
         return 0
+
+    def request_stop(self, signal_name: str) -> None:
+        """Ask the controller to stop the run (from the main thread's signal handler; the
+        watch loop sends it)."""
+        self._stop_signal = signal_name
 
     def _start_workers(self) -> None:
         context = multiprocessing.get_context("forkserver")
@@ -128,6 +136,9 @@ class NodeLauncher:
             controller.see(Heartbeat.from_json(store.get(CONTROLLER_HEARTBEAT)), now)
             if controller.stale(now):
                 raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.heartbeat_timeout} s")
+            if self._stop_signal is not None:
+                store.queue_push(INBOX, StopRequested(self.config.node_rank, self._stop_signal, time.time()).to_json())
+                self._stop_signal = None
             orders = kill_orders_key(self.config.node_rank)
             for _ in range(store.queue_len(orders)):
                 self._kill(int(store.queue_pop(orders, block=False)))

@@ -11,6 +11,11 @@ once and nothing rolls back: committed steps stay, the rest replays in the next
 generation from ``start_step``, on the same global batch. Until a first step commits no
 trained state exists, and the plans published say so (``fresh``).
 
+A stop on purpose (``Controller.request_stop``: a signal, or a node's launcher told to
+stop) ends the generation the same way, then orders every worker to write the blocks it is
+the first live holder of in the settled plan, as of the last committed step, and marks
+that checkpoint the one to resume from once its parts hold every block (``RunStopped``).
+
 What survivors hold when a failure strikes: the blocks of the last generation whose
 first step committed (the last *settled* plan), plus what a later one moved to them
 (workers drop blocks only once their generation's first step commits). So a decision
@@ -34,19 +39,25 @@ from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import Decision, UnrecoverableFailure
 from odyssey_megatron.profile import block_sort_key
 from odyssey_megatron.restorer import mapping_bytes
+from odyssey_megatron.hooks.model import StageSpec
+from odyssey_megatron.hooks.training_state import stage_blocks, worker_blocks
 from odyssey_megatron.run_dir import append_jsonl
+from odyssey_megatron.runtime.checkpoint import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
 from odyssey_megatron.runtime.final_model import merge_final_parts
 from odyssey_megatron.runtime.protocol import (
     RUN_DONE,
+    RUN_STOP,
+    StopOrder,
     ProtocolError,
     StepReport,
     abort_key,
     final_key,
     ready_key,
     step_report_key,
+    stopped_key,
 )
 from odyssey_megatron.runtime.step_ledger import StepLedger
 from odyssey_megatron.schedules.program import StepProgram
@@ -60,6 +71,15 @@ SAMPLES = "samples.jsonl"
 
 class RunFailed(RuntimeError):
     """The run cannot go on; the message says why (one line)."""
+
+
+class RunStopped(Exception):
+    """The run stopped on purpose after ``step`` committed steps; ``saved``: they are in a
+    checkpoint ``odyssey train --resume`` continues from."""
+
+    def __init__(self, reason: str, *, status: int, step: int, saved: bool):
+        super().__init__(reason)
+        self.reason, self.status, self.step, self.saved = reason, status, step, saved
 
 
 @dataclass
@@ -131,6 +151,7 @@ class TrainingRun:
         self.settled = self.plan
         while not self._final_written():
             self._collect_commits()
+            self._stop_if_asked()
             failure = self.controller.next_failure(timeout=self.timeouts.poll_interval)
             if failure is not None:
                 self._recover(failure)
@@ -288,6 +309,7 @@ class TrainingRun:
         deadline = time.monotonic() + self.timeouts.recovery_timeout
         key, world = ready_key(self.plan.generation), self._world_size(self.plan)
         while self.store.add(key, 0) < world:
+            self._stop_if_asked()
             failure = self.controller.next_failure(timeout=self.timeouts.poll_interval)
             if failure is not None:
                 log.warning("run: ranks %s failed while generation %d was being entered", list(failure.ranks),
@@ -309,6 +331,53 @@ class TrainingRun:
             detection_s=detected_at - failed_at, to_plan_s=r.decided_at - failed_at,
             to_first_step_s=first_step_at - failed_at, restarts=r.restarts, **r.record)
         self._recovery = None
+
+    # -- stopping on purpose --------------------------------------------------------------
+
+    def _stop_if_asked(self) -> None:
+        """Stop the run (raising RunStopped) if the controller was asked to."""
+        request = self.controller.stop_request
+        if request is None:
+            return
+        reason, status = request
+        self._stop_preparing()
+        self.end_generation()
+        self.controller.record.event("stop", reason=reason, step=self.committed)
+        if self.fresh:
+            self.store.set(RUN_STOP, StopOrder(self.committed, reason, {}).to_json())
+            raise RunStopped(reason, status=status, step=self.committed, saved=False)
+        writers = self._writers()
+        self.store.set(RUN_STOP, StopOrder(self.committed, reason, {str(b): w for b, w in writers.items()}).to_json())
+        tp = self.settled.tensor_parallel_size
+        writing = {w * tp + k for w in set(writers.values()) for k in range(tp)}
+        deadline = time.monotonic() + self.timeouts.recovery_timeout
+        while time.monotonic() < deadline:  # every writer done, or gone (then its blocks are missing)
+            live = set(self.controller.detector.live_ranks())
+            if all(r not in live or self.store.check([stopped_key(r)]) for r in writing):
+                break
+            time.sleep(self.timeouts.poll_interval)
+        missing = parts_complete(checkpoint_directory(self.run_dir, self.committed), list(writers), tp_size=tp)
+        if writers and not missing and len(writers) == len(self._all_blocks()):
+            mark_latest(self.run_dir, self.committed)
+            raise RunStopped(reason, status=status, step=self.committed, saved=True)
+        log.error("run: the stop's checkpoint lacks blocks %s", missing or sorted(
+            set(map(str, self._all_blocks())) - set(map(str, writers))))
+        raise RunStopped(reason, status=status, step=self.committed, saved=False)
+
+    def _all_blocks(self) -> list:
+        model = self.config.model
+        return stage_blocks(model, StageSpec((0, model.num_layers), first=True, last=True))
+
+    def _writers(self) -> dict:
+        """Block -> the first worker of the settled plan that holds it and is alive."""
+        live = set(self.controller.detector.live_ranks())
+        tp = self.settled.tensor_parallel_size
+        writers = {}
+        for worker in self.settled.workers:
+            if all(worker * tp + k in live for k in range(tp)):
+                for block in worker_blocks(self.config.model, self.settled, worker):
+                    writers.setdefault(block, worker)
+        return writers
 
     # -- decisions in advance -------------------------------------------------------------
 

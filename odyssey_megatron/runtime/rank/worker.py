@@ -22,6 +22,11 @@ ended) and waits for the controller's next plan. A collective that waits past th
 collective timeout with no abort is reported to the controller, which ends the generation.
 An error of its own (an injected fault, a bug) is reported to the controller and ends the
 process.
+
+A worker ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches every process of the
+group; SLURM signals every process of the job): its launcher passes the request on, and
+the controller stops the run with a ``StopOrder``, which the worker carries out between
+generations: it writes the blocks the order assigns it, as of the last committed step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import datetime
 import gc
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -45,12 +51,14 @@ from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.process_groups import PlanGroups, RankMap, build_plan_groups
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.training_state import TrainingState, worker_blocks
-from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
+from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint, save_part
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol import (
     RUN_DONE,
     RUN_SPEC,
+    RUN_STOP,
     PlanPublished,
+    StopOrder,
     RunSpec,
     StepReport,
     WorkerLaunch,
@@ -62,6 +70,7 @@ from odyssey_megatron.runtime.protocol import (
     process_group_prefix,
     ready_key,
     step_report_key,
+    stopped_key,
 )
 from odyssey_megatron.runtime.rank import op_timers
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
@@ -89,6 +98,8 @@ def train_worker(launch: WorkerLaunch) -> None:
     process ends with status 1."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {launch.rank} %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its dataset index chatter, once per rank
+    for stop in (signal.SIGINT, signal.SIGTERM):  # the launcher and the controller stop the run
+        signal.signal(stop, signal.SIG_IGN)
     link = ControllerLink(launch)
     link.start()
     try:
@@ -165,6 +176,9 @@ class Worker:
     def run(self) -> None:
         while True:
             published = self._next_plan()
+            if isinstance(published, StopOrder):
+                self._carry_out(published)
+                return
             if published is None:
                 log.info("rank %d: the run is done", self.launch.rank)
                 return
@@ -185,11 +199,14 @@ class Worker:
             # Outside the except block: its frame holds references that keep gloo's sockets open.
             self._leave_generation(abandoned=ended)
 
-    def _next_plan(self) -> Optional[PlanPublished]:
-        """The next generation's plan, or None once the run is done; waits up to the recovery timeout."""
+    def _next_plan(self) -> PlanPublished | StopOrder | None:
+        """The next generation's plan, the order to stop, or None once the run is done;
+        waits up to the recovery timeout."""
         key = plan_key(self.generation + 1)
         deadline = time.monotonic() + self.timeouts.recovery_timeout
         while not self.store.check([key]):
+            if self.store.check([RUN_STOP]):
+                return StopOrder.from_json(self.store.get(RUN_STOP))
             if self.store.check([RUN_DONE]):
                 return None
             if time.monotonic() > deadline:
@@ -197,6 +214,21 @@ class Worker:
                                    f"({self.timeouts.recovery_timeout} s)")
             time.sleep(self.timeouts.poll_interval)
         return self.link.wait_plan(newer_than=self.generation)
+
+    def _carry_out(self, order: StopOrder) -> None:
+        """Write the blocks ``order`` assigns this worker (its TP shard), as of the last
+        committed step, then count in: the controller marks the checkpoint once all are in."""
+        held = self.state.held() if self.state is not None else []
+        mine = [block for block in held if order.writers.get(str(block)) == self.worker_id]
+        if mine:
+            steps = {self.state.blocks[block].step for block in mine}
+            if steps != {order.step}:
+                raise RuntimeError(f"asked to save blocks at {order.step} committed steps; they have taken {steps}")
+            save_part(self.run_dir, self.state, mine, step=order.step, rank=self.launch.rank, tp_rank=self.tp_rank,
+                      tp_size=self.tp)
+        self.store.set(stopped_key(self.launch.rank), "1")
+        log.info("rank %d: stopped (%s); saved %s as of step %d", self.launch.rank, order.reason,
+                 [str(b) for b in mine] or "nothing", order.step)
 
     def _run_generation(self, published: PlanPublished) -> None:
         plan, program = published.plan, published.program
@@ -363,6 +395,8 @@ class Worker:
         while not self.store.check([abort_key(self.generation)]):
             if self.store.check([RUN_DONE]) or self.store.check([plan_key(self.generation + 1)]):
                 return
+            if self.store.check([RUN_STOP]):
+                raise GenerationEnded("the run stops")
             if self.spare is not None and self._first_step_committed():
                 self.spare = None
             time.sleep(self.timeouts.poll_interval)
