@@ -329,6 +329,35 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
     assert committed == list(range(STEPS))  # none trained twice, none lost
 
 
+def test_a_dead_controller_loses_no_committed_step(tmp_path, data_cache, reference):
+    """Two nodes of 4 ranks (DP 8: each holds the whole model). Node 0's process, which
+    hosts the controller, is killed (SIGKILL) once step 1 committed; its workers die with
+    it. Node 1's workers find the controller gone, write what they hold (every block, as of
+    the steps they applied, all committed) and exit 75. ``--resume`` on one node continues
+    from the newest step those parts hold whole, and the run ends with the failure-free
+    model, every step's samples recorded once (a step the controller did not live to
+    record is filled in; one a rank could not learn had committed is trained again)."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
+              "cluster.devices_per_node=4", "odyssey.online_profile=false", "--nnodes", "2", "--master-port", str(port)]
+    node0 = train(run_dir, data_cache, *common, node_rank=0)
+    node1 = train(run_dir, data_cache, *common, node_rank=1)
+    try:
+        wait_for_step(run_dir, 1)
+        os.killpg(node0.pid, signal.SIGKILL)
+        status1, _, err1 = finish(node1)
+    finally:
+        finish(node0)
+    assert status1 == 75, err1[-4000:]
+    saved = sorted(run_dir.glob("checkpoint/step-*/rank-*.json"))
+    assert {p.name for p in saved} >= {f"rank-{r}.json" for r in range(4, 8)}  # node 1's four workers
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
+               "cluster.devices_per_node=8"]
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_same_training(run_dir, reference)
+
+
 def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint(tmp_path, data_cache, reference):
     """Both replicas of stage 1 die in step 3: no plan can go on in memory. The run exits 3
     naming the lost blocks and the checkpoint taken after step 2; ``--resume`` replays

@@ -79,10 +79,11 @@ def mark_latest(run_dir: Path, step: int) -> None:
 
 
 def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, rank: int, tp_rank: int,
-              tp_size: int) -> None:
+              tp_size: int, model: ModelConfig) -> None:
     """Write ``blocks`` of this rank's ``state`` (each at ``step`` steps) as its part of the
     checkpoint of ``step``; no collective. The part's manifest comes last, so a part cut
-    short is never read."""
+    short is never read; it names the model's blocks too, so that whether the parts hold
+    them all can be told without the recipe (``latest_checkpoint``)."""
     directory = checkpoint_directory(run_dir, step)
     tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor.detach().cpu()
                for block in blocks for key, tensor in state.export(block).items()}
@@ -91,8 +92,10 @@ def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, r
     part = directory / f"rank-{rank}"
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(part, sync_files=True), no_dist=True)
     fsync_directory(part)
+    everything = stage_blocks(model, StageSpec((0, model.num_layers), first=True, last=True))
     write_json(directory / f"rank-{rank}.json", {"step": step, "blocks": [str(b) for b in blocks],
-                                                  "tp_rank": tp_rank, "tp_size": tp_size})
+                                                  "tp_rank": tp_rank, "tp_size": tp_size,
+                                                  "model_blocks": [str(b) for b in everything]})
 
 
 def _parts(directory: Path) -> list[tuple[Path, dict]]:
@@ -108,15 +111,26 @@ def parts_complete(directory: Path, blocks: list, *, tp_size: int) -> list:
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[tuple[int, Path]]:
-    """The last complete checkpoint of ``run_dir``: (committed steps, directory), or None.
-    ConfigError if another user could have written it (``file_trust.check_private``)."""
+    """The last complete checkpoint of ``run_dir``: (committed steps, directory), or None:
+    the one ``latest.json`` names, or a newer one whose parts hold every block (written by
+    workers that lost the controller, which no one marked). ConfigError if another user
+    could have written it (``file_trust.check_private``)."""
+    found = []
     latest = Path(run_dir) / CHECKPOINTS / _LATEST
-    if not latest.is_file():
+    if latest.is_file():
+        marker = json.loads(latest.read_text())
+        found.append((marker["step"], latest.parent / marker["path"]))
+    for directory in sorted((Path(run_dir) / CHECKPOINTS).glob("step-*")):
+        parts = [part for _, part in _parts(directory)]
+        if parts and all("model_blocks" in part for part in parts):
+            model_blocks = sorted({b for part in parts for b in part["model_blocks"]})
+            if not parts_complete(directory, model_blocks, tp_size=parts[0]["tp_size"]):
+                found.append((parts[0]["step"], directory))
+    if not found:
         return None
-    marker = json.loads(latest.read_text())
-    directory = latest.parent / marker["path"]
+    step, directory = max(found, key=lambda candidate: candidate[0])
     check_private(directory, root=run_dir)
-    return marker["step"], directory
+    return step, directory
 
 
 def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp_rank: int,

@@ -22,7 +22,7 @@ from odyssey_megatron.config import DType, RecipeConfig, config_yaml
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
-from odyssey_megatron.run_dir import private_directory, read_jsonl, write_json, write_jsonl, write_text
+from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_jsonl, write_text
 from odyssey_megatron.runtime.checkpoint import latest_checkpoint
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
@@ -96,6 +96,8 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     else:
         write_text(run_dir / "config.yaml", config_yaml(config))
     prepared = _prepare_data(config)
+    if resume is not None:
+        _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
     controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
     if launch.master_port == 0:
         launch = LaunchConfig(nnodes=launch.nnodes, node_rank=0, master_addr=launch.master_addr,
@@ -183,6 +185,21 @@ def _forget_steps_from(samples: Path, step: int) -> None:
     commits them again."""
     if samples.is_file():
         write_jsonl(samples, [record for record in read_jsonl(samples, key="--resume") if record["step"] < step])
+
+
+def _record_steps_the_controller_missed(samples: Path, upto: int, prepared, config: RecipeConfig) -> None:
+    """Steps before ``upto`` that ``samples.jsonl`` lacks: the ranks committed them (the
+    resumed checkpoint holds them; a rank applies committed steps only) after the controller
+    last recorded one, when it died. Their samples follow from the step; their loss was
+    never reported (null)."""
+    from odyssey_megatron.data import IndexedTokens
+
+    recorded = {record["step"] for record in read_jsonl(samples, key="--resume")} if samples.is_file() else set()
+    train = config.training
+    tokens = IndexedTokens(prepared, micro_batch_size=train.micro_batch_size, num_micro_batches=train.num_micro_batches)
+    for step in (step for step in range(upto) if step not in recorded):
+        ids = [i for m in range(train.num_micro_batches) for i in tokens.sample_ids(step, m)]
+        append_jsonl(samples, {"step": step, "generation": None, "samples": ids, "loss": None, "recovered": True})
 
 
 def _wait_other_nodes(controller: Controller, timeouts: Timeouts) -> None:

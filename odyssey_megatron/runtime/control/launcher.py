@@ -6,8 +6,9 @@ controller's inbox. A thread beats for the node every heartbeat interval (its si
 how the controller learns the node is lost); twice per interval the launcher kills the
 ranks the controller ordered killed (hung or failed: a failed worker never comes back
 into a collective), and reads the
-controller's heartbeat: when that stops, or the store is gone, it kills its workers and
-exits, within the heartbeat timeout. Its workers die with it when it is killed (see
+controller's heartbeat: when that stops, or the store is gone, it gives its workers the
+collective timeout to save what they hold and exit (``runtime.rank.controller_link``),
+kills those left and exits. Its workers die with it when it is killed (see
 ``runtime.rank.controller_link``), so a lost node leaves no orphans either.
 
 Workers start from multiprocessing's fork server, which imports the worker's module (torch,
@@ -93,7 +94,9 @@ class NodeLauncher:
             self._start_workers()
             self._watch(store)
         except (dist.DistError, ProtocolError, _ControllerLost) as exc:
-            log.error("node %d: lost the controller (%s); stopping its workers", node, str(exc).splitlines()[0])
+            log.error("node %d: lost the controller (%s); its workers save what they hold, then exit", node,
+                      str(exc).splitlines()[0])
+            self._let_workers_exit(within=self.timeouts.collective_timeout)
             return EXIT_CONTROLLER_LOST
         finally:
             self._kill_all()
@@ -157,6 +160,16 @@ class NodeLauncher:
             log.warning("node %d: killing rank %d (pid %d) on the controller's order", self.config.node_rank, rank,
                         process.pid)
             process.kill()
+
+    def _let_workers_exit(self, *, within: float) -> None:
+        """Wait up to ``within`` seconds for every worker to exit by itself (the rest are
+        killed after): workers that lost the controller save their blocks first."""
+        deadline = time.monotonic() + within
+        while self._workers and time.monotonic() < deadline:
+            by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
+            for sentinel in multiprocessing.connection.wait(list(by_sentinel), timeout=deadline - time.monotonic()):
+                process = self._workers.pop(by_sentinel[sentinel])
+                process.join()
 
     def _kill_all(self) -> None:
         for process in self._workers.values():

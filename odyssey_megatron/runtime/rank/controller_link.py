@@ -4,9 +4,12 @@ The heartbeat runs on a daemon thread with its own store connection, so it beats
 training thread computes or sits in a collective. Each beat also looks for the abort key of
 the generation the worker runs and, once it is set, calls ``on_abort`` (the worker's
 collective guard), which ends the training thread's waits on that generation's groups
-even where no socket closes. Each beat reads the controller's heartbeat too; when that stops changing for ``heartbeat_timeout``, or the store connection
-breaks, the controller is gone and the thread ends the process at once (``os._exit``:
-the training thread may be blocked where no exception reaches it). A lost node leaves no
+even where no socket closes. Each beat reads the controller's heartbeat too; when that
+stops changing for ``heartbeat_timeout``, or the store connection breaks, the controller is
+gone: the thread calls ``on_controller_lost`` (the worker aborts its generation and saves
+what it holds, which is committed state) and ends the process if the worker has not within
+the collective timeout (``os._exit``: the training thread may be blocked where no exception
+reaches it). A lost node leaves no
 orphans either: every beat checks that the launcher still runs. (The kernel's
 parent-death signal, which the worker also asks for, fires only when its parent, the
 launcher's fork server, exits; and that server waits for its workers to close their copies
@@ -91,6 +94,9 @@ class ControllerLink:
     it starts up: the detector's start-up grace); set it once entered."""
     watching: Optional[int]
     """The plan generation the worker enters or runs; set it on adopting a plan."""
+    on_controller_lost: Optional[Callable[[str], None]]
+    """Called once (on the heartbeat thread) when the controller is gone; without it, or if
+    the process still runs a collective timeout later, the process exits at once."""
     on_abort: Optional[Callable[[int], None]]
     """Called with the generation (on the heartbeat thread) once the controller aborts
     ``watching``; the worker may have moved on to the next one meanwhile."""
@@ -99,6 +105,7 @@ class ControllerLink:
         self.launch = launch
         self.generation = self.watching = None
         self.on_abort = None
+        self.on_controller_lost = None
         self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
                                    timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
         self._beats = self.store.clone()
@@ -159,10 +166,19 @@ class ControllerLink:
             if controller.stale(time.monotonic()):
                 self._controller_lost(f"no controller heartbeat for over {timeouts.heartbeat_timeout} s")
             if not _alive(self.launch.launcher_pid):
-                self._controller_lost(f"its launcher (pid {self.launch.launcher_pid}) is gone")
+                self._exit(f"its launcher (pid {self.launch.launcher_pid}) is gone")
 
     def _controller_lost(self, why: str) -> None:
-        log.error("rank %d: controller lost (%s); exiting", self.launch.rank, why)
+        """Hand the loss to the worker, give it the collective timeout to save and exit."""
+        if self.on_controller_lost is None:
+            self._exit(f"controller lost ({why})")
+        log.error("rank %d: controller lost (%s); saving what this rank holds", self.launch.rank, why)
+        self.on_controller_lost(why)
+        time.sleep(self.launch.timeouts.collective_timeout)
+        self._exit("the save after the controller's loss did not end within the collective timeout")
+
+    def _exit(self, why: str) -> None:
+        log.error("rank %d: %s; exiting", self.launch.rank, why)
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(EXIT_CONTROLLER_LOST)

@@ -54,6 +54,7 @@ from odyssey_megatron.hooks.training_state import TrainingState, worker_blocks
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint, save_part
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol import (
+    EXIT_CONTROLLER_LOST,
     RUN_DONE,
     RUN_SPEC,
     RUN_STOP,
@@ -95,7 +96,8 @@ a collective lost a peer (raised where it was called), or the store rendezvous f
 
 def train_worker(launch: WorkerLaunch) -> None:
     """The launcher's target: run the worker; an error of its own is reported, then the
-    process ends with status 1."""
+    process ends with status 1; a worker that lost the controller ends with
+    ``EXIT_CONTROLLER_LOST`` once it saved what it holds."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {launch.rank} %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its dataset index chatter, once per rank
     for stop in (signal.SIGINT, signal.SIGTERM):  # the launcher and the controller stop the run
@@ -103,10 +105,10 @@ def train_worker(launch: WorkerLaunch) -> None:
     link = ControllerLink(launch)
     link.start()
     try:
-        Worker(launch, link).run()
+        status = Worker(launch, link).run()
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os._exit(0)  # at once: interpreter teardown (torch, gloo) can outlast a heartbeat timeout
+        os._exit(status)  # at once: interpreter teardown (torch, gloo) can outlast a heartbeat timeout
     except BaseException as exc:  # noqa: BLE001 - whatever it is, the controller must know
         log.exception("rank %d: failed", launch.rank)
         link.report_failure(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -149,6 +151,9 @@ class Worker:
         """Ends every wait on the generation's groups when the controller aborts it."""
         prepare_backend(self.accelerator.backend)
         self.guard.install()
+        self.controller_lost: Optional[str] = None
+        """Why the controller is gone, once the heartbeat thread found it so."""
+        link.on_controller_lost = self._on_controller_lost
         link.on_abort = lambda generation: self.guard.abort(f"the controller ended generation {generation}",
                                                             generation=generation)
         self.group_store = self.store.clone()
@@ -173,15 +178,24 @@ class Worker:
 
     # -- the generation loop -----------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train generation after generation; returns the process's exit status."""
         while True:
-            published = self._next_plan()
+            if self.controller_lost is not None:
+                self._save_held()
+                return EXIT_CONTROLLER_LOST
+            try:
+                published = self._next_plan()
+            except dist.DistError:
+                if not self._wait_controller_lost():
+                    raise
+                continue
             if isinstance(published, StopOrder):
                 self._carry_out(published)
-                return
+                return 0
             if published is None:
                 log.info("rank %d: the run is done", self.launch.rank)
-                return
+                return 0
             self.generation = published.plan.generation
             self.link.watching = self.generation
             try:
@@ -195,7 +209,7 @@ class Worker:
                 ended = True
             if not ended and self.store.check([RUN_DONE]):
                 log.info("rank %d: the run is done", self.launch.rank)
-                return  # the process ends now: nothing to tear down for
+                return 0  # the process ends now: nothing to tear down for
             # Outside the except block: its frame holds references that keep gloo's sockets open.
             self._leave_generation(abandoned=ended)
 
@@ -215,6 +229,32 @@ class Worker:
             time.sleep(self.timeouts.poll_interval)
         return self.link.wait_plan(newer_than=self.generation)
 
+    def _on_controller_lost(self, why: str) -> None:
+        """On the heartbeat thread: end the generation; the training thread saves and exits."""
+        self.controller_lost = why
+        self.guard.abort(f"the controller is gone ({why})")
+
+    def _wait_controller_lost(self) -> bool:
+        """After a store error: whether the heartbeat thread finds the controller gone."""
+        deadline = time.monotonic() + 2 * self.timeouts.heartbeat_timeout
+        while self.controller_lost is None and time.monotonic() < deadline:
+            time.sleep(self.timeouts.poll_interval)
+        return self.controller_lost is not None
+
+    def _save_held(self) -> None:
+        """With the controller gone, nobody can assign writers: write every block held, as
+        a part of the checkpoint of the steps it has taken (all committed: a rank applies
+        committed steps only). ``--resume`` takes the newest step whose parts hold every block."""
+        held = self.state.held() if self.state is not None else []
+        by_step: dict[int, list] = {}
+        for block in held:
+            by_step.setdefault(self.state.blocks[block].step, []).append(block)
+        for step, blocks in sorted(by_step.items()):
+            save_part(self.run_dir, self.state, blocks, step=step, rank=self.launch.rank, tp_rank=self.tp_rank,
+                      tp_size=self.tp, model=self.config.model)
+        log.warning("rank %d: the controller is gone (%s); saved %s", self.launch.rank, self.controller_lost,
+                    {step: [str(b) for b in blocks] for step, blocks in by_step.items()} or "nothing")
+
     def _carry_out(self, order: StopOrder) -> None:
         """Write the blocks ``order`` assigns this worker (its TP shard), as of the last
         committed step, then count in: the controller marks the checkpoint once all are in."""
@@ -225,7 +265,7 @@ class Worker:
             if steps != {order.step}:
                 raise RuntimeError(f"asked to save blocks at {order.step} committed steps; they have taken {steps}")
             save_part(self.run_dir, self.state, mine, step=order.step, rank=self.launch.rank, tp_rank=self.tp_rank,
-                      tp_size=self.tp)
+                      tp_size=self.tp, model=self.config.model)
         self.store.set(stopped_key(self.launch.rank), "1")
         log.info("rank %d: stopped (%s); saved %s as of step %d", self.launch.rank, order.reason,
                  [str(b) for b in mine] or "nothing", order.step)
@@ -389,6 +429,13 @@ class Worker:
         key = decided_key(self.generation, self.start_step)
         return self.store.check([key]) and self.store.get(key) == COMMITTED
 
+    def _settled_here(self) -> bool:
+        """``_first_step_committed``, or False where the store is gone (keep the spare blocks)."""
+        try:
+            return self._first_step_committed()
+        except dist.DistError:
+            return False
+
     def _wait_until_ended(self) -> None:
         """An idle worker (or one done training) waits for the next plan or the run's end;
         it drops its spare blocks once the generation's first step commits."""
@@ -409,7 +456,7 @@ class Worker:
         if self.runner is not None:
             self.state = self.runner.release(abandoned=abandoned)
             self.runner = None
-        if self.spare is not None and not self._first_step_committed():
+        if self.spare is not None and not self._settled_here():
             self.state = TrainingState({**self.spare.blocks, **(self.state.blocks if self.state else {})})
         self.spare = None
         if self.idle_groups is not None:
