@@ -1,0 +1,56 @@
+"""Checkpoint parts: written by workers without a collective (a stop, or a lost
+controller), found complete by ``latest_checkpoint`` only when they hold every block, and
+read back under another stage split exactly as written."""
+
+from __future__ import annotations
+
+import torch
+
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.hooks.model import StageSpec
+from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
+from odyssey_megatron.run_dir import private_directory
+from odyssey_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, mark_latest, save_part
+
+MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                    vocab_size=128, seq_length=16, params_dtype="fp32")
+WHOLE = StageSpec((0, 4), first=True, last=True)
+
+
+def trained(step: int) -> TrainingState:
+    """The whole model's blocks as if ``step`` steps had been taken."""
+    state = TrainingState.initial(MODEL, WHOLE, seed=5, tp_rank=0, tp_size=1)
+    for block in state.blocks.values():
+        block.step = step
+        for moment in (*block.exp_avg.values(), *block.exp_avg_sq.values()):
+            moment.fill_(0.25)
+    return state
+
+
+def test_parts_that_hold_every_block_are_the_latest_and_load_under_another_split(tmp_path):
+    run_dir = tmp_path / "run"
+    private_directory(run_dir)
+    state, blocks = trained(3), stage_blocks(MODEL, WHOLE)
+    save_part(run_dir, state, blocks[:3], step=3, rank=0, tp_rank=0, tp_size=1, model=MODEL)
+    assert latest_checkpoint(run_dir) is None  # half the blocks: not a checkpoint
+    save_part(run_dir, state, blocks[2:], step=3, rank=5, tp_rank=0, tp_size=1, model=MODEL)
+    step, directory = latest_checkpoint(run_dir)
+    assert (step, directory.name) == (3, "step-3")
+    second = StageSpec((2, 4), first=False, last=True)
+    loaded = load_checkpoint(directory, model=MODEL, stage=second, tp_rank=0, tp_size=1)
+    assert loaded.held() == stage_blocks(MODEL, second)
+    for block in loaded.held():
+        want, got = state.export(block), loaded.export(block)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_the_newest_complete_checkpoint_wins_whether_marked_or_not(tmp_path):
+    run_dir = tmp_path / "run"
+    private_directory(run_dir)
+    blocks = stage_blocks(MODEL, WHOLE)
+    save_part(run_dir, trained(2), blocks, step=2, rank=1, tp_rank=0, tp_size=1, model=MODEL)
+    mark_latest(run_dir, 2)
+    save_part(run_dir, trained(4), blocks[:-1], step=4, rank=1, tp_rank=0, tp_size=1, model=MODEL)
+    assert latest_checkpoint(run_dir)[0] == 2  # step 4 lacks the output block
+    save_part(run_dir, trained(4), blocks[-1:], step=4, rank=2, tp_rank=0, tp_size=1, model=MODEL)
+    assert latest_checkpoint(run_dir)[0] == 4
