@@ -239,8 +239,9 @@ def test_reparallelizing_survives_kills_mid_transfer_in_group_setup_and_two_at_o
     assert {ended_in(err, rank, entered["generation"]) for rank in set(entered["workers"]) - {6}} == {"group_setup"}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 29: a survivor inside new_group's store rendezvous waits for the dead "
-                   "rank's key until the collective timeout (30 s); the abort key does not end that wait")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 29: a survivor inside new_group's store rendezvous waits for the dead rank's key until the collective "
+    "timeout (30 s); the abort key does not end that wait"))
 def test_a_rank_lost_while_the_survivors_build_groups_costs_no_collective_timeout(reparallelized):
     """The two kills above that leave survivors building process groups with a dead
     peer (mid_transfer, group_setup): the survivors are back in the restarted decision's
