@@ -136,10 +136,15 @@ class LengthSweep(Choice):
 
 
 class FaultPhase(Choice):
-    """Where in a worker's step an injected fault strikes: forward and backward (each
-    micro-batch), grad_sync (before the DP all-reduces), optimizer (after the global norm
-    and the step's commit, before the step is applied: its replicas apply it), transfer
-    (before a recovery's first block moves), recovery (entering a new generation)."""
+    """Where in a worker's step an injected fault strikes. In training: forward and backward
+    (each micro-batch), grad_sync (before the DP all-reduces), optimizer (after the global
+    norm and the step's commit, before the step is applied: its replicas apply it). In the
+    recovery that resumes at the step, in the order a rank passes them: recovery (entering
+    the new plan, before its process group's rendezvous), transfer (the group formed, before
+    any block moves), mid_transfer (after this rank's first block moved, sent or received,
+    before it waits on its others; with one block, after it moved), group_setup (a training
+    rank, its blocks moved, about to build the plan's process groups while its peers build
+    them)."""
 
     forward = "forward"
     backward = "backward"
@@ -147,6 +152,8 @@ class FaultPhase(Choice):
     optimizer = "optimizer"
     transfer = "transfer"
     recovery = "recovery"
+    mid_transfer = "mid_transfer"
+    group_setup = "group_setup"
 
 
 FaultAction = Choice("FaultAction", [(name, name) for name in ("kill", "stop", "raise")], module=__name__)
@@ -402,6 +409,10 @@ class FaultSpec:
     action: FaultAction = MISSING
     """kill (SIGKILL), stop (SIGSTOP: a hung worker) or raise (an exception in the training
     loop); a node fault is always kill."""
+    with_ranks: list[int] = field(default_factory=list)
+    """Other ranks of ``rank``'s node killed in the same instant: ``rank`` carries the fault
+    out, SIGKILLing them (wherever they are in their step) and then itself, so they fail
+    together, not one after another. Kill only; default: none."""
 
     def check(self, key: str) -> None:
         """What the spec alone decides: the choices, and exactly one target."""
@@ -412,6 +423,12 @@ class FaultSpec:
                 + (" and ".join(f"{name} {value}" for name, value in targets.items()) or "neither"))
         require(self.node is None or self.action == "kill", f"{key}.action",
                 f"must be kill for a node fault (a node is lost whole: its launcher and workers die); got {self.action}")
+        if self.with_ranks:
+            require(self.rank is not None, f"{key}.with_ranks", "must go with rank, not node (a node fails whole)")
+            require(self.action == "kill", f"{key}.action",
+                    f"must be kill for ranks failing together (with_ranks); got {self.action}")
+            require(self.rank not in self.with_ranks and len(set(self.with_ranks)) == len(self.with_ranks),
+                    f"{key}.with_ranks", f"must name other ranks than rank {self.rank}, each once; got {self.with_ranks}")
 
     def check_within(self, key: str, *, num_ranks: int, devices_per_node: int, train_iters: int) -> None:
         """Its target and step exist in the recipe's run."""
@@ -424,11 +441,18 @@ class FaultSpec:
             require(1 <= self.node < nodes, f"{key}.node",
                     f"{allowed} (the recipe's {num_ranks} ranks fill {nodes} node(s) of cluster.devices_per_node="
                     f"{devices_per_node}, and node 0 hosts the controller, whose loss ends the run); got {self.node}")
+        for peer in self.with_ranks:
+            first = self.rank // devices_per_node * devices_per_node
+            require(first <= peer < min(first + devices_per_node, num_ranks), f"{key}.with_ranks",
+                    f"must name ranks of rank {self.rank}'s node, {first}..{min(first + devices_per_node, num_ranks) - 1}"
+                    f" (cluster.devices_per_node={devices_per_node}): it kills their pids; got {peer}")
         require(0 <= self.step < train_iters, f"{key}.step",
                 f"must lie in 0..{train_iters - 1} (training.train_iters is {train_iters}); got {self.step}")
 
     @property
     def target(self) -> str:
+        if self.with_ranks:
+            return f"ranks {', '.join(map(str, [self.rank, *self.with_ranks]))}"
         return f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
 
     def __str__(self) -> str:

@@ -196,11 +196,15 @@ def resident_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def repeated_generations(rank: int, world_size: int, published: str, generations: int) -> list[int]:
+def repeated_generations(rank: int, world_size: int, published: str, generations: int,
+                         model_fields: str = "{}") -> dict:
     """What a survivor does on every recovery, ``generations`` times: a fresh default
     group on the generation's store prefix, the stage built from the blocks it holds, a
     step, then the groups destroyed and the stage dropped (``PlanRunner.release``, as the
-    training worker does). Returns the resident bytes after each release."""
+    training worker does). ``model_fields`` (JSON) overrides fields of the tiny model.
+    Returns ``resident``, the resident bytes after each release, and ``copy_bytes``, the
+    bytes of one copy of the stage's parameters."""
+    import ctypes
     import datetime
     import gc
 
@@ -209,11 +213,17 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
     from odyssey_megatron.runtime.protocol import process_group_prefix
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
+    # Tensors over 128 KiB from mmap, whose free returns them to the kernel: glibc's
+    # default raises that threshold as they are freed, after which their reuse fragments
+    # the heap and resident memory grows (~15 MiB a generation on a 90 MiB stage) with no
+    # object kept alive. Here resident memory measures what stays referenced.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
     plan, program = read_published(json.loads(published))
-    ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
+    ranks = RankMap.identity(world_size, 1)
+    model = ModelConfig(**{**TINY, "num_layers": plan.num_layers, **json.loads(model_fields)})
     store = dist.distributed_c10d._get_default_store()
     state = initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED)
-    source, resident = data(), []
+    source, resident, copy_bytes = data(), [], 0
     gc.freeze()  # as the worker does once its long-lived objects are loaded
     for generation in range(1, generations + 1):
         dist.destroy_process_group()
@@ -223,11 +233,12 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
                             micro_batch_size=MICRO_BATCH_SIZE, state=state, optimizer=OPTIMIZER)
         runner.train_step(lambda m, step=generation: source.micro_batch(step, m))
         runner.settle()
+        copy_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         state = runner.release(abandoned=generation % 2 == 0)
         del runner
         gc.collect()
         resident.append(resident_bytes())
-    return resident
+    return {"resident": resident, "copy_bytes": copy_bytes}
 
 
 def op_times(rank: int, world_size: int, published: str, schedule: str) -> dict:

@@ -23,7 +23,7 @@ from odyssey_megatron.config import FaultSpec, config_yaml, load_config
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.runtime.protocol import WorkerLaunch
 from odyssey_megatron.timeouts import Timeouts
-from odyssey_megatron.runtime.rank.fault_injection import FaultInjector, InjectedFault
+from odyssey_megatron.runtime.rank.fault_injection import FaultInjector, InjectedFault, pid_key
 
 TINY = str(Path(__file__).resolve().parents[1] / "recipes/llama2_7b/tiny_cpu.yaml")
 """8 ranks, DP=2 x PP=4, 8 devices per node (one node), 20 steps."""
@@ -45,21 +45,25 @@ def test_faults_from_yaml_and_from_the_command_line_are_the_same(tmp_path):
     recipe.write_text(Path(TINY).read_text() + "  faults:\n"
                       "    - {rank: 5, step: 2, phase: backward, action: kill}\n"
                       "    - {node: 3, step: 7, phase: recovery, action: kill}\n"
-                      "    - {rank: 0, step: 19, phase: grad_sync, action: raise}\n")
+                      "    - {rank: 0, step: 19, phase: grad_sync, action: raise}\n"
+                      "    - {rank: 6, step: 3, phase: mid_transfer, action: kill, with_ranks: [7]}\n")
     from_yaml = load_config(recipe, [TWO_PER_NODE])
     override = ("odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}, "
-                "{node: 3, step: 7, phase: recovery, action: kill}, {rank: 0, step: 19, phase: grad_sync, action: raise}]")
+                "{node: 3, step: 7, phase: recovery, action: kill}, {rank: 0, step: 19, phase: grad_sync, action: raise}, "
+                "{rank: 6, step: 3, phase: mid_transfer, action: kill, with_ranks: [7]}]")
     from_cli = load_config(TINY, [TWO_PER_NODE, override])
     assert from_yaml.odyssey.faults == from_cli.odyssey.faults
     assert [str(spec) for spec in from_cli.odyssey.faults] == [
-        "kill rank 5 at step 2, backward", "kill node 3 at step 7, recovery", "raise rank 0 at step 19, grad_sync"]
+        "kill rank 5 at step 2, backward", "kill node 3 at step 7, recovery", "raise rank 0 at step 19, grad_sync",
+        "kill ranks 6, 7 at step 3, mid_transfer"]
     assert load_config(TINY).odyssey.faults == []
     printed = tmp_path / "printed.yaml"  # --print-config's output loads back to the same faults
     printed.write_text(config_yaml(from_cli))
     assert load_config(printed).odyssey.faults == from_cli.odyssey.faults
 
 
-ALLOWED_PHASES = "must be one of forward, backward, grad_sync, optimizer, transfer, recovery; got 'backwards'"
+ALLOWED_PHASES = ("must be one of forward, backward, grad_sync, optimizer, transfer, recovery, mid_transfer, "
+                  "group_setup; got 'backwards'")
 ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks fill 1 node(s) of cluster.devices_per_node=8"
 
 
@@ -84,9 +88,19 @@ ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks 
         ("[{rank: 1, phase: forward, action: kill}]", "odyssey.faults[0].step", "must be given"),
         ("[{rank: 1, step: two, phase: forward, action: kill}]", "odyssey.faults[0].step", "expected int"),
         ("[{rank: 1, stp: 2, phase: forward, action: kill}]", "odyssey.faults[0].stp",
-         "unknown key; allowed here: action, node, phase, rank, step"),
-        ("[5]", "odyssey.faults[0]", "must be a mapping of rank, node, step, phase, action; got 5"),
+         "unknown key; allowed here: action, node, phase, rank, step, with_ranks"),
+        ("[5]", "odyssey.faults[0]", "must be a mapping of rank, node, step, phase, action, with_ranks; got 5"),
         ("{rank: 5}", "odyssey.faults", "must be a list"),
+        ("[{node: 1, step: 2, phase: forward, action: kill, with_ranks: [3]}]", "odyssey.faults[0].with_ranks",
+         "must go with rank, not node"),
+        ("[{rank: 1, step: 2, phase: forward, action: stop, with_ranks: [3]}]", "odyssey.faults[0].action",
+         "must be kill for ranks failing together (with_ranks); got stop"),
+        ("[{rank: 1, step: 2, phase: forward, action: kill, with_ranks: [3, 1]}]", "odyssey.faults[0].with_ranks",
+         "must name other ranks than rank 1, each once; got [3, 1]"),
+        ("[{rank: 1, step: 2, phase: forward, action: kill, with_ranks: [3, 3]}]", "odyssey.faults[0].with_ranks",
+         "each once"),
+        ("[{rank: 1, step: 2, phase: forward, action: kill, with_ranks: [8]}]", "odyssey.faults[0].with_ranks",
+         "must name ranks of rank 1's node, 0..7 (cluster.devices_per_node=8): it kills their pids; got 8"),
     ],
 )
 def test_bad_fault_is_one_line_naming_its_key(faults, key, problem):
@@ -106,6 +120,8 @@ def test_bad_fault_is_one_line_naming_its_key(faults, key, problem):
         ("[{node: 4, step: 2, phase: forward, action: kill}]", "odyssey.faults[0].node", "must lie in 1..3"),
         ("[{node: 1, step: 2, phase: forward, action: stop}]", "odyssey.faults[0].action",
          "must be kill for a node fault"),
+        ("[{rank: 1, step: 2, phase: forward, action: kill, with_ranks: [0, 2]}]", "odyssey.faults[0].with_ranks",
+         "must name ranks of rank 1's node, 0..1 (cluster.devices_per_node=2): it kills their pids; got 2"),
     ],
 )
 def test_bad_node_fault_on_four_nodes(faults, key, problem):
@@ -116,7 +132,7 @@ def test_bad_node_fault_on_four_nodes(faults, key, problem):
 
 # -- the injector in this process ----------------------------------------------------
 
-PHASES = ("forward", "backward", "grad_sync", "optimizer", "transfer", "recovery")
+PHASES = ("forward", "backward", "grad_sync", "optimizer", "transfer", "recovery", "mid_transfer", "group_setup")
 
 
 @pytest.fixture
@@ -259,3 +275,60 @@ def test_node_fault_spares_other_nodes_and_the_other_workers_of_its_node(launche
         assert child.exitcode == 0
     finally:
         child.kill()
+
+
+def _wait_killed(injector_args: dict, store_port: int) -> None:
+    """A rank that a fault kills with another: publish its pid, then wait to be killed."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    FaultInjector(store=store, **injector_args)
+    time.sleep(60)
+
+
+def _fire_together(injector_args: dict, store_port: int, phase: str, step: int) -> None:
+    import torch.distributed as dist
+
+    injector = FaultInjector(store=dist.TCPStore("127.0.0.1", store_port, is_master=False), **injector_args)
+    injector.fire(phase, step)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_failing_together_are_killed_in_one_instant_by_the_first(launcher):
+    """Rank 1 carries out ``with_ranks: [3]``: it kills rank 3 (its pid from the store) and
+    then itself, within milliseconds; rank 3 only published its pid."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    faults = [fault(rank=1, step=2, phase="mid_transfer", action="kill", with_ranks=[3])]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    common = dict(faults=faults, node=0, launcher_pid=launcher.pid)
+    peer = _start(dict(rank=3, local_rank=3, **common), store.port, target=_wait_killed)
+    store.wait([pid_key(3)])
+    assert int(store.get(pid_key(3))) == peer.pid
+    carrier = _start(dict(rank=1, local_rank=1, **common), store.port, "mid_transfer", 2, target=_fire_together)
+    try:
+        deaths, deadline = {}, time.monotonic() + 30
+        while len(deaths) < 2 and time.monotonic() < deadline:
+            for name, child in (("peer", peer), ("carrier", carrier)):
+                if name not in deaths and child.exitcode is not None:
+                    deaths[name] = time.monotonic()
+            time.sleep(0.001)
+        assert (peer.exitcode, carrier.exitcode) == (-signal.SIGKILL, -signal.SIGKILL)
+        assert abs(deaths["peer"] - deaths["carrier"]) < 0.05
+    finally:
+        peer.kill()
+        carrier.kill()
+
+
+def test_a_fault_with_ranks_needs_the_store(launcher):
+    faults = [fault(rank=1, step=2, phase="forward", action="kill", with_ranks=[3])]
+    for rank in (1, 3):
+        with pytest.raises(ValueError, match="give the injector the store"):
+            FaultInjector(faults, rank=rank, node=0, local_rank=rank, launcher_pid=launcher.pid)
+    FaultInjector(faults, rank=2, node=0, local_rank=2, launcher_pid=launcher.pid)  # not in it: no store needed

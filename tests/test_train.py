@@ -161,27 +161,97 @@ def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_pat
         (str(r["failed_ranks"]), r["policy"]) for r in done]
 
 
-def test_reparallelizing_survives_a_kill_during_recovery_and_two_at_once(tmp_path, data_cache, reference):
-    """A kill in backward, then a second rank killed while the survivors move blocks (the
-    decision restarts from what they hold); a kill in the gradient sync; two ranks killed
-    in the optimizer step, after step 3 committed and before they applied it (their
-    replicas apply it, so the next plan starts at step 4), then a third as the survivors
-    enter that plan."""
-    run_dir = tmp_path / "run"
+POLL_S = 0.05
+"""The controller's poll interval (half the default heartbeat interval of 0.1 s)."""
+
+
+@pytest.fixture(scope="module")
+def reparallelized(tmp_path_factory, data_cache) -> tuple[Path, str]:
+    """A reparallelizing run through five failures, each injected where a recovery or a
+    step is most exposed; its run directory and stderr (every rank's log)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "reparallelized"
     status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reparallelize", faults(
         "{rank: 5, step: 1, phase: backward, action: kill}",
-        "{rank: 2, step: 1, phase: transfer, action: kill}",
+        "{rank: 2, step: 1, phase: mid_transfer, action: kill}",
         "{rank: 4, step: 2, phase: grad_sync, action: kill}",
-        "{rank: 0, step: 3, phase: optimizer, action: kill}",
-        "{rank: 7, step: 3, phase: optimizer, action: kill}",
-        "{rank: 6, step: 4, phase: recovery, action: kill}")))
-    assert status == 0, err[-4000:]
+        "{rank: 0, step: 3, phase: optimizer, action: kill, with_ranks: [7]}",
+        "{rank: 6, step: 4, phase: group_setup, action: kill}")))
+    if status != 0:  # not an assertion: the xfail below expects one, not a failed run
+        pytest.fail(f"odyssey train exited {status}:\n{err[-4000:]}")
+    return run_dir, err
+
+
+def ended_in(err: str, rank: int, generation: int) -> str:
+    """The phase in which ``rank``'s worker logged that ``generation`` ended under it."""
+    marker = f"rank {rank}: generation {generation} ended in "
+    (line,) = [line for line in err.splitlines() if marker in line]
+    return line.split(marker)[1].split(" of step")[0]
+
+
+def test_reparallelizing_survives_kills_mid_transfer_in_group_setup_and_two_at_once(reparallelized, reference):
+    """A kill in backward; in the recovery that follows, a second rank killed once its
+    first block has moved (the decision restarts from what the survivors hold, blocks
+    received included); a kill in the gradient sync; two ranks killed in one instant in
+    the optimizer step, after step 3 committed and before they applied it (their replicas
+    apply it, so the next plan starts at step 4); then a third as the survivors build that
+    plan's process groups (the decision restarts)."""
+    run_dir, err = reparallelized
     assert_same_training(run_dir, reference)
+    events = read_jsonl(run_dir / "events.jsonl")
+    injected = [line.split("injecting ")[1] for line in err.splitlines() if ": injecting odyssey.faults[" in line]
+    assert injected == [
+        "odyssey.faults[0]: kill rank 5 at step 1, backward", "odyssey.faults[1]: kill rank 2 at step 1, mid_transfer",
+        "odyssey.faults[2]: kill rank 4 at step 2, grad_sync",
+        "odyssey.faults[3]: kill ranks 0, 7 at step 3, optimizer", "odyssey.faults[4]: kill rank 6 at step 4, group_setup"]
+    failures = {tuple(e["ranks"]): e for e in events if e["event"] == "failure"}
+    assert sorted(failures) == [(0,), (2,), (4,), (5,), (6,), (7,)]
+    plans = [e for e in events if e["event"] == "plan"]
+
+    def plan_before(failure: dict) -> dict:
+        """The generation running (or being entered) when ``failure`` struck."""
+        return [p for p in plans if p["time"] < failure["detected_at"]][-1]
+
+    # Ranks 0 and 7 failed in one instant. The controller decides once for failures that
+    # reach it within a poll of each other; on a busy machine one may die later than that
+    # (the kernel's teardown of a killed process waits for a core) and is a restart.
+    together = abs(failures[(0,)]["detected_at"] - failures[(7,)]["detected_at"]) < POLL_S
     done = recoveries(run_dir)
-    assert [(r["failed_ranks"], r["policy"], r["start_step"]) for r in done] == [
-        ([2, 5], "reparallelize", 1), ([4], "reparallelize", 2), ([0, 6, 7], "reparallelize", 4)]
-    assert done[0]["restarts"] >= 1 and done[1]["restarts"] == 0 and done[2]["restarts"] >= 1
+    assert [(r["failed_ranks"], r["policy"], r["start_step"], r["restarts"]) for r in done] == [
+        ([2, 5], "reparallelize", 1, 1), ([4], "reparallelize", 2, 0),
+        ([0, 6, 7], "reparallelize", 4, 1 if together else 2)]
     assert all(r["transfer_bytes"] > 0 and r["mapping_bytes"] <= r["naive_mapping_bytes"] for r in done)
+    if together:
+        assert not {0, 7} & set(plan_before(failures[(6,)])["workers"])
+
+    # Rank 2 died in generation 1's transfers with a block still to move after its first;
+    # if it sent that first block, its receiver (with nothing else to move with it) holds
+    # it and went on to build the groups.
+    assert plan_before(failures[(2,)])["generation"] == 1
+    moves = [t for t in json.loads((run_dir / "plan-1.json").read_text())["transfers"] if 2 in (t["src"], t["dst"])]
+    assert len(moves) >= 2, moves
+    receiver = moves[0]["dst"]
+    if moves[0]["src"] == 2 and sum(receiver in (t["src"], t["dst"]) for t in moves) == 1:
+        assert ended_in(err, receiver, 1) == "group_setup"
+
+    # Rank 6 died entering a plan as a training rank, while its peers built the groups.
+    entered = plan_before(failures[(6,)])
+    assert entered["start_step"] == 4 and 6 in entered["workers"]
+    assert {ended_in(err, rank, entered["generation"]) for rank in set(entered["workers"]) - {6}} == {"group_setup"}
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 29: a survivor inside new_group's store rendezvous waits for the dead rank's key until the collective "
+    "timeout (30 s); the abort key does not end that wait"))
+def test_a_rank_lost_while_the_survivors_build_groups_costs_no_collective_timeout(reparallelized):
+    """The two kills above that leave survivors building process groups with a dead
+    peer (mid_transfer, group_setup): the survivors are back in the restarted decision's
+    plan well inside the collective timeout (30 s)."""
+    run_dir, _ = reparallelized
+    events = read_jsonl(run_dir / "events.jsonl")
+    failed_at = {tuple(e["ranks"]): e["failed_at"] for e in events if e["event"] == "failure"}
+    ready_at = {tuple(r["failed_ranks"]): r["ready_at"] for r in recoveries(run_dir)}
+    waited = {"mid_transfer": ready_at[(2, 5)] - failed_at[(2,)], "group_setup": ready_at[(0, 6, 7)] - failed_at[(6,)]}
+    assert max(waited.values()) < 10, waited
 
 
 def _free_port() -> int:

@@ -25,7 +25,7 @@ all-reduce, so every rank raises at once instead of waiting on a send that never
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +126,7 @@ def execute_transfers(
     model: ModelConfig,
     device: torch.device = torch.device("cpu"),
     group: dist.ProcessGroup | None = None,
+    on_moved: Callable[[], None] | None = None,
 ) -> TransferReport:
     """Run ``plan.transfers`` and leave ``state`` holding exactly this rank's new stage.
 
@@ -133,7 +134,10 @@ def execute_transfers(
     world is formed. ``group`` (default: the default group) must span that world; its
     timeout bounds every wait. Received blocks are allocated on ``device``. Raises
     ValueError, before anything moves and on every rank, when a transfer cannot run
-    (``shard_moves``) or a rank cannot do its part (``check_rank_part``)."""
+    (``shard_moves``) or a rank cannot do its part (``check_rank_part``). ``on_moved`` is
+    called once this rank's first block has moved (its sends or receives waited on),
+    before it waits on the others (where the backend coalesces them into one work: after
+    all): where a fault injector acts."""
     start = time.perf_counter()
     if model.num_layers != plan.num_layers:
         raise ValueError(f"model.num_layers {model.num_layers}, the plan has {plan.num_layers} layers")
@@ -154,6 +158,8 @@ def execute_transfers(
                          "(their errors say why); nothing was moved")
 
     ops: list[dist.P2POp] = []
+    first_block_ops = 0
+    """How many of ``ops`` move this rank's first block."""
     sent, received, incoming = [], [], []
     bytes_sent = bytes_received = 0
     for move in moves:
@@ -170,8 +176,15 @@ def execute_transfers(
             bytes_received += sum(buffer.nbytes for buffer in buffers.values())
             received.append(move.block)
             incoming.append((move.block, buffers))
+        first_block_ops = first_block_ops or len(ops)
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        first = first_block_ops if len(works) == len(ops) else len(works)
+        for work in works[:first]:
+            work.wait()
+        if on_moved is not None:
+            on_moved()
+        for work in works[first:]:
             work.wait()
     for block, buffers in incoming:
         state.receive(block, buffers)

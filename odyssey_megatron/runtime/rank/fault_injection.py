@@ -6,8 +6,10 @@ step begins; a fault aimed at it strikes there. A rank fault kills (SIGKILL), st
 ``InjectedFault`` in the training loop. A node fault kills the node's launcher, and with it
 every worker of the node (each asked the kernel for SIGKILL when its launcher dies:
 ``controller_link``); the node's first worker (local rank 0) carries it out, so the node
-fails at one well-defined point of the step. Each spec fires at most once: a step replayed
-after recovery reaches the same phase again and runs clean.
+fails at one well-defined point of the step. Ranks failing together (``with_ranks``)
+are killed by the spec's ``rank``, their pids and then its own, back to back: each of them
+published its pid in the store when its injector was built. Each spec fires at most once: a
+step replayed after recovery reaches the same phase again and runs clean.
 """
 
 from __future__ import annotations
@@ -16,13 +18,21 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
+from typing import Optional
+
+import torch.distributed as dist
 
 from odyssey_megatron.config import FaultPhase, FaultSpec
 from odyssey_megatron.runtime.protocol import WorkerLaunch
 
-__all__ = ["FaultInjector", "InjectedFault"]
+__all__ = ["FaultInjector", "InjectedFault", "pid_key"]
 
 log = logging.getLogger(__name__)
+
+
+def pid_key(rank: int) -> str:
+    """Where a rank that a fault kills together with another publishes its pid."""
+    return f"faults/pid/{rank}"
 
 
 class InjectedFault(Exception):
@@ -41,19 +51,30 @@ class FaultInjector:
     """The node launcher, which a node fault kills."""
     _pending: dict[str, FaultSpec]
     """The faults aimed at this worker that have not fired yet, by their config key."""
+    store: Optional[dist.Store]
+    """Where ranks failing together publish their pids (needed when a spec has ``with_ranks``)."""
 
-    def __init__(self, faults: Sequence[FaultSpec], *, rank: int, node: int, local_rank: int, launcher_pid: int):
+    def __init__(self, faults: Sequence[FaultSpec], *, rank: int, node: int, local_rank: int, launcher_pid: int,
+                 store: Optional[dist.Store] = None):
         self.rank, self.node, self.local_rank, self.launcher_pid = rank, node, local_rank, launcher_pid
+        self.store = store
         self._pending = {
             f"odyssey.faults[{index}]": spec for index, spec in enumerate(faults)
             if spec.rank == rank or (spec.node == node and local_rank == 0)
         }
+        together = [spec for spec in faults if rank in spec.with_ranks or (spec.rank == rank and spec.with_ranks)]
+        if together and store is None:
+            raise ValueError(f"rank {rank}: a fault kills ranks together ({together[0]}): give the injector the store")
+        if any(rank in spec.with_ranks for spec in together):
+            store.set(pid_key(rank), str(os.getpid()))
 
     @classmethod
-    def for_worker(cls, faults: Sequence[FaultSpec], launch: WorkerLaunch) -> FaultInjector:
-        """The injector of the worker its launcher started with ``launch``."""
+    def for_worker(cls, faults: Sequence[FaultSpec], launch: WorkerLaunch,
+                   store: Optional[dist.Store] = None) -> FaultInjector:
+        """The injector of the worker its launcher started with ``launch``; ``store`` is the
+        run's store (the controller's)."""
         return cls(faults, rank=launch.rank, node=launch.node, local_rank=launch.local_rank,
-                   launcher_pid=launch.launcher_pid)
+                   launcher_pid=launch.launcher_pid, store=store)
 
     def fire(self, phase: str, step: int) -> None:
         """Carry out the first pending fault for ``phase`` of ``step``, if any: kill or stop
@@ -68,6 +89,14 @@ class FaultInjector:
         if spec.node is not None:
             os.kill(self.launcher_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)  # without waiting for the kernel's death signal
+        elif spec.with_ranks:
+            pids = [int(self.store.get(pid_key(peer))) for peer in spec.with_ranks]  # before any dies
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:  # that rank died before
+                    pass
+            os.kill(os.getpid(), signal.SIGKILL)
         elif spec.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.action == "stop":

@@ -90,7 +90,8 @@ class PlanRunner:
         Megatron's schedule cannot be paced, so the op-list executor runs. ``on_phase`` is
         called as the step enters each phase (forward, backward, grad_sync, optimizer: after
         the global norm and the commit, before the step is applied), once per micro-batch
-        for the forward and backward: where a fault injector acts.
+        for the forward and backward, and with group_setup here, before the plan's groups
+        are built: where a fault injector acts.
         ``op_timers`` becomes Megatron's ``timers`` of the model and optimizer configs
         (``runtime.rank.op_timers``): each op's seconds, for the online profile.
         ``collective_timeout``: the plan's process groups' timeout (``build_plan_groups``)."""
@@ -112,13 +113,14 @@ class PlanRunner:
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
         """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
+        self._on_phase = on_phase or (lambda phase: None)
+        self._on_phase("group_setup")
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=collective_timeout)
         self.stage = StageSpec.of_worker(plan, self.worker)
         self.device = device
         self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection)
         self.model.to(device)
         self.model.config.timers = op_timers
-        self._on_phase = on_phase or (lambda phase: None)
         if on_phase is not None:
             self.model.register_forward_pre_hook(lambda *_: on_phase("forward"))
             next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase("backward"))

@@ -143,7 +143,7 @@ class Worker:
         # What is here now (torch, Megatron, the data) lives as long as the process: keep it
         # out of the collections that free each generation's stage, so they take milliseconds.
         gc.freeze()
-        self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch)
+        self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch, store=self.store)
         self.op_timers = op_timers.OpTimers(self.device) if self.config.odyssey.online_profile else None
         self.timeouts = launch.timeouts
         self.collective_timeout = datetime.timedelta(seconds=self.timeouts.collective_timeout)
@@ -306,7 +306,7 @@ class Worker:
         if plan.transfers and not published.fresh:
             self.injector.fire("transfer", self.step)
             execute_transfers(plan=plan, state=self.state, rank=rank, ranks=ranks, model=self.config.model,
-                              device=self.device)
+                              device=self.device, on_moved=lambda: self.injector.fire("mid_transfer", self.step))
         self.state.keep(needed)
         self._set_aside(needed, held=held)
         if not training:  # sent its blocks; holds nothing the plan trains
