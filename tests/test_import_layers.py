@@ -17,8 +17,8 @@ PACKAGE = REPO / "odyssey_megatron"
 FLOORS: list[tuple[str, str]] = [
     ("odyssey_megatron runtime units errors",
      "words every room uses: the package docstrings, units and the one user-error type"),
-    ("input_files limits specs timeouts bridge_recipe run_dir",
-     "facts and files with no notion of a job: bounded reads, size limits, shipped specs, the timeout order"),
+    ("input_files limits specs timeouts settings bridge_recipe run_dir",
+     "facts and files with no notion of a job: bounded reads, size limits, shipped specs, timeouts and settings views"),
     ("config data",
      "the recipe, and the training data it names"),
     ("cluster profile profile_file plan",

@@ -13,6 +13,7 @@ from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.schedules.program import publish
+from odyssey_megatron.settings import PLAIN
 from odyssey_megatron.testing.local_world import run_world
 from runtime_cases import repeated_generations
 
@@ -22,8 +23,7 @@ GENERATIONS = 10
 @pytest.mark.timeout(600)
 def test_resident_memory_stays_flat_over_ten_recoveries():
     plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)
-    program = step_program(plan, uniform_profile(num_layers=4), ClusterState(world_size=4), decouple=False,
-                           staggered=False)
+    program = step_program(plan, uniform_profile(num_layers=4), ClusterState(world_size=4), pricing=PLAIN)
     per_rank = run_world(repeated_generations, 4, json.dumps(publish(plan, program)), GENERATIONS, timeout=500)
     for rank, resident in enumerate(per_rank):
         first, last = resident[0], resident[-1]  # after the first generation ended, after the tenth

@@ -7,16 +7,16 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
-from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score, sole_holders
+from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_holders
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.planner.reroute_pricing import RerouteCost
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync
+from odyssey_megatron.settings import SearchSettings
 
 PLACED_LAYOUTS = 3
 """Fastest layouts that get a Kuhn-Munkres placement, so transition cost can still change the winner."""
@@ -112,36 +112,12 @@ def _draft(policy: str, plan: ExecutionPlan, estimate: PlanEstimate, moving_s: f
                  layout=describe_layout([p.layer_counts for p in plan.pipelines]))
 
 
-def decide(
-    *,
-    current: ExecutionPlan,
-    cluster: ClusterState,
-    profile: ModelProfile,
-    settings: OdysseyConfig,
-    failure_model: FailureRateModel,
-    search_time_s: float | None = None,
-    interval_s: float | None = None,
-    search: ReparallelizeSearch | None = None,
-) -> Decision:
-    """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
-
-    ``draft_candidates`` prices the candidates, ``choose`` weighs them by Eq. 8.
-    ``search_time_s`` replaces the measured search time in the transition (the simulator
-    needs determinism); ``interval_s`` replaces the failure model's expected time to the
-    next failure (the hindsight oracle knows it).
-    """
-    drafts = draft_candidates(current=current, cluster=cluster, profile=profile, settings=settings, search=search)
-    interval = interval_s if interval_s is not None else failure_model.expected_interval_s(cluster.alive_devices)
-    return choose(drafts, settings=settings, interval_s=interval,
-                  search_time_s=drafts.pricing_s if search_time_s is None else search_time_s)
-
-
 def draft_candidates(
     *,
     current: ExecutionPlan,
     cluster: ClusterState,
     profile: ModelProfile,
-    settings: OdysseyConfig,
+    settings: SearchSettings,
     search: ReparallelizeSearch | None = None,
     interrupted: Callable[[], bool] = lambda: False,
 ) -> Drafts:
@@ -160,8 +136,7 @@ def draft_candidates(
     caller carries its pipeline cost caches from one decision to the next (same profile
     and settings). When no layout near the current DP degree fits in memory, the search
     sweeps every pipeline length before giving up on reparallelizing.
-    Every plan is priced as the runtime runs it (``odyssey.decoupled_weight_grads``,
-    ``odyssey.staggered_optimizer``). ``interrupted`` is asked before each pricing (a
+    Every plan is priced as the runtime runs it (``settings.pricing``). ``interrupted`` is asked before each pricing (a
     second at most on a 70B plan of 4,096 ranks) and raises PricingInterrupted when true:
     a decision prepared in advance gives way to the failure that makes it stale.
     """
@@ -176,7 +151,7 @@ def draft_candidates(
     considered = 0
     notes = []
     as_run = dict(  # price plans as the runtime runs them; the memo spares pricing a reroute twice
-        decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer, memo={})
+        pricing=settings.pricing, memo={})
     priced = RerouteCost(profile, cluster, **as_run)
 
     def checkpoint() -> None:
@@ -281,7 +256,7 @@ def draft_candidates(
                   alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
 
 
-def choose(drafts: Drafts, *, settings: OdysseyConfig, interval_s: float,
+def choose(drafts: Drafts, *, settings: SearchSettings, interval_s: float,
            search_time_s: float) -> Decision:
     """Score every draft by Eq. 8 and pick the best: throughput, less the transition
     (search time while training is paused, moving state, restarting) and the expected
