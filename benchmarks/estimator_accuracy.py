@@ -82,6 +82,7 @@ from odyssey_megatron.profiler import measure_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
 from odyssey_megatron.schedules.program import publish
+from odyssey_megatron.settings import Pricing
 from odyssey_megatron.testing.local_world import run_world
 from odyssey_megatron.testing.plans import pipelines_plan
 from odyssey_megatron.testing.slow_device import slowed
@@ -166,8 +167,9 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
 
 def measure(case: Case, profile: ModelProfile, steps: int, *, emulate: bool) -> dict:
     """Predicted and measured step time (and peak memory) of ``case`` priced and run with ``profile``."""
-    estimate = estimate_plan(case.plan, profile, CLUSTER, decouple=case.decouple, staggered=case.staggered)
-    program = step_program(case.plan, profile, CLUSTER, decouple=case.decouple, staggered=case.staggered)
+    pricing = Pricing(decouple=case.decouple, staggered=case.staggered)
+    estimate = estimate_plan(case.plan, profile, CLUSTER, pricing=pricing)
+    program = step_program(case.plan, profile, CLUSTER, pricing=pricing)
     published = json.dumps(publish(case.plan, program))
     per_rank = run_world(run_steps, case.world_size, published, OVERRIDES, profile if emulate else None, steps,
                          timeout=900)

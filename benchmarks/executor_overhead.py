@@ -66,6 +66,7 @@ from odyssey_megatron.profiler import measure_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
 from odyssey_megatron.runtime.rank.op_timers import BACKWARD, FORWARD, OpTimers
+from odyssey_megatron.settings import Pricing
 from odyssey_megatron.testing.local_world import run_world
 from odyssey_megatron.testing.plans import pipelines_plan
 from odyssey_megatron.testing.slow_device import slowed
@@ -100,8 +101,8 @@ def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
     (split backwards where they pay; never for Megatron's 1F1B), from the seed's state."""
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
-    program = step_program(plan, uniform_profile(num_layers=MODEL.num_layers), decouple=schedule != "megatron",
-                           staggered=staggered)
+    pricing = Pricing(decouple=schedule != "megatron", staggered=staggered)
+    program = step_program(plan, uniform_profile(num_layers=MODEL.num_layers), pricing=pricing)
     ranks = RankMap.identity(world, 1)
     return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=MODEL,
                       micro_batch_size=MICRO_BATCH_SIZE,
@@ -389,7 +390,7 @@ def main() -> None:
 
     profile = uniform_profile(num_layers=MODEL.num_layers)
     rerouted = with_sync(reroute_plan(symmetric, failed_workers={3}, profile=profile), profile)
-    timing = step_schedule(rerouted, profile, decouple=True, staggered=True)
+    timing = step_schedule(rerouted, profile, pricing=Pricing(decouple=True, staggered=True))
     predicted = step_time(rerouted, profile, None, timing, staggered=True) / timing.makespan_s - 1
     stagger = _medians(run_world(staggered_vs_synchronous, 3, rerouted.to_json(), args.steps, timeout=900))
     print("The same plan, its last stage of pipeline 1 failed and rerouted, 3 ranks, split backwards:")

@@ -29,6 +29,7 @@ from odyssey_megatron import limits
 from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import load_yaml_mapping
+from odyssey_megatron.settings import Pricing, SearchSettings
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
 from odyssey_megatron.specs.hf_config import read_model_fields
 from odyssey_megatron.timeouts import TIMEOUT_ORDER, Timeouts
@@ -593,6 +594,17 @@ class OdysseyConfig:
         """The runtime's timeouts, shortest first (``odyssey_megatron.timeouts``)."""
         return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER},
                         initial_heartbeat_timeout=self.initial_heartbeat_timeout)
+
+    @property
+    def pricing(self) -> Pricing:
+        """How plans are priced and run (``settings.Pricing``)."""
+        return Pricing(decouple=self.decoupled_weight_grads, staggered=self.staggered_optimizer)
+
+    @property
+    def search(self) -> SearchSettings:
+        """What the planner's search and Eq. 8 read (``settings.SearchSettings``)."""
+        return SearchSettings(**{f.name: getattr(self, f.name) for f in fields(SearchSettings) if f.name != "pricing"},
+                              pricing=self.pricing)
 
 
 @dataclass

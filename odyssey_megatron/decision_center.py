@@ -221,7 +221,7 @@ class DecisionCenter:
                 continue
             try:
                 prepared[after.failed_workers] = draft_candidates(
-                    current=plan, cluster=after, profile=self.profile, settings=self.settings,
+                    current=plan, cluster=after, profile=self.profile, settings=self.settings.search,
                     search=self._prepare_search, interrupted=stale)
             except UnrecoverableFailure:
                 continue  # decided cold, where the failure gets its one-line reason
@@ -264,8 +264,7 @@ class DecisionCenter:
         first asked for: the simulator never runs one."""
         if self._program is None or self._program[0] is not self.plan:
             self._program = self.plan, step_program(self.plan, self.profile, self.cluster,
-                                                    decouple=self.settings.decoupled_weight_grads,
-                                                    staggered=self.settings.staggered_optimizer)
+                                                    pricing=self.settings.pricing)
         return self._program[1]
 
     def published(self) -> dict:
@@ -286,12 +285,13 @@ class DecisionCenter:
         """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8."""
         started = time.perf_counter()
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
-                                                         profile=self.profile, settings=self.settings,
+                                                         profile=self.profile, settings=self.settings.search,
                                                          search=self.search), "cold")
         interval = interval_s if interval_s is not None else \
             self.failure_model.expected_interval_s(self.cluster.alive_devices)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
-        decision = replace(choose(drafts, settings=self.settings, interval_s=interval, search_time_s=search_s),
+        decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
+                                  search_time_s=search_s),
                            source=source)
         self.plan = decision.chosen.plan
         return decision

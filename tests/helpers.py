@@ -8,7 +8,11 @@ from typing import Sequence
 from hypothesis import strategies as st
 
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import OdysseyConfig
+from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.planner import Decision, FailureRateModel
+from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.profile import BlockCost, ModelProfile, uniform_profile
 from odyssey_megatron.testing.plans import pipelines_plan
 
@@ -66,3 +70,18 @@ def layouts(draw):
                            devices_per_node=tp * draw(st.sampled_from([1, 2, 4, 8])))
     profile = costly_edges_profile(num_layers, tie_embeddings=draw(st.booleans()))
     return plan, cluster, profile
+
+
+def decide(*, current: ExecutionPlan, cluster: ClusterState, profile: ModelProfile, settings: OdysseyConfig,
+           failure_model: FailureRateModel | None = None, search_time_s: float | None = None,
+           interval_s: float | None = None, search: ReparallelizeSearch | None = None) -> Decision:
+    """The decision a ``DecisionCenter`` running ``current`` on ``cluster`` (its failures and
+    joins already marked) makes now, through the one door the CLI, the simulator and the
+    controller use; ``failure_model`` and ``search`` replace the center's own."""
+    center = DecisionCenter(plan=current, cluster=cluster, profile=profile, settings=settings,
+                            search_time_s=search_time_s)
+    if failure_model is not None:
+        center.failure_model = failure_model
+    if search is not None:
+        center.search = search
+    return center.on_failure(interval_s=interval_s)

@@ -13,6 +13,7 @@ from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.settings import Pricing
 from runtime_cases import MICRO_BATCH_SIZE, OPTIMIZER, SEED, data, tiny_model
 
 
@@ -21,7 +22,8 @@ def _runner(plan: ExecutionPlan, rank: int, ranks: RankMap, model, state: Traini
     backwards and staggered steps where they pay)."""
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
 
-    program = step_program(plan, uniform_profile(num_layers=plan.num_layers), decouple=True, staggered=True)
+    program = step_program(plan, uniform_profile(num_layers=plan.num_layers),
+                           pricing=Pricing(decouple=True, staggered=True))
     return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
                       micro_batch_size=MICRO_BATCH_SIZE, state=state, optimizer=OPTIMIZER)
 

@@ -34,6 +34,7 @@ from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation, EmulatedClock, recipe_emulation
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op
 from odyssey_megatron.schedules.program import publish
+from odyssey_megatron.settings import Pricing
 from odyssey_megatron.testing.local_world import run_world
 from runtime_cases import timed_steps
 
@@ -104,10 +105,10 @@ def test_emulated_steps_take_the_estimated_time():
                  symmetric_plan(dp=1, pp=2, num_layers=2, micro_batches_per_pipeline=4)):
         plan_profile = replace(profile, layers=profile.layers[:plan.num_layers])
         plan = with_sync(plan, plan_profile)
-        program = step_program(plan, plan_profile, cluster, decouple=True)
+        program = step_program(plan, plan_profile, cluster, pricing=Pricing(decouple=True))
         published = dumps(publish(plan, program))
         cases += [(published, replace(emulation, profile=plan_profile)), (published, None)]
-        predicted.append(estimate_plan(plan, plan_profile, cluster, decouple=True).step_time_s)
+        predicted.append(estimate_plan(plan, plan_profile, cluster, pricing=Pricing(decouple=True)).step_time_s)
     # two micro-batches of F and B (each op 10 ms beyond its layer), the ring all-reduce,
     # the global norm's (8 bytes, two latencies) and Adam over the one layer
     assert predicted[0] == pytest.approx(2 * (0.11 + 0.21) + 0.042 + (0.002 + 8e-8) + 0.02)

@@ -30,6 +30,7 @@ from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.settings import Pricing
 
 
 def test_eq9_worked_value():
@@ -226,7 +227,7 @@ def test_a_failure_free_plan_may_split_like_a_rerouted_one(dp, pp, micro_batches
     for worker, ops in split.schedule.items():
         assert [op for op in ops if op.kind != "W"] == plain.schedule[worker]
         assert [op._replace(kind="B") for op in ops if op.kind == "W"] == [op for op in ops if op.kind == "B"]
-    chosen_s = timed_step_schedule(plan, profile, decouple=decouple, staggered=staggered)[1]
+    chosen_s = timed_step_schedule(plan, profile, pricing=Pricing(decouple=decouple, staggered=staggered))[1]
     assert chosen_s <= plain.makespan_s * (1 + 1e-12)
     if not decouple:
         assert chosen_s == pytest.approx(plain.makespan_s, rel=1e-12)
@@ -245,8 +246,8 @@ def test_workers_split_backwards_as_memory_allows(budget, peak):
                               memory_budget_bytes=budget)
     plan = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)
     rerouted = reroute_plan(plan, failed_workers={10}, profile=profile)
-    assert step_schedule(rerouted, profile, decouple=False).makespan_s == 36.0
-    timing = step_schedule(rerouted, profile, decouple=True)
+    assert step_schedule(rerouted, profile, pricing=Pricing(decouple=False)).makespan_s == 36.0
+    timing = step_schedule(rerouted, profile, pricing=Pricing(decouple=True))
     assert timing.makespan_s == 30.0
     assert max(peak_memory(rerouted, profile, timing.schedule).values()) == peak <= budget
     for ops in timing.schedule.values():
@@ -254,7 +255,7 @@ def test_workers_split_backwards_as_memory_allows(budget, peak):
         weights = [op for op in ops if op.kind == "W"]
         assert [op._replace(kind="B") for op in weights] == backwards
         assert all(ops.index(w) > ops.index(w._replace(kind="B")) for w in weights)
-    assert step_schedule(plan, profile, decouple=True).makespan_s == 21.0
+    assert step_schedule(plan, profile, pricing=Pricing(decouple=True)).makespan_s == 21.0
 
 
 @settings(max_examples=25, deadline=None)
@@ -283,11 +284,11 @@ def test_staggered_steps_let_split_peers_finish_into_the_next_step(budget, perio
                               memory_budget_bytes=budget)
     rerouted = reroute_plan(symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6),
                             failed_workers={10}, profile=profile)
-    plain = step_schedule(rerouted, profile, decouple=False, staggered=True)
+    plain = step_schedule(rerouted, profile, pricing=Pricing(decouple=False, staggered=True))
     assert staggered_period(rerouted, profile, None, plain.schedule) == 36.0
-    split = step_schedule(rerouted, profile, decouple=True, staggered=True)
+    split = step_schedule(rerouted, profile, pricing=Pricing(decouple=True, staggered=True))
     assert staggered_period(rerouted, profile, None, split.schedule) == period
-    assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period
+    assert estimate_plan(rerouted, profile, pricing=Pricing(decouple=True, staggered=True)).pipeline_time_s == period
 
 
 def test_a_speculative_step_runs_ahead_up_to_its_settle_point():
@@ -310,7 +311,7 @@ def test_the_next_step_waits_for_the_norm_before_it_sends():
     profile = uniform_profile(num_layers=8)
     rerouted = reroute_plan(symmetric_plan(dp=2, pp=4, num_layers=8, micro_batches_per_pipeline=4),
                             failed_workers={7}, profile=profile)
-    split = step_schedule(rerouted, profile, decouple=True, staggered=True)
+    split = step_schedule(rerouted, profile, pricing=Pricing(decouple=True, staggered=True))
     assert split.makespan_s == 54.0
     assert staggered_period(rerouted, profile, None, split.schedule) == 52.0
 
@@ -326,16 +327,18 @@ def test_staggered_steps_run_the_op_lists_a_staggered_start_orders():
     plan = initial_plan(data_parallel_size=16, pipeline_parallel_size=4, tensor_parallel_size=1,
                         num_micro_batches=128, profile=LLAMA_7B_910B, max_layer_splits=256)
     rerouted = reroute_plan(plan, failed_workers={16}, profile=LLAMA_7B_910B)
-    unstaggered = step_schedule(rerouted, LLAMA_7B_910B, cluster, decouple=True, staggered=False)
-    staggered = step_schedule(rerouted, LLAMA_7B_910B, cluster, decouple=True, staggered=True)
+    unstaggered = step_schedule(rerouted, LLAMA_7B_910B, cluster, pricing=Pricing(decouple=True, staggered=False))
+    staggered = step_schedule(rerouted, LLAMA_7B_910B, cluster, pricing=Pricing(decouple=True, staggered=True))
     assert unstaggered.makespan_s == pytest.approx(3.3169, abs=1e-4)
     assert staggered.makespan_s == pytest.approx(3.3154, abs=1e-4)
-    assert estimate_plan(rerouted, LLAMA_7B_910B, cluster, decouple=True, staggered=True).pipeline_time_s == (
+    both = Pricing(decouple=True, staggered=True)
+    assert estimate_plan(rerouted, LLAMA_7B_910B, cluster, pricing=both).pipeline_time_s == (
         pytest.approx(3.2071, abs=1e-4))
     assert estimate_plan(plan, LLAMA_7B_910B, cluster).pipeline_time_s == pytest.approx(3.8138, abs=1e-4)
     for staggered in (False, True):
-        assert estimate_plan(plan, LLAMA_7B_910B, cluster, decouple=True, staggered=staggered).pipeline_time_s < (
-            estimate_plan(rerouted, LLAMA_7B_910B, cluster, decouple=True, staggered=staggered).pipeline_time_s)
+        pricing = Pricing(decouple=True, staggered=staggered)
+        assert estimate_plan(plan, LLAMA_7B_910B, cluster, pricing=pricing).pipeline_time_s < (
+            estimate_plan(rerouted, LLAMA_7B_910B, cluster, pricing=pricing).pipeline_time_s)
 
 
 @pytest.mark.parametrize("copy_s, in_line, period, staggered", [
@@ -357,12 +360,12 @@ def test_a_retake_snapshot_hides_behind_the_step_unless_it_runs_in_line(copy_s, 
                       host_bandwidth=1 / copy_s, host_copy_async=not in_line)
     rerouted = reroute_plan(symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6),
                             failed_workers={10}, profile=profile)
-    split = step_schedule(rerouted, profile, decouple=True, staggered=True)
+    split = step_schedule(rerouted, profile, pricing=Pricing(decouple=True, staggered=True))
     assert split.makespan_s == 30.0
     assert staggered_period(rerouted, profile, None, split.schedule) == (
         29.0 + max(0.0, copy_s - 2.0) if in_line else max(29.0, copy_s))
     assert staggers(rerouted, profile, None, split) is staggered
-    assert estimate_plan(rerouted, profile, decouple=True, staggered=True).pipeline_time_s == period
+    assert estimate_plan(rerouted, profile, pricing=Pricing(decouple=True, staggered=True)).pipeline_time_s == period
     fault_free = symmetric_plan(dp=3, pp=4, num_layers=4, micro_batches_per_pipeline=6)
     assert not staggers(fault_free, profile, None, simulate_pipelines(fault_free, profile))
 
@@ -386,8 +389,9 @@ def test_pipelines_that_time_alike_are_simulated_once(data, dp, pp, micro_batche
     rerouted = reroute_plan(plan, failed_workers=failed, profile=profile) if failed else plan
     if rerouted is None:
         return
-    estimate = estimate_plan(rerouted, profile, cluster, decouple=decouple, staggered=staggered)
-    timing, pipeline_s = timed_step_schedule(rerouted, profile, cluster, decouple=decouple, staggered=staggered)
+    estimate = estimate_plan(rerouted, profile, cluster, pricing=Pricing(decouple=decouple, staggered=staggered))
+    timing, pipeline_s = timed_step_schedule(rerouted, profile, cluster,
+                                             pricing=Pricing(decouple=decouple, staggered=staggered))
     peaks = peak_memory(rerouted, profile, timing.schedule)
     assert estimate.pipeline_time_s == pytest.approx(pipeline_s, rel=1e-12)
     assert estimate.peak_memory_bytes == tuple(

@@ -67,12 +67,11 @@ def test_the_measured_op_cost_picks_shallower_pipelines_that_are_faster(tmp_path
     )
 
     settings = analytic_config.odyssey
-    as_run = dict(decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer)
     center = DecisionCenter.from_recipe(measured_config)
     cluster = center.cluster.fail_ranks([7])
 
     def step_s(plan, profile) -> float:
-        return estimate_plan(plan, profile, cluster, **as_run).step_time_s
+        return estimate_plan(plan, profile, cluster, pricing=settings.pricing).step_time_s
 
     assert step_s(chosen["measured"], measured) < step_s(chosen["analytic"], measured)
     assert step_s(chosen["analytic"], analytic) < step_s(chosen["measured"], analytic)

@@ -16,6 +16,7 @@ from odyssey_megatron.runtime.control.online_profile import SMOOTHING, OnlinePro
 from odyssey_megatron.runtime.protocol import StepReport
 from odyssey_megatron.runtime.rank.op_timers import BACKWARD, FORWARD, OPTIMIZER, WEIGHT_GRAD
 from odyssey_megatron.schedules.program import publish
+from odyssey_megatron.settings import Pricing
 from odyssey_megatron.testing.local_world import run_world
 from runtime_cases import op_times
 
@@ -26,7 +27,7 @@ def _published(decouple: bool) -> tuple[str, bool]:
     plan = symmetric_plan(dp=1, pp=2, num_layers=2, micro_batches_per_pipeline=MICRO_BATCHES)
     profile = uniform_profile(num_layers=2)
     plan = with_sync(plan, profile)
-    program = step_program(plan, profile, decouple=decouple, staggered=False)
+    program = step_program(plan, profile, pricing=Pricing(decouple=decouple, staggered=False))
     return dumps(publish(plan, program)), program.split_backward
 
 

@@ -17,20 +17,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import asymmetric_plan, costly_edges_profile, layouts, symmetric_plan
+from helpers import asymmetric_plan, costly_edges_profile, decide, layouts, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.optimizer import optimizer_time
 from odyssey_megatron.plan import Transfer, validate_plan
-from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, initial_plan, reroute_plan
+from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, initial_plan, reroute_plan
 from odyssey_megatron.planner.normalize import normalize_failures
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import TransferError, check_transfers, live_holdings, plan_transfers
+from odyssey_megatron.settings import PLAIN, Pricing
 
-OPTIONS = [dict(), dict(decouple=True), dict(decouple=True, staggered=True)]
+OPTIONS = [PLAIN, Pricing(decouple=True), Pricing(decouple=True, staggered=True)]
 """Every combination of schedule options a plan may be priced and run with."""
 
 
@@ -174,10 +175,10 @@ def test_a_reroute_is_never_priced_faster_than_the_failure_free_plan():
     profile = uniform_profile(num_layers=4)
     plan = symmetric_plan(dp=2, pp=4, num_layers=4, micro_batches_per_pipeline=1)
     rerouted = reroute_plan(plan, failed_workers={2, 4}, profile=profile)
-    expected = {(): (12.0, 14.0), (True,): (9.0, 10.0), (True, True): (9.0, 10.0)}
-    for options in OPTIONS:
-        times = tuple(estimate_plan(p, profile, **options).step_time_s for p in (plan, rerouted))
-        assert times == expected[tuple(options.values())]
+    expected = {PLAIN: (12.0, 14.0), OPTIONS[1]: (9.0, 10.0), OPTIONS[2]: (9.0, 10.0)}
+    for pricing in OPTIONS:
+        times = tuple(estimate_plan(p, profile, pricing=pricing).step_time_s for p in (plan, rerouted))
+        assert times == expected[pricing]
 
 
 def test_repaired_workers_are_put_back_to_work():
@@ -191,8 +192,7 @@ def test_repaired_workers_are_put_back_to_work():
         "training.global_batch_size=48"])
     center = DecisionCenter.from_recipe(config)
     settings = config.odyssey
-    options = dict(decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer)
-    fault_free = estimate_plan(center.plan, center.profile, center.cluster, **options).step_time_s
+    fault_free = estimate_plan(center.plan, center.profile, center.cluster, pricing=settings.pricing).step_time_s
     failed = center.on_failure(ranks=[3, 10, 17])
     assert failed.chosen.policy == "reroute" and failed.chosen.estimate.step_time_s > fault_free
     before = center.plan
@@ -212,13 +212,13 @@ def test_no_small_symmetric_reroute_beats_its_failure_free_plan(profile):
     failed workers and every combination of schedule options."""
     for dp, pp, per_pipeline in itertools.product((2, 3), (2, 3, 4), (1, 2, 3)):
         plan = symmetric_plan(dp=dp, pp=pp, num_layers=4, micro_batches_per_pipeline=per_pipeline)
-        fault_free = [estimate_plan(plan, profile, **options).step_time_s for options in OPTIONS]
+        fault_free = [estimate_plan(plan, profile, pricing=pricing).step_time_s for pricing in OPTIONS]
         for failed in itertools.combinations(plan.workers, 2):
             rerouted = reroute_plan(plan, failed_workers=set(failed), profile=profile)
             if rerouted is None:
                 continue
-            for options, bound in zip(OPTIONS, fault_free):
-                assert estimate_plan(rerouted, profile, **options).step_time_s >= bound, (dp, pp, failed, options)
+            for pricing, bound in zip(OPTIONS, fault_free):
+                assert estimate_plan(rerouted, profile, pricing=pricing).step_time_s >= bound, (dp, pp, failed, pricing)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -233,14 +233,14 @@ def test_a_reroute_is_never_faster_than_its_failure_free_layout(case, data):
     cluster = cluster.fail_ranks(r for w in failed for r in cluster.worker_ranks(w))
 
     def work_s(layout, options):
-        estimate = estimate_plan(layout, profile, cluster, **options)
+        estimate = estimate_plan(layout, profile, cluster, pricing=options)
         adam_s = optimizer_time(layout, profile, cluster, staggered=True)  # without the norm
         return estimate.pipeline_time_s + estimate.sync_time_s + adam_s
 
     for options in OPTIONS:
         fault_free = work_s(plan, options)
         normalized = normalize_failures(plan, new_failures=failed, cluster=cluster, profile=profile,
-                                        cost=lambda p: estimate_plan(p, profile, cluster, **options).step_time_s)
+                                        cost=lambda p: estimate_plan(p, profile, cluster, pricing=options).step_time_s)
         for layout in {plan, normalized}:
             rerouted = reroute_plan(layout, failed_workers=failed, profile=profile)
             if rerouted is not None:

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import asymmetric_plan, symmetric_plan
+from helpers import asymmetric_plan, decide, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import validate_plan
-from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, decide, distribute_batch, reroute_plan
+from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, distribute_batch, reroute_plan
 from odyssey_megatron.planner.layers import SplitSearch, layer_splits
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
@@ -25,6 +25,7 @@ from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_le
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
+from odyssey_megatron.settings import PLAIN, Pricing
 
 
 def test_distribute_batch_worked_examples():
@@ -265,9 +266,9 @@ def test_rerouted_makespan_is_the_whole_plans(dp, pp, micro_batches, data):
     failed = data.draw(st.sets(st.integers(0, dp * pp - 1), min_size=1, max_size=dp * pp - 1))
     rerouted = reroute_plan(plan, failed_workers=failed, profile=profile)
     if rerouted is not None:
-        for schedule in (dict(), dict(decouple=True), dict(decouple=True, staggered=True)):
-            assert rerouted_makespan(rerouted, profile, **schedule) == pytest.approx(
-                estimate_plan(rerouted, profile, **schedule).pipeline_time_s, rel=1e-12)
+        for pricing in (PLAIN, Pricing(decouple=True), Pricing(decouple=True, staggered=True)):
+            assert rerouted_makespan(rerouted, profile, pricing=pricing) == pytest.approx(
+                estimate_plan(rerouted, profile, pricing=pricing).pipeline_time_s, rel=1e-12)
 
 
 def test_a_reroute_is_priced_no_faster_than_the_pipelines_it_leaves_alone():
@@ -278,9 +279,10 @@ def test_a_reroute_is_priced_no_faster_than_the_pipelines_it_leaves_alone():
     profile = uniform_profile(num_layers=4)
     rerouted = reroute_plan(asymmetric_plan([(2, 2)] * 3, [1, 2, 8]), failed_workers={1}, profile=profile)
     assert [r.worker for r in rerouted.reroutes] == [3]
-    for schedule, slots in ((dict(), 54.0), (dict(decouple=True), 50.0), (dict(decouple=True, staggered=True), 50.0)):
-        assert rerouted_makespan(rerouted, profile, **schedule) == slots
-        assert estimate_plan(rerouted, profile, **schedule).pipeline_time_s == slots
+    for pricing, slots in ((PLAIN, 54.0), (Pricing(decouple=True), 50.0),
+                           (Pricing(decouple=True, staggered=True), 50.0)):
+        assert rerouted_makespan(rerouted, profile, pricing=pricing) == slots
+        assert estimate_plan(rerouted, profile, pricing=pricing).pipeline_time_s == slots
 
 
 def test_a_reroute_whose_peers_run_out_of_memory_has_no_price():
@@ -294,7 +296,7 @@ def test_a_reroute_whose_peers_run_out_of_memory_has_no_price():
     for budget, plain_s, split_s in [(14, None, None), (15, 33.0, 27.0), (19, 33.0, 27.0)]:
         budgeted = replace(profile, memory_budget_bytes=budget)
         assert rerouted_makespan(rerouted, budgeted) == plain_s
-        assert rerouted_makespan(rerouted, budgeted, decouple=True, staggered=True) == split_s
+        assert rerouted_makespan(rerouted, budgeted, pricing=Pricing(decouple=True, staggered=True)) == split_s
 
 
 def _settings(**kw) -> OdysseyConfig:

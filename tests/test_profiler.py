@@ -19,6 +19,7 @@ from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.profile_file import analytic_recipe_profile, read_profile, recipe_measured_for, recipe_profile
+from odyssey_megatron.settings import Pricing
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def test_the_profile_of_the_tiny_recipe_prices_plans(tmp_path, capsys):
     with_profile = load_config(TINY, [f"odyssey.profile={out}"])
     assert recipe_profile(with_profile) == profile
     center = DecisionCenter.from_recipe(with_profile)
-    estimate = estimate_plan(center.plan, profile, center.cluster, decouple=True)
+    estimate = estimate_plan(center.plan, profile, center.cluster, pricing=Pricing(decouple=True))
     per_micro_batch = sum(b.forward_s + b.backward_s for b in (*profile.layers, profile.embedding, profile.output))
     # Each of the 2 pipelines runs 4 micro-batches through 4 stages: at least the work of one.
     assert per_micro_batch <= estimate.step_time_s < math.inf

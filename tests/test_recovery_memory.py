@@ -15,6 +15,7 @@ from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.schedules.program import publish
+from odyssey_megatron.settings import PLAIN
 from odyssey_megatron.testing.local_world import run_world
 from runtime_cases import repeated_generations
 
@@ -26,8 +27,7 @@ WIDE = {"hidden_size": 1024, "ffn_hidden_size": 2816}
 @pytest.mark.timeout(600)
 def test_resident_memory_grows_by_less_than_one_model_copy_over_ten_recoveries():
     plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)
-    program = step_program(plan, uniform_profile(num_layers=4), ClusterState(world_size=4), decouple=False,
-                           staggered=False)
+    program = step_program(plan, uniform_profile(num_layers=4), ClusterState(world_size=4), pricing=PLAIN)
     per_rank = run_world(repeated_generations, 4, json.dumps(publish(plan, program)), GENERATIONS, json.dumps(WIDE),
                          timeout=500)
     for rank, result in enumerate(per_rank):

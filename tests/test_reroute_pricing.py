@@ -21,6 +21,7 @@ from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import PipelinePlan, StagePlan
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.planner.reroute_pricing import RerouteCost, alike_components, pricing_window
+from odyssey_megatron.settings import Pricing
 
 PROFILE = replace(costly_edges_profile(8), p2p_bytes=3, intra_node_bandwidth=10.0, inter_node_bandwidth=2.0)
 """Links across nodes cost more, so who shares a node shows in the price."""
@@ -61,10 +62,10 @@ def test_window_and_alike_components_price_as_the_whole_plan(case, decouple, sta
     assert (rerouted is None) == (rerouted_window is None)
     if rerouted is None:
         return
-    options = dict(decouple=decouple, staggered=staggered)
-    whole = rerouted_makespan(rerouted, PROFILE, cluster, **options)
-    assert rerouted_makespan(rerouted_window, PROFILE, cluster, **options) == whole
-    cost = RerouteCost(PROFILE, cluster, memo={}, **options)
+    pricing = Pricing(decouple=decouple, staggered=staggered)
+    whole = rerouted_makespan(rerouted, PROFILE, cluster, pricing=pricing)
+    assert rerouted_makespan(rerouted_window, PROFILE, cluster, pricing=pricing) == whole
+    cost = RerouteCost(PROFILE, cluster, pricing=pricing, memo={})
     assert cost(rerouted) == whole
     assert cost(rerouted_window) == whole  # remembered by shape: the same key, the same price
 

@@ -22,6 +22,7 @@ from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.schedules.program import publish
+from odyssey_megatron.settings import Pricing
 from odyssey_megatron.testing.local_world import run_world
 from runtime_cases import LR, OPTIMIZER, last_stage_steps_first, reference, run_plan
 
@@ -42,7 +43,7 @@ def published_json(plan, profile, *, decouple=True, staggered=False) -> str:
     """``plan`` as the decision center publishes it: with sync units and the step program
     it prices (``odyssey.decoupled_weight_grads``, ``odyssey.staggered_optimizer``)."""
     plan = with_sync(plan, profile)
-    return dumps(publish(plan, step_program(plan, profile, decouple=decouple, staggered=staggered)))
+    return dumps(publish(plan, step_program(plan, profile, pricing=Pricing(decouple=decouple, staggered=staggered))))
 
 
 def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True, staggered=False):

@@ -21,6 +21,7 @@ from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.estimator.closed_form import reroute_step_time, symmetric_step_time
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.profile_file import recipe_profile
+from odyssey_megatron.settings import Pricing
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.restart import best_symmetric_layout
 from odyssey_megatron.simulator.engine import Segment, Timeline, run_system
@@ -47,7 +48,7 @@ def _context(**overrides) -> SimulationContext:
         profile=uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0), num_layers=4,
         tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=4, num_micro_batches=24,
         devices_per_node=8, restart_s=100.0, checkpoint_interval_s=1000.0, checkpoint_save_s=0.0,
-        checkpoint_load_s=50.0, decouple=True, staggered=True,  # the recipes' schedule options
+        checkpoint_load_s=50.0, pricing=Pricing(decouple=True, staggered=True),  # the recipes' schedule options
     )
     fields.update(overrides)
     return SimulationContext(**fields)
@@ -105,7 +106,7 @@ def test_checkpoint_restart_loses_work_since_the_last_checkpoint():
     system = CheckpointRestartSystem(context)
     cluster = ClusterState(world_size=8, devices_per_node=8)
     assert system.start(cluster) == estimate_plan(initial_layout(context), context.profile, cluster,
-                                                  **context.schedule).samples_per_s  # the job's own plan
+                                                  pricing=context.pricing).samples_per_s  # the job's own plan
     outcome = system.on_failure(cluster.fail_ranks([3]), {3}, now_s=2350.0)
     assert outcome.lost_s == 350.0  # checkpoints at 0, 1000, 2000 s
     assert outcome.pause_s == 150.0 and outcome.pause_state == RESTARTING
@@ -159,12 +160,13 @@ def test_recycle_step_on_paper_003_figure_3():
     takes 27. Where a failure sits still matters (stage 0: 28, stage 1: 27, stage 3: 29),
     which normalization exploits."""
     def recycle_step(failed):
-        return estimate_plan(_fig3(failed), FIG3_PROFILE, decouple=True, staggered=True).pipeline_time_s
+        both = Pricing(decouple=True, staggered=True)
+        return estimate_plan(_fig3(failed), FIG3_PROFILE, pricing=both).pipeline_time_s
 
     assert recycle_step(set()) == 21.0
     assert estimate_plan(_fig3(set()), FIG3_PROFILE).pipeline_time_s == 27.0
     assert estimate_plan(_fig3({4}), FIG3_PROFILE).pipeline_time_s == 33.0
-    assert estimate_plan(_fig3({4}), FIG3_PROFILE, decouple=True).pipeline_time_s == 28.0
+    assert estimate_plan(_fig3({4}), FIG3_PROFILE, pricing=Pricing(decouple=True)).pipeline_time_s == 28.0
     assert recycle_step({4}) == 27.0
     assert recycle_step({1}) == 28.0
     assert recycle_step({10}) == 29.0
@@ -177,10 +179,10 @@ def test_deferred_weight_gradients_stay_within_memory():
                             memory_budget_bytes=15)
     plan = _fig3({4}, tight)
     assert estimate_plan(plan, tight).max_peak_memory_bytes == 15  # plain 1F1B: 5 in flight on a peer
-    estimate = estimate_plan(plan, tight, decouple=True, staggered=True)
+    estimate = estimate_plan(plan, tight, pricing=Pricing(decouple=True, staggered=True))
     assert estimate.max_peak_memory_bytes == 15 and estimate.pipeline_time_s == 27.0
     ample = replace(tight, memory_budget_bytes=100)
-    estimate = estimate_plan(plan, ample, decouple=True, staggered=True)
+    estimate = estimate_plan(plan, ample, pricing=Pricing(decouple=True, staggered=True))
     assert estimate.max_peak_memory_bytes == 19 and estimate.pipeline_time_s == 27.0
 
 
@@ -195,7 +197,7 @@ def test_a_failure_free_step_is_plain_1f1b_or_split_whichever_is_faster(dp, pp, 
     cluster = ClusterState(world_size=dp * pp, devices_per_node=8)
     plain = estimate_plan(plan, profile, cluster).pipeline_time_s
     split = decoupled_pipelines(plan, profile, cluster).first.makespan_s
-    chosen = estimate_plan(plan, profile, cluster, decouple=True).pipeline_time_s
+    chosen = estimate_plan(plan, profile, cluster, pricing=Pricing(decouple=True)).pipeline_time_s
     assert chosen <= plain * (1 + 1e-12)
     assert chosen == pytest.approx(plain, rel=1e-12) or chosen == pytest.approx(split, rel=1e-12)
 

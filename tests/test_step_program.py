@@ -27,9 +27,10 @@ from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.schedules.ops import WEIGHT_GRAD, Op
 from odyssey_megatron.schedules.program import StepProgram, check_program, publish, read_published
+from odyssey_megatron.settings import PLAIN, Pricing
 
 RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"
-OPTIONS = [dict(), dict(decouple=True), dict(decouple=True, staggered=True), dict(staggered=True)]
+OPTIONS = [PLAIN, Pricing(decouple=True), Pricing(decouple=True, staggered=True), Pricing(staggered=True)]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -45,14 +46,14 @@ def test_the_program_replays_to_the_priced_step_on_the_whole_plan(case, data):
         plan = reroute_plan(plan, failed_workers=failed, profile=profile) or plan
         cluster = cluster.fail_ranks(r for w in failed if w not in plan.workers for r in cluster.worker_ranks(w))
     options = data.draw(st.sampled_from(OPTIONS))
-    program = step_program(plan, profile, cluster, **options)
+    program = step_program(plan, profile, cluster, pricing=options)
     check_program(plan, program)
-    priced = estimate_plan(plan, profile, cluster, **options).pipeline_time_s
+    priced = estimate_plan(plan, profile, cluster, pricing=options).pipeline_time_s
     replayed = fixed_order_step(plan, profile, cluster, {w: list(ops) for w, ops in program.ops.items()})
     assert step_time(plan, profile, cluster, replayed, staggered=program.staggered_optimizer) == pytest.approx(
         priced, rel=1e-12)
-    assert program.staggered_optimizer <= options.get("staggered", False)
-    assert program.split_backward <= options.get("decouple", False)
+    assert program.staggered_optimizer <= options.staggered
+    assert program.split_backward <= options.decouple
 
 
 def test_identical_pipelines_get_their_representatives_order_renamed():
@@ -60,7 +61,7 @@ def test_identical_pipelines_get_their_representatives_order_renamed():
     their own pipeline index and micro-batch ids."""
     profile = uniform_profile(num_layers=4)
     plan = symmetric_plan(dp=4, pp=2, num_layers=4, micro_batches_per_pipeline=3)
-    program = step_program(plan, profile, decouple=True)
+    program = step_program(plan, profile, pricing=Pricing(decouple=True))
     first = program.ops[0]  # stage 0 of pipeline 0
     for pi in range(1, 4):
         offset = 3 * pi
@@ -72,7 +73,7 @@ def test_a_published_plan_round_trips_through_json():
     profile = uniform_profile(num_layers=4)
     plan = with_sync(reroute_plan(symmetric_plan(dp=3, pp=2, num_layers=4, micro_batches_per_pipeline=2),
                                   failed_workers={4}, profile=profile), profile)
-    program = step_program(plan, profile, decouple=True, staggered=True)
+    program = step_program(plan, profile, pricing=Pricing(decouple=True, staggered=True))
     again = read_published(json.loads(dumps(publish(plan, program))))
     assert again == (plan, program)
 
@@ -106,7 +107,7 @@ def test_the_decision_center_publishes_each_plan_with_its_program():
     center.on_failure(ranks=[5])
     plan, program = read_published(center.published())
     assert plan == center.plan and program.generation == plan.generation == 1
-    assert program == step_program(plan, center.profile, center.cluster, decouple=True, staggered=True)
+    assert program == step_program(plan, center.profile, center.cluster, pricing=Pricing(decouple=True, staggered=True))
 
 
 def test_plan_json_carries_the_step_program(capsys):

@@ -22,6 +22,7 @@ from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.settings import PLAIN, Pricing
 
 __all__ = ["PlanEstimate", "ScheduleDeadlock", "estimate_plan", "transfer_time"]
 
@@ -64,18 +65,16 @@ def estimate_plan(
     profile: ModelProfile,
     cluster: ClusterState | None = None,
     *,
-    decouple: bool = False,
-    staggered: bool = False,
+    pricing: Pricing = PLAIN,
     memo: dict | None = None,
 ) -> PlanEstimate:
-    """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: ``decouple``
-    lets workers split their backwards; ``staggered`` optimizer steps price the
-    steady-state period where that pays; ``memo`` as in ``timed_step_schedule``); raises
-    ScheduleDeadlock if its op lists cannot run. Pipelines that time alike are simulated
-    once (``estimator.distinct``)."""
+    """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: with
+    ``pricing.decouple`` workers may split their backwards; ``pricing.staggered`` optimizer
+    steps price the steady-state period where that pays; ``memo`` as in
+    ``timed_step_schedule``); raises ScheduleDeadlock if its op lists cannot run. Pipelines
+    that time alike are simulated once (``estimator.distinct``)."""
     distinct, stands_for = distinct_pipelines(plan, cluster)
-    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, decouple=decouple, staggered=staggered,
-                                             memo=memo)
+    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, pricing=pricing, memo=memo)
     peaks = peak_memory(distinct, profile, timing.schedule)
     return PlanEstimate(
         pipeline_time_s=pipeline_s,

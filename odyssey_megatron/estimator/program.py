@@ -14,6 +14,7 @@ from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.program import StepProgram
+from odyssey_megatron.settings import PLAIN, Pricing
 
 
 def step_program(
@@ -21,17 +22,15 @@ def step_program(
     profile: ModelProfile,
     cluster: ClusterState | None = None,
     *,
-    decouple: bool = False,
-    staggered: bool = False,
+    pricing: Pricing = PLAIN,
     memo: dict | None = None,
 ) -> StepProgram:
     """What every worker of ``plan`` runs per step, as ``estimate_plan`` with the same
-    arguments priced it: its op lists (split backwards where ``decouple`` lets them pay)
-    and whether optimizer steps are staggered (where ``staggered`` lets them pay: the
-    priced step is the staggered period, shorter than the makespan)."""
+    arguments priced it: its op lists (split backwards where ``pricing.decouple`` lets them
+    pay) and whether optimizer steps are staggered (where ``pricing.staggered`` lets them
+    pay: the priced step is the staggered period, shorter than the makespan)."""
     distinct, stands_for = distinct_pipelines(plan, cluster)
-    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, decouple=decouple, staggered=staggered,
-                                             memo=memo)
+    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, pricing=pricing, memo=memo)
     kept = {}
     for pi, rep in enumerate(stands_for):
         kept.setdefault(rep, pi)  # the pipeline of ``plan`` each of ``distinct``'s is

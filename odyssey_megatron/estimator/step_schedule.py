@@ -26,6 +26,7 @@ from odyssey_megatron.estimator.staggered import staggered_period
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import WEIGHT_GRAD
+from odyssey_megatron.settings import PLAIN, Pricing
 
 ROUNDING = 1e-9
 """Relative difference below which a staggered period equals the makespan: the two sum
@@ -38,17 +39,16 @@ def step_schedule(
     profile: ModelProfile,
     cluster: ClusterState | None = None,
     *,
-    decouple: bool = False,
-    staggered: bool = False,
+    pricing: Pricing = PLAIN,
 ) -> PipelineTiming:
-    """The op lists a step of ``plan`` runs, and their timing: with ``decouple``, each part
-    of the plan (the touched pipelines, the untouched ones) runs decoupled weight
+    """The op lists a step of ``plan`` runs, and their timing: with ``pricing.decouple``,
+    each part of the plan (the touched pipelines, the untouched ones) runs decoupled weight
     gradients where that is faster (per step: by ``step_time``) than plain 1F1B and fits
     the memory budget; else plain 1F1B. Split op lists are the first step's of the list
-    schedule or, with ``staggered`` steps, those of a later step, ordered for a staggered
+    schedule or, with ``pricing.staggered`` steps, those of a later step, ordered for a staggered
     start, whichever is faster. The estimator and the runtime both call this, so the
     schedule priced is the schedule executed."""
-    return timed_step_schedule(plan, profile, cluster, decouple=decouple, staggered=staggered)[0]
+    return timed_step_schedule(plan, profile, cluster, pricing=pricing)[0]
 
 
 def timed_step_schedule(
@@ -56,13 +56,13 @@ def timed_step_schedule(
     profile: ModelProfile,
     cluster: ClusterState | None = None,
     *,
-    decouple: bool = False,
-    staggered: bool = False,
+    pricing: Pricing = PLAIN,
     memo: dict | None = None,
 ) -> tuple[PipelineTiming, float]:
     """``step_schedule`` and its ``step_time``, which the choice may already have computed.
     A ``memo`` kept for one decision (one profile and cluster) remembers each choice."""
-    if not decouple:
+    staggered = pricing.staggered
+    if not pricing.decouple:
         graph = op_graph(plan, profile, cluster)
         timing = simulate_pipelines(plan, profile, cluster, graph=graph)
         return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
@@ -117,8 +117,7 @@ def rerouted_makespan(
     profile: ModelProfile,
     cluster: ClusterState | None = None,
     *,
-    decouple: bool = False,
-    staggered: bool = False,
+    pricing: Pricing = PLAIN,
     memo: dict | None = None,
 ) -> float | None:
     """Pipeline seconds per step (``step_time``) of the pipelines a reroute touches (those
@@ -127,10 +126,11 @@ def rerouted_makespan(
     the touched workers' op lists exceed the memory budget. Comparing reroutes of one
     layout needs only this (a small share of a large plan), and a reroute whose touched
     pipelines beat the untouched ones gains nothing by beating them further.
-    ``decouple``, ``staggered`` and ``memo`` as in ``timed_step_schedule``."""
+    ``pricing`` and ``memo`` as in ``timed_step_schedule``."""
+    staggered = pricing.staggered
     touched_ids = touched_pipelines(plan)
     touched = sub_plan(plan, touched_ids)  # without sync or transfers: equal reroutes, equal memo keys
-    if decouple:
+    if pricing.decouple:
         timing, touched_s, fits = _split_if_faster(touched, profile, cluster, staggered, memo)
     else:
         graph = op_graph(touched, profile, cluster)
@@ -139,7 +139,7 @@ def rerouted_makespan(
         fits = _fits_memory(touched, profile, timing)
     if not fits:
         return None
-    return max(touched_s, _untouched_step(plan, touched_ids, profile, cluster, decouple, staggered, memo))
+    return max(touched_s, _untouched_step(plan, touched_ids, profile, cluster, pricing, memo))
 
 
 def _fits_memory(plan: ExecutionPlan, profile: ModelProfile, timing: PipelineTiming) -> bool:
@@ -148,7 +148,7 @@ def _fits_memory(plan: ExecutionPlan, profile: ModelProfile, timing: PipelineTim
 
 def _untouched_step(
     plan: ExecutionPlan, touched: set[int], profile: ModelProfile, cluster: ClusterState | None,
-    decouple: bool, staggered: bool, memo: dict | None,
+    pricing: Pricing, memo: dict | None,
 ) -> float:
     """Step time of the pipelines not in ``touched`` on their own, as ``timed_step_schedule``
     prices them (0 if there are none)."""
@@ -156,9 +156,9 @@ def _untouched_step(
     if not untouched:
         return 0.0
     classes = distinct_pipelines(sub_plan(replace(plan, reroutes=()), untouched), cluster)[0]
-    key = ("untouched", classes, decouple, staggered)
+    key = ("untouched", classes, pricing)
     if memo is None or key not in memo:
-        step_s = timed_step_schedule(classes, profile, cluster, decouple=decouple, staggered=staggered)[1]
+        step_s = timed_step_schedule(classes, profile, cluster, pricing=pricing)[1]
         if memo is None:
             return step_s
         memo[key] = step_s

@@ -8,7 +8,6 @@ from odyssey_megatron.planner.decide import (
     PricingInterrupted,
     UnrecoverableFailure,
     choose,
-    decide,
     draft_candidates,
 )
 from odyssey_megatron.planner.initial import initial_plan
@@ -23,7 +22,6 @@ __all__ = [
     "PricingInterrupted",
     "UnrecoverableFailure",
     "choose",
-    "decide",
     "distribute_batch",
     "draft_candidates",
     "initial_plan",

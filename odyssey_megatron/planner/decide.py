@@ -7,16 +7,16 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
-from odyssey_megatron.planner.policy import FailureRateModel, fatal_share, policy_score, sole_holders
+from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_holders
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.planner.reroute_pricing import RerouteCost
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync
+from odyssey_megatron.settings import SearchSettings
 
 PLACED_LAYOUTS = 3
 """Fastest layouts that get a Kuhn-Munkres placement, so transition cost can still change the winner."""
@@ -112,28 +112,59 @@ def _draft(policy: str, plan: ExecutionPlan, estimate: PlanEstimate, moving_s: f
                  layout=describe_layout([p.layer_counts for p in plan.pipelines]))
 
 
-def decide(
-    *,
-    current: ExecutionPlan,
-    cluster: ClusterState,
-    profile: ModelProfile,
-    settings: OdysseyConfig,
-    failure_model: FailureRateModel,
-    search_time_s: float | None = None,
-    interval_s: float | None = None,
-    search: ReparallelizeSearch | None = None,
-) -> Decision:
-    """Pick the successor of ``current`` on ``cluster``'s live workers; raises UnrecoverableFailure.
+class _Pricer:
+    """What pricing one decision's candidates shares: the current plan and the cluster after
+    the failure, the live holdings before anything moves, the settings, one memo (it spares
+    pricing a reroute twice), and what the decision notes and how many strategies it
+    considered."""
 
-    ``draft_candidates`` prices the candidates, ``choose`` weighs them by Eq. 8.
-    ``search_time_s`` replaces the measured search time in the transition (the simulator
-    needs determinism); ``interval_s`` replaces the failure model's expected time to the
-    next failure (the hindsight oracle knows it).
-    """
-    drafts = draft_candidates(current=current, cluster=cluster, profile=profile, settings=settings, search=search)
-    interval = interval_s if interval_s is not None else failure_model.expected_interval_s(cluster.alive_devices)
-    return choose(drafts, settings=settings, interval_s=interval,
-                  search_time_s=drafts.pricing_s if search_time_s is None else search_time_s)
+    def __init__(self, *, current: ExecutionPlan, cluster: ClusterState, profile: ModelProfile,
+                 settings: SearchSettings, interrupted: Callable[[], bool]):
+        self.current = current
+        self.cluster = cluster
+        self.profile = profile
+        self.settings = settings
+        self.interrupted = interrupted
+        self.failed = cluster.failed_workers
+        self.memo: dict = {}
+        self._reroute_cost = RerouteCost(profile, cluster, pricing=settings.pricing, memo=self.memo)
+        self.holdings = live_holdings(current, cluster=cluster, profile=profile)  # before anything moves
+        self.notes: list[str] = []
+        self.considered = 0
+
+    def checkpoint(self) -> None:
+        if self.interrupted():
+            raise PricingInterrupted
+
+    def estimate(self, plan: ExecutionPlan) -> PlanEstimate:
+        """``plan`` priced as the runtime runs it."""
+        return estimate_plan(plan, self.profile, self.cluster, pricing=self.settings.pricing, memo=self.memo)
+
+    def moving_s(self, plan: ExecutionPlan) -> float:
+        return transfer_time(plan.transfers, profile=self.profile, cluster=self.cluster,
+                             storage_bandwidth=self.settings.storage_bandwidth_gb_s * 1e9)
+
+    def reroute_cost(self, plan: ExecutionPlan) -> float | None:
+        """What rerouting ``plan`` costs (``RerouteCost``): normalization and refills compare by it."""
+        self.checkpoint()
+        return self._reroute_cost(plan)
+
+    def reroute(self, plan: ExecutionPlan) -> Draft | None:
+        """A rerouted plan priced, with the stage copies its swapped-in or idle workers need;
+        None (and a note) where it deadlocks or exceeds the memory budget."""
+        self.checkpoint()
+        plan = with_sync(replace(plan, transfers=plan_transfers(plan, holdings=self.holdings, profile=self.profile,
+                                                                cluster=self.cluster)), self.profile)
+        try:
+            estimate = self.estimate(plan)
+        except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
+            self.notes.append(f"reroute schedule deadlocks: {exc}")
+            return None
+        if not estimate.fits_memory:
+            self.notes.append("reroute exceeds the memory budget on a peer")
+            return None
+        return _draft("reroute", plan, estimate, self.moving_s(plan), self.settings.reroute_restart_s,
+                      profile=self.profile)
 
 
 def draft_candidates(
@@ -141,7 +172,7 @@ def draft_candidates(
     current: ExecutionPlan,
     cluster: ClusterState,
     profile: ModelProfile,
-    settings: OdysseyConfig,
+    settings: SearchSettings,
     search: ReparallelizeSearch | None = None,
     interrupted: Callable[[], bool] = lambda: False,
 ) -> Drafts:
@@ -160,128 +191,107 @@ def draft_candidates(
     caller carries its pipeline cost caches from one decision to the next (same profile
     and settings). When no layout near the current DP degree fits in memory, the search
     sweeps every pipeline length before giving up on reparallelizing.
-    Every plan is priced as the runtime runs it (``odyssey.decoupled_weight_grads``,
-    ``odyssey.staggered_optimizer``). ``interrupted`` is asked before each pricing (a
-    second at most on a 70B plan of 4,096 ranks) and raises PricingInterrupted when true:
-    a decision prepared in advance gives way to the failure that makes it stale.
+    Every plan is priced as the runtime runs it (``settings.pricing``). ``interrupted`` is
+    asked before each pricing (a second at most on a 70B plan of 4,096 ranks) and raises
+    PricingInterrupted when true: a decision prepared in advance gives way to the failure
+    that makes it stale.
     """
     started = time.perf_counter()
-    failed = cluster.failed_workers
-    affected = bool(failed & set(current.workers))
+    pricer = _Pricer(current=current, cluster=cluster, profile=profile, settings=settings, interrupted=interrupted)
+    affected = bool(pricer.failed & set(current.workers))
     idle = set(cluster.alive_workers) - set(current.workers)
     want_reroute = settings.policy in ("auto", "reroute")
     want_reparallelize = settings.policy in ("auto", "reparallelize")
-
     drafts: list[Draft] = []
-    considered = 0
-    notes = []
-    as_run = dict(  # price plans as the runtime runs them; the memo spares pricing a reroute twice
-        decouple=settings.decoupled_weight_grads, staggered=settings.staggered_optimizer, memo={})
-    priced = RerouteCost(profile, cluster, **as_run)
-
-    def checkpoint() -> None:
-        if interrupted():
-            raise PricingInterrupted
-
-    def reroute_cost(plan: ExecutionPlan) -> float | None:
-        checkpoint()
-        return priced(plan)
-    holdings = live_holdings(current, cluster=cluster, profile=profile)  # before anything moves
-
-    def price_reroute(plan: ExecutionPlan) -> Draft | None:
-        """Price a rerouted plan, with the stage copies its swapped-in or idle workers need."""
-        checkpoint()
-        plan = with_sync(replace(plan, transfers=plan_transfers(plan, holdings=holdings, profile=profile,
-                                                                cluster=cluster)), profile)
-        try:
-            estimate = estimate_plan(plan, profile, cluster, **as_run)
-        except ScheduleDeadlock as exc:  # never seen in tests; refuse the plan rather than hang
-            notes.append(f"reroute schedule deadlocks: {exc}")
-            return None
-        if not estimate.fits_memory:
-            notes.append("reroute exceeds the memory budget on a peer")
-            return None
-        moving = transfer_time(plan.transfers, profile=profile, cluster=cluster,
-                               storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9)
-        return _draft("reroute", plan, estimate, moving, settings.reroute_restart_s, profile=profile)
-
     if not affected:
-        kept = _draft(current.policy, current, estimate_plan(current, profile, cluster, **as_run), 0.0, 0.0,
-                      profile=profile)
+        kept = _draft(current.policy, current, pricer.estimate(current), 0.0, 0.0, profile=profile)
         if not idle:
             return Drafts(current, (kept,), 0, ("no stage owner failed",), affected=False, unchanged=True,
                           alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
-        notes.append(f"{len(idle)} idle worker(s) alive")
-        if want_reroute:
-            refilled = refill_failed_stages(current, idle_workers=idle, cluster=cluster, profile=profile,
-                                            cost=reroute_cost)
-            if refilled is not current:  # idle workers take over rerouted stages
-                considered += 1
-                kept = _faster(kept, price_reroute(reroute_plan(refilled, failed_workers=failed, profile=profile)))
-        drafts.append(kept)
-
-    if affected and want_reroute:
-        considered += 1
-        rerouted = reroute_plan(current, failed_workers=failed, profile=profile)
-        if rerouted is None:
-            notes.append("reroute impossible: a stage lost every replica")
-        else:
-            reroute = price_reroute(rerouted)
-            normalized = normalize_failures(
-                current, new_failures=failed & set(current.workers), cluster=cluster, profile=profile,
-                cost=reroute_cost,
-            )
-            if normalized is not current:  # a survivor takes over a failed stage where rerouting costs less
-                considered += 1
-                reroute = _faster(reroute, price_reroute(
-                    reroute_plan(normalized, failed_workers=failed, profile=profile)))
-            if reroute is not None:
-                drafts.append(reroute)
-
+        pricer.notes.append(f"{len(idle)} idle worker(s) alive")
+        drafts.append(_refilled(pricer, kept, idle) if want_reroute else kept)
+    reroute = _rerouted(pricer) if affected and want_reroute else None
+    if reroute is not None:
+        drafts.append(reroute)
     if want_reparallelize or not drafts:
         if not want_reparallelize:
-            notes.append("falling back to reparallelize")
-        if search is None:
-            search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
-        elif search.profile is not profile:
-            raise ValueError("the reparallelize search was built for another profile")
-        window = dict(
-            num_workers=len(cluster.alive_workers),
-            num_micro_batches=current.num_micro_batches,
-            current_dp=len(current.pipelines),
-            dp_radius=settings.dp_search_radius,
-            pp_radius=settings.pp_search_radius,
-        )
-        sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
-        checkpoint()
-        layouts = search.layouts(**window, sweep=sweep)
-        if not layouts and not sweep:  # Eq. 8 needs a reparallelized rival, and one beats a checkpoint restart
-            notes.append("no layout near the current DP degree fits; swept every pipeline length")
-            layouts = search.layouts(**window, sweep=True)
-        considered += len(layouts)
-        for layout in layouts[:PLACED_LAYOUTS]:
-            checkpoint()
-            plan = place_layout(layout, current=current, holdings=holdings, cluster=cluster, profile=profile)
-            moving = transfer_time(
-                plan.transfers, profile=profile, cluster=cluster,
-                storage_bandwidth=settings.storage_bandwidth_gb_s * 1e9,
-            )
-            estimate = estimate_plan(plan, profile, cluster, **as_run)
-            drafts.append(_draft("reparallelize", plan, estimate, moving, settings.reparallelize_restart_s,
-                                 profile=profile))
-        if not layouts:
-            notes.append("no reparallelized layout fits the memory budget")
-
+            pricer.notes.append("falling back to reparallelize")
+        drafts.extend(_reparallelized(pricer, search, affected=affected))
     if not drafts:
-        raise UnrecoverableFailure("; ".join(notes) or "no candidate plan")
+        raise UnrecoverableFailure("; ".join(pricer.notes) or "no candidate plan")
     for draft in drafts:
         if draft.plan is not current:
-            check_transfers(draft.plan, holdings=holdings, profile=profile, cluster=cluster)
-    return Drafts(current, tuple(drafts), considered, tuple(notes), affected=affected, unchanged=False,
-                  alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
+            check_transfers(draft.plan, holdings=pricer.holdings, profile=profile, cluster=cluster)
+    return Drafts(current, tuple(drafts), pricer.considered, tuple(pricer.notes), affected=affected,
+                  unchanged=False, alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
 
 
-def choose(drafts: Drafts, *, settings: OdysseyConfig, interval_s: float,
+def _refilled(pricer: _Pricer, kept: Draft, idle: set[int]) -> Draft:
+    """No stage owner failed and ``idle`` workers are alive: the current plan (``kept``), or
+    idle workers taking over its rerouted stages (``refill_failed_stages``) where faster."""
+    current = pricer.current
+    refilled = refill_failed_stages(current, idle_workers=idle, cluster=pricer.cluster, profile=pricer.profile,
+                                    cost=pricer.reroute_cost)
+    if refilled is current:
+        return kept
+    pricer.considered += 1
+    return _faster(kept, pricer.reroute(reroute_plan(refilled, failed_workers=pricer.failed, profile=pricer.profile)))
+
+
+def _rerouted(pricer: _Pricer) -> Draft | None:
+    """The reroute after a stage owner failed, after failure normalization where that makes
+    the step faster (``_faster``); None where no reroute is possible or none fits."""
+    current, failed, profile = pricer.current, pricer.failed, pricer.profile
+    pricer.considered += 1
+    rerouted = reroute_plan(current, failed_workers=failed, profile=profile)
+    if rerouted is None:
+        pricer.notes.append("reroute impossible: a stage lost every replica")
+        return None
+    reroute = pricer.reroute(rerouted)
+    normalized = normalize_failures(current, new_failures=failed & set(current.workers), cluster=pricer.cluster,
+                                    profile=profile, cost=pricer.reroute_cost)
+    if normalized is not current:  # a survivor takes over a failed stage where rerouting costs less
+        pricer.considered += 1
+        reroute = _faster(reroute, pricer.reroute(reroute_plan(normalized, failed_workers=failed, profile=profile)))
+    return reroute
+
+
+def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, affected: bool) -> list[Draft]:
+    """The fastest reparallelized layouts (``PLACED_LAYOUTS`` of them) placed and priced;
+    the search sweeps every pipeline length on joins (``odyssey.length_sweep``) or when no
+    layout near the current DP degree fits."""
+    current, cluster, profile, settings = pricer.current, pricer.cluster, pricer.profile, pricer.settings
+    if search is None:
+        search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
+    elif search.profile is not profile:
+        raise ValueError("the reparallelize search was built for another profile")
+    window = dict(
+        num_workers=len(cluster.alive_workers),
+        num_micro_batches=current.num_micro_batches,
+        current_dp=len(current.pipelines),
+        dp_radius=settings.dp_search_radius,
+        pp_radius=settings.pp_search_radius,
+    )
+    sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
+    pricer.checkpoint()
+    layouts = search.layouts(**window, sweep=sweep)
+    if not layouts and not sweep:  # Eq. 8 needs a reparallelized rival, and one beats a checkpoint restart
+        pricer.notes.append("no layout near the current DP degree fits; swept every pipeline length")
+        layouts = search.layouts(**window, sweep=True)
+    pricer.considered += len(layouts)
+    drafts = []
+    for layout in layouts[:PLACED_LAYOUTS]:
+        pricer.checkpoint()
+        plan = place_layout(layout, current=current, holdings=pricer.holdings, cluster=cluster, profile=profile)
+        moving = pricer.moving_s(plan)
+        drafts.append(_draft("reparallelize", plan, pricer.estimate(plan), moving, settings.reparallelize_restart_s,
+                             profile=profile))
+    if not layouts:
+        pricer.notes.append("no reparallelized layout fits the memory budget")
+    return drafts
+
+
+def choose(drafts: Drafts, *, settings: SearchSettings, interval_s: float,
            search_time_s: float) -> Decision:
     """Score every draft by Eq. 8 and pick the best: throughput, less the transition
     (search time while training is paused, moving state, restarting) and the expected

@@ -28,6 +28,7 @@ from odyssey_megatron.estimator.distinct import sub_plan, touched_pipelines
 from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, Reroute
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.settings import Pricing
 
 
 def pipeline_kind(pipeline: PipelinePlan, cluster: ClusterState | None) -> tuple:
@@ -65,17 +66,18 @@ class RerouteCost:
     remembered by those shapes and the kinds of the untouched pipelines: keys without
     worker ids, so moving one of a node's failures prices the others' alike moves too."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterState, *, decouple: bool, staggered: bool,
-                 memo: dict):
+    def __init__(self, profile: ModelProfile, cluster: ClusterState, *, pricing: Pricing, memo: dict):
         self.profile = profile
         self.cluster = cluster
-        self.options = dict(decouple=decouple, staggered=staggered, memo=memo)
+        self.pricing = pricing
+        self.memo = memo
         self._priced: dict[tuple, float | None] = {}
 
     def __call__(self, plan: ExecutionPlan) -> float | None:
         cut, key = alike_components(plan, self.cluster)
         if key not in self._priced:
-            self._priced[key] = rerouted_makespan(cut, self.profile, self.cluster, **self.options)
+            self._priced[key] = rerouted_makespan(cut, self.profile, self.cluster, pricing=self.pricing,
+                                                  memo=self.memo)
         return self._priced[key]
 
 

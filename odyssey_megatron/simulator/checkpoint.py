@@ -23,7 +23,7 @@ class CheckpointRestartSystem:
     def start(self, cluster: ClusterState) -> float:
         """The job's own plan, as every system starts."""
         return estimate_plan(initial_layout(self.context), self.context.profile, cluster,
-                             **self.context.schedule).samples_per_s
+                             pricing=self.context.pricing).samples_per_s
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
         return restart_from_checkpoint(self.context, cluster, now_s, f"{len(failed)} worker(s) failed")

@@ -57,9 +57,7 @@ class OdysseySystem:
         plan = initial_layout(self.context, max_layer_splits=self.settings.max_layer_splits)
         self.center = DecisionCenter(plan=plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
                                      search_time_s=self.decision_s)
-        estimate = estimate_plan(plan, self.context.profile, cluster,
-                                 decouple=self.settings.decoupled_weight_grads,
-                                 staggered=self.settings.staggered_optimizer)
+        estimate = estimate_plan(plan, self.context.profile, cluster, pricing=self.settings.pricing)
         self.step_s = estimate.step_time_s
         return estimate.samples_per_s
 

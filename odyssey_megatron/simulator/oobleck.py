@@ -19,7 +19,7 @@ Oobleck's planner ranks them by step time without looking at placement (lone-pip
 times plus the layer-granular DP sync, i.e. ``estimate_plan`` without a cluster); the
 fastest wins and pipelines get consecutive workers, smallest template first, as the
 authors' instantiator does. The winner then runs, like every system's plan, with the
-job's schedule options (``SimulationContext.schedule``).
+job's schedule options (``SimulationContext.pricing``).
 
 Batch distribution (4.2.2, Eq. 6). Eq. 6 balances N_b,i * T_i, T_i being a pipeline's
 time per micro-batch (its planning time at 4S micro-batches over 4S); we hand out
@@ -244,7 +244,7 @@ class OobleckSystem:
         """Run ``pipelines`` with the batch redistributed (5.2); throughput by the shared estimator."""
         self.pipelines = pipelines
         self.micro_batches = self._distribute(tuple(p.num_stages for p in pipelines))
-        estimate = estimate_plan(self.execution_plan(), self.context.profile, cluster, **self.context.schedule)
+        estimate = estimate_plan(self.execution_plan(), self.context.profile, cluster, pricing=self.context.pricing)
         self.step_s = estimate.step_time_s
         self.samples_per_s = estimate.samples_per_s
 

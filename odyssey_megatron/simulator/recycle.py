@@ -15,7 +15,7 @@ replica, or a peer that would run out of memory, means a checkpoint restart on a
 symmetric layout. A repaired worker takes back the slot that names it, after copying
 that stage from a peer.
 
-Its steps run with the job's schedule options (``SimulationContext.schedule``), like every
+Its steps run with the job's schedule options (``SimulationContext.pricing``), like every
 system's. With ``decoupled=False`` the system is ReCycle as paper 001 models it (Eq.
 12-13: adopted micro-batches on plain 1F1B op lists, failure-free steps too), an
 ablation whose failure-free step is slower by design.
@@ -33,6 +33,7 @@ from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.planner.normalize import normalize_failures
 from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
 from odyssey_megatron.simulator.restart import restart_onto_symmetric
+from odyssey_megatron.settings import PLAIN
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
 
 
@@ -40,7 +41,7 @@ class ReCycleSystem:
     def __init__(self, context: SimulationContext, *, detection_s: float, reroute_s: float, decoupled: bool = True,
                  name: str = "recycle"):
         self.name = name
-        self.schedule = context.schedule if decoupled else dict(decouple=False, staggered=False)
+        self.pricing = context.pricing if decoupled else PLAIN
         self.context = context
         self.detection_s = detection_s
         self.reroute_s = reroute_s
@@ -56,7 +57,7 @@ class ReCycleSystem:
     def _speed(self, plan: ExecutionPlan, cluster: ClusterState, memo: dict | None = None) -> tuple[float, float, bool]:
         """(step seconds, samples/s, fits memory) of ``plan`` under ReCycle's schedule;
         ``memo`` as in ``estimate_plan``."""
-        estimate = estimate_plan(plan, self.context.profile, cluster, **self.schedule, memo=memo)
+        estimate = estimate_plan(plan, self.context.profile, cluster, pricing=self.pricing, memo=memo)
         return estimate.step_time_s, estimate.samples_per_s, estimate.fits_memory
 
     def _reroute(self, cluster: ClusterState, now_s: float, note: str, *, lost_s: float, pause_s: float,
@@ -91,7 +92,7 @@ class ReCycleSystem:
         holdings = live_holdings(self.base, cluster=cluster, profile=self.context.profile)  # before any swap
         normalized = normalize_failures(
             self.base, new_failures=failed, cluster=cluster, profile=self.context.profile,
-            cost=lambda plan: rerouted_makespan(plan, self.context.profile, cluster, **self.schedule, memo=memo),
+            cost=lambda plan: rerouted_makespan(plan, self.context.profile, cluster, pricing=self.pricing, memo=memo),
         )
         copies = self._copies(normalized, holdings, cluster) if normalized is not self.base else ()
         self.base = normalized

@@ -71,7 +71,7 @@ def _best_symmetric_layout(context: SimulationContext, num_workers: int) -> Symm
                               tensor_parallel_size=context.tensor_parallel_size),
             context.profile,
         )
-        step_s = estimate_plan(plan, context.profile, packed, **context.schedule).step_time_s
+        step_s = estimate_plan(plan, context.profile, packed, pricing=context.pricing).step_time_s
         rate = context.num_micro_batches * context.profile.samples_per_micro_batch / step_s
         if best is None or rate > best.samples_per_s:
             best = SymmetricLayout(dp, pp, rate)
@@ -116,5 +116,5 @@ def restart_onto_symmetric(
     it resumes on (None if the model no longer fits) and that plan's step time."""
     outcome = restart_from_checkpoint(context, cluster, now_s, note)
     plan = restart_plan(context, cluster)
-    step_s = 0.0 if plan is None else estimate_plan(plan, context.profile, cluster, **context.schedule).step_time_s
+    step_s = 0.0 if plan is None else estimate_plan(plan, context.profile, cluster, pricing=context.pricing).step_time_s
     return outcome, plan, step_s

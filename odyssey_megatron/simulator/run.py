@@ -69,8 +69,7 @@ def simulation_context(scenario: Scenario) -> SimulationContext:
         checkpoint_interval_s=costs.checkpoint_interval_min * 60,
         checkpoint_save_s=costs.checkpoint_save_s,
         checkpoint_load_s=costs.checkpoint_load_s,
-        decouple=recipe.odyssey.decoupled_weight_grads,
-        staggered=recipe.odyssey.staggered_optimizer,
+        pricing=recipe.odyssey.pricing,
     )
 
 

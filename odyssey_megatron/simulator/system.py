@@ -16,6 +16,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import initial_plan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.settings import PLAIN, Pricing
 
 TRAINING = "training"
 RECOVERING = "recovering"
@@ -54,15 +55,9 @@ class SimulationContext:
     checkpoint_save_s: float
     """Training time each checkpoint costs (synchronous save)."""
     checkpoint_load_s: float
-    decouple: bool = False
-    """``odyssey.decoupled_weight_grads``: split backwards wherever they pay, on every system's plans."""
-    staggered: bool = False
-    """``odyssey.staggered_optimizer``: staggered optimizer steps likewise."""
-
-    @property
-    def schedule(self) -> dict[str, bool]:
-        """``estimate_plan``'s schedule options: how every system's steps run."""
-        return dict(decouple=self.decouple, staggered=self.staggered)
+    pricing: Pricing = PLAIN
+    """How every system's steps run and are priced (``OdysseyConfig.pricing``): split
+    backwards and staggered optimizer steps wherever they pay, on every system's plans."""
 
 
 def initial_layout(context: SimulationContext, *, max_layer_splits: int = 256) -> ExecutionPlan:

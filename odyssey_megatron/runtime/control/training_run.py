@@ -61,6 +61,7 @@ from odyssey_megatron.runtime.protocol import (
 )
 from odyssey_megatron.runtime.step_ledger import StepLedger
 from odyssey_megatron.schedules.program import StepProgram
+from odyssey_megatron.settings import Pricing
 
 __all__ = ["RunFailed", "TrainingRun"]
 
@@ -144,10 +145,8 @@ class TrainingRun:
         return final
 
     def _train(self) -> Path:
-        settings = self.center.settings
-        self._publish(self.center.plan, estimate_plan(
-            self.center.plan, self.center.profile, self.center.cluster, decouple=settings.decoupled_weight_grads,
-            staggered=settings.staggered_optimizer).step_time_s)
+        self._publish(self.center.plan, estimate_plan(self.center.plan, self.center.profile, self.center.cluster,
+                                                      pricing=self.center.settings.pricing).step_time_s)
         self.settled = self.plan
         while not self._final_written():
             self._collect_commits()
@@ -195,7 +194,8 @@ class TrainingRun:
         self.center.use_profile(self.online.profile())
         self._priced_scales = self.online.scales
         estimate = estimate_plan(self.plan, self.center.profile, self.center.cluster,
-                                 decouple=self._program.split_backward, staggered=self._program.staggered_optimizer)
+                                 pricing=Pricing(decouple=self._program.split_backward,
+                                                 staggered=self._program.staggered_optimizer))
         self.controller.record.event("profile", generation=self.plan.generation, step=self.committed - 1,
                                      **asdict(self.online.scales), estimated_step_s=estimate.step_time_s)
         log.info("controller: profile rescaled to measured op times (forward x%.2f, backward x%.2f, "

@@ -85,82 +85,128 @@ class StepExecutor:
         last stages read it. ``settle``, when the last optimizer step is still
         speculative, settles it at the settle point and says whether it was retaken.
         """
-        step = next(self._step)
-        config = self.model.config
-        stages = [p.num_stages for p in self.plan.pipelines]
-        total = self.plan.num_micro_batches
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        sends: list[tuple[dist.Work, torch.Tensor]] = []
-        losses: dict[int, float] = {}
-        settle_at = len(self.ops) if settle is None else settle_point(self.ops, stages)
-
-        def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
-            tensor = tensor.detach().contiguous()
-            sends.append((dist.isend(tensor, dst, tag=tag), tensor))
-            sends.extend(self.clock.sent(dst, tag))
-
-        def receive(src: int, tag: int) -> torch.Tensor:
-            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device, requires_grad=True)
-            with torch.no_grad(), self.clock.receiving(src, tag):
-                dist.recv(buffer, src, tag=tag)
-            return buffer
-
-        def forward(op: Op, input_tensor: torch.Tensor | None) -> torch.Tensor:
-            first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
-            store: list[dict[str, torch.Tensor]] = []
-            with self.clock.compute(op):
-                output, _ = forward_step(
-                    partial(stage_forward, first=first, last=last),
-                    iter([batches(op.micro_batch)]) if first or last else None, self.model, total, input_tensor, store,
-                    config, cp_group_size=1, is_last_stage=last,
-                )
-            if last:
-                losses[op.micro_batch] = float(store[0]["lm loss"])
-            saved[op.pipeline, op.micro_batch] = (input_tensor, output)
-            return output
-
-        def settle_and_rerun(forwards: list[Op]) -> None:
-            retaken = settle()
-            self.clock.resume()
-            if retaken:
-                for op in forwards:
-                    forward(op, saved[op.pipeline, op.micro_batch][0])
-
+        step = _Step(self, next(self._step), batches, settle)
         self.clock.resume()
         for index, op in enumerate(self.ops):
-            first, last = op.stage == 0, op.stage == stages[op.pipeline] - 1
-            if index == settle_at and op.kind != FORWARD:
-                settle_and_rerun(self.ops[:index])
+            if index == step.settle_at and op.kind != FORWARD:
+                step.settle_and_rerun(self.ops[:index])
             if op.kind == FORWARD:
-                input_tensor = None if first else receive(
-                    self._rank(op.pipeline, op.stage - 1, op.micro_batch), self._tag(step, op.micro_batch, FORWARD)
-                )
-                output = forward(op, input_tensor)
-                if index == settle_at:
-                    settle_and_rerun(self.ops[:index + 1])
-                    output = saved[op.pipeline, op.micro_batch][1]
-                if not last:
-                    send(output, self._rank(op.pipeline, op.stage + 1, op.micro_batch),
-                         self._tag(step, op.micro_batch, FORWARD))
+                step.forward(op, settles=index == step.settle_at, ran=self.ops[:index + 1])
             elif op.kind == WEIGHT_GRAD:
-                with self.clock.compute(op), _megatron_timer(config, WEIGHT_GRAD_TIMER):
-                    self.weight_grads.run((op.pipeline, op.micro_batch))
+                step.weight_grad(op)
             else:
-                input_tensor, output = saved.pop((op.pipeline, op.micro_batch))
-                grad = None if last else receive(
-                    self._rank(op.pipeline, op.stage + 1, op.micro_batch), self._tag(step, op.micro_batch, "B")
-                )
-                split = nullcontext() if self.weight_grads is None else self.weight_grads.deferring(
-                    (op.pipeline, op.micro_batch))
-                with split, self.clock.compute(op):
-                    input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, config)
-                if not first:
-                    send(input_grad, self._rank(op.pipeline, op.stage - 1, op.micro_batch),
-                         self._tag(step, op.micro_batch, "B"))
-        for work, _ in sends:
+                step.backward(op)
+        return step.finish()
+
+
+class _Step:
+    """One run of a ``StepExecutor``'s op list: its messages in flight, the forwards waiting
+    for their backward, and the losses of the micro-batches whose last stage runs here."""
+
+    def __init__(self, executor: StepExecutor, step: int, batches: Callable[[int], MicroBatch],
+                 settle: Callable[[], bool] | None):
+        self.executor = executor
+        self.step = step
+        self.batches = batches
+        self.settle = settle
+        self.config = executor.model.config
+        self.stages = [p.num_stages for p in executor.plan.pipelines]
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        """Per (pipeline, micro-batch): the forward's input and output, until its backward."""
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.losses: dict[int, float] = {}
+        self.settle_at = len(executor.ops) if settle is None else settle_point(executor.ops, self.stages)
+        """Where the speculative optimizer step settles (``ops.settle_point``); past the end: none."""
+
+    def _ends(self, op: Op) -> tuple[bool, bool]:
+        """Whether ``op``'s stage is its pipeline's first, and its last."""
+        return op.stage == 0, op.stage == self.stages[op.pipeline] - 1
+
+    def _peer(self, op: Op, stage: int) -> int:
+        """The rank running ``op``'s micro-batch at ``stage`` of its pipeline."""
+        return self.executor._rank(op.pipeline, stage, op.micro_batch)
+
+    def _tag(self, op: Op, kind: str) -> int:
+        return self.executor._tag(self.step, op.micro_batch, kind)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self.sends.append((dist.isend(tensor, dst, tag=tag), tensor))
+        self.sends.extend(self.executor.clock.sent(dst, tag))
+
+    def receive(self, src: int, tag: int) -> torch.Tensor:
+        ex = self.executor
+        buffer = torch.empty(ex.activation_shape, dtype=ex.dtype, device=ex.device, requires_grad=True)
+        with torch.no_grad(), ex.clock.receiving(src, tag):
+            dist.recv(buffer, src, tag=tag)
+        return buffer
+
+    def compute_forward(self, op: Op, input_tensor: torch.Tensor | None) -> torch.Tensor:
+        """Megatron's forward step of ``op`` on ``input_tensor``, kept for its backward."""
+        ex = self.executor
+        first, last = self._ends(op)
+        store: list[dict[str, torch.Tensor]] = []
+        with ex.clock.compute(op):
+            output, _ = forward_step(
+                partial(stage_forward, first=first, last=last),
+                iter([self.batches(op.micro_batch)]) if first or last else None, ex.model,
+                ex.plan.num_micro_batches, input_tensor, store, self.config, cp_group_size=1, is_last_stage=last,
+            )
+        if last:
+            self.losses[op.micro_batch] = float(store[0]["lm loss"])
+        self.saved[op.pipeline, op.micro_batch] = (input_tensor, output)
+        return output
+
+    def settle_and_rerun(self, forwards: list[Op]) -> None:
+        """Settle the speculative optimizer step; if it was retaken, run ``forwards`` again
+        from the inputs they had."""
+        retaken = self.settle()
+        self.executor.clock.resume()
+        if retaken:
+            for op in forwards:
+                self.compute_forward(op, self.saved[op.pipeline, op.micro_batch][0])
+
+    def forward(self, op: Op, *, settles: bool, ran: list[Op]) -> None:
+        """A forward op: receive its input (but on a first stage), compute, and send the output
+        on (but from a last stage); where it ``settles`` the step, the forwards that ``ran``
+        so far, itself included, are settled first and its output is the settled one."""
+        first, last = self._ends(op)
+        input_tensor = None if first else self.receive(self._peer(op, op.stage - 1), self._tag(op, FORWARD))
+        output = self.compute_forward(op, input_tensor)
+        if settles:
+            self.settle_and_rerun(ran)
+            output = self.saved[op.pipeline, op.micro_batch][1]
+        if not last:
+            self.send(output, self._peer(op, op.stage + 1), self._tag(op, FORWARD))
+
+    def weight_grad(self, op: Op) -> None:
+        """A W op: the weight GEMMs its micro-batch's split backward held back."""
+        ex = self.executor
+        with ex.clock.compute(op), _megatron_timer(self.config, WEIGHT_GRAD_TIMER):
+            ex.weight_grads.run((op.pipeline, op.micro_batch))
+
+    def backward(self, op: Op) -> None:
+        """A backward op: receive the output gradient (but on a last stage), compute (its
+        weight GEMMs held back where backwards are split), and send the input gradient back
+        (but from a first stage)."""
+        ex = self.executor
+        first, last = self._ends(op)
+        input_tensor, output = self.saved.pop((op.pipeline, op.micro_batch))
+        grad = None if last else self.receive(self._peer(op, op.stage + 1), self._tag(op, "B"))
+        split = nullcontext() if ex.weight_grads is None else ex.weight_grads.deferring((op.pipeline, op.micro_batch))
+        with split, ex.clock.compute(op):
+            input_grad = backward_step(input_tensor, output, grad, ModelType.encoder_or_decoder, self.config)
+        if not first:
+            self.send(input_grad, self._peer(op, op.stage - 1), self._tag(op, "B"))
+
+    def finish(self) -> dict[int, float]:
+        """Wait for the sends; every forward must have had its backward and every split
+        backward its W op."""
+        for work, _ in self.sends:
             work.wait()
-        unfinished = 0 if self.weight_grads is None else self.weight_grads.held
-        if saved or unfinished:
-            raise RuntimeError(f"op list left {len(saved)} forwards without a backward and "
+        weight_grads = self.executor.weight_grads
+        unfinished = 0 if weight_grads is None else weight_grads.held
+        if self.saved or unfinished:
+            raise RuntimeError(f"op list left {len(self.saved)} forwards without a backward and "
                                f"{unfinished} backwards without their weight gradients")
-        return losses
+        return self.losses

@@ -1,0 +1,42 @@
+"""What each consumer reads of a recipe's ``odyssey:`` section, as a small frozen view the
+section builds (``OdysseyConfig.pricing``, ``OdysseyConfig.search``), as it builds the
+runtime's ``Timeouts``. The fields are documented on ``OdysseyConfig``, under the names
+given here. They sit below ``config``, so the estimator and the planner take them without
+importing the recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PLAIN", "Pricing", "SearchSettings"]
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How a plan's step is priced, and so run: the estimator's schedule options."""
+
+    decouple: bool = False
+    """Split backwards where they pay (``odyssey.decoupled_weight_grads``)."""
+    staggered: bool = False
+    """Staggered optimizer steps where they pay (``odyssey.staggered_optimizer``)."""
+
+
+PLAIN = Pricing()
+"""Plain 1F1B op lists and optimizer steps after the global norm."""
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """What drafting candidates and weighing them by Eq. 8 read (``planner.decide``); no
+    defaults here: ``OdysseyConfig`` holds them."""
+
+    policy: str
+    dp_search_radius: int
+    pp_search_radius: int
+    length_sweep: str
+    max_layer_splits: int
+    storage_bandwidth_gb_s: float
+    reroute_restart_s: float
+    reparallelize_restart_s: float
+    checkpoint_restart_penalty_s: float
+    pricing: Pricing
