@@ -399,6 +399,23 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
     assert committed == list(range(STEPS))  # none trained twice, none lost
 
 
+def test_the_run_goes_on_when_every_worker_of_node_0_dies(tmp_path, data_cache, reference):
+    """Two nodes of 4 ranks (DP 8). All four workers of node 0, which hosts the controller,
+    are killed in one instant in step 2: node 0's launcher has no worker left, and the
+    controller trains on with node 1's to the failure-free model."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
+              "cluster.devices_per_node=4", "odyssey.online_profile=false", "--nnodes", "2", "--master-port", str(port),
+              faults("{rank: 0, with_ranks: [1, 2, 3], step: 2, phase: forward, action: kill}")]
+    node0 = train(run_dir, data_cache, *common, node_rank=0)
+    node1 = train(run_dir, data_cache, *common, node_rank=1)
+    status, _, err = finish(node0)
+    finish(node1)
+    assert status == 0, err[-4000:]
+    assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[0, 1, 2, 3]]
+    assert_same_training(run_dir, reference)
+
+
 def test_a_dead_controller_loses_no_committed_step(tmp_path, data_cache, reference):
     """Two nodes of 4 ranks (DP 8: each holds the whole model). Node 0's process, which
     hosts the controller, is killed (SIGKILL) once step 1 committed; its workers die with

@@ -117,7 +117,8 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     signals.install()
     try:
         status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
-        owner.join(timeout=timeouts.recovery_timeout)
+        while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
+            owner.join(timeout=timeouts.heartbeat_interval)
         if not outcome:
             outcome.append(TrainOutcome(1, f"the workers ended (launcher status {status}) before the run did"))
         _wait_other_nodes(controller, timeouts)
