@@ -30,8 +30,10 @@ from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.runtime.rank.emulation import DeviceEmulation, OpClock
-from odyssey_megatron.runtime.rank.executor import MicroBatch, StepExecutor
+from odyssey_megatron.hooks.op_clock import OpClock
+from odyssey_megatron.hooks.stage_step import MicroBatch
+from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
+from odyssey_megatron.runtime.rank.executor import StepExecutor
 from odyssey_megatron.runtime.rank.megatron_1f1b import MegatronPipelineSchedule
 from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot, SnapshotPool
