@@ -12,6 +12,13 @@ two cores fits inside the padded times. Plans, over one node of 8 devices:
   b. rerouted+split: the same with split backwards where they pay
   c. [4,3]-stage pipelines over 7 ranks, layers 2-2-2-2 and 3-3-2, 9 and 7 micro-batches
   d. the rerouted plan with split backwards and staggered optimizer steps
+  d'. the rerouted plan with split backwards through the worker's own step
+      (``runtime.rank.live_step``, as ``Worker._train_step`` runs it): each step commits
+      through a ``StepLedger`` on the TCPStore the parent hosts, its ``StepReport`` (from
+      the op timers, ``odyssey.online_profile`` on) appended there, before its optimizer
+      step is applied; every wait goes through the ``CollectiveGuard``. Not staggered:
+      the worker's step cannot be (a staggered rank would step before its step commits),
+      so ``odyssey train`` turns staggering off and prices plans without it, as here.
   e. PP2 on 2 ranks
 
 Step time is the period of steps run back to back, as training runs them (no barrier
@@ -103,6 +110,9 @@ class Case:
     world_size: int
     decouple: bool = False
     staggered: bool = False
+    live: bool = False
+    """Run through the live worker's step (``runtime.rank.live_step``): the commit through
+    the store and the collective guard included."""
 
 
 def cases(profile: ModelProfile, micro_batches: int) -> list[Case]:
@@ -118,6 +128,7 @@ def cases(profile: ModelProfile, micro_batches: int) -> list[Case]:
         Case("b rerouted+split", rerouted, 7, decouple=True),
         Case("c asymmetric [4,3]", asymmetric, 7, decouple=True),
         Case("d rerouted+staggered", rerouted, 7, decouple=True, staggered=True),
+        Case("d' rerouted+split, worker's step", rerouted, 7, decouple=True, live=True),
         Case("e PP2, 2 ranks", two_ranks, 2),
     ]
 
@@ -128,14 +139,16 @@ def _status_kib(field: str) -> int:
 
 
 def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emulated: ModelProfile | None,
-              steps: int) -> dict:
+              steps: int, live: bool = False) -> dict:
     """One rank: ``steps`` + 1 training steps back to back; the end time of each (one
     monotonic clock for all ranks of this host), its peak resident growth, and how
     often an emulated op overran its padded time."""
+    import torch
     import torch.distributed as dist
 
     from odyssey_megatron.data import SyntheticTokens
     from odyssey_megatron.hooks.stage_optimizer import optimizer_config
+    from odyssey_megatron.runtime.rank.op_timers import OpTimers
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
     from odyssey_megatron.schedules.program import read_published
 
@@ -150,18 +163,71 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
         state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
         optimizer=optimizer_config(config.training, model.params_dtype),
         emulation=None if emulated is None else DeviceEmulation(profile=emulated, cluster=CLUSTER),
+        # The worker's: odyssey.online_profile's op timers, and a phase hook (where its fault injector acts).
+        op_timers=OpTimers(torch.device("cpu")) if live else None, on_phase=(lambda phase: None) if live else None,
     )
     data = SyntheticTokens(model.vocab_size, model.seq_length, batch)
     ends = []
+    if live:
+        step_loop = LiveSteps(runner, rank=rank, world_size=world_size, data=data, micro_batch_size=batch)
+    else:
+        step_loop = lambda step: runner.train_step(lambda m: data.micro_batch(step, m))  # noqa: E731
     dist.barrier()
     for step in range(steps + 1):
-        runner.train_step(lambda m, step=step: data.micro_batch(step, m))
+        step_loop(step)
         ends.append(time.monotonic())
     runner.settle()
+    if live:
+        step_loop.close()
     peak_kib = _status_kib("VmHWM")
     runner.groups.destroy()
     return {"worker": ranks.worker(rank), "ends": ends, "peak_bytes": (peak_kib - baseline_kib) * 1024,
             "overruns": getattr(runner.clock, "overruns", 0)}
+
+
+class LiveSteps:
+    """The worker's step loop (``runtime.rank.live_step``, as ``Worker._train_step`` runs
+    it): each step commits through a ``StepLedger`` on the TCPStore the parent hosts (as
+    the controller hosts it), its ``StepReport`` appended there, before the optimizer step
+    is applied; every wait goes through the ``CollectiveGuard``. Called with the step."""
+
+    def __init__(self, runner, *, rank: int, world_size: int, data, micro_batch_size: int):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from odyssey_megatron.hooks.collective_guard import CollectiveGuard
+        from odyssey_megatron.runtime.step_ledger import StepLedger
+
+        self.runner, self.rank, self.data, self.size = runner, rank, data, micro_batch_size
+        self.timeout = datetime.timedelta(seconds=300)
+        port = dist.distributed_c10d._get_default_store().underlying_store.port
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=self.timeout)
+        self.ledger = StepLedger(self.store.clone(), generation=0, training_ranks=world_size)
+        self.guard = CollectiveGuard(backend="gloo", timeout_s=self.timeout.total_seconds())
+        self.guard.install()
+        self.guard.reopen(0)
+        self.guard.track([dist.distributed_c10d._get_default_group(), *runner.groups.owned])
+        self._arange = torch.arange
+
+    def load(self, step: int, micro_batch: int):
+        first = (step * 1024 + micro_batch) * self.size
+        return {**self.data.micro_batch(step, micro_batch), "sample_ids": self._arange(first, first + self.size)}
+
+    def __call__(self, step: int) -> None:
+        from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
+
+        def commit(step: int, losses: dict, samples: dict) -> None:
+            if not commit_step(store=self.store, ledger=self.ledger, rank=self.rank, step=step, losses=losses,
+                               samples=samples, op_timers=self.runner.model.config.timers,
+                               timeout=self.timeout):
+                raise RuntimeError(f"step {step} did not commit")
+
+        train_step(self.runner, step=step, load=self.load, commit=commit)
+
+    def close(self) -> None:
+        self.guard.uninstall()
 
 
 def measure(case: Case, profile: ModelProfile, steps: int, *, emulate: bool) -> dict:
@@ -170,7 +236,7 @@ def measure(case: Case, profile: ModelProfile, steps: int, *, emulate: bool) -> 
     program = step_program(case.plan, profile, CLUSTER, decouple=case.decouple, staggered=case.staggered)
     published = json.dumps(publish(case.plan, program))
     per_rank = run_world(run_steps, case.world_size, published, OVERRIDES, profile if emulate else None, steps,
-                         timeout=900)
+                         case.live, timeout=900)
     ends = [max(r["ends"][i] for r in per_rank) for i in range(steps + 1)]
     measured = (ends[-1] - ends[0]) / steps
     predicted = estimate.step_time_s
