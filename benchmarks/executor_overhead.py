@@ -225,9 +225,9 @@ SEVEN_B_OVERRIDES = ["model.num_layers=2", "model.hidden_size=4096", "model.ffn_
                      "model.num_attention_heads=32", "model.num_query_groups=32", "model.vocab_size=1024",
                      "model.seq_length=16", "parallel.pipeline_model_parallel_size=2",
                      "parallel.data_parallel_size=2", "training.micro_batch_size=1",
-                     "training.global_batch_size=8"]
+                     "training.global_batch_size=4"]
 """Llama-2 7B's layer (h4096, ffn 11008, 32 heads) in 2 layers on DP2 x PP2, one layer a
-stage (202M parameters, 3.2 GB with gradients and Adam's moments), 8 micro-batches of
+stage (202M parameters, 3.2 GB with gradients and Adam's moments), 4 micro-batches of
 1 x 16 tokens, a vocabulary of 1024 (7B's 32,000 would put 131M more parameters on the
 first and last stages, more than this machine's memory holds): over ``tiny_cpu.yaml``."""
 SEVEN_B_PACE = 1.5
@@ -388,7 +388,7 @@ class LiveWorkerStep:
         self.guard.uninstall()
 
 
-def calibrated_seconds(plan: ExecutionPlan, rank: int, recipe, pace: float) -> dict[str, float]:
+def calibrated_seconds(rank: int, world: int, plan_json: str, overrides: list[str], pace: float) -> dict[str, float]:
     """The emulated device's forward and backward: ``pace`` times the slowest rank's mean
     op in a Megatron step unpaced on these ranks (after a warm-up step), so that the real
     work of ranks sharing the cores fits inside the paced time."""
@@ -396,7 +396,7 @@ def calibrated_seconds(plan: ExecutionPlan, rank: int, recipe, pace: float) -> d
 
     from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 
-    timers = PacedTimers({})
+    plan, recipe, timers = ExecutionPlan.from_json(plan_json), seven_b_recipe(overrides), PacedTimers({})
     megatron = MegatronStep(plan, rank, timers, model=recipe.model, micro_batch_size=recipe.training.micro_batch_size,
                             optimizer=optimizer_config(recipe.training, recipe.model.params_dtype))
     data = _IndexedSamples(recipe.model, recipe.training.micro_batch_size)
@@ -406,74 +406,54 @@ def calibrated_seconds(plan: ExecutionPlan, rank: int, recipe, pace: float) -> d
     times = timers.take()
     mean = torch.tensor([times[name][0] / times[name][1] for name in (FORWARD, BACKWARD)], dtype=torch.float64)
     dist.all_reduce(mean, op=dist.ReduceOp.MAX)
-    megatron.close()
     return {FORWARD: pace * float(mean[0]), BACKWARD: pace * float(mean[1])}
 
 
-def live_vs_megatron(rank: int, world: int, plan_json: str, overrides: list[str], blocks: int,
-                     steps_per_block: int) -> dict:
-    """``blocks`` rounds, each building Megatron's step and the live worker's in turn (both
-    do not fit in memory at once), one warm-up step and ``steps_per_block`` timed steps
-    each; the side that goes first alternates by round. Returns per side the seconds of each
-    timed step (barrier to barrier, every rank the same), in round order."""
-    import gc
-
+def one_side(rank: int, world: int, plan_json: str, overrides: list[str], side: str, seconds: dict[str, float],
+             steps: int, generation: int) -> dict:
+    """One side of a round in a world of its own (both sides do not fit in memory at once,
+    and a process's exit is the one sure way to free a side): ``side`` (megatron or
+    plugin) built, one warm-up step, then ``steps`` timed ones (barrier to barrier, the
+    same on every rank). The plugin's runs as plan generation ``generation``."""
     import torch.distributed as dist
 
-    from odyssey_megatron.hooks.collective_guard import _ORIGINAL_WAIT
     from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 
     plan = ExecutionPlan.from_json(plan_json)
     recipe = seven_b_recipe(overrides)
-    # The worker's program for this plan (whole backwards, as Megatron's 1F1B; not staggered, as odyssey train).
-    program = step_program(plan, uniform_profile(num_layers=recipe.model.num_layers), decouple=False,
-                           staggered=False)
-    seconds = calibrated_seconds(plan, rank, recipe, SEVEN_B_PACE)
-    gc.collect()
-    port = dist.distributed_c10d._get_default_store().underlying_store.port
-    data = _IndexedSamples(recipe.model, recipe.training.micro_batch_size)
-    out: dict[str, list[float]] = {"megatron": [], "plugin": [], "commit": [], "overruns": [], "waits": [],
-                                   "paced": [seconds[FORWARD], seconds[BACKWARD]]}
-    step = 0
-    for block in range(blocks):
-        for side in (("megatron", "plugin") if block % 2 == 0 else ("plugin", "megatron")):
-            timers = PacedTimers(seconds)
-            if side == "megatron":
-                runner = MegatronStep(plan, rank, timers, model=recipe.model,
-                                      micro_batch_size=recipe.training.micro_batch_size,
-                                      optimizer=optimizer_config(recipe.training, recipe.model.params_dtype))
-                run = lambda s, r=runner: r.train_step(lambda m: data.micro_batch(s, m))  # noqa: E731
-            else:
-                runner = LiveWorkerStep(plan=plan, program=program, rank=rank, world=world, generation=block,
-                                        port=port, timers=timers, recipe=recipe)
-                run = runner.train_step
-            waits = [0]
-            counted = dist.Work.wait
+    timers = PacedTimers(seconds)
+    if side == "megatron":
+        data = _IndexedSamples(recipe.model, recipe.training.micro_batch_size)
+        runner = MegatronStep(plan, rank, timers, model=recipe.model, micro_batch_size=recipe.training.micro_batch_size,
+                              optimizer=optimizer_config(recipe.training, recipe.model.params_dtype))
+        run = lambda s: runner.train_step(lambda m: data.micro_batch(s, m))  # noqa: E731
+    else:
+        # The worker's program for this plan (whole backwards, as Megatron's 1F1B; not staggered, as odyssey train).
+        program = step_program(plan, uniform_profile(num_layers=recipe.model.num_layers), decouple=False,
+                               staggered=False)
+        port = dist.distributed_c10d._get_default_store().underlying_store.port
+        runner = LiveWorkerStep(plan=plan, program=program, rank=rank, world=world, generation=generation, port=port,
+                                timers=timers, recipe=recipe)
+        run = runner.train_step
+    waits, guarded = [0], dist.Work.wait
 
-            def counting(work, *args, counted=counted, waits=waits):
-                waits[0] += 1
-                return counted(work, *args)
+    def counting(work, *args):
+        waits[0] += 1
+        return guarded(work, *args)
 
-            for i in range(steps_per_block + 1):
-                dist.barrier()
-                dist.Work.wait = counting if i else counted
-                started = time.perf_counter()
-                run(step)
-                ended = time.perf_counter()
-                dist.Work.wait = counted
-                dist.barrier()
-                step += 1
-                if i:  # the first step warms up allocators and gloo connections
-                    out[side].append(ended - started)
-            out["overruns"].append(float(timers.overruns))
-            if side == "plugin":
-                out["commit"].extend(runner.commit_s[1:])
-                out["waits"].append(waits[0] / steps_per_block)
-            runner.close()
-            del runner, run
-            gc.collect()
-    assert dist.Work.wait is _ORIGINAL_WAIT
-    return out
+    times = []
+    for step in range(steps + 1):
+        dist.barrier()
+        dist.Work.wait = counting if step else guarded
+        started = time.perf_counter()
+        run(step)
+        ended = time.perf_counter()
+        dist.Work.wait = guarded
+        dist.barrier()
+        if step:  # the first step warms up allocators and gloo connections
+            times.append(ended - started)
+    return {"times": times, "overruns": timers.overruns, "waits": waits[0] / steps,
+            "commit": runner.commit_s[1:] if side == "plugin" else []}
 
 
 def guard_wait_cost(rank: int, world: int, repeats: int) -> dict[str, float]:
@@ -500,16 +480,27 @@ def guard_wait_cost(rank: int, world: int, repeats: int) -> dict[str, float]:
 
 def print_overhead(blocks: int, steps_per_block: int, overrides: list[str] = SEVEN_B_OVERRIDES) -> None:
     recipe = seven_b_recipe(overrides)
-    plan = with_sync(pipelines_plan([(1, 1)] * 2, [4, 4], worker_of=lambda d, s: s * 2 + d),
+    plan = with_sync(pipelines_plan([(1, 1)] * 2, [2, 2], worker_of=lambda d, s: s * 2 + d),
                      uniform_profile(num_layers=recipe.model.num_layers))
-    per_rank = run_world(live_vs_megatron, 4, plan.to_json(), overrides, blocks, steps_per_block, timeout=6000)
+    seconds = run_world(calibrated_seconds, 4, plan.to_json(), overrides, SEVEN_B_PACE, timeout=3000)[0]
+    sides: dict[str, list[list[dict]]] = {"megatron": [], "plugin": []}
+    for block in range(blocks):
+        for side in ("megatron", "plugin") if block % 2 == 0 else ("plugin", "megatron"):
+            sides[side].append(run_world(one_side, 4, plan.to_json(), overrides, side, seconds, steps_per_block, block,
+                                         timeout=3000))
+    per_rank = [{"megatron": [t for b in sides["megatron"] for t in b[r]["times"]],
+                 "plugin": [t for b in sides["plugin"] for t in b[r]["times"]],
+                 "commit": [t for b in sides["plugin"] for t in b[r]["commit"]],
+                 "overruns": [b[r]["overruns"] for side in sides.values() for b in side],
+                 "waits": [b[r]["waits"] for b in sides["plugin"]],
+                 "paced": [seconds[FORWARD], seconds[BACKWARD]]} for r in range(4)]
     overruns = sum(sum(r["overruns"]) for r in per_rank)
     megatron, plugin = per_rank[0]["megatron"], per_rank[0]["plugin"]  # barrier to barrier: the same on every rank
     # Step i of each side ran in the same round, the sides' order alternating: pairs cancel the drift.
     paired = sorted(p / m - 1 for p, m in zip(plugin, megatron))
     n = len(paired)
     # The last rank to count in waits for no one: its commit is the store's round trips.
-    last_commit = statistics.median(min(r["commit"][i] for r in per_rank) for i in range(n))
+    last_commit = statistics.median(min(r["commit"][i] for r in per_rank) for i in range(len(per_rank[0]["commit"])))
     waits = max(statistics.median(r["waits"]) for r in per_rank)
     wait_cost = run_world(guard_wait_cost, 2, 400, timeout=600)[0]
     guard_s = waits * (wait_cost["guarded"] - wait_cost["direct"])
