@@ -12,6 +12,13 @@ two cores fits inside the padded times. Plans, over one node of 8 devices:
   b. rerouted+split: the same with split backwards where they pay
   c. [4,3]-stage pipelines over 7 ranks, layers 2-2-2-2 and 3-3-2, 9 and 7 micro-batches
   d. the rerouted plan with split backwards and staggered optimizer steps
+  d'. the rerouted plan with split backwards through the worker's own step
+      (``runtime.rank.live_step``, as ``Worker._train_step`` runs it): each step commits
+      through a ``StepLedger`` on the TCPStore the parent hosts, its ``StepReport`` (from
+      the op timers, ``odyssey.online_profile`` on) appended there, before its optimizer
+      step is applied; every wait goes through the ``CollectiveGuard``. Not staggered:
+      the worker's step cannot be (a staggered rank would step before its step commits),
+      so ``odyssey train`` turns staggering off and prices plans without it, as here.
   e. PP2 on 2 ranks
 
 Step time is the period of steps run back to back, as training runs them (no barrier
@@ -20,25 +27,36 @@ to the end of the last one, on the slowest rank, over the steps in between. Peak
 (real mode) is the growth of each rank's peak resident set (VmHWM, reset before the runner
 is built) against the estimator's peak for that rank's stage; the worst rank is printed.
 
-Measured on this shared 2-core machine (one run, ``--steps 3``, load average about 3 from
-other work; the profile: layer forward 2.6 ms, backward 3.6 ms, 0.9 ms per op):
+Measured 2026-11-27 on this shared 2-core machine (one run, ``--steps 3``, load average
+9-16 from other work, so the profile itself was measured about 3x slower than when idle):
 
-  EMULATED (20x slower device)  predicted ms measured ms   error overruns
-    a DP2xPP4                         3158.4      3160.0  +0.05%        0
-    b rerouted                        5373.2      5374.4  +0.02%        0
-    b rerouted+split                  5001.5      4962.6  -0.78%        0
-    c asymmetric [4,3]                3103.8      3078.9  -0.80%        0
-    d rerouted+staggered              4805.6      4738.9  -1.39%        0
-    e PP2, 2 ranks                    8848.4      8849.1  +0.01%        0
-  REAL compute (this machine)   predicted ms measured ms   error | peak MiB: predicted measured   error
-    a DP2xPP4                          157.9       683.7 +332.9% |                15.4     58.3 +277.8%
-    b rerouted                         268.7       879.4 +227.3% |                21.3     67.3 +215.5%
-    b rerouted+split                   250.1      1207.1 +382.7% |                29.0     72.9 +151.7%
-    c asymmetric [4,3]                 155.2       719.2 +363.4% |                23.8     63.9 +168.1%
-    d rerouted+staggered               240.3       664.2 +176.4% |                29.0     81.6 +181.8%
-    e PP2, 2 ranks                     442.4       510.0  +15.3% |                29.1     75.3 +158.6%
+  EMULATED (20x slower device)        predicted ms measured ms   error overruns
+    a DP2xPP4                               9173.7      9223.6  +0.54%        5
+    b rerouted                             15893.1     15894.6  +0.01%        0
+    b rerouted+split                       14698.6     14744.6  +0.31%       22
+    c asymmetric [4,3]                      8906.3      8833.4  -0.82%        0
+    d rerouted+staggered                   14303.4     14221.9  -0.57%       35
+    d' rerouted+split, worker's step       14698.6     15658.4  +6.53%       65
+    e PP2, 2 ranks                         26568.9     26686.7  +0.44%        1
+  REAL compute (this machine)         predicted ms measured ms   error | peak MiB: predicted measured   error
+    a DP2xPP4                                458.7      2484.1 +441.6% |                15.4     56.0 +262.4%
+    b rerouted                               794.7      2713.0 +241.4% |                21.3     66.3 +210.9%
+    b rerouted+split                         734.9      2871.9 +290.8% |                29.0     71.5 +146.7%
+    c asymmetric [4,3]                       445.3      4142.6 +830.3% |                23.8     60.3 +152.8%
+    d rerouted+staggered                     715.2      2259.9 +216.0% |                29.0     80.2 +176.7%
+    d' rerouted+split, worker's step         734.9      2323.0 +216.1% |                29.0     72.3 +149.6%
+    e PP2, 2 ranks                          1328.4      2742.8 +106.5% |                29.1     74.8 +156.8%
 
-Emulated errors are within 1.4 % on every plan (target 3 %): an emulated step runs what
+Plan d' is b rerouted+split's op lists and estimate, run through the worker's step: 6.5 %
+(about 0.96 s a step) slower than the estimate and than b's 0.3 %, with 65 overruns: the
+commit, and every wait through the guard's helper thread, run in real time inside padded
+ops (the commit inside the optimizer's), and on a machine this loaded those overran. One
+run: whether it is the store's round trips or the guard's hand-offs was not measured
+apart here (``executor_overhead.py`` section 4 measures both on 7B-shaped stages).
+An earlier run (load average about 3, before d' existed) had every emulated error within
+-1.39 to +0.05 % and no overruns.
+
+Emulated errors of a-e are within 1.4 % (target 3 %): an emulated step runs what
 the estimator prices. Where every rank ends its backwards at the same point (whole
 backwards), they match to 0.05 %. With split backwards, ranks end at different times and
 each DP sync unit's all-reduce starts as soon as its own members are done, beside the
@@ -49,10 +67,11 @@ same gap with a barrier before every step, so it is not steps overlapping).
 Real-mode errors say nothing about the estimator's structure. The profile is timed in
 CPU time on one thread of an idle rank; here 7 or 8 ranks share 2 cores (each op runs up
 to 4x slower, and more with other work on the machine), and gloo's messages and
-all-reduces compete for the same cores, so the errors are +176 to +383 %. The 2-rank plan,
-one rank per core, is the fair real-mode check: +15 %, the rest being the other work on
-the machine (wall time against the profile's CPU time). Measured peak memory exceeds the
-estimate by a nearly constant 40-53 MiB per rank: what a process allocates beside the
+all-reduces compete for the same cores, so the errors are +176 to +383 % (+216 to +830 %
+under the load of the 2026-11-27 run). The 2-rank plan, one rank per core, is the fair
+real-mode check: +15 % (+107 % under that load), the rest being the other work on the
+machine (wall time against the profile's CPU time). Measured peak memory exceeds the
+estimate by a nearly constant 36-53 MiB per rank: what a process allocates beside the
 model's tensors (gloo's buffers, the BLAS and autograd workspaces, Megatron's RoPE
 tables, the allocator's slack), which the estimator does not count; the tensors it does
 count (weights, gradients, Adam's moments, activations in flight) are the 15-29 MiB.
@@ -104,6 +123,9 @@ class Case:
     world_size: int
     decouple: bool = False
     staggered: bool = False
+    live: bool = False
+    """Run through the live worker's step (``runtime.rank.live_step``): the commit through
+    the store and the collective guard included."""
 
 
 def cases(profile: ModelProfile, micro_batches: int) -> list[Case]:
@@ -119,6 +141,7 @@ def cases(profile: ModelProfile, micro_batches: int) -> list[Case]:
         Case("b rerouted+split", rerouted, 7, decouple=True),
         Case("c asymmetric [4,3]", asymmetric, 7, decouple=True),
         Case("d rerouted+staggered", rerouted, 7, decouple=True, staggered=True),
+        Case("d' rerouted+split, worker's step", rerouted, 7, decouple=True, live=True),
         Case("e PP2, 2 ranks", two_ranks, 2),
     ]
 
@@ -129,14 +152,16 @@ def _status_kib(field: str) -> int:
 
 
 def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emulated: ModelProfile | None,
-              steps: int) -> dict:
+              steps: int, live: bool = False) -> dict:
     """One rank: ``steps`` + 1 training steps back to back; the end time of each (one
     monotonic clock for all ranks of this host), its peak resident growth, and how
     often an emulated op overran its padded time."""
+    import torch
     import torch.distributed as dist
 
     from odyssey_megatron.data import SyntheticTokens
     from odyssey_megatron.hooks.stage_optimizer import optimizer_config
+    from odyssey_megatron.runtime.rank.op_timers import OpTimers
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
     from odyssey_megatron.schedules.program import read_published
 
@@ -151,18 +176,71 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
         state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
         optimizer=optimizer_config(config.training, model.params_dtype),
         emulation=None if emulated is None else DeviceEmulation(profile=emulated, cluster=CLUSTER),
+        # The worker's: odyssey.online_profile's op timers, and a phase hook (where its fault injector acts).
+        op_timers=OpTimers(torch.device("cpu")) if live else None, on_phase=(lambda phase: None) if live else None,
     )
     data = SyntheticTokens(model.vocab_size, model.seq_length, batch)
     ends = []
+    if live:
+        step_loop = LiveSteps(runner, rank=rank, world_size=world_size, data=data, micro_batch_size=batch)
+    else:
+        step_loop = lambda step: runner.train_step(lambda m: data.micro_batch(step, m))  # noqa: E731
     dist.barrier()
     for step in range(steps + 1):
-        runner.train_step(lambda m, step=step: data.micro_batch(step, m))
+        step_loop(step)
         ends.append(time.monotonic())
     runner.settle()
+    if live:
+        step_loop.close()
     peak_kib = _status_kib("VmHWM")
     runner.groups.destroy()
     return {"worker": ranks.worker(rank), "ends": ends, "peak_bytes": (peak_kib - baseline_kib) * 1024,
             "overruns": getattr(runner.clock, "overruns", 0)}
+
+
+class LiveSteps:
+    """The worker's step loop (``runtime.rank.live_step``, as ``Worker._train_step`` runs
+    it): each step commits through a ``StepLedger`` on the TCPStore the parent hosts (as
+    the controller hosts it), its ``StepReport`` appended there, before the optimizer step
+    is applied; every wait goes through the ``CollectiveGuard``. Called with the step."""
+
+    def __init__(self, runner, *, rank: int, world_size: int, data, micro_batch_size: int):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from odyssey_megatron.hooks.collective_guard import CollectiveGuard
+        from odyssey_megatron.runtime.step_ledger import StepLedger
+
+        self.runner, self.rank, self.data, self.size = runner, rank, data, micro_batch_size
+        self.timeout = datetime.timedelta(seconds=300)
+        port = dist.distributed_c10d._get_default_store().underlying_store.port
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=self.timeout)
+        self.ledger = StepLedger(self.store.clone(), generation=0, training_ranks=world_size)
+        self.guard = CollectiveGuard(backend="gloo", timeout_s=self.timeout.total_seconds())
+        self.guard.install()
+        self.guard.reopen(0)
+        self.guard.track([dist.distributed_c10d._get_default_group(), *runner.groups.owned])
+        self._arange = torch.arange
+
+    def load(self, step: int, micro_batch: int):
+        first = (step * 1024 + micro_batch) * self.size
+        return {**self.data.micro_batch(step, micro_batch), "sample_ids": self._arange(first, first + self.size)}
+
+    def __call__(self, step: int) -> None:
+        from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
+
+        def commit(step: int, losses: dict, samples: dict) -> None:
+            if not commit_step(store=self.store, ledger=self.ledger, rank=self.rank, step=step, losses=losses,
+                               samples=samples, op_timers=self.runner.model.config.timers,
+                               timeout=self.timeout):
+                raise RuntimeError(f"step {step} did not commit")
+
+        train_step(self.runner, step=step, load=self.load, commit=commit)
+
+    def close(self) -> None:
+        self.guard.uninstall()
 
 
 def measure(case: Case, profile: ModelProfile, steps: int, *, emulate: bool) -> dict:
@@ -172,7 +250,7 @@ def measure(case: Case, profile: ModelProfile, steps: int, *, emulate: bool) -> 
     program = step_program(case.plan, profile, CLUSTER, pricing=pricing)
     published = json.dumps(publish(case.plan, program))
     per_rank = run_world(run_steps, case.world_size, published, OVERRIDES, profile if emulate else None, steps,
-                         timeout=900)
+                         case.live, timeout=900)
     ends = [max(r["ends"][i] for r in per_rank) for i in range(steps + 1)]
     measured = (ends[-1] - ends[0]) / steps
     predicted = estimate.step_time_s

@@ -61,7 +61,6 @@ from odyssey_megatron.runtime.protocol import (
     PlanPublished,
     StopOrder,
     RunSpec,
-    StepReport,
     WorkerLaunch,
     abort_key,
     arrived_key,
@@ -70,13 +69,13 @@ from odyssey_megatron.runtime.protocol import (
     plan_key,
     process_group_prefix,
     ready_key,
-    step_report_key,
     stopped_key,
 )
 from odyssey_megatron.runtime.rank import op_timers
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
+from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 from odyssey_megatron.runtime.step_ledger import COMMITTED, StepLedger
 
@@ -366,31 +365,14 @@ class Worker:
                                f"{committed} committed steps")
 
     def _train_step(self, step: int) -> None:
-        samples: dict[int, list[int]] = {}
-
-        def batch(micro_batch: int) -> dict[str, torch.Tensor]:
-            loaded = self.data.micro_batch(step, micro_batch)
-            samples[micro_batch] = loaded["sample_ids"].tolist()
-            return {key: loaded[key] for key in ("tokens", "labels", "position_ids")}
-
         self.phase = "forward"
-        losses = self.runner.forward_backward(batch)
-        self.runner.finish_step(losses, commit=lambda: self._commit(step, losses, samples))
+        train_step(self.runner, step=step, load=self.data.micro_batch, commit=self._commit)
 
     def _commit(self, step: int, losses: dict[int, float], samples: dict[int, list[int]]) -> None:
         """With this rank's gradients final: report the step, count in, and return once it
         committed (then the optimizer step is applied); GenerationEnded if it was frozen."""
-        order = sorted(losses)
-        times = self.op_timers.take() if self.op_timers is not None else dict.fromkeys(op_timers.TIMED, (0.0, 0))
-        report = StepReport(self.launch.rank, tuple(order), tuple(losses[m] for m in order),
-                            tuple(i for m in order for i in samples[m]), *times[op_timers.FORWARD],
-                            *times[op_timers.BACKWARD], *times[op_timers.WEIGHT_GRAD],
-                            times[op_timers.OPTIMIZER][0])
-        self.store.append(step_report_key(self.generation, step), report.to_json() + "\n")
-        committed = self.ledger.count_in(step)
-        if committed is None:
-            committed = self.ledger.wait_decided(step, timeout=self.collective_timeout)
-        if not committed:
+        if not commit_step(store=self.store, ledger=self.ledger, rank=self.launch.rank, step=step, losses=losses,
+                           samples=samples, op_timers=self.op_timers, timeout=self.collective_timeout):
             raise GenerationEnded(f"step {step} did not commit")
         self.spare = None  # a step of this generation committed: it is settled
 

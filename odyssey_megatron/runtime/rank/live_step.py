@@ -1,0 +1,66 @@
+"""One training step as a live worker takes it, commit included: shared by the worker
+(``runtime.rank.worker``) and the benchmark that times it (``benchmarks/executor_overhead.py``),
+so what is timed is what trains.
+
+``train_step`` runs the runner's forward and backward over the loaded micro-batches
+(recording which samples each held), then ``finish_step`` with ``commit``: once this
+rank's gradients are final (synced and clipped) and before its optimizer step is applied.
+``commit_step`` is that commit (``runtime.step_ledger``): the rank's ``StepReport`` (its
+losses, samples and op times since the last step, from the op timers) is appended to the
+store, the rank counts into the step, and, unless its count committed the step, waits for
+the decision key.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from odyssey_megatron.runtime.protocol import StepReport, step_report_key
+from odyssey_megatron.runtime.rank import op_timers as timed
+from odyssey_megatron.runtime.rank.op_timers import OpTimers
+from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
+from odyssey_megatron.runtime.step_ledger import StepLedger
+
+__all__ = ["commit_step", "train_step"]
+
+_BATCH_KEYS = ("tokens", "labels", "position_ids")
+
+Commit = Callable[[int, dict[int, float], dict[int, list[int]]], None]
+"""``commit(step, losses, samples)``: raises if the step did not commit."""
+
+
+def train_step(runner: PlanRunner, *, step: int, load: Callable[[int, int], dict[str, torch.Tensor]],
+               commit: Commit) -> None:
+    """Step ``step``: ``load(step, micro_batch)`` gives a micro-batch with its ``sample_ids``;
+    ``commit`` is called with the step's losses and samples once the gradients are final,
+    and the optimizer step is applied after it returns."""
+    samples: dict[int, list[int]] = {}
+
+    def batch(micro_batch: int) -> dict[str, torch.Tensor]:
+        loaded = load(step, micro_batch)
+        samples[micro_batch] = loaded["sample_ids"].tolist()
+        return {key: loaded[key] for key in _BATCH_KEYS}
+
+    losses = runner.forward_backward(batch)
+    runner.finish_step(losses, commit=lambda: commit(step, losses, samples))
+
+
+def commit_step(*, store: dist.Store, ledger: StepLedger, rank: int, step: int, losses: dict[int, float],
+                samples: dict[int, list[int]], op_timers: OpTimers | None, timeout: datetime.timedelta) -> bool:
+    """Report ``step`` for launch rank ``rank`` into ``store`` (the controller's), count in
+    through ``ledger`` (on a store connection that waits at most ``timeout``) and return
+    whether the step committed, once it is decided."""
+    order = sorted(losses)
+    times = op_timers.take() if op_timers is not None else dict.fromkeys(timed.TIMED, (0.0, 0))
+    report = StepReport(rank, tuple(order), tuple(losses[m] for m in order),
+                        tuple(i for m in order for i in samples[m]), *times[timed.FORWARD],
+                        *times[timed.BACKWARD], *times[timed.WEIGHT_GRAD], times[timed.OPTIMIZER][0])
+    store.append(step_report_key(ledger.generation, step), report.to_json() + "\n")
+    committed = ledger.count_in(step)
+    if committed is None:
+        committed = ledger.wait_decided(step, timeout=timeout)
+    return committed
