@@ -146,7 +146,8 @@ def recovery_line(record: dict) -> str:
     decided = record["decided_at"] - record["detected_at"]
     ready_at = record["ready_at"] or record["decided_at"]
     entered, first = ready_at - record["decided_at"], record["first_step_at"] - ready_at
-    restarts = f", restarted {record['restarts']}x by later failures" if record["restarts"] else ""
+    n = record["restarts"]
+    restarts = f", decided again {n} time{'s' if n > 1 else ''} for failures during it" if n else ""
     return (f"recovery: {_ranks(record['failed_ranks'])} ({record['cause']}) -> {record['policy']} to "
             f"{chosen['layout']} ({record['decision_source']} decision, best of {len(record['alternatives']) + 1} "
             f"plans{restarts}), {record['transfers']} transfers {moved:.2f} MiB, from step {record['start_step']}; "
