@@ -69,6 +69,7 @@ KEYS = {
     "logger.wandb_exp_name": "logger.wandb_exp_name",
     "logger.wandb_entity": "logger.wandb_entity",
     "logger.wandb_save_dir": "logger.wandb_save_dir",
+    "logger.log_interval": "logger.log_interval",
 }
 """Bridge key -> odyssey key. Two Bridge keys for one setting must agree; a ``null`` where
 Bridge's field is optional leaves the odyssey default (e.g. ``dataset.path_to_cache``)."""

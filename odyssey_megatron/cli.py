@@ -389,10 +389,10 @@ def _describe_profile(measured, out: Path) -> str:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    import logging
     import time
 
     from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+    from odyssey_megatron.runtime.control.console import log_to_terminal
     from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 
     resume = None
@@ -425,7 +425,7 @@ def _train_command(args: argparse.Namespace) -> int:
     from odyssey_megatron.runtime.train import check_launch, train_node
 
     check_launch(config, launch)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log_to_terminal()  # progress, failures, recoveries and warnings; the rest to RUN_DIR/logs/node-<n>.log
     outcome = train_node(config, launch, run_dir=run_dir, resume=resume)
     print(outcome.message, file=sys.stderr if outcome.status else sys.stdout)
     if launch.node_rank != 0:

@@ -383,8 +383,13 @@ class LoggerConfig:
     """The W&B team or user the run belongs to."""
     wandb_save_dir: Optional[str] = None
     """Where the W&B run directory goes; default: inside the run directory."""
+    log_interval: int = 100
+    """``odyssey train`` prints a progress line every this many committed steps (step,
+    loss, samples/s, tokens/s, ranks training, time left). Megatron's and Bridge's default:
+    a recipe written their way logs as they do; a short run (the tiny recipe) sets 1."""
 
     def __post_init__(self) -> None:
+        require_positive("logger", self, "log_interval")
         if self.wandb_project is not None:
             require_wandb_project("logger.wandb_project", self.wandb_project)
         for name in ("wandb_exp_name", "wandb_entity", "wandb_save_dir"):

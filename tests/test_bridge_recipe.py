@@ -98,7 +98,7 @@ def test_the_ignored_sections_are_named_in_one_line(tmp_path):
     assert len(notes) == 1
     assert IGNORED_SECTIONS in notes[0]
     # Named where they differ from Bridge's defaults; train.eval_interval is at its default.
-    assert "keys optimizer.min_lr, dataset.num_workers, logger.log_interval, ddp.grad_reduce_in_fp32" in notes[0]
+    assert "keys optimizer.min_lr, dataset.num_workers, ddp.grad_reduce_in_fp32" in notes[0]
     assert notes[0].endswith("; 1 more field at its default")
     (note,) = _notes(bridge_recipe(tmp_path), ["ddp.grad_reduce_in_fp32=false", "profiling.use_nsys_profiler=false",
                                                "checkpoint.save=x"])
@@ -127,6 +127,7 @@ BAD_VALUES = {
     "dataset.seq_length": "0", "dataset.sequence_length": "0", "dataset.data_path": "no/such/corpus",
     "dataset.path_to_cache": "[1]", "tokenizer.tokenizer_model": "no/such/tokenizer", "logger.wandb_project": "a/b",
     "logger.wandb_exp_name": "' '", "logger.wandb_entity": "[1]", "logger.wandb_save_dir": "' '",
+    "logger.log_interval": "0",
     "model.spec": "gpt5",
 }
 

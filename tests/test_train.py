@@ -39,10 +39,11 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
-def train(run_dir: Path, data_cache: Path, *args: str, node_rank: int | None = None) -> subprocess.Popen:
-    """Start ``odyssey train`` on the tiny recipe for ``STEPS`` steps."""
+def train(run_dir: Path, data_cache: Path, *args: str, node_rank: int | None = None,
+          steps: int = STEPS) -> subprocess.Popen:
+    """Start ``odyssey train`` on the tiny recipe for ``steps`` steps."""
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config", str(RECIPE), "--run-dir",
-               str(run_dir), f"training.train_iters={STEPS}", f"data.cache_dir={data_cache}", *args]
+               str(run_dir), f"training.train_iters={steps}", f"data.cache_dir={data_cache}", *args]
     if node_rank is not None:
         command += ["--node-rank", str(node_rank)]
     # A session of its own: a test can freeze or signal the node's whole process group.
@@ -127,6 +128,36 @@ def test_failure_free_run_commits_every_step_on_every_sample_once(reference):
     measured = [steps[s].get("train/step_time_s") for s in range(STEPS)]
     assert measured[0] is None and all(t > 0 for t in measured[1:])  # step 0 waits for every rank to start
     assert all(steps[s]["train/tokens_per_s"] == pytest.approx(16 * 64 / measured[s]) for s in range(1, STEPS))
+
+
+def test_the_console_shows_progress_one_line_per_failure_and_recovery_and_no_rank_detail(tmp_path, data_cache):
+    """The main job's terminal reads like Megatron's: a progress line per committed step
+    (``logger.log_interval: 1`` in the tiny recipe), the failure and its recovery in a line
+    each, the summary; each rank's detail (gloo's lost connection, the injected kill) in
+    ``logs/rank-<r>.log``, the launcher's and controller's chatter in ``logs/node-0.log``."""
+    run_dir = tmp_path / "run"
+    status, out, err = finish(train(run_dir, data_cache, faults("{rank: 5, step: 1, phase: backward, action: kill}"),
+                                    steps=3))
+    assert status == 0, err[-4000:]
+    lines = [line.split("] ", 1)[1] for line in err.splitlines()]  # every line is stamped "[date time] "
+    progress = [line for line in lines if line.startswith("iteration ")]
+    assert [line.split("|")[0].split()[1] for line in progress] == ["1/", "2/", "3/"]
+    assert all("lm loss: " in line and "ranks training: " in line for line in progress)
+    assert all("samples/s: " in line and "tokens/s: " in line and "time left: " in line for line in progress[1:])
+    recovery = [line for line in lines if line not in progress]
+    assert len(recovery) == 2, err
+    assert recovery[0].startswith("failure: rank 5 exited (killed by SIGKILL); detected from its exit")
+    assert recovery[1].startswith("recovery: rank 5 (exit) -> ") and "training again " in recovery[1]
+    for noise in ("GLHF", "Traceback", "UserWarning", "gloo", "wandb:", "INFO"):
+        assert noise not in out + err, noise
+    assert "recoveries: 1 (" in out and "W&B run: " in out  # the summary
+    logs = run_dir / "logs"
+    assert sorted(p.name for p in logs.glob("rank-*.log")) == [f"rank-{r}.log" for r in range(8)]
+    assert "injecting odyssey.faults[0]: kill rank 5" in (logs / "rank-5.log").read_text()
+    survivors = "".join((logs / f"rank-{r}.log").read_text() for r in range(8) if r != 5)
+    assert "generation 0 ended in " in survivors and "gloo" in survivors
+    node = (logs / "node-0.log").read_text()
+    assert "node 0: started rank 7 " in node and "node 0: rank 5 (pid " in node and "failure: rank 5 " in node
 
 
 def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_path, data_cache, reference):
@@ -362,7 +393,8 @@ def test_a_slurm_launch_of_two_nodes_trains_from_slurms_variables(tmp_path, data
     assert status == 0, err[-4000:]
     assert status1 == 0, err1[-4000:]
     assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == list(range(steps))
-    assert "node 1: started rank 4 " in err1 and "node 1: started rank 7 " in err1  # SLURM_NODEID=1: ranks 4..7
+    node_log = (run_dir / "logs" / "node-1.log").read_text()  # its terminal shows warnings only
+    assert "node 1: started rank 4 " in node_log and "node 1: started rank 7 " in node_log  # SLURM_NODEID=1: 4..7
 
 
 def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeats_nothing(tmp_path, data_cache,

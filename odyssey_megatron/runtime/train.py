@@ -24,6 +24,7 @@ from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_jsonl, write_text
 from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+from odyssey_megatron.runtime.control.console import log_node_to
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
@@ -72,6 +73,7 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
 
     timeouts = config.odyssey.timeouts
     if launch.node_rank != 0:
+        _log_to_run_dir_of(launch, timeouts)
         launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker)
         signals = StopSignals(lambda name, status: launcher.request_stop(name))
         signals.install()
@@ -82,13 +84,14 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         finally:
             signals.restore()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
+    private_directory(run_dir)
+    log_node_to(run_dir, 0)
     if config.odyssey.staggered_optimizer:
         # A staggered rank steps before the global norm, so before its step commits: the
         # live run commits every step first, and its decisions price exactly that step.
         log.info("odyssey train: the optimizer steps after each step commits (odyssey.staggered_optimizer "
                  "is for odyssey plan and simulate)")
         config = replace(config, odyssey=replace(config.odyssey, staggered_optimizer=False))
-    private_directory(run_dir)
     start_step = 0
     if resume is not None:
         start_step = resume[0]
@@ -213,8 +216,30 @@ def _wait_other_nodes(controller: Controller, timeouts: Timeouts) -> None:
         time.sleep(timeouts.poll_interval)
 
 
+def _log_to_run_dir_of(launch: LaunchConfig, timeouts: Timeouts) -> None:
+    """A node other than 0 logs to ``logs/node-<n>.log`` in the run directory node 0's
+    ``RunSpec`` names (its own ``--run-dir`` may differ, and writing there before node 0
+    has made it would make node 0 refuse it); without the controller, to the terminal only
+    (the launcher then says it lost the controller)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(launch.master_addr, launch.master_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeouts.recovery_timeout))
+        log_node_to(Path(RunSpec.from_json(store.get(RUN_SPEC)).run_dir), launch.node_rank)
+    except dist.DistError as exc:
+        log.warning("node %d: no run spec from the controller (%s); logging to the terminal only",
+                    launch.node_rank, str(exc).splitlines()[0])
+
+
 def _prepare_data(config: RecipeConfig):
+    import datasets
+
     from odyssey_megatron.data import prepare_data
+
+    datasets.disable_progress_bars()  # the terminal shows training progress; preparing data is logged
 
     model, train, data = config.model, config.training, config.data
     try:

@@ -25,6 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.protocol import (
@@ -53,6 +54,7 @@ from odyssey_megatron.timeouts import Timeouts
 __all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
+console = logging.getLogger(CONSOLE)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -235,8 +237,7 @@ class Controller:
     def _report(self, store: dist.Store, failure: Failure) -> None:
         """Record a failure, order the kill of failed ranks that may still run, and queue it."""
         self.record.event("failure", **failure.to_record())
-        log.warning("controller: ranks %s failed (%s): %s; detected %.3f s after", list(failure.ranks),
-                    failure.cause.value, failure.detail, failure.detected_at - failure.failed_at)
+        console.warning(failure_line(failure))
         if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
             for rank in failure.ranks:

@@ -151,14 +151,15 @@ class NodeLauncher:
         process.join()
         exited_at = time.time()
         store.queue_push(INBOX, RankExit(rank, self.config.node_rank, process.exitcode, exited_at).to_json())
-        log.log(logging.INFO if process.exitcode == 0 else logging.WARNING, "node %d: rank %d (pid %d) exited: %s",
-                self.config.node_rank, rank, process.pid, describe_exit(process.exitcode))
+        # INFO: a failed rank's exit reaches the terminal as the controller's failure line.
+        log.info("node %d: rank %d (pid %d) exited: %s", self.config.node_rank, rank, process.pid,
+                 describe_exit(process.exitcode))
 
     def _kill(self, rank: int) -> None:
         process = self._workers.get(rank)
         if process is not None:
-            log.warning("node %d: killing rank %d (pid %d) on the controller's order", self.config.node_rank, rank,
-                        process.pid)
+            log.info("node %d: killing rank %d (pid %d) on the controller's order", self.config.node_rank, rank,
+                     process.pid)
             process.kill()
 
     def _let_workers_exit(self, *, within: float) -> None:

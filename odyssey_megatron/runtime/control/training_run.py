@@ -43,6 +43,7 @@ from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.training_state import stage_blocks, worker_blocks
 from odyssey_megatron.run_dir import append_jsonl
 from odyssey_megatron.runtime.checkpoint import checkpoint_directory, mark_latest, parts_complete
+from odyssey_megatron.runtime.control.console import CONSOLE, Progress, recovery_line
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
@@ -66,6 +67,7 @@ from odyssey_megatron.settings import Pricing
 __all__ = ["RunFailed", "TrainingRun"]
 
 log = logging.getLogger(__name__)
+console = logging.getLogger(CONSOLE)
 
 SAMPLES = "samples.jsonl"
 
@@ -129,6 +131,11 @@ class TrainingRun:
         """The online profile's factors when the decision center last took it."""
         self._start_steps: dict[int, int] = {}
         """Generation -> the step it started at."""
+        train = config.training
+        self._progress = Progress(train_iters=train.train_iters, log_interval=config.logger.log_interval,
+                                  global_batch_size=train.global_batch_size, seq_length=config.model.seq_length,
+                                  lr=train.lr)
+        """The terminal's progress line every ``logger.log_interval`` committed steps."""
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -239,6 +246,8 @@ class TrainingRun:
             self.settled = self.plan
         if self._recovery is not None and self._recovery.generation == generation:
             self._finish_recovery_record(first_step_at=time.time())
+        if (line := self._progress.committed(step=step, loss=loss, ranks=len(self._training_ranks(self.plan)))):
+            console.info(line)
 
     # -- recovery -----------------------------------------------------------------------
 
@@ -312,8 +321,8 @@ class TrainingRun:
             self._stop_if_asked()
             failure = self.controller.next_failure(timeout=self.timeouts.poll_interval)
             if failure is not None:
-                log.warning("run: ranks %s failed while generation %d was being entered", list(failure.ranks),
-                            self.plan.generation)
+                log.info("run: ranks %s failed while generation %d was being entered", list(failure.ranks),
+                         self.plan.generation)
                 return [failure]
             if time.monotonic() > deadline:
                 raise RunFailed(f"generation {self.plan.generation} was not entered within the recovery timeout "
@@ -324,12 +333,14 @@ class TrainingRun:
     def _finish_recovery_record(self, *, first_step_at: float) -> None:
         r = self._recovery
         failed_at, detected_at = min(f.failed_at for f in r.failures), min(f.detected_at for f in r.failures)
-        self.controller.record.event(
-            "recovery", generation=r.generation, failed_ranks=sorted({rank for f in r.failures for rank in f.ranks}),
+        record = dict(
+            generation=r.generation, failed_ranks=sorted({rank for f in r.failures for rank in f.ranks}),
             cause=",".join(sorted({f.cause.value for f in r.failures})), failed_at=failed_at, detected_at=detected_at,
             decided_at=r.decided_at, ready_at=r.ready_at, first_step_at=first_step_at,
             detection_s=detected_at - failed_at, to_plan_s=r.decided_at - failed_at,
             to_first_step_s=first_step_at - failed_at, restarts=r.restarts, **r.record)
+        self.controller.record.event("recovery", **record)
+        console.info(recovery_line(record))
         self._recovery = None
 
     # -- stopping on purpose --------------------------------------------------------------

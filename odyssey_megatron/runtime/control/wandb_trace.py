@@ -104,7 +104,8 @@ class WandbTrace:
         run = wandb.init(project=logger.wandb_project or "odyssey-megatron", entity=logger.wandb_entity,
                          name=logger.wandb_exp_name or self.run_dir.name, dir=str(save_dir), id=run_id,
                          resume="allow", mode="online" if logger.wandb_project else "offline", job_type="train",
-                         config=OmegaConf.to_container(OmegaConf.structured(self.config), resolve=True))
+                         config=OmegaConf.to_container(OmegaConf.structured(self.config), resolve=True),
+                         settings=wandb.Settings(silent=True))  # the run's directory is printed at the end
         id_file.write_text(run_id + "\n")
         run.define_metric("step")
         run.define_metric("train/*", step_metric="step")

@@ -36,6 +36,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -116,6 +117,19 @@ def train_worker(launch: WorkerLaunch) -> None:
         os._exit(1)
 
 
+def _write_output_to(path: Path) -> None:
+    """Everything this process writes from now on (its log, a traceback, gloo's and
+    Megatron's messages from C++) goes to ``path``, appended: a rank's detail stays off the
+    terminal, where the controller says in one line what failed."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, sys.stdout.fileno())
+    os.dup2(fd, sys.stderr.fileno())
+    os.close(fd)
+
+
 class Worker:
     def __init__(self, launch: WorkerLaunch, link: ControllerLink):
         self.launch, self.link, self.store = launch, link, link.store
@@ -123,6 +137,7 @@ class Worker:
         self.spec = spec
         self.config: RecipeConfig = recipe_from_yaml(spec.config_yaml)
         self.run_dir = Path(spec.run_dir)
+        _write_output_to(self.run_dir / "logs" / f"rank-{launch.rank}.log")
         train, par = self.config.training, self.config.parallel
         self.tp = par.tensor_model_parallel_size
         self.worker_id, self.tp_rank = launch.rank // self.tp, launch.rank % self.tp
