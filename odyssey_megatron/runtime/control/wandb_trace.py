@@ -101,11 +101,23 @@ class WandbTrace:
         save_dir.mkdir(parents=True, exist_ok=True)
         id_file = self.run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
-        run = wandb.init(project=logger.wandb_project or "odyssey-megatron", entity=logger.wandb_entity,
-                         name=logger.wandb_exp_name or self.run_dir.name, dir=str(save_dir), id=run_id,
-                         resume="allow", mode="online" if logger.wandb_project else "offline", job_type="train",
-                         config=OmegaConf.to_container(OmegaConf.structured(self.config), resolve=True),
-                         settings=wandb.Settings(silent=True))  # the run's directory is printed at the end
+        def start(run_id: str):
+            return wandb.init(project=logger.wandb_project or "odyssey-megatron", entity=logger.wandb_entity,
+                              name=logger.wandb_exp_name or self.run_dir.name, dir=str(save_dir), id=run_id,
+                              resume="allow", mode="online" if logger.wandb_project else "offline", job_type="train",
+                              config=OmegaConf.to_container(OmegaConf.structured(self.config), resolve=True),
+                              settings=wandb.Settings(silent=True))  # the run's directory is printed at the end
+
+        try:
+            run = start(run_id)
+        except Exception as exc:  # noqa: BLE001 - W&B's own error types vary by version
+            if "in use" not in str(exc):
+                raise
+            # The process that logged it died without closing it (a killed controller):
+            # its W&B service may still hold the id. The trace goes on in a new run.
+            log.warning("W&B run %s is still held by a process that died; continuing in a new W&B run", run_id)
+            run_id = uuid.uuid4().hex[:16]
+            run = start(run_id)
         id_file.write_text(run_id + "\n")
         run.define_metric("step")
         run.define_metric("train/*", step_metric="step")
