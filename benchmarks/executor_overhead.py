@@ -49,8 +49,9 @@
    overhead +17.6 % (pairs from -2.9 to +74.2 %, quartiles +4.0 / +36.0 %; 68 paced ops
    overran; paced forward/backward 1.67 / 5.87 s); the commit 1.5 ms a step (0.005 %);
    the guard's wait no slower than a direct one (863 against 906 us, 6 waits a step). The
-   gap is neither; it was not broken down further (the real-time DP sync and optimizer
-   differ between the sides, and pairs run minutes apart in separate worlds).
+   gap is neither: timed apart afterwards (2 steps a side), the plugin's layer-wise DP
+   sync took 2.8-11.1 s a step in real time against 0.7-3.5 s for Megatron's
+   ``finalize_model_grads``, most of it; the rest is noise (pairs run minutes apart).
 
 Prints medians and the ratios. Run: .venv/bin/python benchmarks/executor_overhead.py [--only-overhead] [--rounds 4 --steps-per-round 3]
 Absolute times on a shared 2-core machine are noise; read the ratios.
