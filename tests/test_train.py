@@ -60,6 +60,16 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
+def train_two_nodes(run_dir: Path, data_cache: Path, *args: str) -> tuple[int, str, str]:
+    """``odyssey train`` as two node processes on this machine, to the end: node 0's
+    (status, stdout, stderr)."""
+    node0 = train(run_dir, data_cache, *args, node_rank=0)
+    node1 = train(run_dir, data_cache, *args, node_rank=1)
+    outcome = finish(node0)
+    finish(node1)
+    return outcome
+
+
 def faults(*specs: str) -> str:
     return f"odyssey.faults=[{', '.join(specs)}]"
 
@@ -303,10 +313,7 @@ def test_a_lost_node_is_planned_as_one_failure(tmp_path, data_cache, reference):
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
               "cluster.devices_per_node=4", "odyssey.prepared_decisions_mib=0", "odyssey.online_profile=false",
               "--nnodes", "2", "--master-port", str(port), faults("{node: 1, step: 2, phase: backward, action: kill}")]
-    node0 = train(run_dir, data_cache, *common, node_rank=0)
-    node1 = train(run_dir, data_cache, *common, node_rank=1)
-    status, out, err = finish(node0)
-    finish(node1)
+    status, out, err = train_two_nodes(run_dir, data_cache, *common)
     assert status == 0, err[-4000:]
     done = recoveries(run_dir)
     assert [(r["failed_ranks"], r["cause"], r["decision_source"]) for r in done] == [
@@ -364,10 +371,7 @@ def test_a_node_lost_before_the_first_commit_needs_no_trained_state(tmp_path, da
     common = ["parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=4",
               "cluster.devices_per_node=4", "odyssey.online_profile=false",
               "--nnodes", "2", "--master-port", str(port), faults("{node: 1, step: 0, phase: backward, action: kill}")]
-    node0 = train(run_dir, data_cache, *common, node_rank=0)
-    node1 = train(run_dir, data_cache, *common, node_rank=1)
-    status, out, err = finish(node0)
-    finish(node1)
+    status, out, err = train_two_nodes(run_dir, data_cache, *common)
     assert status == 0, err[-4000:]
     (recovery,) = recoveries(run_dir)
     assert recovery["failed_ranks"] == [4, 5, 6, 7] and recovery["start_step"] == 0
@@ -440,10 +444,7 @@ def test_the_run_goes_on_when_every_worker_of_node_0_dies(tmp_path, data_cache, 
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
               "cluster.devices_per_node=4", "odyssey.online_profile=false", "--nnodes", "2", "--master-port", str(port),
               faults("{rank: 0, with_ranks: [1, 2, 3], step: 2, phase: forward, action: kill}")]
-    node0 = train(run_dir, data_cache, *common, node_rank=0)
-    node1 = train(run_dir, data_cache, *common, node_rank=1)
-    status, _, err = finish(node0)
-    finish(node1)
+    status, _, err = train_two_nodes(run_dir, data_cache, *common)
     assert status == 0, err[-4000:]
     assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[0, 1, 2, 3]]
     assert_same_training(run_dir, reference)
