@@ -58,6 +58,7 @@ __all__ = [
     "step_report_key",
     "stopped_key",
     "kill_orders_key",
+    "missed_beat",
     "node_heartbeat_key",
     "parse_inbox",
     "plan_key",
@@ -381,6 +382,16 @@ class PlanPublished:
 
 
 # -- liveness ------------------------------------------------------------------------
+
+
+def missed_beat(exc: BaseException) -> bool:
+    """Whether a store error is a read that timed out (a beat missed: on a busy node the
+    store may answer late; staleness decides) rather than a closed connection (the
+    controller is gone)."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistStoreError) and not isinstance(exc, dist.DistNetworkError) and \
+        "timeout" in str(exc).lower()
 
 
 @dataclass

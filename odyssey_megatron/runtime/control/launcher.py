@@ -48,6 +48,7 @@ from odyssey_megatron.runtime.protocol import (
     StopRequested,
     WorkerLaunch,
     kill_orders_key,
+    missed_beat,
     node_heartbeat_key,
 )
 from odyssey_megatron.timeouts import Timeouts
@@ -136,7 +137,13 @@ class NodeLauncher:
             if now < next_poll:
                 continue
             next_poll = max(next_poll + self.timeouts.poll_interval, now)
-            controller.see(Heartbeat.from_json(store.get(CONTROLLER_HEARTBEAT)), now)
+            try:
+                controller.see(Heartbeat.from_json(store.get(CONTROLLER_HEARTBEAT)), now)
+            except dist.DistError as exc:
+                if not missed_beat(exc):
+                    raise
+                store = store.clone()  # a late answer must not be read as the next request's
+                store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             if controller.stale(now):
                 raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.heartbeat_timeout} s")
             if self._stop_signal is not None:

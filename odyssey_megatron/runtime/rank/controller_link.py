@@ -44,6 +44,7 @@ from odyssey_megatron.runtime.protocol import (
     RankRegistration,
     WorkerLaunch,
     abort_key,
+    missed_beat,
     plan_key,
     rank_heartbeat_key,
 )
@@ -108,10 +109,15 @@ class ControllerLink:
         self.on_controller_lost = None
         self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
                                    timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
-        self._beats = self.store.clone()
-        self._beats.set_timeout(datetime.timedelta(seconds=launch.timeouts.heartbeat_timeout))
+        self._beats = self._fresh_beats()
         self._seq = 0
         self._thread = threading.Thread(target=self._beat_loop, name="odyssey-heartbeat", daemon=True)
+
+    def _fresh_beats(self) -> dist.Store:
+        """A connection of the heartbeat thread's own, waiting at most a heartbeat timeout."""
+        beats = self.store.clone()
+        beats.set_timeout(datetime.timedelta(seconds=self.launch.timeouts.heartbeat_timeout))
+        return beats
 
     def start(self) -> None:
         """Tie to the launcher, register (after a first heartbeat, so the controller finds
@@ -162,7 +168,12 @@ class ControllerLink:
                     if self.on_abort is not None:
                         self.on_abort(generation)
             except (dist.DistError, ProtocolError) as exc:
-                self._controller_lost(f"store unreachable: {str(exc).splitlines()[0]}")
+                if not missed_beat(exc):
+                    self._controller_lost(f"store unreachable: {str(exc).splitlines()[0]}")
+                try:
+                    self._beats = self._fresh_beats()  # a late answer must not be read as the next one's
+                except dist.DistError as lost:
+                    self._controller_lost(f"store unreachable: {str(lost).splitlines()[0]}")
             if controller.stale(time.monotonic()):
                 self._controller_lost(f"no controller heartbeat for over {timeouts.heartbeat_timeout} s")
             if not _alive(self.launch.launcher_pid):
