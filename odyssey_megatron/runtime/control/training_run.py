@@ -367,12 +367,13 @@ class TrainingRun:
             if all(r not in live or self.store.check([stopped_key(r)]) for r in writing):
                 break
             time.sleep(self.timeouts.poll_interval)
-        missing = parts_complete(checkpoint_directory(self.run_dir, self.committed), list(writers), tp_size=tp)
-        if writers and not missing and len(writers) == len(self._all_blocks()):
+        # A block no live worker holds is missing; so is one whose writer's part never came.
+        missing = [str(b) for b in self._all_blocks() if b not in writers] or parts_complete(
+            checkpoint_directory(self.run_dir, self.committed), list(writers), tp_size=tp)
+        if not missing:
             mark_latest(self.run_dir, self.committed)
             raise RunStopped(reason, status=status, step=self.committed, saved=True)
-        log.error("run: the stop's checkpoint lacks blocks %s", missing or sorted(
-            set(map(str, self._all_blocks())) - set(map(str, writers))))
+        log.error("run: the stop's checkpoint lacks blocks %s", missing)
         raise RunStopped(reason, status=status, step=self.committed, saved=False)
 
     def _all_blocks(self) -> list:
