@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import config_yaml, load_config, load_recipe
+from odyssey_megatron.config import DType, RecipeConfig, config_yaml, load_config, load_recipe
 from odyssey_megatron.profile_file import optimizer_bytes_per_rank
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 from odyssey_megatron.plotting import pyplot
-from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES
+from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES, LaunchConfig
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 EXIT_USAGE = 2
@@ -391,26 +391,23 @@ def _describe_profile(measured, out: Path) -> str:
 def _train_command(args: argparse.Namespace) -> int:
     import time
 
-    from odyssey_megatron.runtime.checkpoint import latest_checkpoint
     from odyssey_megatron.runtime.control.console import log_to_terminal
-    from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+    from odyssey_megatron.runtime.control.fork_server import start_fork_server
 
-    resume = None
+    no_checkpoint = ConfigError("--resume", f"{args.resume} holds no complete checkpoint of an odyssey train run "
+                                            "(odyssey.checkpoint_interval was 0, or the run ended before one was due)")
     if args.resume is not None:
         if args.config is not None or args.run_dir is not None:
             raise ConfigError("--resume", "continues RUN_DIR with its own config.yaml; give neither --config nor "
                                           "--run-dir with it")
-        resume = latest_checkpoint(Path(args.resume)) if (Path(args.resume) / "config.yaml").is_file() else None
-        if resume is None:
-            raise ConfigError("--resume", f"{args.resume} holds no complete checkpoint of an odyssey train run "
-                                          "(odyssey.checkpoint_interval was 0, or the run ended before one was due)")
+        if not (Path(args.resume) / "config.yaml").is_file():
+            raise no_checkpoint
         # Faults injected into the first run are not injected again.
         config = load_config(Path(args.resume) / "config.yaml", ["odyssey.faults=[]", *args.overrides])
     elif args.config is None:
         raise ConfigError("--config", "is required (or --resume RUN_DIR)")
     else:
         config = _load_recipe(args.config, args.overrides)[0]
-    pyplot()  # the report drawn at the end
     flags = {field: getattr(args, field) for field in LAUNCH_FLAGS if field != "nproc_per_node"}
     flags["nproc_per_node"] = str(config.cluster.devices_per_node)
     launch = LaunchConfig.resolve(flags, os.environ)
@@ -420,11 +417,17 @@ def _train_command(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir)
     else:
         run_dir = Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if resume is None and run_dir.exists() and any(run_dir.iterdir()) and launch.node_rank == 0:
+    if args.resume is None and run_dir.exists() and any(run_dir.iterdir()) and launch.node_rank == 0:
         raise ConfigError("--run-dir", f"{run_dir} already holds files; give a new directory")
-    from odyssey_megatron.runtime.train import check_launch, train_node
+    _check_launch(config, launch)
+    start_fork_server()  # its import of the workers' module overlaps with this process's own below
+    from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+    from odyssey_megatron.runtime.train import train_node
 
-    check_launch(config, launch)
+    resume = None
+    if args.resume is not None and (resume := latest_checkpoint(Path(args.resume))) is None:
+        raise no_checkpoint
+    pyplot()  # the report drawn at the end
     log_to_terminal()  # progress, failures, recoveries and warnings; the rest to RUN_DIR/logs/node-<n>.log
     outcome = train_node(config, launch, run_dir=run_dir, resume=resume)
     print(outcome.message, file=sys.stderr if outcome.status else sys.stdout)
@@ -437,6 +440,18 @@ def _train_command(args: argparse.Namespace) -> int:
         return outcome.status or EXIT_WANDB
     print(f"W&B run: {outcome.wandb_dir}")
     return outcome.status
+
+
+def _check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
+    """The nodes must hold exactly the recipe's ranks, in a precision the workers train."""
+    if config.model.params_dtype == DType.fp16:
+        raise ConfigError("model.params_dtype", "odyssey train runs fp32 or bf16 (fp16 needs loss scaling, "
+                                                "which its executors do not apply)")
+    ranks = config.parallel.num_ranks
+    if launch.world_size != ranks:
+        raise ConfigError("--nnodes", f"{launch.nnodes} node(s) of cluster.devices_per_node="
+                                      f"{launch.nproc_per_node} give {launch.world_size} ranks; the recipe has "
+                                      f"{ranks} (TP * PP * DP)")
 
 
 def _report_command(args: argparse.Namespace) -> int:

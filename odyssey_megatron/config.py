@@ -525,8 +525,9 @@ class OdysseyConfig:
     this order: heartbeat_interval < heartbeat_timeout < collective_timeout < recovery_timeout."""
     heartbeat_timeout: float = 1.0
     """Seconds without a new heartbeat after which a worker counts as hung (its launcher
-    kills it), a launcher's node as lost, and the controller as gone (workers and launchers
-    then exit, leaving no orphans) (nvidia-resiliency-ext's name)."""
+    kills it) and a launcher's node as lost (nvidia-resiliency-ext's name). The controller
+    counts as gone once its connection closes, or after collective_timeout without a beat
+    (workers and launchers then save what they hold and exit, leaving no orphans)."""
     initial_heartbeat_timeout: float = 60.0
     """The heartbeat timeout of a worker that has not yet entered its first plan generation
     (starting up: imports, data, building its stage on a busy node), at least

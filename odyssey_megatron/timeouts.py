@@ -48,3 +48,13 @@ class Timeouts:
         """How often a receiver looks at heartbeats and queues: twice per beat, so a change
         is seen within half a period."""
         return self.heartbeat_interval / 2
+
+    @property
+    def controller_silence(self) -> float:
+        """How long workers and launchers wait for a silent controller before they count it
+        as gone: the collective timeout, not the heartbeat timeout. The controller beats
+        from a thread of a busy process (the decision center plans in Python beside it),
+        so on a loaded node its beats come late by more than a worker's may; counting it
+        gone ends the whole run, while a controller whose process died is known at once
+        from its closed connection."""
+        return self.collective_timeout

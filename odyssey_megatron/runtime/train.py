@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from odyssey_megatron.config import DType, RecipeConfig, config_yaml
+from odyssey_megatron.config import RecipeConfig, config_yaml
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
@@ -51,18 +51,6 @@ class TrainOutcome:
     """Node 0: why W&B logging stopped, if it did (the run's records are complete anyway)."""
     resume: Optional[str] = None
     """The command that continues the run, where a checkpoint holds its committed steps."""
-
-
-def check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
-    """The nodes must hold exactly the recipe's ranks, in a precision the workers train."""
-    if config.model.params_dtype == DType.fp16:
-        raise ConfigError("model.params_dtype", "odyssey train runs fp32 or bf16 (fp16 needs loss scaling, "
-                                                "which its executors do not apply)")
-    ranks = config.parallel.num_ranks
-    if launch.world_size != ranks:
-        raise ConfigError("--nnodes", f"{launch.nnodes} node(s) of cluster.devices_per_node="
-                                      f"{launch.nproc_per_node} give {launch.world_size} ranks; the recipe has "
-                                      f"{ranks} (TP * PP * DP)")
 
 
 def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,

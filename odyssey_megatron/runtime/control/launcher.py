@@ -34,6 +34,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from odyssey_megatron.runtime.control.detector import describe_exit
+from odyssey_megatron.runtime.control.fork_server import fork_context
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
@@ -112,8 +113,7 @@ class NodeLauncher:
         self._stop_signal = signal_name
 
     def _start_workers(self) -> None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([self.target.__module__])
+        context = fork_context(preload=self.target.__module__)
         for local_rank, rank in enumerate(self.config.ranks):
             launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
                                   world_size=self.config.world_size, store_host=self.config.master_addr,
@@ -126,7 +126,7 @@ class NodeLauncher:
 
     def _watch(self, store: dist.Store) -> None:
         """Until every worker has exited: report exits at once, poll the store meanwhile."""
-        controller = HeartbeatWatch(self.timeouts.heartbeat_timeout, time.monotonic())
+        controller = HeartbeatWatch(self.timeouts.controller_silence, time.monotonic())
         next_poll = time.monotonic()
         while self._workers:
             by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
@@ -145,7 +145,7 @@ class NodeLauncher:
                 store = store.clone()  # a late answer must not be read as the next request's
                 store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             if controller.stale(now):
-                raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.heartbeat_timeout} s")
+                raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
             if self._stop_signal is not None:
                 store.queue_push(INBOX, StopRequested(self.config.node_rank, self._stop_signal, time.time()).to_json())
                 self._stop_signal = None

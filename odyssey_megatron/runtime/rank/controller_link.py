@@ -4,9 +4,10 @@ The heartbeat runs on a daemon thread with its own store connection, so it beats
 training thread computes or sits in a collective. Each beat also looks for the abort key of
 the generation the worker runs and, once it is set, calls ``on_abort`` (the worker's
 collective guard), which ends the training thread's waits on that generation's groups
-even where no socket closes. Each beat reads the controller's heartbeat too; when that
-stops changing for ``heartbeat_timeout``, or the store connection breaks, the controller is
-gone: the thread calls ``on_controller_lost`` (the worker aborts its generation and saves
+even where no socket closes. Each beat reads the controller's heartbeat too; when the
+store connection breaks, or that heartbeat stops changing for the collective timeout
+(``Timeouts.controller_silence``: longer than a worker's, as the controller's process is
+busier), the controller is gone: the thread calls ``on_controller_lost`` (the worker aborts its generation and saves
 what it holds, which is committed state) and ends the process if the worker has not within
 the collective timeout (``os._exit``: the training thread may be blocked where no exception
 reaches it). A lost node leaves no
@@ -153,7 +154,7 @@ class ControllerLink:
 
     def _beat_loop(self) -> None:
         timeouts = self.launch.timeouts
-        controller = HeartbeatWatch(timeouts.heartbeat_timeout, time.monotonic())
+        controller = HeartbeatWatch(timeouts.controller_silence, time.monotonic())
         next_beat = time.monotonic() + timeouts.heartbeat_interval
         aborted: Optional[int] = None
         while True:  # until the process ends; a clean exit is reported by the launcher
@@ -175,7 +176,7 @@ class ControllerLink:
                 except dist.DistError as lost:
                     self._controller_lost(f"store unreachable: {str(lost).splitlines()[0]}")
             if controller.stale(time.monotonic()):
-                self._controller_lost(f"no controller heartbeat for over {timeouts.heartbeat_timeout} s")
+                self._controller_lost(f"no controller heartbeat for over {timeouts.controller_silence} s")
             if not _alive(self.launch.launcher_pid):
                 self._exit(f"its launcher (pid {self.launch.launcher_pid}) is gone")
 
