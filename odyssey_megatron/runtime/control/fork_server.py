@@ -11,16 +11,19 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 
-__all__ = ["WORKER_MODULE", "fork_context", "start_fork_server"]
+__all__ = ["WORKER_PRELOAD", "fork_context", "start_fork_server"]
 
-WORKER_MODULE = "odyssey_megatron.runtime.rank.worker"
-"""Where ``train_worker`` lives: what the fork server imports once for every worker."""
+WORKER_PRELOAD = ("odyssey_megatron.runtime.rank.worker", "megatron.core.tokenizers.text.models")
+"""What the fork server imports once for every worker: ``train_worker``'s module, and the
+tokenizer libraries Megatron-Core's ``MegatronTokenizer`` imports on its first use (each
+worker loads the tokenizer; imported there, they cost each worker seconds of CPU)."""
 
 
-def fork_context(preload: str = WORKER_MODULE) -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server importing ``preload`` (when it is not running yet)."""
+def fork_context(target_module: str = WORKER_PRELOAD[0]) -> multiprocessing.context.BaseContext:
+    """The forkserver context; its server, when not running yet, imports the workers'
+    modules and ``target_module`` (where the launcher's worker function lives)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([preload])
+    context.set_forkserver_preload(list(dict.fromkeys((target_module, *WORKER_PRELOAD))))
     return context
 
 

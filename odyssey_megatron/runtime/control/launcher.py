@@ -113,7 +113,7 @@ class NodeLauncher:
         self._stop_signal = signal_name
 
     def _start_workers(self) -> None:
-        context = fork_context(preload=self.target.__module__)
+        context = fork_context(self.target.__module__)
         for local_rank, rank in enumerate(self.config.ranks):
             launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
                                   world_size=self.config.world_size, store_host=self.config.master_addr,

@@ -50,6 +50,7 @@ from odyssey_megatron.hooks.accelerator import select_accelerator
 from odyssey_megatron.hooks.collective_guard import CollectiveGuard, PeerLost, prepare_backend
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.process_groups import PlanGroups, RankMap, build_plan_groups
+from odyssey_megatron.hooks.rendezvous_store import RendezvousStore
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.training_state import TrainingState, worker_blocks
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint, save_part
@@ -171,8 +172,10 @@ class Worker:
         link.on_abort = lambda generation: self.guard.abort(f"the controller ended generation {generation}",
                                                             generation=generation)
         self.group_store = self.store.clone()
-        """The process groups' rendezvous: waits no longer than a collective may."""
+        """The step ledger's connection: waits no longer than a collective may."""
         self.group_store.set_timeout(self.collective_timeout)
+        self.rendezvous = RendezvousStore(self.store.clone(), guard=self.guard)
+        """Where the process groups meet: an abort ends a setup that waits for a dead member."""
         self.state: Optional[TrainingState] = None
         self.spare: Optional[TrainingState] = None
         """Blocks held before this generation that its stage does not train (``_set_aside``)."""
@@ -307,7 +310,7 @@ class Worker:
             self.injector.fire("recovery", self.step)
         self._wait_all_arrived(ranks.world_size)
         dist.init_process_group(self.accelerator.backend, rank=rank, world_size=ranks.world_size,
-                                store=dist.PrefixStore(process_group_prefix(plan.generation), self.group_store),
+                                store=dist.PrefixStore(process_group_prefix(plan.generation), self.rendezvous),
                                 timeout=self.collective_timeout)
         self.guard.track([dist.distributed_c10d._get_default_group()])
         training = self.worker_id in plan.workers
