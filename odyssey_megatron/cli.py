@@ -391,6 +391,7 @@ def _describe_profile(measured, out: Path) -> str:
 def _train_command(args: argparse.Namespace) -> int:
     import time
 
+    from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
     from odyssey_megatron.runtime.control.console import log_to_terminal
     from odyssey_megatron.runtime.control.fork_server import start_fork_server
 
@@ -419,14 +420,13 @@ def _train_command(args: argparse.Namespace) -> int:
         run_dir = Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.resume is None and run_dir.exists() and any(run_dir.iterdir()) and launch.node_rank == 0:
         raise ConfigError("--run-dir", f"{run_dir} already holds files; give a new directory")
-    _check_launch(config, launch)
-    start_fork_server()  # its import of the workers' module overlaps with this process's own below
-    from odyssey_megatron.runtime.checkpoint import latest_checkpoint
-    from odyssey_megatron.runtime.train import train_node
-
     resume = None
     if args.resume is not None and (resume := latest_checkpoint(Path(args.resume))) is None:
         raise no_checkpoint
+    _check_launch(config, launch)
+    start_fork_server()  # its import of the workers' module overlaps with this process's own below
+    from odyssey_megatron.runtime.train import train_node
+
     pyplot()  # the report drawn at the end
     log_to_terminal()  # progress, failures, recoveries and warnings; the rest to RUN_DIR/logs/node-<n>.log
     outcome = train_node(config, launch, run_dir=run_dir, resume=resume)

@@ -10,7 +10,8 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
 from odyssey_megatron.run_dir import private_directory
-from odyssey_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, mark_latest, save_part
+from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_part
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint, mark_latest
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     vocab_size=128, seq_length=16, params_dtype="fp32")

@@ -13,7 +13,7 @@ import pytest
 from odyssey_megatron.cli import main
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.file_trust import check_private
-from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,8 @@ from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.training_state import TrainingState, empty_block, stage_blocks
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl
-from odyssey_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.final_model import FINAL_MODEL, merge_final_parts
 from odyssey_megatron.runtime.train import _forget_steps_from
 

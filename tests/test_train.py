@@ -9,7 +9,6 @@ policy is covered by a few runs (each costs ~35 s of two shared cores)."""
 from __future__ import annotations
 
 import json
-import multiprocessing.forkserver
 import os
 import random
 import signal
@@ -577,4 +576,3 @@ def test_fp16_is_refused_before_anything_starts(tmp_path, capsys):
         "odyssey: error: model.params_dtype: odyssey train runs fp32 or bf16 (fp16 needs loss scaling, which its "
         "executors do not apply)")
     assert not (tmp_path / "run").exists()
-    assert multiprocessing.forkserver._forkserver._forkserver_pid is None  # no worker's fork server started

@@ -18,12 +18,12 @@ A run that stops on purpose (a signal, a failed owner) saves what is committed w
 collective, since its groups may be gone: each worker writes the blocks the controller
 assigned it (``save_part``) into ``step-<n>/rank-<r>/`` with a ``rank-<r>.json`` beside it
 naming them, and the controller marks the step the latest once the parts hold every block
-(``parts_complete``). ``load_checkpoint`` reads either layout.
+(``parts_complete``). ``load_checkpoint`` reads either layout. Which checkpoints exist
+and which is complete is ``runtime.checkpoint_index``'s business (no torch needed).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -31,17 +31,12 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.file_trust import check_private
 from odyssey_megatron.hooks.model import StageSpec, tensor_parallel_dim
 from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_block, stage_blocks
 from odyssey_megatron.run_dir import fsync_directory, write_json
+from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, checkpoint_parts, mark_latest
 
-__all__ = ["CHECKPOINTS", "checkpoint_directory", "latest_checkpoint", "load_checkpoint", "mark_latest",
-           "parts_complete", "save_checkpoint", "save_part"]
-
-CHECKPOINTS = "checkpoint"
-_LATEST = "latest.json"
-
+__all__ = ["load_checkpoint", "save_checkpoint", "save_part"]
 
 def _key(tensor_key: str, block, *, tp_rank: int, tp_size: int) -> str:
     """The checkpoint key of one of a block's tensors (``export``'s key)."""
@@ -56,7 +51,7 @@ def save_checkpoint(run_dir: Path, state: TrainingState, *, step: int, tp_rank: 
                     group: Optional[dist.ProcessGroup]) -> None:
     """Save this rank's blocks after ``step`` committed steps; collective over ``group``
     (every training rank). The group's first rank then marks it the latest."""
-    directory = Path(run_dir) / CHECKPOINTS / f"step-{step}"
+    directory = checkpoint_directory(run_dir, step)
     tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor
                for block in state.held() for key, tensor in state.export(block).items()}
     import torch.distributed.checkpoint as dcp
@@ -64,18 +59,6 @@ def save_checkpoint(run_dir: Path, state: TrainingState, *, step: int, tp_rank: 
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
     if dist.get_rank(group) == 0:
         mark_latest(run_dir, step)
-
-
-def checkpoint_directory(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS / f"step-{step}"
-
-
-def mark_latest(run_dir: Path, step: int) -> None:
-    """Name the checkpoint of ``step`` the one to resume from, once its files are durable."""
-    directory = checkpoint_directory(run_dir, step)
-    for entries in (directory, directory.parent, Path(run_dir)):
-        fsync_directory(entries)
-    write_json(directory.parent / _LATEST, {"step": step, "path": directory.name})
 
 
 def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, rank: int, tp_rank: int,
@@ -98,41 +81,6 @@ def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, r
                                                   "model_blocks": [str(b) for b in everything]})
 
 
-def _parts(directory: Path) -> list[tuple[Path, dict]]:
-    """(part directory, manifest) of every part written under a checkpoint ``directory``."""
-    return [(manifest.with_suffix(""), json.loads(manifest.read_text()))
-            for manifest in sorted(directory.glob("rank-*.json"))]
-
-
-def parts_complete(directory: Path, blocks: list, *, tp_size: int) -> list:
-    """The blocks of ``blocks`` that no part under ``directory`` holds for some TP rank."""
-    held = {(name, part["tp_rank"]) for _, part in _parts(directory) for name in part["blocks"]}
-    return [b for b in blocks if any((str(b), k) not in held for k in range(tp_size))]
-
-
-def latest_checkpoint(run_dir: Path) -> Optional[tuple[int, Path]]:
-    """The last complete checkpoint of ``run_dir``: (committed steps, directory), or None:
-    the one ``latest.json`` names, or a newer one whose parts hold every block (written by
-    workers that lost the controller, which no one marked). ConfigError if another user
-    could have written it (``file_trust.check_private``)."""
-    found = []
-    latest = Path(run_dir) / CHECKPOINTS / _LATEST
-    if latest.is_file():
-        marker = json.loads(latest.read_text())
-        found.append((marker["step"], latest.parent / marker["path"]))
-    for directory in sorted((Path(run_dir) / CHECKPOINTS).glob("step-*")):
-        parts = [part for _, part in _parts(directory)]
-        if parts and all("model_blocks" in part for part in parts):
-            model_blocks = sorted({b for part in parts for b in part["model_blocks"]})
-            if not parts_complete(directory, model_blocks, tp_size=parts[0]["tp_size"]):
-                found.append((parts[0]["step"], directory))
-    if not found:
-        return None
-    step, directory = max(found, key=lambda candidate: candidate[0])
-    check_private(directory, root=run_dir)
-    return step, directory
-
-
 def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp_rank: int,
                     tp_size: int) -> TrainingState:
     """This rank's blocks of ``stage`` from a checkpoint ``save_checkpoint`` wrote, under
@@ -145,7 +93,7 @@ def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp
     tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor
                for block, held in wanted.items() for key, tensor in held.items()}
     sources = {directory: list(wanted)}
-    parts = _parts(directory)
+    parts = checkpoint_parts(directory)
     if parts:  # a stopped run's parts: each block from the first part that holds it
         sources = {}
         for block in wanted:

@@ -23,7 +23,7 @@ from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_jsonl, write_text
-from odyssey_megatron.runtime.checkpoint import latest_checkpoint
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.console import log_node_to
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig

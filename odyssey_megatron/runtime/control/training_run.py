@@ -42,7 +42,7 @@ from odyssey_megatron.restorer import mapping_bytes
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.training_state import stage_blocks, worker_blocks
 from odyssey_megatron.run_dir import append_jsonl
-from odyssey_megatron.runtime.checkpoint import checkpoint_directory, mark_latest, parts_complete
+from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.console import CONSOLE, Progress, recovery_line
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
