@@ -411,7 +411,7 @@ def _train_command(args: argparse.Namespace) -> int:
         config = _load_recipe(args.config, args.overrides)[0]
     flags = {field: getattr(args, field) for field in LAUNCH_FLAGS if field != "nproc_per_node"}
     flags["nproc_per_node"] = str(config.cluster.devices_per_node)
-    launch = LaunchConfig.resolve(flags, os.environ)
+    launch = LaunchConfig.resolve(flags, os.environ, dedicated_controller=config.cluster.dedicated_controller)
     if args.resume is not None:
         run_dir = Path(args.resume)
     elif args.run_dir is not None:
@@ -449,9 +449,10 @@ def _check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
                                                 "which its executors do not apply)")
     ranks = config.parallel.num_ranks
     if launch.world_size != ranks:
-        raise ConfigError("--nnodes", f"{launch.nnodes} node(s) of cluster.devices_per_node="
-                                      f"{launch.nproc_per_node} give {launch.world_size} ranks; the recipe has "
-                                      f"{ranks} (TP * PP * DP)")
+        controller = " beside the controller's (cluster.dedicated_controller)" if launch.dedicated_controller else ""
+        raise ConfigError("--nnodes", f"{launch.nnodes - launch.first_worker_node} node(s){controller} of "
+                                      f"cluster.devices_per_node={launch.nproc_per_node} give {launch.world_size} "
+                                      f"ranks; the recipe has {ranks} (TP * PP * DP)")
 
 
 def _report_command(args: argparse.Namespace) -> int:

@@ -331,8 +331,13 @@ class ClusterConfig:
     cores behave like devices of that profile. A shipped device name (its analytic profile
     of the recipe's model) or a profile JSON file (``profile_file``); default: off, real time."""
     num_nodes: Optional[int] = None
-    """Machines the job runs on (torchrun's --nnodes): with devices_per_node, the world size,
-    which gives the data-parallel size when the recipe does not (and must match it when it does)."""
+    """Machines with devices the job runs on (torchrun's --nnodes, less the controller's own
+    node if it has one): with devices_per_node, the world size, which gives the
+    data-parallel size when the recipe does not (and must match it when it does)."""
+    dedicated_controller: bool = False
+    """``odyssey train``: node 0 runs the controller and its store only, no workers (a CPU
+    host can take it), so no device or worker failure takes the run's one central process
+    with it; the devices' nodes are 1 .. nnodes-1 (launch one more node than num_nodes)."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("cluster", self)
@@ -436,17 +441,22 @@ class FaultSpec:
             require(self.rank not in self.with_ranks and len(set(self.with_ranks)) == len(self.with_ranks),
                     f"{key}.with_ranks", f"must name other ranks than rank {self.rank}, each once; got {self.with_ranks}")
 
-    def check_within(self, key: str, *, num_ranks: int, devices_per_node: int, train_iters: int) -> None:
-        """Its target and step exist in the recipe's run."""
+    def check_within(self, key: str, *, num_ranks: int, devices_per_node: int, train_iters: int,
+                     dedicated_controller: bool = False) -> None:
+        """Its target and step exist in the recipe's run. Nodes are numbered as launched:
+        node 0 hosts the controller, beside its workers unless ``dedicated_controller``."""
         if self.rank is not None:
             require(0 <= self.rank < num_ranks, f"{key}.rank",
                     f"must lie in 0..{num_ranks - 1} (the recipe's {num_ranks} ranks); got {self.rank}")
         else:
             nodes = -(-num_ranks // devices_per_node)
-            allowed = f"must lie in 1..{nodes - 1}" if nodes > 1 else "names no node that may fail: aim it at a rank"
-            require(1 <= self.node < nodes, f"{key}.node",
+            last = nodes if dedicated_controller else nodes - 1
+            allowed = f"must lie in 1..{last}" if last >= 1 else "names no node that may fail: aim it at a rank"
+            where = (f", nodes 1..{nodes}: node 0 is the dedicated controller's" if dedicated_controller
+                     else ", and node 0 hosts the controller")
+            require(1 <= self.node <= last, f"{key}.node",
                     f"{allowed} (the recipe's {num_ranks} ranks fill {nodes} node(s) of cluster.devices_per_node="
-                    f"{devices_per_node}, and node 0 hosts the controller, whose loss ends the run); got {self.node}")
+                    f"{devices_per_node}{where}, whose loss ends the run); got {self.node}")
         for peer in self.with_ranks:
             first = self.rank // devices_per_node * devices_per_node
             require(first <= peer < min(first + devices_per_node, num_ranks), f"{key}.with_ranks",
@@ -650,7 +660,8 @@ class RecipeConfig:
         )
         for index, spec in enumerate(self.odyssey.faults):
             spec.check_within(f"odyssey.faults[{index}]", num_ranks=par.num_ranks,
-                              devices_per_node=self.cluster.devices_per_node, train_iters=train.train_iters)
+                              devices_per_node=self.cluster.devices_per_node, train_iters=train.train_iters,
+                              dedicated_controller=self.cluster.dedicated_controller)
         limits.check_plan_size(
             workers=par.pipeline_model_parallel_size * par.data_parallel_size,
             micro_batches=train.num_micro_batches,

@@ -343,6 +343,16 @@ def test_launch_config_reads_torchrun_flags_then_environment_then_defaults():
     assert LaunchConfig.resolve(flags, env) == LaunchConfig(2, 1, "node0", 1234, 1)  # a flag wins over its variable
 
 
+def test_beside_a_dedicated_controller_node_0_has_no_ranks_and_the_others_number_them_from_0():
+    flags = {"nnodes": "3", "master_port": "29500", "nproc_per_node": "4"}
+    nodes = [LaunchConfig.resolve({**flags, "node_rank": str(n)}, {}, dedicated_controller=True) for n in range(3)]
+    assert [list(node.ranks) for node in nodes] == [[], [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert {node.world_size for node in nodes} == {8} and {node.first_worker_node for node in nodes} == {1}
+    with pytest.raises(ConfigError) as error:
+        LaunchConfig.resolve({"nproc_per_node": "8"}, {}, dedicated_controller=True)
+    assert str(error.value).startswith("cluster.dedicated_controller: needs the controller's node and at least one")
+
+
 def test_launch_config_reads_slurms_variables_where_torchruns_are_absent():
     slurm = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "MASTER_PORT": "29500"}
     assert LaunchConfig.resolve({"nproc_per_node": "8"}, slurm) == LaunchConfig(4, 2, "gpu07", 29500, 8)

@@ -130,6 +130,17 @@ def test_bad_node_fault_on_four_nodes(faults, key, problem):
     assert (info.value.key, problem in info.value.problem) == (key, True), info.value
 
 
+def test_beside_a_dedicated_controller_every_node_of_ranks_may_fail():
+    dedicated = [TWO_PER_NODE, "cluster.dedicated_controller=true"]
+    config = load_config(TINY, [*dedicated, "odyssey.faults=[{node: 4, step: 2, phase: forward, action: kill}]"])
+    assert config.odyssey.faults[0].node == 4  # nodes 1..4 hold the ranks; node 0 only the controller
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [*dedicated, "odyssey.faults=[{node: 5, step: 2, phase: forward, action: kill}]"])
+    assert info.value.key == "odyssey.faults[0].node" and info.value.problem == (
+        "must lie in 1..4 (the recipe's 8 ranks fill 4 node(s) of cluster.devices_per_node=2, nodes 1..4: node 0 is "
+        "the dedicated controller's, whose loss ends the run); got 5")
+
+
 # -- the injector in this process ----------------------------------------------------
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer", "transfer", "recovery", "mid_transfer", "group_setup")

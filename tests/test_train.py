@@ -65,13 +65,13 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
-def train_two_nodes(run_dir: Path, data_cache: Path, *args: str) -> tuple[int, str, str]:
-    """``odyssey train`` as two node processes on this machine, to the end: node 0's
+def train_nodes(run_dir: Path, data_cache: Path, nodes: int, *args: str) -> tuple[int, str, str]:
+    """``odyssey train`` as ``nodes`` node processes on this machine, to the end: node 0's
     (status, stdout, stderr)."""
-    node0 = train(run_dir, data_cache, *args, node_rank=0)
-    node1 = train(run_dir, data_cache, *args, node_rank=1)
-    outcome = finish(node0)
-    finish(node1)
+    processes = [train(run_dir, data_cache, *args, node_rank=node) for node in range(nodes)]
+    outcome = finish(processes[0])
+    for process in processes[1:]:
+        finish(process)
     return outcome
 
 
@@ -298,24 +298,29 @@ def _free_port() -> int:
     raise RuntimeError(f"no free port in 10000..{low - 1}")
 
 
-def test_a_lost_node_is_planned_as_one_failure(tmp_path, data_cache, reference):
-    """Two launchers of 4 ranks on this machine (DP 8); killing node 1's launcher takes
-    its workers with it: one node failure, and node 0 trains on. With no memory for a
-    decision per worker and node, as on a large cluster, the controller prepared node 0's
-    and renames it for node 1 (``planner.symmetry``): the run trains on the renamed plan.
-    The starting profile throughout, so that nothing restarts the preparation, done long
+def test_a_lost_node_is_planned_as_one_failure_beside_a_dedicated_controller(tmp_path, data_cache, reference):
+    """Node 0 runs only the controller (``cluster.dedicated_controller``, as a CPU host
+    would); nodes 1 and 2 run 4 ranks each (DP 8). Killing node 2's launcher takes its
+    workers with it: one node failure, and node 1 trains on. With no memory for a decision
+    per worker and node, as on a large cluster, the controller prepared node 1's and
+    renames it for node 2 (``planner.symmetry``): the run trains on the renamed plan. The
+    starting profile throughout, so that nothing restarts the preparation, done long
     before the failure, just before it."""
     run_dir, port = tmp_path / "run", _free_port()
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
-              "cluster.devices_per_node=4", "odyssey.prepared_decisions_mib=0", "odyssey.online_profile=false",
-              "--nnodes", "2", "--master-port", str(port), faults("{node: 1, step: 2, phase: backward, action: kill}")]
-    status, out, err = train_two_nodes(run_dir, data_cache, *common)
+              "cluster.devices_per_node=4", "cluster.dedicated_controller=true", "odyssey.prepared_decisions_mib=0",
+              "odyssey.online_profile=false", "--nnodes", "3", "--master-port", str(port),
+              faults("{node: 2, step: 2, phase: backward, action: kill}")]
+    status, out, err = train_nodes(run_dir, data_cache, 3, *common)
     assert status == 0, err[-4000:]
     done = recoveries(run_dir)
     assert [(r["failed_ranks"], r["cause"], r["decision_source"]) for r in done] == [
         ([4, 5, 6, 7], "node", "renamed")]
     assert_same_training(run_dir, reference)
     assert "recoveries: 1 (" in out and (run_dir / "report" / "recovery_phases.png").is_file()
+    workers = json.loads((run_dir / "workers.json").read_text())
+    assert {r: w["node"] for r, w in workers.items()} == {str(r): 1 + r // 4 for r in range(8)}
+    assert "started rank" not in (run_dir / "logs" / "node-0.log").read_text()
 
 
 def wait_for_step(run_dir: Path, step: int, *, nodes: tuple[subprocess.Popen, ...] = (),

@@ -91,8 +91,7 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
     controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
     if launch.master_port == 0:
-        launch = LaunchConfig(nnodes=launch.nnodes, node_rank=0, master_addr=launch.master_addr,
-                              master_port=controller.port, nproc_per_node=launch.nproc_per_node)
+        launch = replace(launch, master_port=controller.port)
     center = DecisionCenter.from_recipe(config)
     trace = WandbTrace(run_dir, config)
     controller.record.subscribe(trace)
@@ -107,7 +106,8 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     signals = StopSignals(lambda name, status: controller.request_stop(f"{name} on node 0", status=status))
     signals.install()
     try:
-        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run()
+        # A dedicated controller's node has no workers: it only owns the run.
+        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run() if launch.ranks else 0
         while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
             owner.join(timeout=timeouts.heartbeat_interval)
         if not outcome:

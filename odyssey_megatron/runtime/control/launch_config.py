@@ -59,20 +59,34 @@ class LaunchConfig:
     master_port: int = 0
     """The store's port; 0 lets node 0 pick a free one (one node only: the others could not know it)."""
     nproc_per_node: int = 1
-    """Worker processes this node starts (one per device)."""
+    """Worker processes a node with workers starts (one per device)."""
+    dedicated_controller: bool = False
+    """Node 0 runs the controller and its store only, no workers, so the run's one central
+    process can sit on a host of its own (a CPU node) that no device failure takes down;
+    the workers' nodes are 1 .. nnodes-1 (``cluster.dedicated_controller``)."""
+
+    @property
+    def first_worker_node(self) -> int:
+        """The first node with workers: the decision center's node 0."""
+        return 1 if self.dedicated_controller else 0
 
     @property
     def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+        return (self.nnodes - self.first_worker_node) * self.nproc_per_node
 
     @property
     def ranks(self) -> range:
-        """This node's ranks: ``node_rank * nproc_per_node`` onwards."""
-        return range(self.node_rank * self.nproc_per_node, (self.node_rank + 1) * self.nproc_per_node)
+        """This node's ranks, ``nproc_per_node`` of them, numbered over the workers' nodes."""
+        if self.node_rank < self.first_worker_node:
+            return range(0)
+        first = (self.node_rank - self.first_worker_node) * self.nproc_per_node
+        return range(first, first + self.nproc_per_node)
 
     @classmethod
-    def resolve(cls, flags: Mapping[str, Optional[str]], environ: Mapping[str, str]) -> "LaunchConfig":
-        """From flag values as typed (``flags[field]``, None or absent when not given) and the environment."""
+    def resolve(cls, flags: Mapping[str, Optional[str]], environ: Mapping[str, str], *,
+                dedicated_controller: bool = False) -> "LaunchConfig":
+        """From flag values as typed (``flags[field]``, None or absent when not given) and
+        the environment; ``dedicated_controller`` from the recipe."""
         values, sources = {}, {}
         for name, (flag, env) in LAUNCH_FLAGS.items():
             slurm = SLURM_VARIABLES.get(name)
@@ -118,4 +132,7 @@ class LaunchConfig:
         if nnodes > 1 and fields.get("master_port", 0) == 0:
             raise ConfigError(sources["master_port"], f"must name a port (not 0) when there are {nnodes} nodes: "
                                                       "the others cannot learn one that node 0 picks")
-        return cls(**fields)
+        if dedicated_controller and nnodes < 2:
+            raise ConfigError("cluster.dedicated_controller", f"needs the controller's node and at least one node "
+                                                              f"with workers (--nnodes 2 or more); got {nnodes} node")
+        return cls(**fields, dedicated_controller=dedicated_controller)

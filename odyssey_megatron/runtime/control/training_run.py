@@ -284,7 +284,9 @@ class TrainingRun:
         """Run the decision center from the settled plan on the new survivors."""
         if self.settled is not self.plan:  # a recovery failed: survivors hold the settled plan's blocks
             self.center.restart_on(replace(self.settled, generation=self.plan.generation))
-        nodes = sorted({f.node for f in failures if f.cause == Cause.NODE})
+        # The decision center numbers the workers' nodes from 0; a dedicated controller's node is not one.
+        first = 1 if self.config.cluster.dedicated_controller else 0
+        nodes = sorted({f.node - first for f in failures if f.cause == Cause.NODE})
         ranks = sorted({r for f in failures if f.cause != Cause.NODE for r in f.ranks})
         self._before = self.center.plan
         decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
