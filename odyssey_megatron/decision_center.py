@@ -105,19 +105,22 @@ class DecisionCenter:
 
     def on_failure(
         self, *, ranks: Iterable[int] = (), nodes: Iterable[int] = (), at_s: float | None = None,
-        interval_s: float | None = None,
+        interval_s: float | None = None, in_memory: bool = False,
     ) -> Decision:
         """Mark ``ranks`` and every rank of ``nodes`` failed, decide, and commit the chosen plan.
 
         ``at_s`` is the job's clock at the failure (seconds since start); given, the failure
         and the device-hours since the previous event feed the learned failure rate.
         ``interval_s`` replaces the expected time to the next failure in Eq. 8 (hindsight:
-        the simulator's oracle knows it). Raises UnrecoverableFailure.
+        the simulator's oracle knows it). ``in_memory``: the job goes on from what the
+        survivors hold, so a plan that needs a block no survivor holds is no plan: raises
+        UnrecoverableFailure naming the blocks, and commits nothing. Raises
+        UnrecoverableFailure when no candidate exists either.
         """
         self._observe(failures=1, at_s=at_s)
         before = self.cluster
         self.cluster = self.cluster.fail_ranks(ranks).fail_nodes(nodes)
-        return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before))
+        return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory)
 
     def on_join(self, *, ranks: Iterable[int], at_s: float | None = None, interval_s: float | None = None) -> Decision:
         """Mark repaired or replacement ``ranks`` alive, decide whether to use them (the
@@ -281,8 +284,9 @@ class DecisionCenter:
         self._last_event_s = at_s
 
     def _decide(self, interval_s: float | None, *,
-                prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None) -> Decision:
-        """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8."""
+                prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None, in_memory: bool = False) -> Decision:
+        """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8;
+        ``in_memory`` as in ``on_failure``."""
         started = time.perf_counter()
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
                                                          profile=self.profile, settings=self.settings.search,
@@ -293,6 +297,9 @@ class DecisionCenter:
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
                            source=source)
+        if in_memory and (lost := decision.chosen.plan.blocks_from_nowhere):
+            raise UnrecoverableFailure(f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
+                                       f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them")
         self.plan = decision.chosen.plan
         return decision
 

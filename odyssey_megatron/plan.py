@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Optional
 
-from odyssey_megatron.profile import Block, ModelProfile
+from odyssey_megatron.profile import Block, ModelProfile, block_sort_key
 
 POLICIES = ("initial", "reroute", "reparallelize")
 PLAN_FORMAT_VERSION = 2
@@ -123,6 +123,12 @@ class ExecutionPlan:
     @property
     def num_micro_batches(self) -> int:
         return sum(len(p.micro_batches) for p in self.pipelines)
+
+    @property
+    def blocks_from_nowhere(self) -> list[Block]:
+        """Blocks this plan loads from a checkpoint (a transfer with no source): no survivor
+        held them, so it cannot start from memory."""
+        return sorted({t.layer for t in self.transfers if t.src is None}, key=block_sort_key)
 
     def stage_positions(self) -> Iterator[tuple[int, int, StagePlan]]:
         for pi, pipeline in enumerate(self.pipelines):

@@ -330,6 +330,20 @@ def test_forced_policy_falls_back_when_a_stage_lost_every_replica():
     assert {t.layer for t in decision.chosen.plan.transfers if t.src is None} >= {0, 1}
 
 
+def test_in_memory_recovery_refuses_a_plan_that_needs_a_block_no_survivor_holds_and_commits_nothing():
+    profile = uniform_profile(num_layers=4)
+    plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
+    center = DecisionCenter(plan=plan, cluster=ClusterState(world_size=4, devices_per_node=8), profile=profile,
+                            settings=_settings())
+    with pytest.raises(UnrecoverableFailure) as error:
+        center.on_failure(ranks=[0, 1], in_memory=True)  # both replicas of stage 0: layers 0 and 1
+    assert str(error.value) == (
+        "blocks embedding, 0, 1 were lost on every replica (ranks [0, 1] failed): no survivor holds them")
+    assert center.plan is plan
+    decision = center.on_failure(in_memory=False)  # from a checkpoint, the same failure has a plan
+    assert decision.chosen.plan.blocks_from_nowhere == ["embedding", 0, 1] and center.plan is decision.chosen.plan
+
+
 def test_unrecoverable_when_nothing_fits():
     profile = replace(uniform_profile(num_layers=4, layer_state_bytes=10), memory_budget_bytes=25)
     plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)

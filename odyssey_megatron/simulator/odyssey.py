@@ -77,15 +77,16 @@ class OdysseySystem:
                failed: bool) -> Outcome:
         """Tell the decision center that ``workers`` failed (or rejoined) and price the pause."""
         ranks = [r for w in sorted(workers) for r in cluster.worker_ranks(w)]
-        report = self.center.on_failure if failed else self.center.on_join
         lost = self.step_s / 2 if failed else 0.0  # the interrupted step, half done on average
         try:
-            decision = report(ranks=ranks, at_s=now_s, interval_s=self._interval(now_s))
+            if failed:
+                decision = self.center.on_failure(ranks=ranks, at_s=now_s, interval_s=self._interval(now_s),
+                                                  in_memory=True)
+            else:
+                decision = self.center.on_join(ranks=ranks, at_s=now_s, interval_s=self._interval(now_s))
         except UnrecoverableFailure as exc:
             return self._restart(cluster, now_s, f"{note}: {exc}")
         chosen = decision.chosen
-        if any(t.src is None for t in chosen.plan.transfers):
-            return self._restart(cluster, now_s, f"{note}: a layer survives nowhere")
         self.step_s = chosen.estimate.step_time_s
         pause = (self.detection_s if failed else 0.0) + chosen.transition_s
         return Outcome(pause_s=pause, samples_per_s=chosen.estimate.samples_per_s, lost_s=lost,

@@ -36,8 +36,7 @@ from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.planner import Decision, UnrecoverableFailure
-from odyssey_megatron.profile import block_sort_key
+from odyssey_megatron.planner import Decision
 from odyssey_megatron.restorer import mapping_bytes
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.training_state import stage_blocks, worker_blocks
@@ -45,7 +44,7 @@ from odyssey_megatron.run_dir import append_jsonl
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.console import CONSOLE, Progress, recovery_line
 from odyssey_megatron.runtime.control.controller import Controller
-from odyssey_megatron.runtime.control.detector import Cause, Failure
+from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
 from odyssey_megatron.runtime.final_model import merge_final_parts
 from odyssey_megatron.runtime.protocol import (
@@ -284,19 +283,13 @@ class TrainingRun:
         """Run the decision center from the settled plan on the new survivors."""
         if self.settled is not self.plan:  # a recovery failed: survivors hold the settled plan's blocks
             self.center.restart_on(replace(self.settled, generation=self.plan.generation))
-        # The decision center numbers the workers' nodes from 0; a dedicated controller's node is not one.
-        first = 1 if self.config.cluster.dedicated_controller else 0
-        nodes = sorted({f.node - first for f in failures if f.cause == Cause.NODE})
-        ranks = sorted({r for f in failures if f.cause != Cause.NODE for r in f.ranks})
+        # A lost node comes as the ranks it held: the decision center needs no node numbering.
+        ranks = sorted({r for f in failures for r in f.ranks})
         self._before = self.center.plan
-        decision = self.center.on_failure(ranks=ranks, nodes=nodes, at_s=time.monotonic() - self.started)
-        lost = sorted({t.layer for t in decision.chosen.plan.transfers if t.src is None}, key=block_sort_key)
-        if lost and not self.fresh:  # fresh: every block is drawn again from the seed or checkpoint
-            failed = sorted(self.center.cluster.failed_ranks)
-            raise UnrecoverableFailure(f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
-                                       f"{failed} failed): no survivor holds them")
+        # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint.
+        decision = self.center.on_failure(ranks=ranks, at_s=time.monotonic() - self.started, in_memory=not self.fresh)
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
-                 decision.chosen.policy, sorted({r for f in failures for r in f.ranks}))
+                 decision.chosen.policy, ranks)
         return decision
 
     def _decision_record(self, decision: Decision) -> dict:
