@@ -296,7 +296,7 @@ class DecisionCenter:
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
-                           source=source)
+                           source=source, replaced=self.plan)
         if in_memory and (lost := decision.chosen.plan.blocks_from_nowhere):
             raise UnrecoverableFailure(f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
                                        f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Optional
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
@@ -56,6 +56,9 @@ class Decision:
     """Where its candidates were priced: "cold" (at the failure), "prepared" (in advance,
     for this failure) or "renamed" (in advance, for an equivalent failure on a symmetric
     plan: ``planner.symmetry``)."""
+    replaced: Optional[ExecutionPlan] = None
+    """The plan the job ran before it (``DecisionCenter`` fills it in): what the chosen
+    plan's transfers move weights from."""
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,6 @@ class TrainingRun:
         """The last generation whose first step committed (or the first generation)."""
         self.started = time.monotonic()
         self._recovery: Optional[_Recovery] = None
-        self._before: Optional[ExecutionPlan] = None
-        """The plan the last decision started from (its transfers are priced against it)."""
         self._prepare_stop = threading.Event()
         self._prepare_thread: Optional[threading.Thread] = None
         self.online = OnlineProfile(center.profile) if config.odyssey.online_profile else None
@@ -285,7 +283,6 @@ class TrainingRun:
             self.center.restart_on(replace(self.settled, generation=self.plan.generation))
         # A lost node comes as the ranks it held: the decision center needs no node numbering.
         ranks = sorted({r for f in failures for r in f.ranks})
-        self._before = self.center.plan
         # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint.
         decision = self.center.on_failure(ranks=ranks, at_s=time.monotonic() - self.started, in_memory=not self.fresh)
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
@@ -298,7 +295,7 @@ class TrainingRun:
                     "transition_s": c.transition_s, "score": c.score}
 
         plan = decision.chosen.plan
-        chosen_bytes, naive_bytes = mapping_bytes(before=self._before, after=plan, cluster=self.center.cluster,
+        chosen_bytes, naive_bytes = mapping_bytes(before=decision.replaced, after=plan, cluster=self.center.cluster,
                                                   profile=self.center.profile)
         return {"policy": decision.chosen.policy, "mapping_bytes": chosen_bytes, "naive_mapping_bytes": naive_bytes,
                 "chosen": candidate(decision.chosen),
