@@ -104,10 +104,11 @@ class DecisionCenter:
         return cls(plan=plan, cluster=cluster, profile=profile, settings=config.odyssey)
 
     def on_failure(
-        self, *, ranks: Iterable[int] = (), nodes: Iterable[int] = (), at_s: float | None = None,
-        interval_s: float | None = None, in_memory: bool = False,
+        self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
+        at_s: float | None = None, interval_s: float | None = None, in_memory: bool = False,
     ) -> Decision:
-        """Mark ``ranks`` and every rank of ``nodes`` failed, decide, and commit the chosen plan.
+        """Mark ``ranks`` and every rank of ``workers`` and ``nodes`` failed, decide, and
+        commit the chosen plan.
 
         ``at_s`` is the job's clock at the failure (seconds since start); given, the failure
         and the device-hours since the previous event feed the learned failure rate.
@@ -119,16 +120,21 @@ class DecisionCenter:
         """
         self._observe(failures=1, at_s=at_s)
         before = self.cluster
-        self.cluster = self.cluster.fail_ranks(ranks).fail_nodes(nodes)
+        self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
         return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory)
 
-    def on_join(self, *, ranks: Iterable[int], at_s: float | None = None, interval_s: float | None = None) -> Decision:
-        """Mark repaired or replacement ``ranks`` alive, decide whether to use them (the
-        current plan keeps training meanwhile), and commit the chosen plan. ``at_s`` and
-        ``interval_s`` as in ``on_failure``; a join adds exposure, not a failure."""
+    def on_join(self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), at_s: float | None = None,
+                interval_s: float | None = None) -> Decision:
+        """Mark repaired or replacement ``ranks`` (and every rank of ``workers``) alive,
+        decide whether to use them (the current plan keeps training meanwhile), and commit
+        the chosen plan. ``at_s`` and ``interval_s`` as in ``on_failure``; a join adds
+        exposure, not a failure."""
         self._observe(failures=0, at_s=at_s)
-        self.cluster = self.cluster.repair_ranks(ranks)
+        self.cluster = self.cluster.repair_ranks([*ranks, *self._ranks_of(workers)])
         return self._decide(interval_s)
+
+    def _ranks_of(self, workers: Iterable[int]) -> list[int]:
+        return [rank for worker in workers for rank in self.cluster.worker_ranks(worker)]
 
     def restart_on(self, plan: ExecutionPlan) -> None:
         """The job restarted from a checkpoint onto ``plan`` (no in-memory recovery existed)."""

@@ -76,14 +76,13 @@ class OdysseySystem:
     def _react(self, cluster: ClusterState, now_s: float, note: str, *, workers: AbstractSet[int],
                failed: bool) -> Outcome:
         """Tell the decision center that ``workers`` failed (or rejoined) and price the pause."""
-        ranks = [r for w in sorted(workers) for r in cluster.worker_ranks(w)]
         lost = self.step_s / 2 if failed else 0.0  # the interrupted step, half done on average
         try:
             if failed:
-                decision = self.center.on_failure(ranks=ranks, at_s=now_s, interval_s=self._interval(now_s),
-                                                  in_memory=True)
+                decision = self.center.on_failure(workers=sorted(workers), at_s=now_s,
+                                                  interval_s=self._interval(now_s), in_memory=True)
             else:
-                decision = self.center.on_join(ranks=ranks, at_s=now_s, interval_s=self._interval(now_s))
+                decision = self.center.on_join(workers=sorted(workers), at_s=now_s, interval_s=self._interval(now_s))
         except UnrecoverableFailure as exc:
             return self._restart(cluster, now_s, f"{note}: {exc}")
         chosen = decision.chosen
