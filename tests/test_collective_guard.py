@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from spawned_ranks import run_three_ranks
+
 from odyssey_megatron.hooks.collective_guard import CollectiveGuard, PeerLost, is_peer_loss, prepare_backend
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,24 +80,7 @@ def _survivor_or_frozen(rank: int, port: int, mode: str, results: mp.Queue) -> N
 
 
 def _run(mode: str) -> dict[int, tuple]:
-    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_survivor_or_frozen, args=(r, store.port, mode, results)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < 2:  # the survivors
-            rank, status, payload = results.get(timeout=90)
-            assert status != "error", f"rank {rank}: {payload}"
-            got[rank] = payload
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
-    return got
+    return run_three_ranks(_survivor_or_frozen, mode, answers=2)  # the survivors answer
 
 
 def test_an_abort_ends_a_collective_whose_peer_froze_and_the_survivors_form_a_new_world():

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from spawned_ranks import run_three_ranks
+
 from odyssey_megatron.hooks.collective_guard import CollectiveGuard, PeerLost
 from odyssey_megatron.hooks.rendezvous_store import RendezvousStore
 
@@ -57,23 +59,7 @@ def _member(rank: int, port: int, results: mp.Queue) -> None:
 
 
 def test_a_group_setup_waiting_for_a_dead_member_ends_with_peer_lost_on_abort_or_timeout():
-    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, store.port, results)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < 3:
-            rank, status, payload = results.get(timeout=90)
-            assert status != "error", f"rank {rank}: {payload}"
-            got[rank] = payload
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
+    got = run_three_ranks(_member, answers=3)
     assert got[2] == 3.0  # the world built through the rendezvous store all-reduced
     for rank in (0, 1):
         reduced, ((aborted_after, abort_timed_out), (timed_out_after, timed_out)) = got[rank]
