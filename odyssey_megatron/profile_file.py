@@ -40,7 +40,7 @@ from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import read_text
 from odyssey_megatron.profile import BlockCost, ModelProfile, analytic_profile
-from odyssey_megatron.specs import device_spec
+from odyssey_megatron.specs import DEVICE_SPECS, device_spec
 from odyssey_megatron.units import GIB
 
 __all__ = ["FORMAT", "MEASURED_FOR", "VERSION", "ProfileFile", "analytic_recipe_profile", "check_output",
@@ -304,3 +304,19 @@ def optimizer_bytes_per_rank(config: RecipeConfig) -> tuple[float, float]:
     blocks = [EMBEDDING, *range(profile.num_layers), OUTPUT]
     full = sum(profile.block(block).optimizer_bytes for block in blocks) / config.parallel.pipeline_model_parallel_size
     return full, full / config.parallel.data_parallel_size
+
+
+def emulated_profile(config: RecipeConfig) -> ModelProfile | None:
+    """The profile ``cluster.emulate_device`` paces the runtime's ops to (None: off): a
+    shipped device's analytic profile of the recipe's model, or a profile file measured
+    for it; ConfigError naming the key otherwise."""
+    name = config.cluster.emulate_device
+    if name is None:
+        return None
+    if name in DEVICE_SPECS:
+        return analytic_recipe_profile(config, device=name)
+    if Path(name).exists():
+        return recipe_profile_file(name, config, key="cluster.emulate_device")
+    raise ConfigError("cluster.emulate_device", f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile "
+                                                f"JSON file; no such file: {name}")
+

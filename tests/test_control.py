@@ -225,6 +225,16 @@ def _detector_with_node(ranks=(0, 1)) -> Detector:
     return detector
 
 
+def test_the_launcher_in_the_controllers_process_is_never_found_silent_and_the_others_are():
+    """Node 0's launcher shares the controller's busy process: its late beats are no node
+    failure (that process cannot be lost without the controller); node 1's are."""
+    detector = Detector(T, controller_process=("h0", 10))
+    detector.node_joined(NodeRegistration(0, 10, "h0", (0, 1)), now=0.0, wall=1000.0)
+    detector.node_joined(NodeRegistration(1, 10, "h1", (2, 3)), now=0.0, wall=1000.0)  # same pid, another host
+    [failure] = detector.check(now=10 * T, wall=2000.0)
+    assert (failure.cause, failure.node, failure.ranks) == (Cause.NODE, 1, (2, 3))
+
+
 def test_a_silent_rank_is_hung_only_once_its_launcher_beat_after_its_deadline():
     detector = _detector_with_node()
     detector.observe({rank_heartbeat_key(0): _beat(1), rank_heartbeat_key(1): _beat(1), node_heartbeat_key(0): _beat(1)},

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from PIL import Image
 from wandb_records import history, wandb_records
 
 from odyssey_megatron.cli import main
+from odyssey_megatron.config import load_config
+from odyssey_megatron.profile_file import profile_json, recipe_measured_for, recipe_profile, write_profile
 from odyssey_megatron.report import PLOTS, phase_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +80,23 @@ def train_nodes(run_dir: Path, data_cache: Path, nodes: int, *args: str) -> tupl
 
 def faults(*specs: str) -> str:
     return f"odyssey.faults=[{', '.join(specs)}]"
+
+
+def slow_device(directory: Path, *, forward_s: float) -> str:
+    """``cluster.emulate_device=<profile>``: the tiny recipe's profile with each layer's
+    forward at ``forward_s`` and backward at twice that. Every rank pads its ops to those
+    times (their results stay those of real time), so steps take seconds: a test that acts
+    from outside once a step is recorded (a signal, a kill, a freeze) lands a step or two
+    later, not after the last of five fast steps (the controller records commits a few
+    steps behind the ranks while it starts)."""
+    config = load_config(RECIPE)
+    profile = recipe_profile(config)
+    layers = tuple(replace(layer, forward_s=forward_s, backward_s=2 * forward_s, weight_grad_s=None)
+                   for layer in profile.layers)
+    path = directory / f"slow-device-{forward_s}.json"
+    write_profile(path, profile_json(replace(profile, layers=layers), measured_for=recipe_measured_for(config),
+                                     source={}))
+    return f"cluster.emulate_device={path}"
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +368,7 @@ def test_a_frozen_node_costs_the_survivors_no_collective_timeout(tmp_path, data_
     run_dir, port = tmp_path / "run", _free_port()
     common = ["parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=4",
               "cluster.devices_per_node=2", "odyssey.online_profile=false", "odyssey.collective_timeout=30",
-              "--nnodes", "4", "--master-port", str(port)]
+              slow_device(tmp_path, forward_s=0.02), "--nnodes", "4", "--master-port", str(port)]
     nodes = [train(run_dir, data_cache, *common, node_rank=n) for n in range(4)]
     try:
         wait_for_step(run_dir, 1, nodes=tuple(nodes))
@@ -401,18 +421,18 @@ def test_a_slurm_launch_of_two_nodes_survives_losing_a_node_before_the_first_com
 
 def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeats_nothing(tmp_path, data_cache,
                                                                                           reference):
-    """A terminal's Ctrl-C (SIGINT to the whole process group) once step 1 committed: the
+    """A terminal's Ctrl-C (SIGINT to the whole process group) once a step is recorded: the
     run stops, every block is saved as of the last committed step and the run exits 130
     saying how to resume. The resumed run is stopped by SIGTERM to its main process (as
     SLURM or Kubernetes send it), exits 143, and a second resume trains to the end: the
     failure-free model, and every step committed exactly once over the three runs."""
-    run_dir = tmp_path / "run"
+    run_dir, slow = tmp_path / "run", slow_device(tmp_path, forward_s=0.1)  # about 4 s a step
     stops = []
     for stop, command in ((signal.SIGINT, None), (signal.SIGTERM, ["--resume", str(run_dir)])):
-        process = (train(run_dir, data_cache) if command is None else subprocess.Popen(
+        process = (train(run_dir, data_cache, slow) if command is None else subprocess.Popen(
             [sys.executable, "-m", "odyssey_megatron.cli", "train", *command], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True))
-        wait_for_step(run_dir, stops[-1] + 1 if stops else 1, nodes=(process,))
+        wait_for_step(run_dir, stops[-1] if stops else 0, nodes=(process,))  # the first step this run records
         if stop == signal.SIGINT:
             os.killpg(process.pid, stop)
         else:
@@ -446,8 +466,8 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     learn had committed is trained again)."""
     run_dir, port = tmp_path / "run", _free_port()
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
-              "cluster.devices_per_node=4", "odyssey.online_profile=false", "--nnodes", "2", "--master-port", str(port),
-              faults("{rank: 0, with_ranks: [1, 2, 3], step: 1, phase: forward, action: kill}")]
+              "cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02), "--nnodes", "2",
+              "--master-port", str(port), faults("{rank: 0, with_ranks: [1, 2, 3], step: 1, phase: forward, action: kill}")]
     node0 = train(run_dir, data_cache, *common, node_rank=0)
     node1 = train(run_dir, data_cache, *common, node_rank=1)
     try:
@@ -581,3 +601,11 @@ def test_fp16_is_refused_before_anything_starts(tmp_path, capsys):
         "odyssey: error: model.params_dtype: odyssey train runs fp32 or bf16 (fp16 needs loss scaling, which its "
         "executors do not apply)")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_emulated_device_that_does_not_exist_is_refused_before_anything_starts(tmp_path, capsys):
+    missing = tmp_path / "nowhere.json"
+    assert main(["train", "--config", str(RECIPE), "--run-dir", str(tmp_path / "run"),
+                 f"cluster.emulate_device={missing}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "odyssey: error: cluster.emulate_device: must be one of ") and not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import queue
 import signal
 import socket
@@ -100,7 +101,8 @@ class Controller:
                                    timeout=datetime.timedelta(seconds=timeouts.recovery_timeout))
         self._seq = 0
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
-        self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout)
+        self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
+                                 controller_process=(socket.gethostname(), os.getpid()))
         self.published_generation = -1
         self.stop_request = None
         self._failures: queue.Queue[Failure] = queue.Queue()

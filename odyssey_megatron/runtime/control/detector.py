@@ -13,7 +13,11 @@ plain Python, every rule is unit-tested with made-up times. Ranks fail four ways
   on a busy node may starve its heartbeat thread;
 - **stall**: one of its collectives waited out the collective timeout with every heartbeat
   alive (a data-plane fault): it is taken out like a hung rank, so the run goes on;
-- **node**: the launcher stopped beating: the node is lost with every rank on it.
+- **node**: the launcher stopped beating: the node is lost with every rank on it. Not
+  node 0's launcher where it runs in the controller's own process: the controller's
+  threads (the decision center planning in Python beside them) delay its beats under
+  load, and that process cannot be lost without the controller; its workers' exits and
+  heartbeats are judged as anywhere else.
 
 A rank's heartbeats and its launcher's stop together when a node dies, and the rank's
 may be seen to stop a poll earlier. So a silent rank counts as hung only once its
@@ -23,6 +27,7 @@ lost, and then all its ranks fail as one node failure.
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass
 from enum import Enum
@@ -114,17 +119,22 @@ class Detector:
     """Every rank's and node's liveness; methods take the controller's monotonic ``now``
     (heartbeat ages) and wall-clock ``wall`` (records)."""
 
-    def __init__(self, heartbeat_timeout: float, initial_heartbeat_timeout: Optional[float] = None):
+    def __init__(self, heartbeat_timeout: float, initial_heartbeat_timeout: Optional[float] = None, *,
+                 controller_process: Optional[tuple[str, int]] = None):
         self.heartbeat_timeout = heartbeat_timeout
         self.initial_heartbeat_timeout = initial_heartbeat_timeout or heartbeat_timeout
         """A rank's timeout until its beats name a generation (it entered its first)."""
+        self.controller_process = controller_process
+        """(host, pid) of the controller's process: a launcher there is never found silent."""
         self.ranks: dict[int, _Rank] = {}
         self.nodes: dict[int, _Node] = {}
 
     # -- what arrives in the inbox ---------------------------------------------------
 
     def node_joined(self, msg: NodeRegistration, now: float, wall: float) -> None:
-        self.nodes[msg.node] = _Node(msg.ranks, msg.pid, msg.host, wall, HeartbeatWatch(self.heartbeat_timeout, now))
+        beside_controller = (msg.host, msg.pid) == self.controller_process
+        timeout = math.inf if beside_controller else self.heartbeat_timeout
+        self.nodes[msg.node] = _Node(msg.ranks, msg.pid, msg.host, wall, HeartbeatWatch(timeout, now))
         for rank in msg.ranks:
             self.ranks[rank] = _Rank(node=msg.node)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -38,7 +37,6 @@ import torch.distributed as dist
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig
-from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator.communication import unit_sync_time
 from odyssey_megatron.estimator.optimizer import norm_allreduce_time
 from odyssey_megatron.estimator.replay import p2p_time
@@ -46,9 +44,8 @@ from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.profile_file import analytic_recipe_profile, recipe_profile_file
+from odyssey_megatron.profile_file import emulated_profile
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op
-from odyssey_megatron.specs import DEVICE_SPECS
 
 __all__ = ["DeviceEmulation", "EmulatedClock", "STAMP_TAG_OFFSET", "recipe_emulation"]
 
@@ -171,16 +168,9 @@ class DeviceEmulation:
 def recipe_emulation(config: RecipeConfig) -> DeviceEmulation | None:
     """The emulation ``cluster.emulate_device`` asks for (None: off): a shipped device's
     analytic profile of the recipe's model, or a profile file measured for it."""
-    name = config.cluster.emulate_device
-    if name is None:
+    profile = emulated_profile(config)
+    if profile is None:
         return None
-    if name in DEVICE_SPECS:
-        profile = analytic_recipe_profile(config, device=name)
-    elif Path(name).exists():
-        profile = recipe_profile_file(name, config, key="cluster.emulate_device")
-    else:
-        raise ConfigError("cluster.emulate_device", f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile "
-                                                    f"JSON file; no such file: {name}")
     par = config.parallel
     cluster = ClusterState(world_size=par.num_ranks, tensor_parallel_size=par.tensor_model_parallel_size,
                            devices_per_node=config.cluster.devices_per_node)

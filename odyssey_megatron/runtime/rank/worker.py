@@ -76,6 +76,7 @@ from odyssey_megatron.runtime.protocol import (
 from odyssey_megatron.runtime.rank import op_timers
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
+from odyssey_megatron.runtime.rank.emulation import recipe_emulation
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
 from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
@@ -139,6 +140,8 @@ class Worker:
         self.config: RecipeConfig = recipe_from_yaml(spec.config_yaml)
         self.run_dir = Path(spec.run_dir)
         _write_output_to(self.run_dir / "logs" / f"rank-{launch.rank}.log")
+        self.emulation = recipe_emulation(self.config)
+        """``cluster.emulate_device``: every op paced to that device's time, or None (real time)."""
         train, par = self.config.training, self.config.parallel
         self.tp = par.tensor_model_parallel_size
         self.worker_id, self.tp_rank = launch.rank // self.tp, launch.rank % self.tp
@@ -337,7 +340,7 @@ class Worker:
                                  micro_batch_size=train.micro_batch_size, state=self.state,
                                  optimizer=optimizer_config(train, self.config.model.params_dtype),
                                  device=self.device, on_phase=self._on_phase, op_timers=self.op_timers,
-                                 collective_timeout=self.collective_timeout)
+                                 collective_timeout=self.collective_timeout, emulation=self.emulation)
         self.guard.track(self.runner.groups.owned)
         self._entered(plan.generation)
         interval = self.config.odyssey.checkpoint_interval
