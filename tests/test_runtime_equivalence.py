@@ -155,3 +155,19 @@ def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
         PlanRunner(plan=plan, program=step_program(plan, uniform_profile(num_layers=4)), rank=0, ranks=ranks,
                    model=model, micro_batch_size=MICRO_BATCH_SIZE, optimizer=OPTIMIZER, schedule="megatron",
                    state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))
+
+
+def test_megatron_schedule_refuses_a_staggered_optimizer_step():
+    """Megatron's 1F1B runs a step's backwards with no settle point before them, and the
+    staggered step in flight still needs the gradients they would write into."""
+    from odyssey_megatron.hooks.process_groups import RankMap
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+    from runtime_cases import MICRO_BATCH_SIZE, SEED, tiny_model
+
+    plan = symmetric_plan(dp=1, pp=2, num_layers=4, micro_batches_per_pipeline=2)
+    program = replace(step_program(plan, uniform_profile(num_layers=4)), staggered_optimizer=True)
+    ranks, model = RankMap.identity(2, 1), tiny_model(4)
+    with pytest.raises(ValueError, match="no settle point for a staggered optimizer step"):
+        PlanRunner(plan=plan, program=program, rank=0, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
+                   optimizer=OPTIMIZER, schedule="megatron",
+                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))

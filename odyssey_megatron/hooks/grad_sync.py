@@ -7,6 +7,16 @@ by the same workers form a sync unit: one flattened SUM all-reduce per unit, in 
 restorer's coloured rounds (a worker is in at most one unit per round, so the order of
 collectives is the same on every member).
 
+Each unit's gradients live in one contiguous buffer of the rank's, kept across steps:
+every parameter's ``.grad`` is a view into it, set (zeroed) before the step's first
+backward, so autograd accumulates straight into it and the all-reduce runs in place, as
+with PyTorch DDP's ``gradient_as_bucket_view`` (Megatron-Core's DDP also reduces a
+persistent buffer, after adding each ``.grad`` into it). Copying gradients into a fresh
+flat tensor and back cost more than the all-reduce itself on CPU (fresh allocations of a
+stage's size fault in every page). A staggered optimizer step keeps its gradients until
+it settles, before the next step's first backward (``schedules.ops.settle_point``): the
+runner starts the next step's gradients only then.
+
 With ``overlap`` a unit is a bucket: post-accumulate-grad hooks count its gradients, and
 when the step's last backward has reached every tensor of the unit its all-reduce starts
 asynchronously, while backward goes on through earlier layers. Units then start in the
@@ -51,36 +61,45 @@ def parameters_by_block(model: torch.nn.Module, stage: StageSpec) -> dict[Block,
 
 
 class _Bucket:
-    """One sync unit's tensors on this rank and its in-flight all-reduce."""
+    """One sync unit's tensors on this rank, the buffer their gradients live in and its
+    in-flight all-reduce."""
 
     def __init__(self, unit: int, group: dist.ProcessGroup, params: list[torch.nn.Parameter], clock: OpClock):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"sync unit {unit} mixes parameter dtypes {sorted(map(str, dtypes))}: its gradients "
+                             "share one buffer")
         self.unit, self.group, self.params, self.clock = unit, group, params, clock
+        total = sum(p.numel() for p in params)
+        like = params[0] if params else torch.empty(0)
+        self.flat = torch.zeros(total, dtype=like.dtype, device=like.device)
         self.pending = 0
+        self.started = False
         self.work: dist.Work | None = None
-        self.flat: torch.Tensor | None = None
+        """The all-reduce in flight, if started asynchronously."""
         self.paced: object = None
 
-    def start(self, *, async_op: bool) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        self.flat = torch.cat([g.reshape(-1) for g in grads])
-        self.paced = self.clock.collective_started(self.unit, self.group)
-        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-
-    def wait(self) -> None:
-        """Wait out the all-reduce started, if any, and the time the clock gives it."""
-        if self.work is not None:
-            self.work.wait()
-        if self.flat is not None:
-            self.clock.collective_finished(self.paced)
-
-    def finish(self) -> None:
-        self.wait()
+    def zero(self) -> None:
+        """Zero the buffer and make it the home of every parameter's gradient."""
+        self.flat.zero_()
         offset = 0
         for param in self.params:
             n = param.numel()
-            param.grad = self.flat[offset : offset + n].view_as(param).clone()
+            param.grad = self.flat[offset : offset + n].view_as(param)
             offset += n
-        self.work = self.flat = self.paced = None
+
+    def start(self, *, async_op: bool) -> None:
+        self.paced = self.clock.collective_started(self.unit, self.group)
+        self.started = True
+        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def finish(self) -> None:
+        """Wait out the all-reduce started, if any, and the time the clock gives it."""
+        if self.work is not None:
+            self.work.wait()
+        if self.started:
+            self.clock.collective_finished(self.paced)
+        self.started, self.work, self.paced = False, None, None
 
 
 class LayerGradSync:
@@ -123,10 +142,12 @@ class LayerGradSync:
         return len(self._buckets)
 
     def start_step(self, *, backward_passes: int) -> None:
-        """Call once per step before the first backward: this rank will run
-        ``backward_passes`` backwards through every one of its tensors."""
+        """Call once per step before the first backward, once nothing needs the last
+        step's gradients: this rank will run ``backward_passes`` backwards through every
+        one of its tensors, into zeroed gradients."""
         self._backward_passes = backward_passes
         for bucket in self._buckets:
+            bucket.zero()
             bucket.pending = backward_passes * len(bucket.params)
 
     def _on_grad(self, bucket: _Bucket, _param: torch.nn.Parameter) -> None:
@@ -137,16 +158,9 @@ class LayerGradSync:
     def sync(self) -> None:
         """Call once per step, after the last backward and before the optimizer step."""
         for bucket in self._buckets:
-            if bucket.work is None:
+            if not bucket.started:
                 bucket.start(async_op=False)
             bucket.finish()
-
-    def discard(self) -> None:
-        """Drop a step that must run again: wait out the all-reduces in flight (every
-        member started the same ones, having run the same op list) and forget them."""
-        for bucket in self._buckets:
-            bucket.wait()
-            bucket.work = bucket.flat = bucket.paced = None
 
 
 def block_owners(plan: ExecutionPlan) -> dict[Block, int]:

@@ -96,6 +96,8 @@ class StepExecutor:
                 step.weight_grad(op)
             else:
                 step.backward(op)
+        if settle is not None and step.settle_at == len(self.ops):  # no op here waits for it
+            step.settle_and_rerun([])
         return step.finish()
 
 

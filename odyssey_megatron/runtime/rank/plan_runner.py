@@ -81,8 +81,8 @@ class PlanRunner:
         collective_timeout: datetime.timedelta | None = None,
     ):
         """``program`` is the plan's step program (published with it). ``schedule``: auto
-        (Megatron's 1F1B unless micro-batches are rerouted, backwards split or the
-        pipeline's stage ranks do not ascend), odyssey (always the op-list executor) or
+        (Megatron's 1F1B unless micro-batches are rerouted, backwards split, optimizer
+        steps staggered or the pipeline's stage ranks do not ascend), odyssey (always the op-list executor) or
         megatron (refused where auto would not pick it). ``state`` holds exactly this
         rank's stage's blocks; the runner trains its tensors in place with Megatron's optimizer
         configured by ``optimizer`` (``hooks.stage_optimizer.optimizer_config`` of a recipe).
@@ -109,6 +109,9 @@ class PlanRunner:
         if schedule == "megatron" and program.split_backward:
             raise ValueError("Megatron's 1F1B cannot run split backwards; publish the step program with "
                              "odyssey.decoupled_weight_grads=false")
+        if schedule == "megatron" and program.staggered_optimizer:
+            raise ValueError("Megatron's 1F1B has no settle point for a staggered optimizer step; publish the step "
+                             "program with odyssey.staggered_optimizer=false")
         if schedule == "megatron" and not all(megatron_pipeline(p, ranks) for p in plan.pipelines):
             raise ValueError("Megatron's 1F1B needs every pipeline's stage ranks in ascending order")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
@@ -144,6 +147,7 @@ class PlanRunner:
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
         if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not program.split_backward
+                                      and not program.staggered_optimizer
                                       and self.groups.pipeline_group is not None and emulation is None):
             pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
             self.executor = MegatronPipelineSchedule(
@@ -178,23 +182,19 @@ class PlanRunner:
     def forward_backward(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
         """First half of a step: every forward and backward of this worker; returns the
         losses of the micro-batches whose last stage ran here. The previous step, if
-        staggered, is settled at the op list's settle point; Megatron's schedule, which
-        has none, settles it after them and runs them again if it was retaken."""
-        losses = self._run_ops(batches)
-        if self._speculative is not None and self._settle()[1]:
-            self.grad_sync.discard()
-            losses = self._run_ops(batches)
-        return losses
-
-    def _run_ops(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
+        staggered, is settled at the op list's settle point, before the first backward:
+        its gradients, which a retake steps with, are this step's buffers until then."""
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad()  # fp32 masters of a bf16 model
         self._take_snapshot()
-        self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
         on_device = lambda m: {k: v.to(self.device) for k, v in batches(m).items()}  # noqa: E731
-        if isinstance(self.executor, StepExecutor) and self._speculative is not None:
+        if self._speculative is not None:
             return self.executor.run(batches=on_device, settle=self._settle_at_settle_point)
+        self._start_gradients()
         return self.executor.run(batches=on_device)
+
+    def _start_gradients(self) -> None:
+        self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
 
     def _take_snapshot(self) -> None:
         """Start copying what a staggered step of this forward-backward would retake from."""
@@ -210,6 +210,7 @@ class PlanRunner:
         retaken = self._settle()[1]
         if retaken:
             self._take_snapshot()
+        self._start_gradients()
         return retaken
 
     def finish_step(self, losses: dict[int, float], *, apply: bool = True,
