@@ -437,8 +437,8 @@ def one_side(rank: int, world: int, plan_json: str, overrides: list[str], side: 
         run = lambda s: runner.train_step(lambda m: data.micro_batch(s, m))  # noqa: E731
     else:
         # The worker's program for this plan (whole backwards, as Megatron's 1F1B; not staggered, as odyssey train).
-        program = step_program(plan, uniform_profile(num_layers=recipe.model.num_layers), decouple=False,
-                               staggered=False)
+        program = step_program(plan, uniform_profile(num_layers=recipe.model.num_layers),
+                               pricing=Pricing(decouple=False, staggered=False))
         port = dist.distributed_c10d._get_default_store().underlying_store.port
         runner = LiveWorkerStep(plan=plan, program=program, rank=rank, world=world, generation=generation, port=port,
                                 timers=timers, recipe=recipe)

@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, RecipeConfig
+from odyssey_megatron.estimator import PlanEstimate, estimate_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.wakeup_loop import warm_up
 from odyssey_megatron.plan import ExecutionPlan
@@ -80,6 +81,8 @@ class DecisionCenter:
         """``prepare``'s own caches: it may run in a thread beside ``on_failure``."""
         self._program: tuple[ExecutionPlan, StepProgram] | None = None
         """The plan the program was last computed for, and the program."""
+        self._estimate: tuple[tuple[ExecutionPlan, ClusterState, ModelProfile], PlanEstimate] | None = None
+        """What the estimate was last computed for, and the estimate."""
         warm_up()  # the replay engine is compiled before the first failure, not during it
 
     @classmethod
@@ -106,9 +109,14 @@ class DecisionCenter:
     def on_failure(
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
         at_s: float | None = None, interval_s: float | None = None, in_memory: bool = False,
+        from_plan: ExecutionPlan | None = None,
     ) -> Decision:
         """Mark ``ranks`` and every rank of ``workers`` and ``nodes`` failed, decide, and
         commit the chosen plan.
+
+        ``from_plan``: what the survivors run, where it is not the plan committed last (a
+        recovery that failed before its first step leaves them holding the blocks of the
+        plan before it); the decision starts from it, and so do the ones after.
 
         ``at_s`` is the job's clock at the failure (seconds since start); given, the failure
         and the device-hours since the previous event feed the learned failure rate.
@@ -119,6 +127,8 @@ class DecisionCenter:
         UnrecoverableFailure when no candidate exists either.
         """
         self._observe(failures=1, at_s=at_s)
+        if from_plan is not None:
+            self.plan = from_plan
         before = self.cluster
         self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
         return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory)
@@ -137,7 +147,8 @@ class DecisionCenter:
         return [rank for worker in workers for rank in self.cluster.worker_ranks(worker)]
 
     def restart_on(self, plan: ExecutionPlan) -> None:
-        """The job restarted from a checkpoint onto ``plan`` (no in-memory recovery existed)."""
+        """The job restarted from a checkpoint onto ``plan`` (no in-memory recovery existed):
+        the simulator's checkpoint-restart fallback."""
         self.plan = plan
 
     def use_profile(self, profile: ModelProfile) -> None:
@@ -265,6 +276,15 @@ class DecisionCenter:
         if key not in prepared:
             return None
         return rename_drafts(prepared[key], pi), "renamed"
+
+    @property
+    def estimate(self) -> PlanEstimate:
+        """The current plan's estimate on the current cluster and profile, priced as its
+        program is (``odyssey.decoupled_weight_grads``, ``odyssey.staggered_optimizer``)."""
+        key = self.plan, self.cluster, self.profile
+        if self._estimate is None or any(a is not b for a, b in zip(self._estimate[0], key)):
+            self._estimate = key, estimate_plan(self.plan, self.profile, self.cluster, pricing=self.settings.pricing)
+        return self._estimate[1]
 
     @property
     def program(self) -> StepProgram:

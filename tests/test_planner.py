@@ -344,6 +344,21 @@ def test_in_memory_recovery_refuses_a_plan_that_needs_a_block_no_survivor_holds_
     assert decision.chosen.plan.blocks_from_nowhere == ["embedding", 0, 1] and center.plan is decision.chosen.plan
 
 
+
+def test_a_failure_during_a_recovery_is_decided_from_the_plan_the_survivors_hold():
+    """The runtime's recovery to plan A failed before A's first step: the survivors still
+    hold the blocks of the plan before it, so the next decision starts from that one
+    (under A's generation number), and so do the ones after."""
+    profile = uniform_profile(num_layers=4)
+    plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
+    center = DecisionCenter(plan=plan, cluster=ClusterState(world_size=4, devices_per_node=8), profile=profile,
+                            settings=_settings())
+    first = center.on_failure(ranks=[3], in_memory=True)
+    held = replace(plan, generation=first.chosen.plan.generation)
+    second = center.on_failure(ranks=[1], in_memory=True, from_plan=held)
+    assert second.replaced is held and second.chosen.plan.generation == held.generation + 1
+    assert center.plan is second.chosen.plan and not second.chosen.plan.blocks_from_nowhere
+
 def test_unrecoverable_when_nothing_fits():
     profile = replace(uniform_profile(num_layers=4, layer_state_bytes=10), memory_budget_bytes=25)
     plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)

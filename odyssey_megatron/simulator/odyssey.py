@@ -21,7 +21,6 @@ from typing import AbstractSet, Sequence
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.decision_center import DecisionCenter
-from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.simulator.restart import restart_onto_symmetric
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
@@ -57,7 +56,7 @@ class OdysseySystem:
         plan = initial_layout(self.context, max_layer_splits=self.settings.max_layer_splits)
         self.center = DecisionCenter(plan=plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
                                      search_time_s=self.decision_s)
-        estimate = estimate_plan(plan, self.context.profile, cluster, pricing=self.settings.pricing)
+        estimate = self.center.estimate
         self.step_s = estimate.step_time_s
         return estimate.samples_per_s
 

@@ -34,7 +34,6 @@ from typing import Optional
 
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
-from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import Decision
 from odyssey_megatron.restorer import mapping_bytes
@@ -61,7 +60,6 @@ from odyssey_megatron.runtime.protocol import (
 )
 from odyssey_megatron.runtime.step_ledger import StepLedger
 from odyssey_megatron.schedules.program import StepProgram
-from odyssey_megatron.settings import Pricing
 
 __all__ = ["RunFailed", "TrainingRun"]
 
@@ -149,8 +147,7 @@ class TrainingRun:
         return final
 
     def _train(self) -> Path:
-        self._publish(self.center.plan, estimate_plan(self.center.plan, self.center.profile, self.center.cluster,
-                                                      pricing=self.center.settings.pricing).step_time_s)
+        self._publish(self.center.plan, self.center.estimate.step_time_s)
         self.settled = self.plan
         while not self._final_written():
             self._collect_commits()
@@ -197,11 +194,8 @@ class TrainingRun:
         self._stop_preparing()
         self.center.use_profile(self.online.profile())
         self._priced_scales = self.online.scales
-        estimate = estimate_plan(self.plan, self.center.profile, self.center.cluster,
-                                 pricing=Pricing(decouple=self._program.split_backward,
-                                                 staggered=self._program.staggered_optimizer))
         self.controller.record.event("profile", generation=self.plan.generation, step=self.committed - 1,
-                                     **asdict(self.online.scales), estimated_step_s=estimate.step_time_s)
+                                     **asdict(self.online.scales), estimated_step_s=self.center.estimate.step_time_s)
         log.info("controller: profile rescaled to measured op times (forward x%.2f, backward x%.2f, "
                  "optimizer x%.2f)", *self.online.scales.as_tuple())
         self._start_preparing()
@@ -279,12 +273,13 @@ class TrainingRun:
 
     def _decide(self, failures: list[Failure]) -> Decision:
         """Run the decision center from the settled plan on the new survivors."""
-        if self.settled is not self.plan:  # a recovery failed: survivors hold the settled plan's blocks
-            self.center.restart_on(replace(self.settled, generation=self.plan.generation))
+        # A recovery that failed before its first step leaves survivors with the settled plan's blocks.
+        held = None if self.settled is self.plan else replace(self.settled, generation=self.plan.generation)
         # A lost node comes as the ranks it held: the decision center needs no node numbering.
         ranks = sorted({r for f in failures for r in f.ranks})
         # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint.
-        decision = self.center.on_failure(ranks=ranks, at_s=time.monotonic() - self.started, in_memory=not self.fresh)
+        decision = self.center.on_failure(ranks=ranks, at_s=time.monotonic() - self.started, in_memory=not self.fresh,
+                                          from_plan=held)
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
                  decision.chosen.policy, ranks)
         return decision
