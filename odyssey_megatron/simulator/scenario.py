@@ -12,22 +12,20 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import (
+from odyssey_megatron.config import RecipeConfig, load_config, require_wandb_project
+from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.profile_file import recipe_profile
+from odyssey_megatron.typed_yaml import (
     Choice,
-    RecipeConfig,
     choice,
-    load_config,
     load_structured,
     require,
     require_at_most,
     require_non_negative,
     require_plain_numbers,
     require_positive,
-    require_wandb_project,
 )
-from odyssey_megatron.errors import ConfigError
-from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
 SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle")
