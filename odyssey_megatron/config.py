@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from odyssey_megatron import limits
 from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
 from odyssey_megatron.errors import ConfigError
-from odyssey_megatron.settings import Pricing, SearchSettings
+from odyssey_megatron.settings import DecisionSettings, Pricing, SearchSettings
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
 from odyssey_megatron.specs.hf_config import read_model_fields
 from odyssey_megatron.timeouts import TIMEOUT_ORDER, Timeouts
@@ -563,6 +563,13 @@ class OdysseyConfig:
         """What the planner's search and Eq. 8 read (``settings.SearchSettings``)."""
         return SearchSettings(**{f.name: getattr(self, f.name) for f in fields(SearchSettings) if f.name != "pricing"},
                               pricing=self.pricing)
+
+    @property
+    def decisions(self) -> DecisionSettings:
+        """What the decision center reads (``settings.DecisionSettings``)."""
+        return DecisionSettings(search=self.search, device_mtbf_hours=self.device_mtbf_hours,
+                                learn_failure_rate=self.learn_failure_rate,
+                                prepared_decisions_mib=self.prepared_decisions_mib)
 
 
 @dataclass

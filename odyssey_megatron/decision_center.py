@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import OdysseyConfig, RecipeConfig
+from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.estimator import PlanEstimate, estimate_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.wakeup_loop import warm_up
@@ -35,6 +35,7 @@ from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
+from odyssey_megatron.settings import DecisionSettings
 from odyssey_megatron.units import MIB, SECONDS_PER_HOUR
 
 PREPARED_BYTES_PER_RANK = 1200
@@ -56,7 +57,7 @@ class DecisionCenter:
         plan: ExecutionPlan,
         cluster: ClusterState,
         profile: ModelProfile,
-        settings: OdysseyConfig,
+        settings: DecisionSettings,
         search_time_s: float | None = None,
     ):
         """A job running ``plan`` on ``cluster``. ``search_time_s`` replaces the measured
@@ -68,7 +69,7 @@ class DecisionCenter:
         self.search_time_s = search_time_s
         self.failure_model = FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
                                               learn=settings.learn_failure_rate)
-        self.search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
+        self.search = ReparallelizeSearch(profile, max_layer_splits=settings.search.max_layer_splits)
         self._last_event_s = 0.0
         self._prepared: tuple[ExecutionPlan, ClusterState, dict[frozenset[int], Drafts]] | None = None
         """Decisions priced in advance (``prepare``): for this plan on this cluster, per set
@@ -77,7 +78,7 @@ class DecisionCenter:
         """The symmetry of this plan on this cluster (``planner.symmetry``), found once."""
         self._cases: tuple[ExecutionPlan, ClusterState, list[frozenset[int]]] | None = None
         """Every likely failure of this plan on this cluster (``_every_case_of``)."""
-        self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
+        self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=settings.search.max_layer_splits)
         """``prepare``'s own caches: it may run in a thread beside ``on_failure``."""
         self._program: tuple[ExecutionPlan, StepProgram] | None = None
         """The plan the program was last computed for, and the program."""
@@ -104,7 +105,7 @@ class DecisionCenter:
             tensor_parallel_size=par.tensor_model_parallel_size,
             devices_per_node=config.cluster.devices_per_node,
         )
-        return cls(plan=plan, cluster=cluster, profile=profile, settings=config.odyssey)
+        return cls(plan=plan, cluster=cluster, profile=profile, settings=config.odyssey.decisions)
 
     def on_failure(
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
@@ -156,8 +157,8 @@ class DecisionCenter:
         search caches and the decisions prepared with the old one are dropped. Not while
         ``prepare`` runs."""
         self.profile = profile
-        self.search = ReparallelizeSearch(profile, max_layer_splits=self.settings.max_layer_splits)
-        self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=self.settings.max_layer_splits)
+        self.search = ReparallelizeSearch(profile, max_layer_splits=self.settings.search.max_layer_splits)
+        self._prepare_search = ReparallelizeSearch(profile, max_layer_splits=self.settings.search.max_layer_splits)
         self._prepared = None
         self._program = None
 
@@ -283,7 +284,8 @@ class DecisionCenter:
         program is (``odyssey.decoupled_weight_grads``, ``odyssey.staggered_optimizer``)."""
         key = self.plan, self.cluster, self.profile
         if self._estimate is None or any(a is not b for a, b in zip(self._estimate[0], key)):
-            self._estimate = key, estimate_plan(self.plan, self.profile, self.cluster, pricing=self.settings.pricing)
+            self._estimate = key, estimate_plan(self.plan, self.profile, self.cluster,
+                                                pricing=self.settings.search.pricing)
         return self._estimate[1]
 
     @property
@@ -293,7 +295,7 @@ class DecisionCenter:
         first asked for: the simulator never runs one."""
         if self._program is None or self._program[0] is not self.plan:
             self._program = self.plan, step_program(self.plan, self.profile, self.cluster,
-                                                    pricing=self.settings.pricing)
+                                                    pricing=self.settings.search.pricing)
         return self._program[1]
 
     def published(self) -> dict:

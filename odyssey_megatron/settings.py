@@ -1,5 +1,5 @@
 """What each consumer reads of a recipe's ``odyssey:`` section, as a small frozen view the
-section builds (``OdysseyConfig.pricing``, ``OdysseyConfig.search``), as it builds the
+section builds (``OdysseyConfig.pricing``, ``.search``, ``.decisions``), as it builds the
 runtime's ``Timeouts``. The fields are documented on ``OdysseyConfig``, under the names
 given here. They sit below ``config``, so the estimator and the planner take them without
 importing the recipe."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PLAIN", "Pricing", "SearchSettings"]
+__all__ = ["PLAIN", "DecisionSettings", "Pricing", "SearchSettings"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,15 @@ class SearchSettings:
     reparallelize_restart_s: float
     checkpoint_restart_penalty_s: float
     pricing: Pricing
+
+
+@dataclass(frozen=True)
+class DecisionSettings:
+    """What the decision center reads (``decision_center``): the search's settings, the
+    failure rate Eq. 8 starts from and whether it learns, and the memory its decisions
+    prepared in advance may take."""
+
+    search: SearchSettings
+    device_mtbf_hours: float
+    learn_failure_rate: bool
+    prepared_decisions_mib: float

@@ -78,7 +78,7 @@ def decide(*, current: ExecutionPlan, cluster: ClusterState, profile: ModelProfi
     """The decision a ``DecisionCenter`` running ``current`` on ``cluster`` (its failures and
     joins already marked) makes now, through the one door the CLI, the simulator and the
     controller use; ``failure_model`` and ``search`` replace the center's own."""
-    center = DecisionCenter(plan=current, cluster=cluster, profile=profile, settings=settings,
+    center = DecisionCenter(plan=current, cluster=cluster, profile=profile, settings=settings.decisions,
                             search_time_s=search_time_s)
     if failure_model is not None:
         center.failure_model = failure_model

@@ -334,7 +334,7 @@ def test_in_memory_recovery_refuses_a_plan_that_needs_a_block_no_survivor_holds_
     profile = uniform_profile(num_layers=4)
     plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
     center = DecisionCenter(plan=plan, cluster=ClusterState(world_size=4, devices_per_node=8), profile=profile,
-                            settings=_settings())
+                            settings=_settings().decisions)
     with pytest.raises(UnrecoverableFailure) as error:
         center.on_failure(ranks=[0, 1], in_memory=True)  # both replicas of stage 0: layers 0 and 1
     assert str(error.value) == (
@@ -352,7 +352,7 @@ def test_a_failure_during_a_recovery_is_decided_from_the_plan_the_survivors_hold
     profile = uniform_profile(num_layers=4)
     plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
     center = DecisionCenter(plan=plan, cluster=ClusterState(world_size=4, devices_per_node=8), profile=profile,
-                            settings=_settings())
+                            settings=_settings().decisions)
     first = center.on_failure(ranks=[3], in_memory=True)
     held = replace(plan, generation=first.chosen.plan.generation)
     second = center.on_failure(ranks=[1], in_memory=True, from_plan=held)

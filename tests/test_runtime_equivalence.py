@@ -21,6 +21,7 @@ from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.schedules.ops import WEIGHT_GRAD, Op
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.settings import Pricing
 from odyssey_megatron.testing.local_world import run_world
@@ -171,3 +172,34 @@ def test_megatron_schedule_refuses_a_staggered_optimizer_step():
         PlanRunner(plan=plan, program=program, rank=0, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
                    optimizer=OPTIMIZER, schedule="megatron",
                    state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))
+
+
+def test_auto_takes_megatrons_schedule_only_for_plain_1f1b_and_megatron_is_refused_elsewhere():
+    """``resolve_schedule`` is pure: each reason Megatron's 1F1B cannot run a step, alone."""
+    from odyssey_megatron.hooks.process_groups import RankMap
+    from odyssey_megatron.runtime.rank.plan_runner import resolve_schedule
+
+    profile = uniform_profile(num_layers=4)
+    plain = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)
+    program = step_program(plain, profile)
+    ranks = RankMap.identity(4, 1)
+    rerouted = reroute_plan(with_sync(plain, profile), failed_workers={3}, profile=profile)
+    descending = asymmetric_plan([(2, 2)], [2], worker_of=lambda d, s: 1 - s)
+    cases = {
+        "rerouted": dict(plan=rerouted, program=step_program(rerouted, profile, pricing=Pricing(decouple=False))),
+        "paced": dict(plan=plain, program=program, emulated=True),
+        "split backwards": dict(plan=plain, program=replace(program, ops={
+            w: ops + (Op(WEIGHT_GRAD, 0, 0, 0),) for w, ops in program.ops.items()})),
+        "staggered optimizer": dict(plan=plain, program=replace(program, staggered_optimizer=True)),
+        "ascending": dict(plan=descending, program=step_program(descending, profile), ranks=RankMap.identity(2, 1)),
+    }
+    assert resolve_schedule("auto", plan=plain, program=program, worker=0, ranks=ranks, emulated=False) == "megatron"
+    assert resolve_schedule("megatron", plan=plain, program=program, worker=0, ranks=ranks, emulated=False) == "megatron"
+    for reason, case in cases.items():
+        args = {"worker": 0, "ranks": ranks, "emulated": False, **case}
+        assert resolve_schedule("auto", **args) == "odyssey", reason
+        assert resolve_schedule("odyssey", **args) == "odyssey", reason
+        with pytest.raises(ValueError, match=reason):
+            resolve_schedule("megatron", **args)
+    with pytest.raises(ValueError, match="schedule must be one of auto, odyssey, megatron; got 'fast'"):
+        resolve_schedule("fast", plan=plain, program=program, worker=0, ranks=ranks, emulated=False)

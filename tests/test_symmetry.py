@@ -106,7 +106,7 @@ def _assert_renamed_drafts_exact(center: DecisionCenter, drafts, pi: dict[int, i
         assert not set(renamed.plan.workers) & after.failed_workers
         assert not {r.worker for r in renamed.plan.reroutes} & after.failed_workers
         check_transfers(renamed.plan, holdings=holdings, profile=profile, cluster=after)
-        estimate = estimate_plan(renamed.plan, profile, after, pricing=settings.pricing)
+        estimate = estimate_plan(renamed.plan, profile, after, pricing=settings.search.pricing)
         for term in ("pipeline_time_s", "sync_time_s", "optimizer_time_s"):
             assert math.isclose(getattr(estimate, term), getattr(draft.estimate, term), rel_tol=1e-9)
         assert estimate.peak_memory_bytes == draft.estimate.peak_memory_bytes

@@ -54,8 +54,8 @@ class OdysseySystem:
 
     def start(self, cluster: ClusterState) -> float:
         plan = initial_layout(self.context, max_layer_splits=self.settings.max_layer_splits)
-        self.center = DecisionCenter(plan=plan, cluster=cluster, profile=self.context.profile, settings=self.settings,
-                                     search_time_s=self.decision_s)
+        self.center = DecisionCenter(plan=plan, cluster=cluster, profile=self.context.profile,
+                                     settings=self.settings.decisions, search_time_s=self.decision_s)
         estimate = self.center.estimate
         self.step_s = estimate.step_time_s
         return estimate.samples_per_s

@@ -29,7 +29,7 @@ from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, me
 from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
-from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan
 from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.hooks.stage_step import MicroBatch
 from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
@@ -51,6 +51,38 @@ class StepResult:
     grad_norm: float | None
     """Global norm before clipping; None while the step is staggered (``PlanRunner.settle``)."""
 
+
+
+def resolve_schedule(schedule: str, *, plan: ExecutionPlan, program: StepProgram, worker: int, ranks: RankMap,
+                     emulated: bool) -> str:
+    """Which schedule runs ``worker``'s steps: ``megatron`` (Megatron-Core's own 1F1B) or
+    ``odyssey`` (the op-list executor). ``auto`` takes Megatron's where the step is plain
+    1F1B on this worker's pipeline; ``megatron`` is refused, naming why, wherever it
+    could not run the step as the program was priced."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    refusals = [why for refused, why in (
+        (bool(plan.reroutes), "Megatron's 1F1B cannot run a plan with rerouted micro-batches"),
+        (emulated, "Megatron's 1F1B cannot be paced for device-time emulation; use schedule auto or odyssey"),
+        (program.split_backward, "Megatron's 1F1B cannot run split backwards; publish the step program with "
+                                 "odyssey.decoupled_weight_grads=false"),
+        (program.staggered_optimizer, "Megatron's 1F1B has no settle point for a staggered optimizer step; publish "
+                                      "the step program with odyssey.staggered_optimizer=false"),
+    ) if refused]
+    if schedule == "megatron":
+        if not refusals and not all(megatron_pipeline(p, ranks) for p in plan.pipelines):
+            refusals.append("Megatron's 1F1B needs every pipeline's stage ranks in ascending order")
+        if refusals:
+            raise ValueError(refusals[0])
+        return "megatron"
+    if schedule == "auto" and not refusals and megatron_pipeline(_pipeline_of(plan, worker), ranks):
+        return "megatron"
+    return "odyssey"
+
+
+def _pipeline_of(plan: ExecutionPlan, worker: int) -> PipelinePlan:
+    """The pipeline whose stage ``worker`` owns (a plan Megatron's 1F1B runs reroutes nothing)."""
+    return next(p for p in plan.pipelines if worker in {s.worker for s in p.stages})
 
 def initial_state(*, plan: ExecutionPlan, rank: int, ranks: RankMap, model: ModelConfig, seed: int,
                   device: torch.device = torch.device("cpu")) -> TrainingState:
@@ -80,10 +112,8 @@ class PlanRunner:
         op_timers: OpTimers | None = None,
         collective_timeout: datetime.timedelta | None = None,
     ):
-        """``program`` is the plan's step program (published with it). ``schedule``: auto
-        (Megatron's 1F1B unless micro-batches are rerouted, backwards split, optimizer
-        steps staggered or the pipeline's stage ranks do not ascend), odyssey (always the op-list executor) or
-        megatron (refused where auto would not pick it). ``state`` holds exactly this
+        """``program`` is the plan's step program (published with it). ``schedule``: auto,
+        odyssey or megatron (``resolve_schedule``). ``state`` holds exactly this
         rank's stage's blocks; the runner trains its tensors in place with Megatron's optimizer
         configured by ``optimizer`` (``hooks.stage_optimizer.optimizer_config`` of a recipe).
         ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
@@ -97,23 +127,11 @@ class PlanRunner:
         ``op_timers`` becomes Megatron's ``timers`` of the model and optimizer configs
         (``runtime.rank.op_timers``): each op's seconds, for the online profile.
         ``collective_timeout``: the plan's process groups' timeout (``build_plan_groups``)."""
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if program.generation != plan.generation:
             raise ValueError(f"step program of generation {program.generation} given for plan generation "
                              f"{plan.generation}")
-        if schedule == "megatron" and plan.reroutes:
-            raise ValueError("Megatron's 1F1B cannot run a plan with rerouted micro-batches")
-        if schedule == "megatron" and emulation is not None:
-            raise ValueError("Megatron's 1F1B cannot be paced for device-time emulation; use schedule auto or odyssey")
-        if schedule == "megatron" and program.split_backward:
-            raise ValueError("Megatron's 1F1B cannot run split backwards; publish the step program with "
-                             "odyssey.decoupled_weight_grads=false")
-        if schedule == "megatron" and program.staggered_optimizer:
-            raise ValueError("Megatron's 1F1B has no settle point for a staggered optimizer step; publish the step "
-                             "program with odyssey.staggered_optimizer=false")
-        if schedule == "megatron" and not all(megatron_pipeline(p, ranks) for p in plan.pipelines):
-            raise ValueError("Megatron's 1F1B needs every pipeline's stage ranks in ascending order")
+        runs_megatron = resolve_schedule(schedule, plan=plan, program=program, worker=ranks.worker(rank), ranks=ranks,
+                                         emulated=emulation is not None) == "megatron"
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
@@ -146,10 +164,8 @@ class PlanRunner:
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
-        if schedule == "megatron" or (schedule == "auto" and not plan.reroutes and not program.split_backward
-                                      and not program.staggered_optimizer
-                                      and self.groups.pipeline_group is not None and emulation is None):
-            pipeline = next(p for p in plan.pipelines if self.worker in {s.worker for s in p.stages})
+        if runs_megatron:
+            pipeline = _pipeline_of(plan, self.worker)
             self.executor = MegatronPipelineSchedule(
                 model=self.model,
                 pipeline_group=self.groups.pipeline_group,
