@@ -349,7 +349,7 @@ class LiveWorkerStep:
         from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
         from odyssey_megatron.runtime.step_ledger import StepLedger
 
-        self.rank, self.timers, self.phase = rank, timers, "recovery"
+        self.rank, self.timers, self.phase, self.step = rank, timers, "recovery", 0
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         group_store = self.store.clone()
         group_store.set_timeout(COLLECTIVE_TIMEOUT)
