@@ -162,7 +162,7 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
     from odyssey_megatron.data import SyntheticTokens
     from odyssey_megatron.hooks.stage_optimizer import optimizer_config
     from odyssey_megatron.runtime.rank.op_timers import OpTimers
-    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
     from odyssey_megatron.schedules.program import read_published
 
     config = load_config(RECIPE, recipe)
@@ -171,13 +171,16 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
     ranks = RankMap.identity(world_size, 1)
     open("/proc/self/clear_refs", "w").write("5")  # the peak resident set starts from here
     baseline_kib = _status_kib("VmRSS")
-    runner = PlanRunner(
-        plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=batch,
-        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
-        optimizer=optimizer_config(config.training, model.params_dtype),
+    settings = RunnerSettings(
+        model=model, micro_batch_size=batch, optimizer=optimizer_config(config.training, model.params_dtype),
         emulation=None if emulated is None else DeviceEmulation(profile=emulated, cluster=CLUSTER),
-        # The worker's: odyssey.online_profile's op timers, and a phase hook (where its fault injector acts).
-        op_timers=OpTimers(torch.device("cpu")) if live else None, on_phase=(lambda phase: None) if live else None,
+        # The worker's: odyssey.online_profile's op timers (and below, a phase hook, where its fault injector acts).
+        op_timers=OpTimers(torch.device("cpu")) if live else None,
+    )
+    runner = PlanRunner(
+        plan=plan, program=program, rank=rank, ranks=ranks,
+        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
+        settings=settings, on_phase=(lambda phase: None) if live else None,
     )
     data = SyntheticTokens(model.vocab_size, model.seq_length, batch)
     ends = []

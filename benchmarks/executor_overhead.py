@@ -104,16 +104,16 @@ def one_layer_at_a_time(plan: ExecutionPlan) -> ExecutionPlan:
 def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
     """A rank of ``plan`` running the step program the decision center would publish
     (split backwards where they pay; never for Megatron's 1F1B), from the seed's state."""
-    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
 
     pricing = Pricing(decouple=schedule != "megatron", staggered=staggered)
     program = step_program(plan, uniform_profile(num_layers=MODEL.num_layers), pricing=pricing)
     ranks = RankMap.identity(world, 1)
-    return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=MODEL,
-                      micro_batch_size=MICRO_BATCH_SIZE,
+    return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks,
                       state=initial_state(plan=plan, rank=rank, ranks=ranks, model=MODEL, seed=1),
-                      optimizer=OptimizerConfig(lr=1e-4),
-                      schedule=schedule, overlap_grad_sync=overlap)
+                      settings=RunnerSettings(model=MODEL, micro_batch_size=MICRO_BATCH_SIZE,
+                                              optimizer=OptimizerConfig(lr=1e-4), schedule=schedule,
+                                              overlap_grad_sync=overlap))
 
 
 def executor_vs_megatron(rank: int, world: int, plan_json: str, steps: int) -> dict[str, list[float]]:
@@ -346,7 +346,7 @@ class LiveWorkerStep:
         from odyssey_megatron.hooks.collective_guard import CollectiveGuard, prepare_backend
         from odyssey_megatron.hooks.stage_optimizer import optimizer_config
         from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
-        from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+        from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
         from odyssey_megatron.runtime.step_ledger import StepLedger
 
         self.rank, self.timers, self.phase, self.step = rank, timers, "recovery", 0
@@ -362,11 +362,12 @@ class LiveWorkerStep:
         self.injector = FaultInjector((), rank=rank, node=0, local_rank=rank, launcher_pid=os.getppid())
         model, ranks = recipe.model, RankMap.identity(world, 1)
         self.data = _IndexedSamples(model, recipe.training.micro_batch_size)
-        self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
-                                 micro_batch_size=recipe.training.micro_batch_size,
+        settings = RunnerSettings(model=model, micro_batch_size=recipe.training.micro_batch_size,
+                                  optimizer=optimizer_config(recipe.training, model.params_dtype), op_timers=timers,
+                                  collective_timeout=COLLECTIVE_TIMEOUT)
+        self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks,
                                  state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
-                                 optimizer=optimizer_config(recipe.training, model.params_dtype),
-                                 on_phase=self._on_phase, op_timers=timers, collective_timeout=COLLECTIVE_TIMEOUT)
+                                 settings=settings, on_phase=self._on_phase)
         self.guard.track(self.runner.groups.owned)
         self.commit_s: list[float] = []
         """Per step: this rank's commit (report, count in, wait for the decision)."""

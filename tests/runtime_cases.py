@@ -30,6 +30,14 @@ def tiny_model(num_layers: int, tie_embeddings: bool = False) -> ModelConfig:
     return ModelConfig(**{**TINY, "num_layers": num_layers, "tie_embeddings": tie_embeddings})
 
 
+def runner_settings(model: ModelConfig, **fields):
+    """``PlanRunner``'s settings for ``model`` at the tests' micro-batch size and optimizer;
+    ``fields`` sets the others (schedule, emulation, ...)."""
+    from odyssey_megatron.runtime.rank.plan_runner import RunnerSettings
+
+    return RunnerSettings(model=model, micro_batch_size=MICRO_BATCH_SIZE, optimizer=OPTIMIZER, **fields)
+
+
 def data() -> SyntheticTokens:
     return SyntheticTokens(TINY["vocab_size"], TINY["seq_length"], MICRO_BATCH_SIZE, seed=SEED)
 
@@ -96,12 +104,8 @@ def run_plan(
         program=program,
         rank=rank,
         ranks=ranks,
-        model=model,
-        micro_batch_size=MICRO_BATCH_SIZE,
         state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
-        optimizer=OPTIMIZER,
-        schedule=schedule,
-        overlap_grad_sync=overlap,
+        settings=runner_settings(model, schedule=schedule, overlap_grad_sync=overlap),
     )
     source, losses, first_grads, early = data(), [], None, []
     for step in range(STEPS):
@@ -137,9 +141,9 @@ def last_stage_steps_first(rank: int, world_size: int, published: str, marker: s
     plan, program = read_published(json.loads(published))
     ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
     runner = PlanRunner(
-        plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
+        plan=plan, program=program, rank=rank, ranks=ranks,
         state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
-        optimizer=OPTIMIZER,
+        settings=runner_settings(model),
     )
     source, seen = data(), False
     losses = runner.forward_backward(lambda m: source.micro_batch(0, m))
@@ -172,9 +176,9 @@ def timed_steps(rank: int, world_size: int, cases: list) -> list[dict]:
         plan, program = read_published(json.loads(published))
         ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
         runner = PlanRunner(
-            plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
+            plan=plan, program=program, rank=rank, ranks=ranks,
             state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
-            optimizer=OPTIMIZER, emulation=emulation,
+            settings=runner_settings(model, emulation=emulation),
         )
         source, seconds = data(), []
         for step in range(2):
@@ -223,14 +227,14 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
     model = ModelConfig(**{**TINY, "num_layers": plan.num_layers, **json.loads(model_fields)})
     store = dist.distributed_c10d._get_default_store()
     state = initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED)
+    settings = runner_settings(model)
     source, resident, copy_bytes = data(), [], 0
     gc.freeze()  # as the worker does once its long-lived objects are loaded
     for generation in range(1, generations + 1):
         dist.destroy_process_group()
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120),
                                 store=dist.PrefixStore(process_group_prefix(generation), store))
-        runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
-                            micro_batch_size=MICRO_BATCH_SIZE, state=state, optimizer=OPTIMIZER)
+        runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, state=state, settings=settings)
         runner.train_step(lambda m, step=generation: source.micro_batch(step, m))
         runner.settle()
         copy_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -251,9 +255,9 @@ def op_times(rank: int, world_size: int, published: str, schedule: str) -> dict:
     ranks, model = RankMap.identity(world_size, 1), tiny_model(plan.num_layers)
     timers = OpTimers(torch.device("cpu"))
     runner = PlanRunner(
-        plan=plan, program=program, rank=rank, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
-        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED), optimizer=OPTIMIZER,
-        schedule=schedule, op_timers=timers,
+        plan=plan, program=program, rank=rank, ranks=ranks,
+        state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
+        settings=runner_settings(model, schedule=schedule, op_timers=timers),
     )
     source, taken = data(), []
     for step in range(2):

@@ -14,7 +14,7 @@ from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.settings import Pricing
-from runtime_cases import MICRO_BATCH_SIZE, OPTIMIZER, SEED, data, tiny_model
+from runtime_cases import SEED, data, runner_settings, tiny_model
 
 
 def _runner(plan: ExecutionPlan, rank: int, ranks: RankMap, model, state: TrainingState):
@@ -24,8 +24,8 @@ def _runner(plan: ExecutionPlan, rank: int, ranks: RankMap, model, state: Traini
 
     program = step_program(plan, uniform_profile(num_layers=plan.num_layers),
                            pricing=Pricing(decouple=True, staggered=True))
-    return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=model,
-                      micro_batch_size=MICRO_BATCH_SIZE, state=state, optimizer=OPTIMIZER)
+    return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, state=state,
+                      settings=runner_settings(model))
 
 
 def _train(runner, steps: range) -> None:

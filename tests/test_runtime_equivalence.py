@@ -25,7 +25,7 @@ from odyssey_megatron.schedules.ops import WEIGHT_GRAD, Op
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.settings import Pricing
 from odyssey_megatron.testing.local_world import run_world
-from runtime_cases import LR, OPTIMIZER, last_stage_steps_first, reference, run_plan
+from runtime_cases import LR, last_stage_steps_first, reference, run_plan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -148,14 +148,14 @@ def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
     stage i; ``auto`` runs such a pipeline on the executor (``test_training_state``)."""
     from odyssey_megatron.hooks.process_groups import RankMap
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
-    from runtime_cases import MICRO_BATCH_SIZE, SEED, tiny_model
+    from runtime_cases import SEED, runner_settings, tiny_model
 
     plan = asymmetric_plan([(2, 2)], [2], worker_of=lambda d, s: 1 - s)
     ranks, model = RankMap.identity(2, 1), tiny_model(4)
     with pytest.raises(ValueError, match="ascending order"):
         PlanRunner(plan=plan, program=step_program(plan, uniform_profile(num_layers=4)), rank=0, ranks=ranks,
-                   model=model, micro_batch_size=MICRO_BATCH_SIZE, optimizer=OPTIMIZER, schedule="megatron",
-                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))
+                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED),
+                   settings=runner_settings(model, schedule="megatron"))
 
 
 def test_megatron_schedule_refuses_a_staggered_optimizer_step():
@@ -163,15 +163,15 @@ def test_megatron_schedule_refuses_a_staggered_optimizer_step():
     staggered step in flight still needs the gradients they would write into."""
     from odyssey_megatron.hooks.process_groups import RankMap
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
-    from runtime_cases import MICRO_BATCH_SIZE, SEED, tiny_model
+    from runtime_cases import SEED, runner_settings, tiny_model
 
     plan = symmetric_plan(dp=1, pp=2, num_layers=4, micro_batches_per_pipeline=2)
     program = replace(step_program(plan, uniform_profile(num_layers=4)), staggered_optimizer=True)
     ranks, model = RankMap.identity(2, 1), tiny_model(4)
     with pytest.raises(ValueError, match="no settle point for a staggered optimizer step"):
-        PlanRunner(plan=plan, program=program, rank=0, ranks=ranks, model=model, micro_batch_size=MICRO_BATCH_SIZE,
-                   optimizer=OPTIMIZER, schedule="megatron",
-                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED))
+        PlanRunner(plan=plan, program=program, rank=0, ranks=ranks,
+                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED),
+                   settings=runner_settings(model, schedule="megatron"))
 
 
 def test_auto_takes_megatrons_schedule_only_for_plain_1f1b_and_megatron_is_refused_elsewhere():

@@ -92,6 +92,38 @@ def initial_state(*, plan: ExecutionPlan, rank: int, ranks: RankMap, model: Mode
                                  tp_size=tp, device=device)
 
 
+@dataclass(frozen=True)
+class RunnerSettings:
+    """What a rank's ``PlanRunner`` runs with that stays the same across a run's plan
+    generations: the model and batch the recipe trains, how its optimizer and gradient
+    sync run, and this rank's device, op timers, emulation and collective timeout. A
+    worker builds them once, where it is set up, and gives them to every generation's
+    runner; what changes with each generation (the plan, its step program, the rank map,
+    the blocks held, the fault injector's phase hook) is passed to the runner itself."""
+
+    model: ModelConfig
+    """The whole model the stages are cut from."""
+    micro_batch_size: int
+    """Samples per micro-batch."""
+    optimizer: OptimizerConfig
+    """Megatron's optimizer config (``hooks.stage_optimizer.optimizer_config`` of a recipe); the
+    runner trains the state's tensors in place with it."""
+    schedule: str = "auto"
+    """auto, odyssey or megatron (``resolve_schedule``)."""
+    overlap_grad_sync: bool = False
+    """Start each sync unit's all-reduce as soon as backward is done with it."""
+    device: torch.device = torch.device("cpu")
+    """This rank's accelerator device (``hooks.select_accelerator``)."""
+    emulation: DeviceEmulation | None = None
+    """Pace every op to a profile's device time (``runtime.rank.emulation``); Megatron's
+    schedule cannot be paced, so the op-list executor runs. None: real time."""
+    op_timers: OpTimers | None = None
+    """Becomes Megatron's ``timers`` of the model and optimizer configs
+    (``runtime.rank.op_timers``): each op's seconds, for the online profile."""
+    collective_timeout: datetime.timedelta | None = None
+    """The plan's process groups' timeout (``build_plan_groups``)."""
+
+
 class PlanRunner:
     def __init__(
         self,
@@ -100,67 +132,52 @@ class PlanRunner:
         program: StepProgram,
         rank: int,
         ranks: RankMap,
-        model: ModelConfig,
-        micro_batch_size: int,
         state: TrainingState,
-        optimizer: OptimizerConfig,
-        schedule: str = "auto",
-        overlap_grad_sync: bool = False,
-        device: torch.device = torch.device("cpu"),
-        emulation: DeviceEmulation | None = None,
+        settings: RunnerSettings,
         on_phase: Callable[[str], None] | None = None,
-        op_timers: OpTimers | None = None,
-        collective_timeout: datetime.timedelta | None = None,
     ):
-        """``program`` is the plan's step program (published with it). ``schedule``: auto,
-        odyssey or megatron (``resolve_schedule``). ``state`` holds exactly this
-        rank's stage's blocks; the runner trains its tensors in place with Megatron's optimizer
-        configured by ``optimizer`` (``hooks.stage_optimizer.optimizer_config`` of a recipe).
-        ``overlap_grad_sync`` starts each sync unit's all-reduce as soon as backward is done
-        with it. ``device`` is this rank's accelerator device (``hooks.select_accelerator``).
-        ``emulation`` paces every op to a profile's device time (``runtime.rank.emulation``);
-        Megatron's schedule cannot be paced, so the op-list executor runs. ``on_phase`` is
+        """``program`` is the plan's step program (published with it). ``state`` holds
+        exactly this rank's stage's blocks; the runner trains its tensors in place.
+        ``settings`` is what stays the same across the run's generations. ``on_phase`` is
         called as the step enters each phase (forward, backward, grad_sync, optimizer: after
         the global norm and the commit, before the step is applied), once per micro-batch
         for the forward and backward, and with group_setup here, before the plan's groups
-        are built: where a fault injector acts.
-        ``op_timers`` becomes Megatron's ``timers`` of the model and optimizer configs
-        (``runtime.rank.op_timers``): each op's seconds, for the online profile.
-        ``collective_timeout``: the plan's process groups' timeout (``build_plan_groups``)."""
+        are built: where a fault injector acts."""
         if program.generation != plan.generation:
             raise ValueError(f"step program of generation {program.generation} given for plan generation "
                              f"{plan.generation}")
-        runs_megatron = resolve_schedule(schedule, plan=plan, program=program, worker=ranks.worker(rank), ranks=ranks,
-                                         emulated=emulation is not None) == "megatron"
+        runs_megatron = resolve_schedule(settings.schedule, plan=plan, program=program, worker=ranks.worker(rank),
+                                         ranks=ranks, emulated=settings.emulation is not None) == "megatron"
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
         """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
         self._on_phase = on_phase or (lambda phase: None)
         self._on_phase("group_setup")
-        self.groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=collective_timeout)
+        self.groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=settings.collective_timeout)
         self.stage = StageSpec.of_worker(plan, self.worker)
-        self.device = device
-        self.model = build_stage_model(model, self.stage, pg_collection=self.groups.pg_collection)
-        self.model.to(device)
-        self.model.config.timers = op_timers
+        self.device = settings.device
+        self.model = build_stage_model(settings.model, self.stage, pg_collection=self.groups.pg_collection)
+        self.model.to(settings.device)
+        self.model.config.timers = settings.op_timers
         if on_phase is not None:
             self.model.register_forward_pre_hook(lambda *_: on_phase("forward"))
             next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase("backward"))
         self.optimizer = StageOptimizer(
-            state, self.model, self.stage, config=replace(optimizer, timers=op_timers),
+            state, self.model, self.stage, config=replace(settings.optimizer, timers=settings.op_timers),
             counted_blocks={b for b, owner in block_owners(plan).items() if owner == self.worker},
             norm_group=self.groups.norm_group, tp_group=self.groups.pg_collection.tp)
         self.params = parameters_by_block(self.model, self.stage)
         self.ops = list(program.ops_of(self.worker))
-        self.clock = OpClock() if emulation is None else emulation.clock(plan=plan, ranks=ranks, worker=self.worker,
-                                                                        ops=self.ops, device=device)
+        self.clock = OpClock() if settings.emulation is None else settings.emulation.clock(
+            plan=plan, ranks=ranks, worker=self.worker, ops=self.ops, device=settings.device)
         self.grad_sync = LayerGradSync(
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
-            overlap=overlap_grad_sync, clock=self.clock,
+            overlap=settings.overlap_grad_sync, clock=self.clock,
         )
         self.staggered_optimizer = program.staggered_optimizer
-        self._snapshots = SnapshotPool(device) if self.staggered_optimizer and optimizer.clip_grad > 0 else None
+        self._snapshots = (SnapshotPool(settings.device)
+                           if self.staggered_optimizer and settings.optimizer.clip_grad > 0 else None)
         self._snapshot: RetakeSnapshot | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
@@ -172,8 +189,8 @@ class PlanRunner:
                 stage_collection=self.groups.pg_collection,
                 micro_batches=pipeline.micro_batches,
                 total_micro_batches=plan.num_micro_batches,
-                seq_length=model.seq_length,
-                micro_batch_size=micro_batch_size,
+                seq_length=settings.model.seq_length,
+                micro_batch_size=settings.micro_batch_size,
             )
         else:
             self.executor = StepExecutor(
@@ -181,9 +198,9 @@ class PlanRunner:
                 ranks=ranks,
                 tp_rank=self.tp_rank,
                 model=self.model,
-                activation_shape=(model.seq_length, micro_batch_size, model.hidden_size),
+                activation_shape=(settings.model.seq_length, settings.micro_batch_size, settings.model.hidden_size),
                 dtype=self.model.config.params_dtype,
-                device=device,
+                device=settings.device,
                 ops=self.ops,
                 weight_grads=split_linear_backward(self.model) if any(op.kind == WEIGHT_GRAD for op in self.ops)
                 else None,

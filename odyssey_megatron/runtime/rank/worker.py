@@ -79,7 +79,7 @@ from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.emulation import recipe_emulation
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
 from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
-from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
 from odyssey_megatron.runtime.step_ledger import COMMITTED, StepLedger
 
 __all__ = ["GenerationEnded", "train_worker"]
@@ -140,8 +140,6 @@ class Worker:
         self.config: RecipeConfig = recipe_from_yaml(spec.config_yaml)
         self.run_dir = Path(spec.run_dir)
         _write_output_to(self.run_dir / "logs" / f"rank-{launch.rank}.log")
-        self.emulation = recipe_emulation(self.config)
-        """``cluster.emulate_device``: every op paced to that device's time, or None (real time)."""
         train, par = self.config.training, self.config.parallel
         self.tp = par.tensor_model_parallel_size
         self.worker_id, self.tp_rank = launch.rank // self.tp, launch.rank % self.tp
@@ -165,6 +163,13 @@ class Worker:
         self.op_timers = op_timers.OpTimers(self.device) if self.config.odyssey.online_profile else None
         self.timeouts = launch.timeouts
         self.collective_timeout = datetime.timedelta(seconds=self.timeouts.collective_timeout)
+        self.runner_settings = RunnerSettings(
+            model=self.config.model, micro_batch_size=train.micro_batch_size,
+            optimizer=optimizer_config(train, self.config.model.params_dtype), device=self.device,
+            emulation=recipe_emulation(self.config), op_timers=self.op_timers,
+            collective_timeout=self.collective_timeout)
+        """What every generation's runner runs with; ``emulation`` is ``cluster.emulate_device``'s: every
+        op paced to that device's time, or None (real time)."""
         self.guard = CollectiveGuard(backend=self.accelerator.backend, timeout_s=self.timeouts.collective_timeout)
         """Ends every wait on the generation's groups when the controller aborts it."""
         prepare_backend(self.accelerator.backend)
@@ -336,11 +341,8 @@ class Worker:
             self._wait_until_ended()
             return
         train = self.config.training
-        self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, model=self.config.model,
-                                 micro_batch_size=train.micro_batch_size, state=self.state,
-                                 optimizer=optimizer_config(train, self.config.model.params_dtype),
-                                 device=self.device, on_phase=self._on_phase, op_timers=self.op_timers,
-                                 collective_timeout=self.collective_timeout, emulation=self.emulation)
+        self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, state=self.state,
+                                 settings=self.runner_settings, on_phase=self._on_phase)
         self.guard.track(self.runner.groups.owned)
         self._entered(plan.generation)
         interval = self.config.odyssey.checkpoint_interval
