@@ -44,14 +44,13 @@
    rank to count in (it waits for no one, so it is the store's round trips) and the
    guard's cost (its ``Work.wait`` calls a step times what its helper-thread hand-off
    adds to one wait, measured on small all-reduces).
-   Measured 2026-11-27 (shared 2-core CPU, load average 4-16, ``--rounds 4
-   --steps-per-round 2``: 8 pairs): Megatron 33.1 s a step, the worker's step 40.3 s,
-   overhead +17.6 % (pairs from -2.9 to +74.2 %, quartiles +4.0 / +36.0 %; 68 paced ops
-   overran; paced forward/backward 1.67 / 5.87 s); the commit 1.5 ms a step (0.005 %);
-   the guard's wait no slower than a direct one (863 against 906 us, 6 waits a step). The
-   gap is neither: timed apart afterwards (2 steps a side), the plugin's layer-wise DP
-   sync took 2.8-11.1 s a step in real time against 0.7-3.5 s for Megatron's
-   ``finalize_model_grads``, most of it; the rest is noise (pairs run minutes apart).
+   Measured 2026-11-27 after the in-place DP sync (shared 2-core CPU, nothing else running,
+   load average 2.4-3.3, ``--rounds 6 --steps-per-round 2``: 12 pairs): Megatron 23.80 s a
+   step, the worker's step 23.69 s, overhead -2.06 % (pairs from -12.9 to +15.0 %,
+   quartiles -8.4 / +3.8 %; 16 paced ops overran; paced forward/backward 0.99 / 4.18 s);
+   the commit 0.6 ms a step (0.003 %), the guard about 0.5 ms a step. With tests running
+   beside it (load 3-6, 8 pairs): +4.90 % (-29.7 to +34.2 %). Before, the layer-wise DP
+   sync copied every gradient into a fresh flat tensor and back (+17.6 % over 8 pairs).
 
 Prints medians and the ratios. Run: .venv/bin/python benchmarks/executor_overhead.py [--only-overhead] [--rounds 4 --steps-per-round 3]
 Absolute times on a shared 2-core machine are noise; read the ratios.
