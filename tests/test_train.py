@@ -209,9 +209,6 @@ def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_pat
         (str(r["failed_ranks"]), r["policy"]) for r in done]
 
 
-POLL_S = 0.05
-"""The controller's poll interval (half the default heartbeat interval of 0.1 s)."""
-
 
 @pytest.fixture(scope="module")
 def reparallelized(tmp_path_factory, data_cache) -> tuple[Path, str]:
@@ -261,13 +258,17 @@ def test_reparallelizing_survives_kills_mid_transfer_in_group_setup_and_two_at_o
         return [p for p in plans if p["time"] < failure["detected_at"]][-1]
 
     # Ranks 0 and 7 failed in one instant. The controller decides once for failures that
-    # reach it within a poll of each other; on a busy machine one may die later than that
-    # (the kernel's teardown of a killed process waits for a core) and is a restart.
-    together = abs(failures[(0,)]["detected_at"] - failures[(7,)]["detected_at"]) < POLL_S
+    # reach it while it gathers (a poll after it noticed the first); on a busy machine one
+    # may die later than that (the kernel's teardown of a killed process waits for a core)
+    # and is a restart. Every plan published since the first of them is one try of the
+    # last recovery: rank 6's kill in group setup restarts it at least once.
+    first_at = min(failures[(0,)]["detected_at"], failures[(7,)]["detected_at"])
+    tries = [p for p in plans if p["time"] > first_at]
+    together = not {0, 7} & set(tries[0]["workers"])
     done = recoveries(run_dir)
-    assert [(r["failed_ranks"], r["policy"], r["start_step"], r["restarts"]) for r in done] == [
-        ([2, 5], "reparallelize", 1, 1), ([4], "reparallelize", 2, 0),
-        ([0, 6, 7], "reparallelize", 4, 1 if together else 2)]
+    assert [(r["failed_ranks"], r["policy"], r["start_step"]) for r in done] == [
+        ([2, 5], "reparallelize", 1), ([4], "reparallelize", 2), ([0, 6, 7], "reparallelize", 4)]
+    assert [r["restarts"] for r in done] == [1, 0, len(tries) - 1] and len(tries) >= 2
     assert all(r["transfer_bytes"] > 0 and r["mapping_bytes"] <= r["naive_mapping_bytes"] for r in done)
     if together:
         assert not {0, 7} & set(plan_before(failures[(6,)])["workers"])
