@@ -319,4 +319,3 @@ def emulated_profile(config: RecipeConfig) -> ModelProfile | None:
         return recipe_profile_file(name, config, key="cluster.emulate_device")
     raise ConfigError("cluster.emulate_device", f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile "
                                                 f"JSON file; no such file: {name}")
-

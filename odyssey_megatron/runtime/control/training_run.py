@@ -59,7 +59,6 @@ from odyssey_megatron.runtime.protocol import (
     stopped_key,
 )
 from odyssey_megatron.runtime.step_ledger import StepLedger
-from odyssey_megatron.schedules.program import StepProgram
 
 __all__ = ["RunFailed", "TrainingRun"]
 
@@ -112,8 +111,6 @@ class TrainingRun:
         """The step this invocation started at: until one more commits, no trained state exists."""
         self.plan: Optional[ExecutionPlan] = None
         """The generation published last."""
-        self._program: Optional[StepProgram] = None
-        """Its step program."""
         self.settled: Optional[ExecutionPlan] = None
         """The last generation whose first step committed (or the first generation)."""
         self.started = time.monotonic()
@@ -181,7 +178,7 @@ class TrainingRun:
     def _publish(self, plan: ExecutionPlan, estimated_step_s: float) -> None:
         self.controller.publish_plan(plan, self.center.program, start_step=self.committed, fresh=self.fresh,
                                      estimated_step_s=estimated_step_s)
-        self.plan, self._program = plan, self.center.program
+        self.plan = plan
         self._start_steps[plan.generation] = self.committed
         self._start_preparing()
 

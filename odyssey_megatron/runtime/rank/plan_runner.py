@@ -52,7 +52,6 @@ class StepResult:
     """Global norm before clipping; None while the step is staggered (``PlanRunner.settle``)."""
 
 
-
 def resolve_schedule(schedule: str, *, plan: ExecutionPlan, program: StepProgram, worker: int, ranks: RankMap,
                      emulated: bool) -> str:
     """Which schedule runs ``worker``'s steps: ``megatron`` (Megatron-Core's own 1F1B) or
@@ -83,6 +82,7 @@ def resolve_schedule(schedule: str, *, plan: ExecutionPlan, program: StepProgram
 def _pipeline_of(plan: ExecutionPlan, worker: int) -> PipelinePlan:
     """The pipeline whose stage ``worker`` owns (a plan Megatron's 1F1B runs reroutes nothing)."""
     return next(p for p in plan.pipelines if worker in {s.worker for s in p.stages})
+
 
 def initial_state(*, plan: ExecutionPlan, rank: int, ranks: RankMap, model: ModelConfig, seed: int,
                   device: torch.device = torch.device("cpu")) -> TrainingState:
@@ -146,9 +146,9 @@ class PlanRunner:
         if program.generation != plan.generation:
             raise ValueError(f"step program of generation {program.generation} given for plan generation "
                              f"{plan.generation}")
-        runs_megatron = resolve_schedule(settings.schedule, plan=plan, program=program, worker=ranks.worker(rank),
-                                         ranks=ranks, emulated=settings.emulation is not None) == "megatron"
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
+        runs_megatron = resolve_schedule(settings.schedule, plan=plan, program=program, worker=self.worker,
+                                         ranks=ranks, emulated=settings.emulation is not None) == "megatron"
         self._speculative: StaggeredStep | None = None
         self.retaken_steps = 0
         """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
