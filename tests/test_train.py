@@ -424,9 +424,10 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
                                                                                           reference):
     """A terminal's Ctrl-C (SIGINT to the whole process group) once a step is recorded: the
     run stops, every block is saved as of the last committed step and the run exits 130
-    saying how to resume. The resumed run is stopped by SIGTERM to its main process (as
-    SLURM or Kubernetes send it), exits 143, and a second resume trains to the end: the
-    failure-free model, and every step committed exactly once over the three runs."""
+    saying how to resume. The resumed run is stopped by SIGTERM to its whole process group
+    (as SLURM signals every process of a job step: the fork server too, which once left the
+    launcher reading every worker as dead), exits 143, and a second resume trains to the
+    end: the failure-free model, and every step committed exactly once over the three runs."""
     run_dir, slow = tmp_path / "run", slow_device(tmp_path, forward_s=0.1)  # about 4 s a step
     stops = []
     for stop, command in ((signal.SIGINT, None), (signal.SIGTERM, ["--resume", str(run_dir)])):
@@ -434,10 +435,7 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
             [sys.executable, "-m", "odyssey_megatron.cli", "train", *command], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True))
         wait_for_step(run_dir, stops[-1] if stops else 0, nodes=(process,))  # the first step this run records
-        if stop == signal.SIGINT:
-            os.killpg(process.pid, stop)
-        else:
-            process.send_signal(stop)
+        os.killpg(process.pid, stop)
         status, _, err = finish(process)
         assert status == 128 + stop, err[-4000:]
         outcome = json.loads((run_dir / "outcome.json").read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import signal
 
 __all__ = ["WORKER_PRELOAD", "fork_context", "start_fork_server"]
 
@@ -27,8 +28,20 @@ def fork_context(target_module: str = WORKER_PRELOAD[0]) -> multiprocessing.cont
     return context
 
 
-def start_fork_server() -> None:
-    """Start the fork server now, in the background: it imports the worker's module while
-    this process goes on; the launcher's first worker reuses it."""
-    fork_context()
-    multiprocessing.forkserver.ensure_running()
+def start_fork_server(target_module: str = WORKER_PRELOAD[0]) -> multiprocessing.context.BaseContext:
+    """Start the fork server now, if it is not running, in the background: it imports the
+    worker's module while this process goes on; the launcher's workers are forked from it.
+    Returns its context (``fork_context``).
+
+    It starts with SIGTERM ignored (a disposition its exec keeps, and its workers inherit,
+    as they ignore it anyway): SLURM signals every process of a job step, and a fork server
+    killed by it would leave every worker's exit status unreadable to the launcher
+    (multiprocessing reports 255 for each), though the workers live on to save the stop's
+    checkpoint. SIGINT it ignores itself."""
+    context = fork_context(target_module)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return context

@@ -34,7 +34,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from odyssey_megatron.runtime.control.detector import describe_exit
-from odyssey_megatron.runtime.control.fork_server import fork_context
+from odyssey_megatron.runtime.control.fork_server import start_fork_server
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
@@ -113,7 +113,7 @@ class NodeLauncher:
         self._stop_signal = signal_name
 
     def _start_workers(self) -> None:
-        context = fork_context(self.target.__module__)
+        context = start_fork_server(self.target.__module__)
         for local_rank, rank in enumerate(self.config.ranks):
             launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
                                   world_size=self.config.world_size, store_host=self.config.master_addr,
