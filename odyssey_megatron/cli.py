@@ -207,7 +207,7 @@ def decision_json(decision: Decision, published: dict) -> dict:
     }
 
 
-def _describe(decision: Decision, failed: str) -> str:
+def _describe(decision: Decision, failed: str, snapshots: str) -> str:
     c = decision.chosen
     plan, est = c.plan, c.estimate
     moved = sum(t.bytes for t in plan.transfers)
@@ -230,6 +230,7 @@ def _describe(decision: Decision, failed: str) -> str:
     for r in plan.reroutes:
         lines.append(f"    reroute p{r.pipeline} stage {r.stage}: {len(r.micro_batches)} mb -> worker {r.worker}")
     lines.append(f"  memory budget {est.memory_budget_bytes / GIB:.1f} GiB per device")
+    lines.append(f"  snapshots   {snapshots}")
     if decision.alternatives:
         lines.append("alternatives:")
         for alt in decision.alternatives:
@@ -245,6 +246,7 @@ def _describe(decision: Decision, failed: str) -> str:
 
 def _plan_command(args: argparse.Namespace) -> int:
     from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.estimator.snapshot import snapshot_host_bytes
     from odyssey_megatron.profile_file import recipe_profile
 
     config, bridge = _load_recipe(args.config, args.overrides)
@@ -266,6 +268,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     bad = [n for n in failed_nodes if not 0 <= n < nodes]
     if bad:
         raise ConfigError("--failed-nodes", f"nodes must lie in 0..{nodes - 1}; got {bad}")
+    configured = config.odyssey.snapshot_interval
+    interval = configured if configured is not None else center.snapshot_interval()
+    host = snapshot_host_bytes(center.plan, center.profile, nodes_per_group=config.odyssey.snapshot_parity_nodes,
+                               nodes=center.cluster.num_nodes)
+    snapshots = (f"every {interval} steps{'' if configured is not None else ' (Young)'}, {host / GIB:.2f} GiB of host "
+                 "memory per rank (its share and parity chunk, twice)" if interval else "none")
     decision = center.on_failure(ranks=failed, nodes=failed_nodes)
     if args.json:
         print(dumps(decision_json(decision, center.published())))
@@ -274,7 +282,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             f"ranks {failed}" if failed else "",
             f"nodes {failed_nodes}" if failed_nodes else "",
         ])) or "nothing"
-        print(_describe(decision, what))
+        print(_describe(decision, what, snapshots))
     return 0
 
 

@@ -79,9 +79,10 @@ class LengthSweep(Choice):
 
 
 class FaultPhase(Choice):
-    """Where in a worker's step an injected fault strikes. In training: forward and backward
-    (each micro-batch), grad_sync (before the DP all-reduces), optimizer (after the global
-    norm and the step's commit, before the step is applied: its replicas apply it). In the
+    """Where in a worker's step an injected fault strikes. In training: snapshot (as a step
+    that takes an in-memory snapshot starts, before this rank writes its part), forward and
+    backward (each micro-batch), grad_sync (before the DP all-reduces), optimizer (after the
+    global norm and the step's commit, before the step is applied: its replicas apply it). In the
     recovery that resumes at the step, in the order a rank passes them: recovery (entering
     the new plan, before its process group's rendezvous), transfer (the group formed, before
     any block moves), mid_transfer (after this rank's first block moved, sent or received,
@@ -89,6 +90,7 @@ class FaultPhase(Choice):
     rank, its blocks moved, about to build the plan's process groups while its peers build
     them)."""
 
+    snapshot = "snapshot"
     forward = "forward"
     backward = "backward"
     grad_sync = "grad_sync"
@@ -384,9 +386,10 @@ class FaultSpec:
                     f"{key}.with_ranks", f"must name other ranks than rank {self.rank}, each once; got {self.with_ranks}")
 
     def check_within(self, key: str, *, num_ranks: int, devices_per_node: int, train_iters: int,
-                     dedicated_controller: bool = False) -> None:
-        """Its target and step exist in the recipe's run. Nodes are numbered as launched:
-        node 0 hosts the controller, beside its workers unless ``dedicated_controller``."""
+                     dedicated_controller: bool = False, snapshot_interval: Optional[int] = None) -> None:
+        """Its target and step exist in the recipe's run, and a snapshot fault's step takes a
+        snapshot (``snapshot_interval``, set). Nodes are numbered as launched: node 0 hosts
+        the controller, beside its workers unless ``dedicated_controller``."""
         if self.rank is not None:
             require(0 <= self.rank < num_ranks, f"{key}.rank",
                     f"must lie in 0..{num_ranks - 1} (the recipe's {num_ranks} ranks); got {self.rank}")
@@ -406,6 +409,10 @@ class FaultSpec:
                     f" (cluster.devices_per_node={devices_per_node}): it kills their pids; got {peer}")
         require(0 <= self.step < train_iters, f"{key}.step",
                 f"must lie in 0..{train_iters - 1} (training.train_iters is {train_iters}); got {self.step}")
+        if self.phase == FaultPhase.snapshot:
+            require(bool(snapshot_interval) and self.step > 0 and self.step % snapshot_interval == 0, f"{key}.step",
+                    f"must be a step that takes a snapshot (a positive multiple of odyssey.snapshot_interval, "
+                    f"{snapshot_interval}) for phase snapshot; got {self.step}")
 
     @property
     def target(self) -> str:
@@ -513,6 +520,16 @@ class OdysseyConfig:
     RUN_DIR/checkpoint/, keyed by global parameter names, so they load under any layout).
     A run that loses every replica of a block exits 3; ``odyssey train --resume RUN_DIR``
     continues from the last one. 0: none (recovery in memory only)."""
+    snapshot_interval: Optional[int] = None
+    """Committed steps between two in-memory snapshots (paper 004): each training rank
+    copies its share of its stage's state into its node's keeper memory, overlapped with
+    the next step, protected by XOR parity across nodes (``snapshot``). When every replica
+    of a block dies, the run rolls back to the last snapshot and replays from it instead of
+    exiting 3. Default (null): Young's interval, sqrt(2 x snapshot time x the job's mean
+    time between failures), in steps; 0: none."""
+    snapshot_parity_nodes: int = 4
+    """Nodes per parity protection group: each group's snapshots survive the loss of any
+    one of its nodes; the parity costs 1/(nodes - 1) of a shard in host memory."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
@@ -524,6 +541,10 @@ class OdysseyConfig:
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
                              "reparallelize_restart_s", "checkpoint_restart_penalty_s", "checkpoint_interval",
                              "prepared_decisions_mib")
+        if self.snapshot_interval is not None:
+            require_non_negative("odyssey", self, "snapshot_interval")
+        require(self.snapshot_parity_nodes >= 2, "odyssey.snapshot_parity_nodes",
+                f"must be >= 2 (parity needs a node beside the one it protects); got {self.snapshot_parity_nodes}")
         require_at_most("odyssey", self, limits.MAX_SEARCH_RADIUS, "candidates grow with the radii",
                         "dp_search_radius", "pp_search_radius")
         require_at_most("odyssey", self, limits.MAX_LAYER_SPLITS, "each is priced", "max_layer_splits")
@@ -610,7 +631,8 @@ class RecipeConfig:
         for index, spec in enumerate(self.odyssey.faults):
             spec.check_within(f"odyssey.faults[{index}]", num_ranks=par.num_ranks,
                               devices_per_node=self.cluster.devices_per_node, train_iters=train.train_iters,
-                              dedicated_controller=self.cluster.dedicated_controller)
+                              dedicated_controller=self.cluster.dedicated_controller,
+                              snapshot_interval=self.odyssey.snapshot_interval)
         limits.check_plan_size(
             workers=par.pipeline_model_parallel_size * par.data_parallel_size,
             micro_batches=train.num_micro_batches,

@@ -18,8 +18,9 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.estimator import PlanEstimate, estimate_plan
 from odyssey_megatron.estimator.program import step_program
+from odyssey_megatron.estimator.snapshot import snapshot_copy_s, young_interval_steps
 from odyssey_megatron.estimator.wakeup_loop import warm_up
-from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.planner import (
     Decision,
     Drafts,
@@ -36,7 +37,11 @@ from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.settings import DecisionSettings
+from odyssey_megatron.snapshot.restore import Restore, SnapshotLost
 from odyssey_megatron.units import MIB, SECONDS_PER_HOUR
+
+SnapshotSource = Callable[[ExecutionPlan, ClusterState], tuple[Restore, tuple[Transfer, ...]]]
+"""Where a plan gets every block back from the last in-memory snapshot (``on_failure``)."""
 
 PREPARED_BYTES_PER_RANK = 1200
 """What one prepared decision keeps per rank of the plan, at most: a few candidate plans
@@ -110,7 +115,7 @@ class DecisionCenter:
     def on_failure(
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
         at_s: float | None = None, interval_s: float | None = None, in_memory: bool = False,
-        from_plan: ExecutionPlan | None = None,
+        from_plan: ExecutionPlan | None = None, snapshot: SnapshotSource | None = None, roll_back: bool = False,
     ) -> Decision:
         """Mark ``ranks`` and every rank of ``workers`` and ``nodes`` failed, decide, and
         commit the chosen plan.
@@ -124,7 +129,12 @@ class DecisionCenter:
         ``interval_s`` replaces the expected time to the next failure in Eq. 8 (hindsight:
         the simulator's oracle knows it). ``in_memory``: the job goes on from what the
         survivors hold, so a plan that needs a block no survivor holds is no plan: raises
-        UnrecoverableFailure naming the blocks, and commits nothing. Raises
+        UnrecoverableFailure naming the blocks, and commits nothing, unless ``snapshot``
+        restores them: given the chosen plan and the cluster, it says where every block
+        comes back from as of the last in-memory snapshot (``snapshot.restore.plan_restore``),
+        and the decision rolls back to it (``Decision.rollback``); ``roll_back``: it does so
+        whatever the survivors hold (they hold the snapshot's blocks: a rollback failed
+        before its first step). Raises
         UnrecoverableFailure when no candidate exists either.
         """
         self._observe(failures=1, at_s=at_s)
@@ -132,7 +142,8 @@ class DecisionCenter:
             self.plan = from_plan
         before = self.cluster
         self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
-        return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory)
+        return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory,
+                            snapshot=snapshot, roll_back=roll_back)
 
     def on_join(self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), at_s: float | None = None,
                 interval_s: float | None = None) -> Decision:
@@ -288,6 +299,13 @@ class DecisionCenter:
                                                 pricing=self.settings.search.pricing)
         return self._estimate[1]
 
+    def snapshot_interval(self) -> int:
+        """Steps between in-memory snapshots by Young's rule for the current plan, cluster
+        and failure rate (``estimator.snapshot``): the default of ``odyssey.snapshot_interval``."""
+        return young_interval_steps(copy_s=snapshot_copy_s(self.plan, self.profile),
+                                    step_s=self.estimate.step_time_s,
+                                    mtbf_s=self.failure_model.expected_interval_s(self.cluster.alive_devices))
+
     @property
     def program(self) -> StepProgram:
         """The current plan's step program: the op lists and flags (split backward,
@@ -312,9 +330,10 @@ class DecisionCenter:
         self._last_event_s = at_s
 
     def _decide(self, interval_s: float | None, *,
-                prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None, in_memory: bool = False) -> Decision:
+                prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None, in_memory: bool = False,
+                snapshot: SnapshotSource | None = None, roll_back: bool = False) -> Decision:
         """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8;
-        ``in_memory`` as in ``on_failure``."""
+        ``in_memory`` and ``snapshot`` as in ``on_failure``."""
         started = time.perf_counter()
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
                                                          profile=self.profile, settings=self.settings.search,
@@ -325,9 +344,19 @@ class DecisionCenter:
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
                            source=source, replaced=self.plan)
-        if in_memory and (lost := decision.chosen.plan.blocks_from_nowhere):
-            raise UnrecoverableFailure(f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
-                                       f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them")
+        lost = decision.chosen.plan.blocks_from_nowhere if in_memory else []
+        if lost or (roll_back and snapshot is not None):
+            why = (f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
+                   f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them") if lost else \
+                "the rollback in progress was interrupted"
+            if snapshot is None:
+                raise UnrecoverableFailure(why)
+            try:
+                restore, transfers = snapshot(decision.chosen.plan, self.cluster)
+            except SnapshotLost as exc:
+                raise UnrecoverableFailure(f"{why}, and {exc}") from None
+            chosen = replace(decision.chosen, plan=replace(decision.chosen.plan, transfers=transfers))
+            decision = replace(decision, chosen=chosen, rollback=restore)
         self.plan = decision.chosen.plan
         return decision
 

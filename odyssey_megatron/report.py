@@ -230,7 +230,10 @@ def summary_text(run: RunRecords) -> str:
                      + " + ".join(f"{name} {_s(s)}" for name, s in phases.items())
                      + f" = {_s(sum(phases.values()))}"
                      + (f"; {r.get('transfers', 0)} transfers, {moved / 2**20:.2f} MiB moved" if _is_number(moved)
-                        else ""))
+                        else "")
+                     + (f"; rolled back to the in-memory snapshot of step {r['snapshot_step']} "
+                        f"({r.get('replayed_steps')} steps trained again, {r.get('rebuilt_shards')} shards rebuilt "
+                        "from parity)" if r.get("snapshot_step") is not None else ""))
     lost = sum(r["first_step_at"] - r["failed_at"] for r in recoveries)
     lines.append(f"time lost to recoveries: {_s(lost)} (from each failure to the first step committed after it)")
     account = samples_account(run)

@@ -68,6 +68,27 @@ def test_a_recovery_is_one_line_with_the_decision_and_the_time_to_train_again():
                     "+ decision 0.040 s + entering the plan 0.400 s + first step 0.500 s)")
 
 
+def test_a_rollback_names_its_snapshot_the_steps_trained_again_and_the_shards_rebuilt():
+    record = {"failed_ranks": [2, 3], "cause": "node", "policy": "reparallelize", "decision_source": "cold",
+              "chosen": {"layout": "[3,3,2]x2"}, "alternatives": [], "transfers": 11, "transfer_bytes": 2**21,
+              "start_step": 2, "restarts": 0, "failed_at": 0.0, "detected_at": 1.0, "decided_at": 1.1,
+              "ready_at": 1.5, "first_step_at": 2.0, "detection_s": 1.0, "to_first_step_s": 2.0,
+              "snapshot_step": 2, "replayed_steps": 2, "rebuilt_shards": 2}
+    assert ("reparallelize to [3,3,2]x2 (cold decision, best of 1 plans), rolled back to the in-memory snapshot of "
+            "step 2 (2 steps to train again, 2 shards rebuilt from parity), 11 transfers 2.00 MiB, from step 2; "
+            "training again 2.000 s") in recovery_line(record)
+
+
+def test_a_rollback_restarts_the_progress_interval():
+    p = progress(log_interval=1)
+    for s in range(4):
+        p.committed(step=s, loss=1.0, ranks=8, now=float(s))
+    p.rolled_back()
+    again = p.committed(step=2, loss=1.0, ranks=6, now=10.0)
+    assert "iteration        3/" in again and "elapsed time" not in again  # no interval behind it
+    assert "elapsed time per iteration (ms): 500.0" in p.committed(step=3, loss=1.0, ranks=6, now=10.5)
+
+
 def test_the_terminal_shows_the_console_and_warnings_and_keeps_info_chatter_for_the_node_log():
     def record(name, level):
         return logging.LogRecord(name, level, __file__, 1, "the message", None, None)

@@ -62,8 +62,8 @@ def test_faults_from_yaml_and_from_the_command_line_are_the_same(tmp_path):
     assert load_config(printed).odyssey.faults == from_cli.odyssey.faults
 
 
-ALLOWED_PHASES = ("must be one of forward, backward, grad_sync, optimizer, transfer, recovery, mid_transfer, "
-                  "group_setup; got 'backwards'")
+ALLOWED_PHASES = ("must be one of snapshot, forward, backward, grad_sync, optimizer, transfer, recovery, "
+                  "mid_transfer, group_setup; got 'backwards'")
 ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks fill 1 node(s) of cluster.devices_per_node=8"
 
 
@@ -101,6 +101,9 @@ ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks 
          "each once"),
         ("[{rank: 1, step: 2, phase: forward, action: kill, with_ranks: [8]}]", "odyssey.faults[0].with_ranks",
          "must name ranks of rank 1's node, 0..7 (cluster.devices_per_node=8): it kills their pids; got 8"),
+        ("[{rank: 1, step: 2, phase: snapshot, action: kill}]", "odyssey.faults[0].step",
+         "must be a step that takes a snapshot (a positive multiple of odyssey.snapshot_interval, None) for phase "
+         "snapshot; got 2"),
     ],
 )
 def test_bad_fault_is_one_line_naming_its_key(faults, key, problem):

@@ -486,23 +486,75 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     assert_same_training(run_dir, reference)
 
 
-def test_losing_every_replica_of_a_stage_exits_3_and_resumes_from_the_checkpoint(tmp_path, data_cache, reference):
-    """Both replicas of stage 1 die in step 3: no plan can go on in memory. The run exits 3
-    naming the lost blocks and the checkpoint taken after step 2; ``--resume`` replays
-    from there and ends where the failure-free run ends."""
+def test_every_replica_of_a_stage_killed_at_once_rolls_back_to_the_snapshot_in_their_node_s_keeper(
+        tmp_path, data_cache, reference):
+    """Both replicas of stage 1 (ranks 2 and 3, on the one node of the tiny recipe) die in
+    one instant as step 4 starts: no survivor holds blocks 2 and 3, and there is no disk
+    checkpoint. Snapshots are taken every 2 steps; step 4's never completes (ranks 2 and 3
+    die before writing their part), so the run rolls back to step 2's: the survivors read the
+    dead ranks' shards from the node's keeper (which outlives its trainers), train steps 2
+    and 3 again and end with the failure-free model, each step's samples recorded once."""
     run_dir = tmp_path / "run"
-    status, _, err = finish(train(run_dir, data_cache, "odyssey.checkpoint_interval=2", faults(
-        "{rank: 2, step: 3, phase: forward, action: kill}", "{rank: 3, step: 3, phase: forward, action: kill}")))
+    status, _, err = finish(train(run_dir, data_cache, "odyssey.snapshot_interval=2", faults(
+        "{rank: 2, with_ranks: [3], step: 4, phase: snapshot, action: kill}")))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    (recovery,) = recoveries(run_dir)
+    assert recovery["failed_ranks"] == [2, 3] and recovery["snapshot_step"] == 2, recovery
+    assert recovery["replayed_steps"] == 2 and recovery["rebuilt_shards"] == 0
+    assert recovery["read_for_failed_ranks"] == [2, 3]  # read from the keeper by survivors
+    assert "rolled back to the in-memory snapshot of step 2 (2 steps to train again)" in err
+    logs = "".join(p.read_text() for p in run_dir.glob("logs/rank-*.log"))
+    assert "read rank 2's snapshot shard of step 2 from the node's keeper" in logs
+    assert not (run_dir / "checkpoint").exists()
+    assert_same_training(run_dir, reference)
+
+
+def test_a_lost_node_holding_every_replica_of_a_stage_is_rebuilt_from_parity_across_the_other_nodes(
+        tmp_path, data_cache, reference):
+    """4 nodes of 2 ranks: DP 2 x PP 4 puts both replicas of stage k on node k. Node 1 dies
+    whole as step 4 starts (its launcher, the keeper of its snapshot memory, and its
+    workers): its stage's only copies and its snapshot shards are gone. Its two shards of
+    step 2's snapshot are rebuilt by XOR from the parity of their protection groups (the
+    i-th rank of every node), the run rolls back to step 2 and ends with the failure-free
+    model."""
+    run_dir = tmp_path / "run"
+    status, _, err = train_nodes(run_dir, data_cache, 4, "cluster.devices_per_node=2", "odyssey.snapshot_interval=2",
+                                 "odyssey.online_profile=false", "--nnodes", "4", "--master-port", str(_free_port()),
+                                 faults("{node: 1, step: 4, phase: snapshot, action: kill}"))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    (recovery,) = recoveries(run_dir)
+    assert recovery["cause"] == "node" and recovery["failed_ranks"] == [2, 3], recovery
+    assert recovery["snapshot_step"] == 2 and recovery["rebuilt_shards"] == 2 and recovery["replayed_steps"] == 2
+    logs = "".join(p.read_text() for p in run_dir.glob("logs/rank-*.log"))
+    assert "rebuilt rank 2's snapshot shard of step 2 from parity (group [0, 2, 4, 6])" in logs
+    assert "rebuilt rank 3's snapshot shard of step 2 from parity (group [1, 3, 5, 7])" in logs
+    assert_same_training(run_dir, reference)
+
+
+def test_two_lost_nodes_of_one_protection_group_fall_back_to_the_disk_checkpoint_and_resume_from_it(
+        tmp_path, data_cache, reference):
+    """4 nodes of 2 ranks, snapshots every 2 steps and a disk checkpoint every 2: nodes 1
+    and 2 die as step 4 starts (its checkpoint saved, its snapshot not). Ranks 2 and 4 are
+    in one protection group, which rebuilds one lost shard at most: the run exits 3 saying
+    so and naming the checkpoint of step 4; ``--resume`` on one node continues from there
+    and ends where the failure-free run ends."""
+    run_dir = tmp_path / "run"
+    status, _, err = train_nodes(run_dir, data_cache, 4, "cluster.devices_per_node=2", "odyssey.snapshot_interval=2",
+                                 "odyssey.checkpoint_interval=2", "odyssey.online_profile=false", "--nnodes", "4",
+                                 "--master-port", str(_free_port()),
+                                 faults("{node: 1, step: 4, phase: snapshot, action: kill}",
+                                        "{node: 2, step: 4, phase: snapshot, action: kill}"))
     assert status == 3, err[-4000:]
-    assert "unrecoverable: blocks 2, 3 were lost on every replica (ranks [2, 3] failed)" in err, (
-        err[-3000:] + run_logs(run_dir))
-    assert f"resume from the checkpoint of step 2 with: odyssey train --resume {run_dir}" in err
+    assert "the snapshot shards of ranks [2, 4] are all lost, and their protection group (ranks [0, 2, 4, 6]) " \
+           "rebuilds one at most" in err, err[-3000:] + run_logs(run_dir)
+    assert f"resume from the checkpoint of step 4 with: odyssey train --resume {run_dir}" in err, err[-2000:]
     assert json.loads((run_dir / "outcome.json").read_text())["status"] == 3
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700  # --resume unpickles the checkpoints in it
     for name in ("samples.jsonl", "events.jsonl"):  # as if the run had been killed mid-append
         with (run_dir / name).open("a") as records:
             records.write('{"step": 3, "gen')
-    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir)]
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
+               "cluster.devices_per_node=8"]
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_same_training(run_dir, reference)

@@ -80,7 +80,7 @@ def prepare_backend(backend: str) -> None:
 
 _ORIGINAL_WAIT = dist.Work.wait
 _STARTERS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce", "broadcast", "barrier",
-             "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+             "all_gather", "all_gather_into_tensor", "reduce", "reduce_scatter_tensor")
 """The torch.distributed functions that start operations (Megatron-Core calls them by module attribute)."""
 _ORIGINAL_STARTERS = {name: getattr(dist.distributed_c10d, name) for name in _STARTERS}
 _installed: Optional["CollectiveGuard"] = None

@@ -17,6 +17,7 @@ from odyssey_megatron.planner.reroute_pricing import RerouteCost
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync
 from odyssey_megatron.settings import SearchSettings
+from odyssey_megatron.snapshot.restore import Restore
 
 PLACED_LAYOUTS = 3
 """Fastest layouts that get a Kuhn-Munkres placement, so transition cost can still change the winner."""
@@ -59,6 +60,10 @@ class Decision:
     replaced: Optional[ExecutionPlan] = None
     """The plan the job ran before it (``DecisionCenter`` fills it in): what the chosen
     plan's transfers move weights from."""
+    rollback: Optional[Restore] = None
+    """Where no survivor holds some block: the snapshot every block comes back from, the
+    job rolling back to its step (the chosen plan's transfers move them from where it is
+    read)."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Optional
 
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.schedules.program import StepProgram, publish, read_published
+from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.timeouts import Timeouts
 
 __all__ = [
@@ -156,6 +157,17 @@ def step_report_key(generation: int, step: int) -> str:
     """Appended JSON lines, one per training rank of the generation that took ``step``'s
     optimizer step: ``StepReport``."""
     return generation_prefix(generation) + f"report/{step}"
+
+
+def snapshot_parts_key(generation: int, step: int) -> str:
+    """Counter: training ranks of the generation whose shard and parity chunk of the
+    snapshot of ``step`` are in their node's keeper."""
+    return generation_prefix(generation) + f"snapshot/{step}/parts"
+
+
+def snapshot_done_key(generation: int, step: int) -> str:
+    """Set by the rank whose part completed the snapshot of ``step``: it counts from now on."""
+    return generation_prefix(generation) + f"snapshot/{step}/done"
 
 
 def final_key(generation: int) -> str:
@@ -356,10 +368,24 @@ class PlanPublished:
     """No step has committed since the run started (or resumed): no trained state exists,
     so every worker draws its stage from the seed (or the resumed checkpoint) and no block
     moves, whatever it held before."""
+    snapshot_interval: int = 0
+    """Steps between the generation's in-memory snapshots (0: none)."""
+    snapshot: Optional[tuple[int, int]] = None
+    """(step, generation) of the last complete snapshot: its keeper buffers are kept."""
+    restore: Optional[Restore] = None
+    """A rollback: every block comes back from the snapshot it names, as of its step
+    (``start_step``), not from what the survivors hold."""
+
+    def participants(self) -> tuple[int, ...]:
+        """Workers that enter the generation: the plan's, and those that read a snapshot shard for it."""
+        readers = self.restore.workers(self.plan.tensor_parallel_size) if self.restore else set()
+        return tuple(sorted(set(self.plan.participants) | readers))
 
     def to_json(self) -> str:
         return json.dumps({"kind": "plan", "published_at": self.published_at, "start_step": self.start_step,
-                           "fresh": self.fresh,
+                           "fresh": self.fresh, "snapshot_interval": self.snapshot_interval,
+                           "snapshot": list(self.snapshot) if self.snapshot else None,
+                           "restore": self.restore.to_dict() if self.restore else None,
                            "plan": publish(self.plan, self.program)}, allow_nan=False)
 
     @classmethod
@@ -367,18 +393,23 @@ class PlanPublished:
         """Parse, refusing a plan not newer than ``current_generation`` (the reader's; -1 before any)."""
         data = _loads(text)
         if not (isinstance(data, dict) and data.get("kind") == "plan" and _conforms(data.get("published_at"), "float")
-                and _conforms(data.get("start_step"), "int") and _conforms(data.get("fresh"), "bool")):
+                and _conforms(data.get("start_step"), "int") and _conforms(data.get("fresh"), "bool")
+                and _conforms(data.get("snapshot_interval", 0), "int")):
             raise ProtocolError(f"expected a 'plan' message with published_at, start_step and fresh; got "
                                 f"{str(data)[:200]}")
         try:
             plan, program = read_published(data["plan"])
-        except (KeyError, TypeError, ValueError) as exc:
+            snapshot = data.get("snapshot")
+            snapshot = None if snapshot is None else (int(snapshot[0]), int(snapshot[1]))
+            restore = None if data.get("restore") is None else Restore.from_dict(data["restore"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"plan message: malformed plan: {exc!r}") from None
         if plan.generation <= current_generation:
             raise StaleGenerationError(f"plan generation {plan.generation} is stale: generation {current_generation} "
                                        "is already running")
         return cls(plan=plan, program=program, published_at=data["published_at"], start_step=data["start_step"],
-                   fresh=data["fresh"])
+                   fresh=data["fresh"], snapshot_interval=data.get("snapshot_interval", 0), snapshot=snapshot,
+                   restore=restore)
 
 
 # -- liveness ------------------------------------------------------------------------
@@ -464,3 +495,6 @@ class WorkerLaunch:
     store_port: int
     launcher_pid: int
     timeouts: Timeouts
+    keeper: tuple[tuple[str, ...], ...] = ()
+    """The node's keeper memory (``snapshot.keeper``): per local rank, the paths of its two
+    data and two parity buffers."""

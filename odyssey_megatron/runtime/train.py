@@ -22,14 +22,14 @@ from odyssey_megatron.config import RecipeConfig, config_yaml
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
-from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_jsonl, write_text
+from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_text
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.console import log_node_to
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.control.stop_signals import StopAtOnce, StopSignals
-from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, RunStopped, TrainingRun
+from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, RunStopped, TrainingRun, forget_steps_from
 from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
 from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec
 from odyssey_megatron.timeouts import Timeouts
@@ -83,7 +83,7 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     start_step = 0
     if resume is not None:
         start_step = resume[0]
-        _forget_steps_from(run_dir / SAMPLES, start_step)
+        forget_steps_from(run_dir / SAMPLES, start_step)
     else:
         write_text(run_dir / "config.yaml", config_yaml(config))
     prepared = _prepare_data(config)
@@ -170,13 +170,6 @@ def _resume_hint(run_dir: Path, checkpoint: Optional[tuple[int, Path]]) -> str:
     if checkpoint is None:
         return "no checkpoint to resume from (odyssey.checkpoint_interval is 0 or none was due)"
     return f"resume from the checkpoint of step {checkpoint[0]} with: {_resume_command(run_dir)}"
-
-
-def _forget_steps_from(samples: Path, step: int) -> None:
-    """Drop the records of steps from ``step`` on (and a torn last line): a resumed run
-    commits them again."""
-    if samples.is_file():
-        write_jsonl(samples, [record for record in read_jsonl(samples, key="--resume") if record["step"] < step])
 
 
 def _record_steps_the_controller_missed(samples: Path, upto: int, prepared, config: RecipeConfig) -> None:

@@ -112,6 +112,12 @@ class Progress:
         return " | ".join(fields) + " |"
 
 
+    def rolled_back(self) -> None:
+        """The run went back to a snapshot: the steps after it are committed again, and the
+        interval restarts with the first of them."""
+        self._since, self._losses = None, []
+
+
 def _clock(seconds: float) -> str:
     seconds = round(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -148,9 +154,15 @@ def recovery_line(record: dict) -> str:
     entered, first = ready_at - record["decided_at"], record["first_step_at"] - ready_at
     n = record["restarts"]
     restarts = f", decided again {n} time{'s' if n > 1 else ''} for failures during it" if n else ""
+    rollback = ""
+    if record.get("snapshot_step") is not None:
+        rebuilt = f", {record['rebuilt_shards']} shards rebuilt from parity" if record["rebuilt_shards"] else ""
+        rollback = (f" rolled back to the in-memory snapshot of step {record['snapshot_step']} "
+                    f"({record['replayed_steps']} steps to train again{rebuilt}),")
     return (f"recovery: {_ranks(record['failed_ranks'])} ({record['cause']}) -> {record['policy']} to "
             f"{chosen['layout']} ({record['decision_source']} decision, best of {len(record['alternatives']) + 1} "
-            f"plans{restarts}), {record['transfers']} transfers {moved:.2f} MiB, from step {record['start_step']}; "
+            f"plans{restarts}),{rollback} {record['transfers']} transfers {moved:.2f} MiB, from step "
+            f"{record['start_step']}; "
             f"training again {record['to_first_step_s']:.3f} s after the failure (detection "
             f"{record['detection_s']:.3f} s + decision {decided:.3f} s + entering the plan {entered:.3f} s + first "
             f"step {first:.3f} s)")

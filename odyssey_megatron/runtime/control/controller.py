@@ -50,6 +50,7 @@ from odyssey_megatron.runtime.protocol import (
     plan_key,
 )
 from odyssey_megatron.schedules.program import StepProgram
+from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.timeouts import Timeouts
 
 __all__ = ["Controller"]
@@ -139,21 +140,25 @@ class Controller:
             self.record.event("stop_requested", reason=reason)
 
     def publish_plan(self, plan: ExecutionPlan, program: StepProgram, *, start_step: int = 0,
-                     fresh: bool = False, estimated_step_s: float | None = None) -> None:
+                     fresh: bool = False, estimated_step_s: float | None = None, snapshot_interval: int = 0,
+                     snapshot: tuple[int, int] | None = None, restore: Restore | None = None) -> None:
         """Publish ``plan`` with its step program as JSON under its generation's key, to
         be run from step ``start_step``; generations go up one by one, so an older or
         repeated one is refused (a decision overtaken by a newer one). ``estimated_step_s``
-        (the estimator's step time) goes into the record; ``fresh``: see ``PlanPublished``."""
+        (the estimator's step time) goes into the record; ``fresh``, ``snapshot_interval``,
+        ``snapshot`` and ``restore``: see ``PlanPublished``."""
         if plan.generation != self.published_generation + 1:
             problem = "stale" if plan.generation <= self.published_generation else "not the next one"
             raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
                                        f"{self.published_generation} was published last")
-        published = PlanPublished(plan, program, time.time(), start_step, fresh)  # checks that the program is the plan's
+        published = PlanPublished(plan, program, time.time(), start_step, fresh, snapshot_interval, snapshot,
+                                  restore)  # checks that the program is the plan's
         self.record.plan(plan, program)
         self.store.set(plan_key(plan.generation), published.to_json())
         self.published_generation = plan.generation
         self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers),
-                          start_step=start_step, estimated_step_s=estimated_step_s)
+                          start_step=start_step, estimated_step_s=estimated_step_s,
+                          rollback_to=restore.step if restore is not None else None)
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
 
     # -- the polling thread ----------------------------------------------------------------

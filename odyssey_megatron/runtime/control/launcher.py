@@ -52,6 +52,7 @@ from odyssey_megatron.runtime.protocol import (
     missed_beat,
     node_heartbeat_key,
 )
+from odyssey_megatron.snapshot.keeper import NodeKeeper
 from odyssey_megatron.timeouts import Timeouts
 
 __all__ = ["NodeLauncher"]
@@ -81,6 +82,9 @@ class NodeLauncher:
         self._beater: threading.Thread | None = None
         self._stop_signal: str | None = None
         """A stop signal this node's main process received, until sent to the controller."""
+        self._keeper = NodeKeeper(len(config.ranks))
+        """The node's snapshot memory: it lives as long as this process (``snapshot.keeper``)."""
+        self._keeper_paths = tuple((*slot.data, *slot.parity) for slot in self._keeper.paths)
 
     def run(self) -> int:
         node = self.config.node_rank
@@ -103,6 +107,7 @@ class NodeLauncher:
         finally:
             self._kill_all()
             self._stop_beating()
+            self._keeper.close()
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
         log.info("node %d: all workers exited", node)
         return 0
@@ -118,7 +123,7 @@ class NodeLauncher:
             launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
                                   world_size=self.config.world_size, store_host=self.config.master_addr,
                                   store_port=self.config.master_port, launcher_pid=os.getpid(),
-                                  timeouts=self.timeouts)
+                                  timeouts=self.timeouts, keeper=self._keeper_paths)
             process = context.Process(target=self.target, args=(launch,), name=f"odyssey-rank{rank}")
             process.start()
             self._workers[rank] = process

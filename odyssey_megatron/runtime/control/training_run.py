@@ -39,11 +39,11 @@ from odyssey_megatron.planner import Decision
 from odyssey_megatron.restorer import mapping_bytes
 from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.training_state import stage_blocks, worker_blocks
-from odyssey_megatron.run_dir import append_jsonl
+from odyssey_megatron.run_dir import append_jsonl, read_jsonl, write_jsonl
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.console import CONSOLE, Progress, recovery_line
 from odyssey_megatron.runtime.control.controller import Controller
-from odyssey_megatron.runtime.control.detector import Failure
+from odyssey_megatron.runtime.control.detector import Cause, Failure
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
 from odyssey_megatron.runtime.final_model import merge_final_parts
 from odyssey_megatron.runtime.protocol import (
@@ -55,17 +55,27 @@ from odyssey_megatron.runtime.protocol import (
     abort_key,
     final_key,
     ready_key,
+    snapshot_done_key,
     step_report_key,
     stopped_key,
 )
+from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, plan_restore
+from odyssey_megatron.snapshot.shards import snapshot_groups
 from odyssey_megatron.runtime.step_ledger import StepLedger
 
-__all__ = ["RunFailed", "TrainingRun"]
+__all__ = ["RunFailed", "TrainingRun", "forget_steps_from"]
 
 log = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
 
 SAMPLES = "samples.jsonl"
+
+
+def forget_steps_from(samples: Path, step: int) -> None:
+    """Drop the records of steps from ``step`` on (and a torn last line): they are trained
+    again (a resumed run, or a rollback to a snapshot)."""
+    if samples.is_file():
+        write_jsonl(samples, [record for record in read_jsonl(samples, key="--resume") if record["step"] < step])
 
 
 class RunFailed(RuntimeError):
@@ -123,6 +133,14 @@ class TrainingRun:
         """The online profile's factors when the decision center last took it."""
         self._start_steps: dict[int, int] = {}
         """Generation -> the step it started at."""
+        self.snapshot_interval = self._snapshot_interval()
+        """Steps between in-memory snapshots (``odyssey.snapshot_interval``; 0: none)."""
+        self.snapshot: Optional[SnapshotRecord] = None
+        """The last complete snapshot."""
+        self._restore: Optional[Restore] = None
+        """The rollback the generation published last carries out, if it is one."""
+        self._lost_nodes: set[int] = set()
+        """Nodes lost so far: their keepers, and the snapshot shards in them, are gone."""
         train = config.training
         self._progress = Progress(train_iters=train.train_iters, log_interval=config.logger.log_interval,
                                   global_batch_size=train.global_batch_size, seq_length=config.model.seq_length,
@@ -160,7 +178,9 @@ class TrainingRun:
         return [w * tp + k for w in plan.workers for k in range(tp)]
 
     def _world_size(self, plan: ExecutionPlan) -> int:
-        return len(plan.participants) * plan.tensor_parallel_size
+        tp = plan.tensor_parallel_size
+        readers = self._restore.workers(tp) if self._restore is not None else set()
+        return len(set(plan.participants) | readers) * tp
 
     def _final_written(self) -> bool:
         if self.committed < self.iters:
@@ -175,10 +195,12 @@ class TrainingRun:
     def _ledger(self, plan: ExecutionPlan) -> StepLedger:
         return StepLedger(self.store, generation=plan.generation, training_ranks=len(self._training_ranks(plan)))
 
-    def _publish(self, plan: ExecutionPlan, estimated_step_s: float) -> None:
+    def _publish(self, plan: ExecutionPlan, estimated_step_s: float, restore: Optional[Restore] = None) -> None:
+        kept = (self.snapshot.step, self.snapshot.generation) if self.snapshot is not None else None
         self.controller.publish_plan(plan, self.center.program, start_step=self.committed, fresh=self.fresh,
-                                     estimated_step_s=estimated_step_s)
-        self.plan = plan
+                                     estimated_step_s=estimated_step_s, snapshot_interval=self.snapshot_interval,
+                                     snapshot=kept, restore=restore)
+        self.plan, self._restore = plan, restore
         self._start_steps[plan.generation] = self.committed
         self._start_preparing()
 
@@ -203,6 +225,54 @@ class TrainingRun:
         ledger = self._ledger(self.plan)
         while self.committed < self.iters and ledger.committed(self.committed):
             self._commit(self.plan.generation, self.committed)
+        self._collect_snapshot()
+
+    # -- snapshots ----------------------------------------------------------------------
+
+    def _snapshot_interval(self) -> int:
+        """``odyssey.snapshot_interval``, or Young's interval for the starting plan."""
+        configured = self.config.odyssey.snapshot_interval
+        return configured if configured is not None else self.center.snapshot_interval()
+
+    def _collect_snapshot(self) -> None:
+        """Take in the newest snapshot of the running generation whose every part is in.
+        It is one of the last three due: ranks are in step ``committed`` at most, start a
+        snapshot only once the one before it is done, and have each written their part of
+        one before that step's successor commits. A rank starts no snapshot once the
+        generation is aborted, so after the abort this finds the one whose buffers the
+        ranks keep."""
+        interval, generation = self.snapshot_interval, self.plan.generation
+        if not interval or self.plan is not self.settled:
+            return
+        newest = self.committed - self.committed % interval
+        for step in (newest, newest - interval, newest - 2 * interval):
+            if step <= self._start_steps[generation]:
+                return
+            if self.snapshot is not None and (self.snapshot.generation, self.snapshot.step) >= (generation, step):
+                return
+            if self.store.check([snapshot_done_key(generation, step)]):
+                odyssey = self.config.odyssey
+                groups = snapshot_groups(self.plan, devices_per_node=self.config.cluster.devices_per_node,
+                                         nodes_per_group=odyssey.snapshot_parity_nodes)
+                self.snapshot = SnapshotRecord(step, generation, self.plan, groups)
+                self.controller.record.event("snapshot", step=step, generation=generation)
+                return
+
+    def _snapshot_source(self):
+        """Where a plan gets its blocks back from the last snapshot (``DecisionCenter.on_failure``)."""
+        record, lost_nodes, model = self.snapshot, set(self._lost_nodes), self.config.model
+        return lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster, lost_nodes=lost_nodes,
+                                                  model=model)
+
+    def _roll_back(self, restore: Restore) -> None:
+        """The run goes back to the snapshot's step: the steps since are trained again."""
+        replayed = self.committed - restore.step
+        forget_steps_from(self.run_dir / SAMPLES, restore.step)
+        self.controller.record.event("rollback", step=restore.step, generation=restore.generation, replayed=replayed)
+        log.info("run: rolled back to the snapshot of step %d (%d committed steps to train again)",
+                    restore.step, replayed)
+        self.committed = restore.step
+        self._progress.rolled_back()
 
     def _commit(self, generation: int, step: int) -> None:
         """Record committed ``step``: its samples and loss, checked to cover every micro-batch once."""
@@ -251,12 +321,17 @@ class TrainingRun:
             while (more := self.controller.next_failure(timeout=0)) is not None:
                 failures.append(more)
             seen += failures
+            self._lost_nodes |= {r // self.config.cluster.devices_per_node for f in failures if f.cause is Cause.NODE
+                                 for r in f.ranks}
             self.end_generation()
+            committed = self.committed
             decision = self._decide(failures)
+            if decision.rollback is not None:
+                self._roll_back(decision.rollback)
             self._recovery = _Recovery(generation=decision.chosen.plan.generation, failures=list(seen),
                                        restarts=restarts, decided_at=time.time(),
-                                       record=self._decision_record(decision))
-            self._publish(decision.chosen.plan, decision.chosen.estimate.step_time_s)
+                                       record=self._decision_record(decision, committed=committed))
+            self._publish(decision.chosen.plan, decision.chosen.estimate.step_time_s, decision.rollback)
             failures = self._wait_ready()
             restarts += 1
 
@@ -267,6 +342,7 @@ class TrainingRun:
         if self.committed < self.iters:
             for step in self._ledger(self.plan).freeze(self.committed, self.iters - 1):
                 self._commit(self.plan.generation, step)
+        self._collect_snapshot()  # one the owner had not seen done yet
 
     def _decide(self, failures: list[Failure]) -> Decision:
         """Run the decision center from the settled plan on the new survivors."""
@@ -275,13 +351,17 @@ class TrainingRun:
         # A lost node comes as the ranks it held: the decision center needs no node numbering.
         ranks = sorted({r for f in failures for r in f.ranks})
         # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint.
+        # A rollback interrupted before its first step rolls back again: the blocks the
+        # survivors hold are the snapshot's, not the settled plan's.
+        snapshot = self._snapshot_source() if self.snapshot is not None and not self.fresh else None
         decision = self.center.on_failure(ranks=ranks, at_s=time.monotonic() - self.started, in_memory=not self.fresh,
-                                          from_plan=held)
+                                          from_plan=held, snapshot=snapshot,
+                                          roll_back=self._restore is not None and self.settled is not self.plan)
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
                  decision.chosen.policy, ranks)
         return decision
 
-    def _decision_record(self, decision: Decision) -> dict:
+    def _decision_record(self, decision: Decision, *, committed: int) -> dict:
         def candidate(c) -> dict:
             return {"policy": c.policy, "layout": c.layout, "step_time_s": c.estimate.step_time_s,
                     "transition_s": c.transition_s, "score": c.score}
@@ -294,7 +374,22 @@ class TrainingRun:
                 "alternatives": [candidate(c) for c in decision.alternatives],
                 "search_time_s": decision.search_time_s, "decision_source": decision.source,
                 "start_step": self.committed,
-                "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers)}
+                "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers),
+                **self._rollback_record(decision, committed=committed)}
+
+    def _rollback_record(self, decision: Decision, *, committed: int) -> dict:
+        """What a rollback costs: the snapshot's step, the steps trained again and their
+        estimated seconds on the new plan, the shards rebuilt from parity, and the failed
+        ranks whose shards were read from their node's keeper."""
+        restore = decision.rollback
+        if restore is None:
+            return {"snapshot_step": None, "replayed_steps": 0, "replay_s": 0.0, "rebuilt_shards": 0,
+                    "read_for_failed_ranks": []}
+        replayed = committed - restore.step
+        failed = self.center.cluster.failed_ranks
+        return {"snapshot_step": restore.step, "replayed_steps": replayed,
+                "replay_s": replayed * decision.chosen.estimate.step_time_s, "rebuilt_shards": len(restore.rebuilds),
+                "read_for_failed_ranks": sorted(r.owner for r in restore.reads if r.owner in failed)}
 
     def _wait_ready(self) -> list[Failure]:
         """Until every rank of the published generation is in it; the failures that came

@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 RUN_ID_FILE = "wandb-run-id"
 RECOVERY_COLUMNS = ("generation", "failed_ranks", "cause", "policy", "decision_source", "start_step", "detection_s",
                     "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes", "naive_mapping_bytes",
-                    "restarts", "alternatives")
+                    "restarts", "snapshot_step", "replayed_steps", "replay_s", "rebuilt_shards", "alternatives")
 _RECOVERY_METRICS = ("detection_s", "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes",
-                     "naive_mapping_bytes")
+                     "naive_mapping_bytes", "replayed_steps", "replay_s")
 _END = object()
 
 
@@ -150,6 +150,8 @@ class WandbTrace:
             self._estimated_s[record["generation"]] = record["estimated_step_s"]
             run.log({**{f"profile/{kind}_scale": record[kind] for kind in ("forward", "backward", "optimizer")},
                      "time_s": time_s})
+        elif event == "snapshot":
+            run.log({"snapshot/step": record["step"], "time_s": time_s})
         elif event == "failure":
             self._failures += 1
             run.log({"recovery/failures": self._failures, "time_s": time_s})

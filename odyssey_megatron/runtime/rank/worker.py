@@ -80,6 +80,7 @@ from odyssey_megatron.runtime.rank.emulation import recipe_emulation
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
 from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
+from odyssey_megatron.runtime.rank.snapshots import SnapshotAbandoned, SnapshotTaker, restore_snapshot
 from odyssey_megatron.runtime.step_ledger import COMMITTED, StepLedger
 
 __all__ = ["GenerationEnded", "train_worker"]
@@ -91,7 +92,7 @@ class GenerationEnded(Exception):
     """The controller ended the generation the worker runs (a failure elsewhere)."""
 
 
-_GENERATION_LEFT = (GenerationEnded, PeerLost, dist.DistError)
+_GENERATION_LEFT = (GenerationEnded, PeerLost, dist.DistError, SnapshotAbandoned)
 """What ends a generation without being this worker's own error: the controller ended it,
 a collective lost a peer (raised where it was called), or the store rendezvous failed."""
 
@@ -188,6 +189,8 @@ class Worker:
         self.spare: Optional[TrainingState] = None
         """Blocks held before this generation that its stage does not train (``_set_aside``)."""
         self.runner: Optional[PlanRunner] = None
+        self.snapshots: Optional[SnapshotTaker] = None
+        """The generation's in-memory snapshots on this rank, when it takes them."""
         self.training_ranks = 0
         """Ranks that train in the current generation: those that count its steps."""
         self.ledger: Optional[StepLedger] = None
@@ -300,11 +303,13 @@ class Worker:
         self.guard.reopen(plan.generation)
         self.phase, self.step = "recovery", published.start_step
         self.start_step = published.start_step
-        ranks = RankMap.of(plan.participants, self.tp)
+        ranks = RankMap.of(published.participants(), self.tp)
         self.training_ranks = len(plan.workers) * self.tp
         self.ledger = StepLedger(self.group_store, generation=plan.generation, training_ranks=self.training_ranks)
         if published.fresh:  # nothing trained yet: what is held now is drawn again for the new stage
             self.state, self.spare = None, None
+        if published.restore is not None:  # a rollback: every block comes back from the snapshot
+            self.state, self.spare = TrainingState(), None
         if self.worker_id not in ranks.workers:  # no stage and nothing to send: idle until the next plan
             log.info("rank %d: idle in generation %d", self.launch.rank, plan.generation)
             if self.state is not None:
@@ -322,7 +327,13 @@ class Worker:
                                 timeout=self.collective_timeout)
         self.guard.track([dist.distributed_c10d._get_default_group()])
         training = self.worker_id in plan.workers
-        if self.state is None:
+        if published.restore is not None:
+            self.phase = "restore"
+            self.state = restore_snapshot(
+                published.restore, rank=self.launch.rank, node_first_rank=self.launch.rank - self.launch.local_rank,
+                slots=self.launch.keeper, model=self.config.model, tp_size=self.tp,
+                rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp), timeout=self.collective_timeout)
+        elif self.state is None:
             self.state = self._first_state(plan, ranks, rank) if training else TrainingState()
         self._check_steps(published.start_step)
         self.phase = "transfer"
@@ -344,12 +355,24 @@ class Worker:
         self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, state=self.state,
                                  settings=self.runner_settings, on_phase=self._on_phase)
         self.guard.track(self.runner.groups.owned)
+        if published.snapshot_interval:
+            self.snapshots = SnapshotTaker(
+                slot=self.launch.keeper[self.launch.local_rank], rank=self.launch.rank, model=self.config.model,
+                devices_per_node=self.config.cluster.devices_per_node,
+                nodes_per_group=self.config.odyssey.snapshot_parity_nodes, published=published,
+                store=self.group_store, rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp),
+                ended=lambda: self.store.check([abort_key(plan.generation)]), poll_s=self.timeouts.poll_interval / 10,
+                timeout=self.collective_timeout)
+            self.guard.track(self.snapshots.process_groups)
         self._entered(plan.generation)
         interval = self.config.odyssey.checkpoint_interval
         for step in range(published.start_step, train.train_iters):
             self.step = step
             if interval and step > published.start_step and step % interval == 0:
                 self._save_checkpoint(step)
+            if self.snapshots is not None and self.snapshots.due(step):
+                self._on_phase("snapshot")
+                self.snapshots.take(step, self.runner.training_state())
             self._train_step(step)
         self.step = train.train_iters
         write_final_part(self.run_dir, plan=plan, model=self.config.model, worker=self.worker_id,
@@ -398,6 +421,8 @@ class Worker:
                            samples=samples, op_timers=self.op_timers, timeout=self.collective_timeout):
             raise GenerationEnded(f"step {step} did not commit")
         self.spare = None  # a step of this generation committed: it is settled
+        if self.snapshots is not None:
+            self.snapshots.wait_written()  # the optimizer step overwrites what the snapshot copies
 
     def _save_checkpoint(self, committed: int) -> None:
         """Save the blocks after ``committed`` steps, with every training rank."""
@@ -458,6 +483,9 @@ class Worker:
         """Keep the blocks, drop the stage model and let go of every process group (the
         guard holds an abandoned generation's groups until their operations have ended)."""
         self.guard.abandon()
+        if self.snapshots is not None:
+            self.snapshots.abandon()
+            self.snapshots = None
         if self.runner is not None:
             self.state = self.runner.release(abandoned=abandoned)
             self.runner = None

@@ -1,0 +1,50 @@
+"""What in-memory snapshots cost (paper 004): the copy of each rank's share to host
+memory, the host memory a node keeps, the interval that balances the two against the
+failure rate, and the steps a rollback replays.
+
+A rank copies its share (``snapshot.shards.share_out``: whole blocks, weights and Adam
+state) at ``host_bandwidth`` while its next step computes, so only what outlasts that
+step would show on the step time; the interval follows Young's rule, sqrt(2 x copy time x
+mean time between failures). A node keeps two buffers per rank (the last complete
+snapshot and the one being written) of its share and of its parity chunk
+(1/(group nodes - 1) of the largest share of its group, RAID-5 style).
+"""
+
+from __future__ import annotations
+
+import math
+
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.snapshot.shards import share_out
+
+__all__ = ["snapshot_copy_s", "snapshot_host_bytes", "snapshot_shares", "young_interval_steps"]
+
+
+def snapshot_shares(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, int]:
+    """Bytes of each worker's share of a snapshot of ``plan`` (one TP shard of it)."""
+    size = lambda block: profile.block(block).state_bytes  # noqa: E731
+    owned = share_out(plan.holdings(profile), size)
+    shares = dict.fromkeys(plan.workers, 0)
+    for block, worker in owned.items():
+        shares[worker] += size(block)
+    return shares
+
+
+def snapshot_copy_s(plan: ExecutionPlan, profile: ModelProfile) -> float:
+    """Seconds the largest share takes to copy to host memory."""
+    return max(snapshot_shares(plan, profile).values(), default=0) / profile.host_bandwidth
+
+
+def snapshot_host_bytes(plan: ExecutionPlan, profile: ModelProfile, *, nodes_per_group: int, nodes: int) -> int:
+    """Host memory one rank's keeper slot holds at most: two buffers of its share and two
+    of its parity chunk (the largest share over the group's members less one; none on a
+    single node, where no group has a second node)."""
+    largest = max(snapshot_shares(plan, profile).values(), default=0)
+    members = min(nodes_per_group, nodes)
+    return 2 * (largest + (math.ceil(largest / (members - 1)) if members > 1 else 0))
+
+
+def young_interval_steps(*, copy_s: float, step_s: float, mtbf_s: float) -> int:
+    """Steps between snapshots by Young's rule, at least one."""
+    return max(1, round(math.sqrt(2 * copy_s * mtbf_s) / step_s)) if step_s > 0 else 1

@@ -1,0 +1,242 @@
+"""This rank's part of the in-memory snapshots (paper 004), and its part in a rollback.
+
+**Taking one.** Every ``snapshot_interval`` steps, as the step starts, the rank copies its
+share of its stage (``snapshot.shards``: whole blocks, weights, fp32 masters, Adam moments
+and step) into its slot of the node's keeper memory (``snapshot.keeper``), on a thread of
+its own while the step's forward and backward run. The thread then computes the rank's
+parity chunk with its protection group (``snapshot.parity``: XOR across nodes), seals
+both buffers and counts the rank into the snapshot; the rank that completes the count
+marks it done, and from then on it counts (as a step commits). The step's optimizer step,
+which overwrites what the copy reads, waits for all of it (``wait_written``), so a
+snapshot is done by the time the step after it commits, whatever fails later. Buffers
+come in pairs: a snapshot is written into the one that does not hold the last complete
+snapshot, so a failure during a write never leaves the run without one; the next
+snapshot waits for the previous one to be done, so it never overwrites the only complete
+one.
+
+**Restoring.** In a rollback generation (``PlanPublished.restore``) the rank reads the
+shards it is named to read from its node's keeper, takes part in the XOR rebuilds of shards
+whose node is lost, and ends holding those blocks as of the snapshot's step; the plan's
+transfers then move them to the workers that train them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.hooks.training_state import TrainingState
+from odyssey_megatron.profile import Block
+from odyssey_megatron.runtime.protocol import PlanPublished, snapshot_done_key, snapshot_parts_key
+from odyssey_megatron.snapshot.keeper import KeeperBuffer, pack, payload_layout, unpack
+from odyssey_megatron.snapshot.parity import StripeLayout, encode, rebuild
+from odyssey_megatron.snapshot.restore import Restore, block_from_key
+from odyssey_megatron.snapshot.shards import owners, shard_blocks, shard_entries, snapshot_groups
+
+__all__ = ["SnapshotAbandoned", "SnapshotTaker", "restore_snapshot"]
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotAbandoned(RuntimeError):
+    """The generation ended while this rank waited for a snapshot to complete."""
+
+
+def _shard_layout(model: ModelConfig, owned: dict[Block, int], worker: int, tp_size: int):
+    return payload_layout(shard_entries(model, shard_blocks(owned, worker), tp_size=tp_size))
+
+
+class _Slot:
+    """One rank's keeper slot: a pair of data buffers and a pair of parity buffers."""
+
+    def __init__(self, paths: Sequence[str]):
+        data0, data1, parity0, parity1 = paths
+        self.data = (KeeperBuffer(data0), KeeperBuffer(data1))
+        self.parity = (KeeperBuffer(parity0), KeeperBuffer(parity1))
+
+    def holding(self, step: int, generation: int) -> Optional[int]:
+        """The buffer pair whose data and parity hold the snapshot of ``step`` written in ``generation``."""
+        for index in (0, 1):
+            found = self.data[index].read()
+            if found is not None and (found[0].get("step"), found[0].get("generation")) == (step, generation):
+                return index
+        return None
+
+    def close(self) -> None:
+        for buffer in (*self.data, *self.parity):
+            buffer.close()
+
+
+class SnapshotTaker:
+    """One generation's snapshots on this rank (``PlanPublished.snapshot_interval``)."""
+
+    def __init__(self, *, slot: Sequence[str], rank: int, model: ModelConfig, devices_per_node: int,
+                 nodes_per_group: int, published: PlanPublished, store: dist.Store,
+                 rank_in_generation: Callable[[int], int], ended: Callable[[], bool], poll_s: float,
+                 timeout: datetime.timedelta):
+        """Builds this rank's protection group's process group with its members, when the
+        generation snapshots (``rank_in_generation`` maps launch ranks to the generation's)."""
+        plan = published.plan
+        self.plan, self.rank, self.model, self.store = plan, rank, model, store
+        self.ended, self.poll_s = ended, poll_s
+        self.interval, self.start_step = published.snapshot_interval, published.start_step
+        self.generation = plan.generation
+        self.training_ranks = len(plan.workers) * plan.tensor_parallel_size
+        self.kept = published.snapshot
+        """(step, generation) of the last complete snapshot, which no write may touch."""
+        tp = plan.tensor_parallel_size
+        self.tp = tp
+        self.owned = owners(plan, model)
+        self.entries, self.total = _shard_layout(model, self.owned, rank // tp, tp)
+        self.group: Optional[dist.ProcessGroup] = None
+        self.member, self.stripes = 0, None
+        if self.interval:
+            groups = snapshot_groups(plan, devices_per_node=devices_per_node, nodes_per_group=nodes_per_group)
+            members = next(g for g in groups if rank in g)
+            if len(members) > 1:  # alone on the only node: unprotected
+                # Only the members build it: a worker that joins the generation to send a block does not snapshot.
+                self.group = dist.new_group([rank_in_generation(m) for m in members], timeout=timeout,
+                                            use_local_synchronization=True)
+                self.member = members.index(rank)
+                self.stripes = StripeLayout(tuple(_shard_layout(model, self.owned, m // tp, tp)[1] for m in members))
+        self.slot = _Slot(slot)
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._pending: Optional[int] = None
+        """The step of the snapshot this rank wrote last, until it is known done."""
+
+    @property
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        return [self.group] if self.group is not None else []
+
+    def due(self, step: int) -> bool:
+        """Whether a snapshot is taken as ``step`` starts (after ``step`` committed steps)."""
+        return bool(self.interval) and step > self.start_step and step % self.interval == 0
+
+    def take(self, step: int, state: TrainingState) -> None:
+        """Start writing ``state``'s share as of ``step`` committed steps; returns at once,
+        once the previous snapshot is done (every rank's part in): it is then the one kept."""
+        self._wait_done()
+        if self.ended():  # the controller picks the snapshot to restore after the abort: keep what it sees
+            raise SnapshotAbandoned(f"the generation ended before the snapshot of step {step} started")
+        found = self.slot.holding(*self.kept) if self.kept else None
+        index = 0 if found is None else 1 - found
+        tensors = {f"{block}/{key}": tensor for block in shard_blocks(self.owned, self.rank // self.tp)
+                   for key, tensor in state.export(block).items()}
+        self._pending = step
+        self._thread = threading.Thread(target=self._write, args=(step, index, tensors), daemon=True,
+                                        name="odyssey-snapshot")
+        self._thread.start()
+
+    def wait_written(self) -> None:
+        """Before the step's optimizer step, which overwrites what the snapshot copies: this
+        rank's part (shard, parity chunk, count) is in. So once a step after the snapshot's
+        commits, every rank's part is: the snapshot is done."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                raise self._error
+
+    def _wait_done(self) -> None:
+        if self._pending is None:
+            return
+        self.wait_written()
+        done = snapshot_done_key(self.generation, self._pending)
+        while not self.store.check([done]):
+            if self.ended():
+                raise SnapshotAbandoned(f"the generation ended before the snapshot of step {self._pending} completed")
+            time.sleep(self.poll_s)
+        self.kept, self._pending = (self._pending, self.generation), None
+
+    def abandon(self) -> None:
+        """Leaving the generation: let the write in flight end (its collective fails with the group)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.slot.close()
+
+    def _write(self, step: int, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            payload = self.slot.data[index].begin(self.total)
+            pack(tensors, self.entries, payload)
+            del tensors
+            meta = {"step": step, "generation": self.generation, "rank": self.rank}
+            if self.group is not None:
+                parity = self.slot.parity[index].begin(self.stripes.chunk_bytes)
+                encode(payload, member=self.member, layout=self.stripes, group=self.group, out=parity)
+                del parity
+                self.slot.parity[index].seal({**meta, "member": self.member})
+            del payload
+            self.slot.data[index].seal(meta)
+            if self.store.add(snapshot_parts_key(self.generation, step), 1) == self.training_ranks:
+                self.store.set(snapshot_done_key(self.generation, step), "1")
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+
+
+def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots: Sequence[Sequence[str]],
+                     model: ModelConfig, tp_size: int, rank_in_generation: Callable[[int], int],
+                     timeout: datetime.timedelta) -> TrainingState:
+    """This rank's blocks as of ``restore.step``: the shards it reads from its node's keeper
+    and the ones it rebuilds (each rebuild's process group built by its readers, in order)."""
+    owned = dict(restore.owners)
+    state = TrainingState()
+
+    def slot_of(owner_rank: int) -> _Slot:
+        return _Slot(slots[owner_rank - node_first_rank])
+
+    def receive(payload: torch.Tensor, owner_rank: int) -> None:
+        entries, _ = _shard_layout(model, owned, owner_rank // tp_size, tp_size)
+        by_block: dict[Block, dict[str, torch.Tensor]] = {}
+        for key, tensor in unpack(payload, entries).items():
+            by_block.setdefault(block_from_key(key), {})[key.partition("/")[2]] = tensor
+        for block, tensors in by_block.items():
+            state.receive(block, tensors)
+
+    def snapshot_of(owner_rank: int, *, parity: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        slot = slot_of(owner_rank)
+        index = slot.holding(restore.step, restore.generation)
+        if index is None:
+            raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no snapshot of step {restore.step} "
+                               f"(generation {restore.generation})")
+        payload = slot.data[index].read()[1].clone()
+        chunk = None
+        if parity:
+            found = slot.parity[index].read()
+            if found is None or (found[0].get("step"), found[0].get("generation")) != (restore.step,
+                                                                                        restore.generation):
+                raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no parity of step {restore.step}")
+            chunk = found[1].clone()
+        slot.close()
+        return payload, chunk
+
+    for read in restore.reads:
+        if read.reader == rank:
+            receive(snapshot_of(read.owner, parity=False)[0], read.owner)
+            log.info("rank %d: read rank %d's snapshot shard of step %d from the node's keeper", rank, read.owner,
+                     restore.step)
+    for rebuilt in restore.rebuilds:
+        members = [m for m in rebuilt.group if m != rebuilt.lost]
+        if rank not in rebuilt.readers:
+            continue
+        group = dist.new_group([rank_in_generation(r) for r in rebuilt.readers], timeout=timeout,
+                               use_local_synchronization=True)
+        member = members[rebuilt.readers.index(rank)]
+        payload, chunk = snapshot_of(member, parity=True)
+        stripes = StripeLayout(tuple(_shard_layout(model, owned, m // tp_size, tp_size)[1] for m in rebuilt.group))
+        lost = rebuild(lost=rebuilt.group.index(rebuilt.lost), member=rebuilt.group.index(member), payload=payload,
+                       parity=chunk, layout=stripes, group=group, dst=0)
+        if lost is not None:
+            receive(lost, rebuilt.lost)
+            log.info("rank %d: rebuilt rank %d's snapshot shard of step %d from parity (group %s)", rank,
+                     rebuilt.lost, restore.step, list(rebuilt.group))
+    return state

@@ -1,0 +1,1 @@
+"""In-memory snapshots: sharded, kept per node, protected by parity across nodes (paper 004)."""

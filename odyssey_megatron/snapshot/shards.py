@@ -1,0 +1,92 @@
+"""Who snapshots what: each block of the model is written by one of the workers that train
+it, so that a stage's data-parallel replicas each keep a share of it (paper 004: every
+replica saves only its 1/DP of the stage) and the model is snapshotted once.
+
+Shares follow the plan's holders, not a fixed DP degree, so an asymmetric plan (a stage
+with three replicas beside one with two, a rerouted stage with one) shares too. Shares
+are whole blocks, the unit recovery moves; blocks go to holders greedily by bytes,
+largest first, to the holder with the fewest bytes so far. Every rank, the controller and
+a parity rebuild derive the same shares and byte layouts from the plan and the model
+config alone (``owners``, ``shard_entries``), so no layout crosses the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.profile import Block, block_sort_key
+
+__all__ = ["block_bytes", "owners", "share_out", "shard_blocks", "shard_bytes", "shard_entries", "snapshot_groups"]
+
+def _empty_block(model: ModelConfig, block: Block, tp_size: int) -> dict:
+    import torch  # here, not above: the estimator shares blocks out without torch
+
+    from odyssey_megatron.hooks.training_state import empty_block
+
+    return empty_block(model, block, tp_size=tp_size, device=torch.device("meta"))
+
+
+def block_bytes(model: ModelConfig, block: Block, tp_size: int) -> int:
+    """Bytes of one TP shard of ``block`` as a snapshot (or a transfer) holds it."""
+    return sum(t.numel() * t.element_size() for t in _empty_block(model, block, tp_size).values())
+
+
+def share_out(holdings: Mapping[int, Sequence[Block]], size: Callable[[Block], int]) -> dict[Block, int]:
+    """Block -> the worker that snapshots it, of the workers ``holdings`` says hold it:
+    largest block first, to its holder with the fewest bytes so far (then the lowest id)."""
+    holders: dict[Block, list[int]] = {}
+    for worker in sorted(holdings):
+        for block in holdings[worker]:
+            holders.setdefault(block, []).append(worker)
+    load = dict.fromkeys(holdings, 0)
+    sizes = {block: size(block) for block in holders}
+    chosen = {}
+    for block in sorted(holders, key=lambda b: (-sizes[b], block_sort_key(b))):
+        worker = min(holders[block], key=lambda w: (load[w], w))
+        chosen[block] = worker
+        load[worker] += sizes[block]
+    return dict(sorted(chosen.items(), key=lambda item: block_sort_key(item[0])))
+
+
+def owners(plan: ExecutionPlan, model: ModelConfig) -> dict[Block, int]:
+    """Block -> the worker of ``plan`` that snapshots it (one of those that train it)."""
+    from odyssey_megatron.hooks.training_state import worker_blocks
+
+    return share_out({w: worker_blocks(model, plan, w) for w in set(plan.workers)},
+                     lambda block: block_bytes(model, block, plan.tensor_parallel_size))
+
+
+def shard_blocks(owned: dict[Block, int], worker: int) -> list[Block]:
+    """The blocks ``worker`` snapshots, in model order."""
+    return sorted((b for b, w in owned.items() if w == worker), key=block_sort_key)
+
+
+def shard_entries(model: ModelConfig, blocks: Sequence[Block], *, tp_size: int) -> list[tuple]:
+    """(key, dtype, shape) of every tensor of ``blocks``' TP shard as a snapshot holds them,
+    in order: ``<block>/<export key>`` (``TrainingState.export``)."""
+    return [(f"{block}/{key}", tensor.dtype, tuple(tensor.shape))
+            for block in blocks
+            for key, tensor in _empty_block(model, block, tp_size).items()]
+
+
+
+def snapshot_groups(plan: ExecutionPlan, *, devices_per_node: int, nodes_per_group: int) -> tuple[tuple[int, ...], ...]:
+    """The parity protection groups of ``plan``'s training ranks (launch ranks; rank r on
+    node r // devices_per_node), each on distinct nodes (``parity.protection_groups``)."""
+    from odyssey_megatron.snapshot.parity import protection_groups
+
+    tp = plan.tensor_parallel_size
+    by_node: dict[int, list[int]] = {}
+    for worker in plan.workers:
+        for rank in range(worker * tp, (worker + 1) * tp):
+            by_node.setdefault(rank // devices_per_node, []).append(rank)
+    return tuple(protection_groups(by_node, nodes_per_group))
+
+
+def shard_bytes(model: ModelConfig, owned: dict[Block, int], worker: int, *, tp_size: int) -> int:
+    """Bytes of the payload ``worker``'s TP shard of its snapshot share fills (``keeper.payload_layout``)."""
+    from odyssey_megatron.snapshot.keeper import payload_layout
+
+    return payload_layout(shard_entries(model, shard_blocks(owned, worker), tp_size=tp_size))[1]

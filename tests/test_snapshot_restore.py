@@ -1,0 +1,166 @@
+"""Who snapshots which block, and where a rollback reads or rebuilds each one: the tiny
+recipe's plans, worked by hand, and random failures checked against what must hold."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from odyssey_megatron.config import load_config
+from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.hooks.training_state import worker_blocks
+from odyssey_megatron.planner import UnrecoverableFailure
+from odyssey_megatron.snapshot.restore import (
+    Restore,
+    SnapshotLost,
+    SnapshotRead,
+    SnapshotRebuild,
+    SnapshotRecord,
+    plan_restore,
+)
+from odyssey_megatron.snapshot.shards import owners, shard_blocks, snapshot_groups
+
+TINY = Path(__file__).resolve().parents[1] / "recipes" / "llama2_7b" / "tiny_cpu.yaml"
+
+
+def center(devices_per_node: int) -> tuple[DecisionCenter, object]:
+    config = load_config(TINY, [f"cluster.devices_per_node={devices_per_node}"])
+    return DecisionCenter.from_recipe(config), config
+
+
+def record_of(center: DecisionCenter, config, *, step: int = 4) -> SnapshotRecord:
+    groups = snapshot_groups(center.plan, devices_per_node=config.cluster.devices_per_node,
+                             nodes_per_group=config.odyssey.snapshot_parity_nodes)
+    return SnapshotRecord(step, center.plan.generation, center.plan, groups)
+
+
+def test_every_block_is_snapshotted_once_by_a_worker_that_trains_it_and_replicas_share_stages():
+    c, config = center(8)
+    written = owners(c.plan, config.model)
+    every = {b for w in c.plan.workers for b in worker_blocks(config.model, c.plan, w)}
+    assert set(written) == every
+    for block, worker in written.items():
+        assert block in worker_blocks(config.model, c.plan, worker)
+    # DP 2 x PP 4: stage k is workers 2k (pipeline 0) and 2k+1; its two layers (594 kB each)
+    # go one to each replica, then the embedding and output blocks (394 kB) to the first of
+    # two replicas that hold as much.
+    assert [shard_blocks(written, w) for w in range(8)] == [
+        ["embedding", 0], [1], [2], [3], [4], [5], [6, "output"], [7]]
+
+
+def test_killed_replicas_on_a_live_node_are_read_from_its_keeper_by_a_survivor_there():
+    """One node of 8 (the tiny recipe): both replicas of stage 1 (workers 2 and 3) die; the
+    node's keeper lives, so their shards are read there by survivors, and nothing is rebuilt."""
+    c, config = center(8)
+    record = record_of(c, config)
+    decision = c.on_failure(ranks=[2, 3], in_memory=True,
+                            snapshot=lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster,
+                                                                        lost_nodes=set(), model=config.model))
+    restore = decision.rollback
+    assert restore is not None and restore.step == 4 and restore.rebuilds == ()
+    readers = {read.owner: read.reader for read in restore.reads}
+    assert set(readers) == set(owners(c.plan, config.model).values()) - {2, 3} | {2, 3}
+    assert readers[2] not in (2, 3) and readers[3] not in (2, 3)
+    plan = decision.chosen.plan
+    assert not plan.blocks_from_nowhere and 2 not in plan.workers and 3 not in plan.workers
+    _check_every_block_arrives(restore, plan, config)
+
+
+def test_a_lost_node_s_shards_are_rebuilt_from_parity_across_the_other_nodes():
+    """4 nodes of 2: node 1 holds both replicas of stage 1 and is lost; ranks 2 and 3 are
+    rebuilt from their protection groups (the i-th rank of every node), each member read
+    on its own node by itself."""
+    c, config = center(2)
+    record = record_of(c, config)
+    assert record.groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+    decision = c.on_failure(nodes=[1], in_memory=True,
+                            snapshot=lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster,
+                                                                        lost_nodes={1}, model=config.model))
+    restore = decision.rollback
+    assert restore.rebuilds == (SnapshotRebuild(2, (0, 2, 4, 6), (0, 4, 6)),
+                                SnapshotRebuild(3, (1, 3, 5, 7), (1, 5, 7)))
+    assert all(read.reader == read.owner for read in restore.reads)  # every survivor reads its own slot
+    _check_every_block_arrives(restore, decision.chosen.plan, config)
+
+
+def test_a_node_with_no_live_worker_left_is_rebuilt_even_though_its_keeper_lives():
+    c, config = center(2)
+    record = record_of(c, config)
+    restore, _ = plan_restore(record, plan=c.on_failure(ranks=[2, 3]).chosen.plan, cluster=c.cluster,
+                              lost_nodes=set(), model=config.model)
+    assert [r.lost for r in restore.rebuilds] == [2, 3]
+
+
+def test_two_losses_in_one_protection_group_name_the_ranks_and_leave_the_run_to_the_disk_checkpoint():
+    c, config = center(2)
+    record = record_of(c, config)
+    with pytest.raises(UnrecoverableFailure, match=r"blocks .* were lost on every replica .*, and the snapshot "
+                                                   r"shards of ranks \[2, 4\] are all lost, and their protection "
+                                                   r"group \(ranks \[0, 2, 4, 6\]\) rebuilds one at most"):
+        c.on_failure(nodes=[1, 2], in_memory=True,
+                     snapshot=lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster,
+                                                                 lost_nodes={1, 2}, model=config.model))
+
+
+def test_a_shard_with_no_other_node_for_parity_is_lost_with_its_node():
+    c, config = center(8)
+    record = record_of(c, config)
+    assert record.groups == tuple((r,) for r in range(8))
+    with pytest.raises(SnapshotLost, match="no parity protects it"):
+        plan_restore(record, plan=c.plan, cluster=c.cluster.fail_ranks([2, 3]), lost_nodes={0}, model=config.model)
+
+
+def test_a_restore_survives_its_json_round_trip():
+    c, config = center(2)
+    restore, _ = plan_restore(record_of(c, config), plan=c.on_failure(nodes=[1]).chosen.plan, cluster=c.cluster,
+                              lost_nodes={1}, model=config.model)
+    assert Restore.from_dict(restore.to_dict()) == restore
+    assert restore.workers(1) == {0, 1, 4, 5, 6, 7}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_failures_bring_every_block_of_the_new_plan_back_from_where_it_was_read(seed):
+    """Any one lost node, or any ranks killed on live nodes (keepers alive): every block each
+    new worker trains is read or rebuilt somewhere and reaches it."""
+    rng = random.Random(seed)
+    devices_per_node = rng.choice([2, 4, 8])
+    c, config = center(devices_per_node)
+    record = record_of(c, config)
+    nodes = 8 // devices_per_node
+    if nodes > 1 and rng.random() < 0.5:
+        lost = {rng.randrange(nodes)}
+        cluster_ranks = dict(nodes=sorted(lost))
+    else:
+        lost = set()
+        cluster_ranks = dict(ranks=rng.sample(range(8), rng.randint(1, 3)))
+    try:
+        decision = c.on_failure(**cluster_ranks)
+    except UnrecoverableFailure:
+        return
+    plan = decision.chosen.plan
+    try:
+        restore, transfers = plan_restore(record, plan=plan, cluster=c.cluster, lost_nodes=lost, model=config.model)
+    except SnapshotLost:
+        assert nodes == 1  # with parity across nodes, one lost node is always rebuilt
+        return
+    _check_every_block_arrives(restore, replace(plan, transfers=transfers), config)
+
+
+def _check_every_block_arrives(restore: Restore, plan, config) -> None:
+    """Each worker of ``plan`` ends with exactly its blocks: read or rebuilt by itself, or
+    transferred from the rank that read or rebuilt it."""
+    written = dict(restore.owners)
+    held: dict[int, set] = {}
+    for read in restore.reads:
+        held.setdefault(read.reader, set()).update(shard_blocks(written, read.owner))
+    for rebuilt in restore.rebuilds:
+        held.setdefault(rebuilt.readers[0], set()).update(shard_blocks(written, rebuilt.lost))
+    assert all(isinstance(r, SnapshotRead) for r in restore.reads)
+    for transfer in plan.transfers:
+        assert transfer.src is not None and transfer.layer in held.get(transfer.src, set()), transfer
+    for worker in plan.workers:
+        arriving = {t.layer for t in plan.transfers if t.dst == worker}
+        assert set(worker_blocks(config.model, plan, worker)) <= held.get(worker, set()) | arriving
