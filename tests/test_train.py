@@ -359,20 +359,42 @@ def wait_for_step(run_dir: Path, step: int, *, nodes: tuple[subprocess.Popen, ..
         time.sleep(0.02)
 
 
-def test_a_frozen_node_costs_the_survivors_no_collective_timeout(tmp_path, data_cache, reference):
-    """4 nodes of 2 ranks on this machine (4 pipelines of 2 stages: every stage keeps a
-    replica). Once step 1 has committed, node 2 is frozen whole from outside (SIGSTOP of
-    its launcher, fork server and workers): no socket closes, as when a node hangs or drops
-    off the network. The controller names the node from its silent launcher and aborts the
-    generation; the survivors leave their collectives at once instead of waiting out
-    the 30 s collective timeout, train on and end with the failure-free model."""
+def wait_for_event(run_dir: Path, event: str, *, nodes: tuple[subprocess.Popen, ...],
+                   within: float = RUN_TIMEOUT_S) -> dict:
+    """The first ``event`` record of ``events.jsonl``, once there; fails at once if one of
+    ``nodes`` ends first."""
+    deadline = time.monotonic() + within
+    events = run_dir / "events.jsonl"
+    while True:
+        lines = events.read_text().splitlines() if events.is_file() else []
+        found = [json.loads(line) for line in lines if line.endswith("}") and f'"event": "{event}"' in line]
+        if found:
+            return found[0]
+        ended = [i for i, node in enumerate(nodes) if node.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            why = f"node {ended[0]} exited {nodes[ended[0]].returncode}" if ended else f"not within {within} s"
+            pytest.fail(f"no {event} event: {why}{run_logs(run_dir)}")
+        time.sleep(0.02)
+
+
+def test_a_frozen_node_holding_a_whole_stage_costs_no_collective_timeout_and_is_rebuilt_from_parity(
+        tmp_path, data_cache, reference):
+    """4 nodes of 2 ranks on this machine: DP 2 x PP 4 puts both replicas of stage k on node
+    k. Snapshots every 2 steps; once the first is complete, node 2 is frozen whole from
+    outside (SIGSTOP of its launcher, which keeps its snapshot memory, its fork server and
+    workers): no socket closes, as when a node hangs or drops off the network. The
+    controller names the node from its silent launcher and aborts the generation; the
+    survivors leave their collectives at once instead of waiting out the 30 s collective
+    timeout. No survivor holds stage 2's blocks and the frozen keeper counts as lost: its two
+    shards are rebuilt from parity across the other nodes, the run rolls back to the
+    snapshot and ends with the failure-free model."""
     run_dir, port = tmp_path / "run", _free_port()
-    common = ["parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=4",
-              "cluster.devices_per_node=2", "odyssey.online_profile=false", "odyssey.collective_timeout=30",
-              slow_device(tmp_path, forward_s=0.02), "--nnodes", "4", "--master-port", str(port)]
+    common = ["cluster.devices_per_node=2", "odyssey.online_profile=false", "odyssey.collective_timeout=30",
+              "odyssey.snapshot_interval=2", slow_device(tmp_path, forward_s=0.02), "--nnodes", "4",
+              "--master-port", str(port)]
     nodes = [train(run_dir, data_cache, *common, node_rank=n) for n in range(4)]
     try:
-        wait_for_step(run_dir, 1, nodes=tuple(nodes))
+        wait_for_event(run_dir, "snapshot", nodes=tuple(nodes))
         os.killpg(nodes[2].pid, signal.SIGSTOP)
         status, out, err = finish(nodes[0])
     finally:
@@ -380,9 +402,10 @@ def test_a_frozen_node_costs_the_survivors_no_collective_timeout(tmp_path, data_
         os.killpg(nodes[2].pid, signal.SIGCONT)
         for node in nodes[1:]:
             finish(node)
-    assert status == 0, err[-4000:]
+    assert status == 0, err[-4000:] + run_logs(run_dir)
     (recovery,) = recoveries(run_dir)
     assert recovery["cause"] == "node" and recovery["failed_ranks"] == [4, 5]
+    assert recovery["snapshot_step"] in (2, 4) and recovery["rebuilt_shards"] == 2, recovery
     # Back to training well inside the collective timeout (the heartbeat timeout is 1 s;
     # the recovery benchmark measures the figure itself).
     assert recovery["ready_at"] - recovery["failed_at"] < 10, recovery
