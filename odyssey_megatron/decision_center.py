@@ -18,9 +18,9 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.estimator import PlanEstimate, estimate_plan
 from odyssey_megatron.estimator.program import step_program
-from odyssey_megatron.estimator.snapshot import snapshot_copy_s, young_interval_steps
+from odyssey_megatron.estimator.snapshot import restore_time, snapshot_copy_s, young_interval_steps
 from odyssey_megatron.estimator.wakeup_loop import warm_up
-from odyssey_megatron.plan import ExecutionPlan, Transfer
+from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import (
     Decision,
     Drafts,
@@ -37,11 +37,8 @@ from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.settings import DecisionSettings
-from odyssey_megatron.snapshot.restore import Restore, SnapshotLost
+from odyssey_megatron.snapshot.restore import Restore, SnapshotLost, SnapshotSource
 from odyssey_megatron.units import MIB, SECONDS_PER_HOUR
-
-SnapshotSource = Callable[[ExecutionPlan, ClusterState], tuple[Restore, tuple[Transfer, ...]]]
-"""Where a plan gets every block back from the last in-memory snapshot (``on_failure``)."""
 
 PREPARED_BYTES_PER_RANK = 1200
 """What one prepared decision keeps per rank of the plan, at most: a few candidate plans
@@ -130,9 +127,10 @@ class DecisionCenter:
         the simulator's oracle knows it). ``in_memory``: the job goes on from what the
         survivors hold, so a plan that needs a block no survivor holds is no plan: raises
         UnrecoverableFailure naming the blocks, and commits nothing, unless ``snapshot``
-        restores them: given the chosen plan and the cluster, it says where every block
-        comes back from as of the last in-memory snapshot (``snapshot.restore.plan_restore``),
-        and the decision rolls back to it (``Decision.rollback``); ``roll_back``: it does so
+        restores them: it says where each candidate plan gets every block back from as of
+        the last in-memory snapshot (``snapshot.restore.SnapshotSource``), Eq. 8 weighs each
+        with that move and the steps trained again, and the decision rolls back to it
+        (``Decision.rollback``); ``roll_back``: it does so
         whatever the survivors hold (they hold the snapshot's blocks: a rollback failed
         before its first step). Raises
         UnrecoverableFailure when no candidate exists either.
@@ -341,10 +339,8 @@ class DecisionCenter:
         interval = interval_s if interval_s is not None else \
             self.failure_model.expected_interval_s(self.cluster.alive_devices)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
-        decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
-                                  search_time_s=search_s),
-                           source=source, replaced=self.plan)
-        lost = decision.chosen.plan.blocks_from_nowhere if in_memory else []
+        lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere}, key=str) if in_memory else []
+        restores: dict[int, Restore] = {}
         if lost or (roll_back and snapshot is not None):
             why = (f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
                    f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them") if lost else \
@@ -352,14 +348,31 @@ class DecisionCenter:
             if snapshot is None:
                 raise UnrecoverableFailure(why)
             try:
-                restore, transfers = snapshot(decision.chosen.plan, self.cluster)
+                drafts = self._rolled_back(drafts, snapshot, restores)
             except SnapshotLost as exc:
                 raise UnrecoverableFailure(f"{why}, and {exc}") from None
-            chosen = replace(decision.chosen, plan=replace(decision.chosen.plan, transfers=transfers))
-            decision = replace(decision, chosen=chosen, rollback=restore)
+        decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
+                                  search_time_s=search_s),
+                           source=source, replaced=self.plan)
+        if restores:
+            decision = replace(decision, rollback=restores[id(decision.chosen.plan)])
         self.plan = decision.chosen.plan
         return decision
 
+    def _rolled_back(self, drafts: Drafts, snapshot: SnapshotSource, restores: dict[int, Restore]) -> Drafts:
+        """``drafts`` as rollbacks to the snapshot: each plan's transfers move every block from
+        where the snapshot is read or rebuilt, and its transition (Eq. 8) is that move, the
+        rebuilds and the steps trained again at the plan's step time. ``restores`` gets each
+        new plan's restore, by ``id``."""
+        rolled = []
+        for draft in drafts.drafts:
+            restore, transfers = snapshot.restore(draft.plan, self.cluster)
+            plan = replace(draft.plan, transfers=transfers)
+            restores[id(plan)] = restore
+            moving_s = restore_time(restore, transfers, profile=self.profile, cluster=self.cluster)
+            rolled.append(replace(draft, plan=plan,
+                                  moving_s=moving_s + snapshot.replayed_steps * draft.estimate.step_time_s))
+        return replace(drafts, drafts=tuple(rolled), unchanged=False)
 
 def _every_case(plan: ExecutionPlan, cluster: ClusterState) -> list[frozenset[int]]:
     """Each live worker of ``plan`` alone, then each node that holds one (its live workers)."""

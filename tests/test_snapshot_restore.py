@@ -19,6 +19,7 @@ from odyssey_megatron.snapshot.restore import (
     SnapshotRead,
     SnapshotRebuild,
     SnapshotRecord,
+    SnapshotSource,
     plan_restore,
 )
 from odyssey_megatron.snapshot.shards import owners, shard_blocks, snapshot_groups
@@ -57,8 +58,7 @@ def test_killed_replicas_on_a_live_node_are_read_from_its_keeper_by_a_survivor_t
     c, config = center(8)
     record = record_of(c, config)
     decision = c.on_failure(ranks=[2, 3], in_memory=True,
-                            snapshot=lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster,
-                                                                        lost_nodes=set(), model=config.model))
+                            snapshot=SnapshotSource(record, frozenset(), config.model, replayed_steps=1))
     restore = decision.rollback
     assert restore is not None and restore.step == 4 and restore.rebuilds == ()
     readers = {read.owner: read.reader for read in restore.reads}
@@ -77,8 +77,7 @@ def test_a_lost_node_s_shards_are_rebuilt_from_parity_across_the_other_nodes():
     record = record_of(c, config)
     assert record.groups == ((0, 2, 4, 6), (1, 3, 5, 7))
     decision = c.on_failure(nodes=[1], in_memory=True,
-                            snapshot=lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster,
-                                                                        lost_nodes={1}, model=config.model))
+                            snapshot=SnapshotSource(record, frozenset({1}), config.model, replayed_steps=1))
     restore = decision.rollback
     assert restore.rebuilds == (SnapshotRebuild(2, (0, 2, 4, 6), (0, 4, 6)),
                                 SnapshotRebuild(3, (1, 3, 5, 7), (1, 5, 7)))
@@ -101,8 +100,7 @@ def test_two_losses_in_one_protection_group_name_the_ranks_and_leave_the_run_to_
                                                    r"shards of ranks \[2, 4\] are all lost, and their protection "
                                                    r"group \(ranks \[0, 2, 4, 6\]\) rebuilds one at most"):
         c.on_failure(nodes=[1, 2], in_memory=True,
-                     snapshot=lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster,
-                                                                 lost_nodes={1, 2}, model=config.model))
+                     snapshot=SnapshotSource(record, frozenset({1, 2}), config.model, replayed_steps=1))
 
 
 def test_a_shard_with_no_other_node_for_parity_is_lost_with_its_node():
@@ -111,6 +109,25 @@ def test_a_shard_with_no_other_node_for_parity_is_lost_with_its_node():
     assert record.groups == tuple((r,) for r in range(8))
     with pytest.raises(SnapshotLost, match="no parity protects it"):
         plan_restore(record, plan=c.plan, cluster=c.cluster.fail_ranks([2, 3]), lost_nodes={0}, model=config.model)
+
+
+def test_eq_8_weighs_each_candidate_with_its_restore_and_the_steps_it_trains_again():
+    """Every candidate of a rollback pays the same replay in steps, at its own step time, and
+    moves every block from where the snapshot is read: a longer replay lowers every score and
+    makes the slower candidates fall further behind."""
+    scores = {}
+    for replayed in (0, 50):
+        c, config = center(8)
+        c.search_time_s = 0.0  # a measured search time would differ between the two
+        decision = c.on_failure(ranks=[2, 3], in_memory=True, interval_s=600.0,
+                                snapshot=SnapshotSource(record_of(c, config), frozenset(), config.model,
+                                                        replayed_steps=replayed))
+        candidates = (decision.chosen, *decision.alternatives)
+        for candidate in candidates:
+            assert not candidate.plan.blocks_from_nowhere  # every block comes from the snapshot
+        scores[replayed] = {cand.layout: (cand.transition_s, cand.estimate.step_time_s) for cand in candidates}
+    for layout, (transition, step_s) in scores[50].items():
+        assert transition == pytest.approx(scores[0][layout][0] + 50 * step_s)
 
 
 def test_a_restore_survives_its_json_round_trip():

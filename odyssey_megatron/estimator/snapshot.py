@@ -1,6 +1,7 @@
 """What in-memory snapshots cost (paper 004): the copy of each rank's share to host
 memory, the host memory a node keeps, the interval that balances the two against the
-failure rate, and the steps a rollback replays.
+failure rate, and what a rollback takes before training again (``restore_time``; the
+decision center adds the steps it trains again).
 
 A rank copies its share (``snapshot.shards.share_out``: whole blocks, weights and Adam
 state) at ``host_bandwidth`` while its next step computes, so only what outlasts that
@@ -14,11 +15,16 @@ from __future__ import annotations
 
 import math
 
-from odyssey_megatron.plan import ExecutionPlan
+from collections.abc import Sequence
+
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.estimator.transition import transfer_time
+from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.snapshot.shards import share_out
 
-__all__ = ["snapshot_copy_s", "snapshot_host_bytes", "snapshot_shares", "young_interval_steps"]
+__all__ = ["restore_time", "snapshot_copy_s", "snapshot_host_bytes", "snapshot_shares", "young_interval_steps"]
 
 
 def snapshot_shares(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, int]:
@@ -43,6 +49,21 @@ def snapshot_host_bytes(plan: ExecutionPlan, profile: ModelProfile, *, nodes_per
     largest = max(snapshot_shares(plan, profile).values(), default=0)
     members = min(nodes_per_group, nodes)
     return 2 * (largest + (math.ceil(largest / (members - 1)) if members > 1 else 0))
+
+
+def restore_time(restore: Restore, transfers: Sequence[Transfer], *, profile: ModelProfile,
+                 cluster: ClusterState) -> float:
+    """Seconds until a rollback's blocks are where the plan trains them: the slowest
+    rebuild (each survivor's shard and parity chunk cross the inter-node link into one
+    XOR reduce; reads from a keeper are host memory, counted with the rebuild's), then the
+    transfers from where the blocks were read (``transfer_time``)."""
+    owned: dict[int, int] = {}
+    for block, worker in restore.owners:
+        owned[worker] = owned.get(worker, 0) + profile.block(block).state_bytes
+    tp = cluster.tensor_parallel_size
+    rebuild_s = max((owned.get(r.lost // tp, 0) / tp * len(r.readers) / profile.inter_node_bandwidth
+                     for r in restore.rebuilds), default=0.0)
+    return rebuild_s + transfer_time(transfers, profile=profile, cluster=cluster, storage_bandwidth=float("inf"))
 
 
 def young_interval_steps(*, copy_s: float, step_s: float, mtbf_s: float) -> int:

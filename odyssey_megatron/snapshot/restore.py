@@ -23,8 +23,8 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import EMBEDDING, OUTPUT, Block
 
-__all__ = ["Restore", "SnapshotLost", "SnapshotRead", "SnapshotRebuild", "SnapshotRecord", "block_from_key",
-           "plan_restore"]
+__all__ = ["Restore", "SnapshotLost", "SnapshotRead", "SnapshotRebuild", "SnapshotRecord", "SnapshotSource",
+           "block_from_key", "plan_restore"]
 
 
 def block_from_key(text: str) -> Block:
@@ -104,6 +104,22 @@ class Restore:
                    reads=tuple(SnapshotRead(int(r), int(o)) for r, o in data["reads"]),
                    rebuilds=tuple(SnapshotRebuild(int(b["lost"]), tuple(map(int, b["group"])),
                                                   tuple(map(int, b["readers"]))) for b in data["rebuilds"]))
+
+
+@dataclass(frozen=True)
+class SnapshotSource:
+    """The last complete snapshot as a decision sees it: where a plan would get every block
+    back from (``restore``) and how many committed steps a rollback to it trains again."""
+
+    record: SnapshotRecord
+    lost_nodes: frozenset[int]
+    """Nodes lost so far: their keepers are gone."""
+    model: ModelConfig
+    replayed_steps: int
+
+    def restore(self, plan: ExecutionPlan, cluster: ClusterState) -> tuple[Restore, tuple[Transfer, ...]]:
+        return plan_restore(self.record, plan=plan, cluster=cluster, lost_nodes=set(self.lost_nodes),
+                            model=self.model)
 
 
 def plan_restore(record: SnapshotRecord, *, plan: ExecutionPlan, cluster: ClusterState, lost_nodes: set[int],

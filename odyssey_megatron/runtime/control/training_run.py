@@ -59,7 +59,7 @@ from odyssey_megatron.runtime.protocol import (
     step_report_key,
     stopped_key,
 )
-from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, plan_restore
+from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, SnapshotSource
 from odyssey_megatron.snapshot.shards import snapshot_groups
 from odyssey_megatron.runtime.step_ledger import StepLedger
 
@@ -258,11 +258,10 @@ class TrainingRun:
                 self.controller.record.event("snapshot", step=step, generation=generation)
                 return
 
-    def _snapshot_source(self):
-        """Where a plan gets its blocks back from the last snapshot (``DecisionCenter.on_failure``)."""
-        record, lost_nodes, model = self.snapshot, set(self._lost_nodes), self.config.model
-        return lambda plan, cluster: plan_restore(record, plan=plan, cluster=cluster, lost_nodes=lost_nodes,
-                                                  model=model)
+    def _snapshot_source(self) -> SnapshotSource:
+        """The last snapshot as the decision center sees it (``DecisionCenter.on_failure``)."""
+        return SnapshotSource(self.snapshot, frozenset(self._lost_nodes), self.config.model,
+                              replayed_steps=self.committed - self.snapshot.step)
 
     def _roll_back(self, restore: Restore) -> None:
         """The run goes back to the snapshot's step: the steps since are trained again."""
