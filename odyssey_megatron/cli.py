@@ -269,8 +269,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError("--failed-nodes", f"nodes must lie in 0..{nodes - 1}; got {bad}")
     configured = config.odyssey.snapshot_interval
-    interval = configured if configured is not None else center.snapshot_interval()
-    host = snapshot_host_bytes(center.plan, center.profile, nodes_per_group=config.odyssey.snapshot_parity_nodes,
+    nodes_per_group = config.odyssey.snapshot_parity_nodes
+    interval = configured if configured is not None else center.snapshot_interval(nodes_per_group=nodes_per_group)
+    host = snapshot_host_bytes(center.plan, center.profile, nodes_per_group=nodes_per_group,
                                nodes=center.cluster.num_nodes)
     snapshots = (f"every {interval} steps{'' if configured is not None else ' (Young)'}, {host / GIB:.2f} GiB of host "
                  "memory per rank (its share and parity chunk, twice)" if interval else "none")

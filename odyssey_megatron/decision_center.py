@@ -18,7 +18,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.estimator import PlanEstimate, estimate_plan
 from odyssey_megatron.estimator.program import step_program
-from odyssey_megatron.estimator.snapshot import restore_time, snapshot_copy_s, young_interval_steps
+from odyssey_megatron.estimator.snapshot import restore_time, snapshot_time_s, young_interval_steps
 from odyssey_megatron.estimator.wakeup_loop import warm_up
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import (
@@ -297,10 +297,13 @@ class DecisionCenter:
                                                 pricing=self.settings.search.pricing)
         return self._estimate[1]
 
-    def snapshot_interval(self) -> int:
+    def snapshot_interval(self, *, nodes_per_group: int) -> int:
         """Steps between in-memory snapshots by Young's rule for the current plan, cluster
-        and failure rate (``estimator.snapshot``): the default of ``odyssey.snapshot_interval``."""
-        return young_interval_steps(copy_s=snapshot_copy_s(self.plan, self.profile),
+        and failure rate (``estimator.snapshot``), with parity groups of ``nodes_per_group``:
+        the default of ``odyssey.snapshot_interval``."""
+        seconds = snapshot_time_s(self.plan, self.profile, nodes_per_group=nodes_per_group,
+                                  nodes=self.cluster.num_nodes)
+        return young_interval_steps(copy_s=seconds,
                                     step_s=self.estimate.step_time_s,
                                     mtbf_s=self.failure_model.expected_interval_s(self.cluster.alive_devices))
 

@@ -21,8 +21,8 @@ from odyssey_megatron.hooks.training_state import TrainingState, empty_block, st
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
+from odyssey_megatron.runtime.control.training_run import forget_steps_from
 from odyssey_megatron.runtime.final_model import FINAL_MODEL, merge_final_parts
-from odyssey_megatron.runtime.train import _forget_steps_from
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +40,7 @@ def step_line(step: int) -> str:
 
 def test_a_torn_last_line_of_samples_is_dropped_on_resume(tmp_path):
     samples = write_lines(tmp_path / "samples.jsonl", step_line(0), step_line(1), step_line(2), TORN)
-    _forget_steps_from(samples, 2)
+    forget_steps_from(samples, 2)
     assert samples.read_text() == step_line(0) + step_line(1)
     assert [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"]  # rewritten through a temporary, now gone
 

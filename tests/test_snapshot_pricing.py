@@ -10,9 +10,9 @@ import pytest
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator.snapshot import (
-    snapshot_copy_s,
     snapshot_host_bytes,
     snapshot_shares,
+    snapshot_time_s,
     young_interval_steps,
 )
 
@@ -25,13 +25,17 @@ def test_shares_cover_the_model_once_and_split_each_stage_among_its_replicas(rec
     plan, profile = center.plan, center.profile
     shares = snapshot_shares(plan, profile)
     blocks = {b for blocks in plan.holdings(profile).values() for b in blocks}
-    assert sum(shares.values()) == sum(profile.block(b).state_bytes for b in blocks)
+    assert sum(shares.values()) == sum(profile.block(b).optimizer_bytes for b in blocks)  # masters and moments
     for pipeline_stages in zip(*(p.stages for p in plan.pipelines)):  # one stage's replicas
         replicas = [s.worker for s in pipeline_stages]
         stage = sum(shares[w] for w in replicas)
-        largest = max(profile.block(b).state_bytes for b in plan.holdings(profile)[replicas[0]])
+        largest = max(profile.block(b).optimizer_bytes for b in plan.holdings(profile)[replicas[0]])
         assert max(shares[w] for w in replicas) <= stage / len(replicas) + largest  # greedy: within one block
-    assert snapshot_copy_s(plan, profile) == max(shares.values()) / profile.host_bandwidth
+    copy_s = max(shares.values()) / profile.host_bandwidth
+    assert snapshot_time_s(plan, profile, nodes_per_group=4, nodes=1) == copy_s  # one node: no parity
+    # four nodes: a reduce-scatter sends and receives 4/3 of a share across nodes
+    assert snapshot_time_s(plan, profile, nodes_per_group=4, nodes=4) == pytest.approx(
+        copy_s + max(shares.values()) * 4 / 3 / profile.inter_node_bandwidth)
 
 
 def test_host_memory_is_two_buffers_of_the_share_and_of_its_parity_chunk():
@@ -50,6 +54,6 @@ def test_young_interval_by_hand():
     assert young_interval_steps(copy_s=0.5, step_s=10.0, mtbf_s=3600.0) == 6
     assert young_interval_steps(copy_s=1e-6, step_s=10.0, mtbf_s=3600.0) == 1  # at least every step
     center = DecisionCenter.from_recipe(load_config(RECIPES / "ascend_910b_32.yaml"))
-    expected = math.sqrt(2 * snapshot_copy_s(center.plan, center.profile)
-                         * center.failure_model.expected_interval_s(32)) / center.estimate.step_time_s
-    assert center.snapshot_interval() == max(1, round(expected))
+    seconds = snapshot_time_s(center.plan, center.profile, nodes_per_group=4, nodes=4)  # 32 NPUs: 4 nodes of 8
+    expected = math.sqrt(2 * seconds * center.failure_model.expected_interval_s(32)) / center.estimate.step_time_s
+    assert center.snapshot_interval(nodes_per_group=4) == max(1, round(expected))

@@ -3,10 +3,12 @@ memory, the host memory a node keeps, the interval that balances the two against
 failure rate, and what a rollback takes before training again (``restore_time``; the
 decision center adds the steps it trains again).
 
-A rank copies its share (``snapshot.shards.share_out``: whole blocks, weights and Adam
-state) at ``host_bandwidth`` while its next step computes, so only what outlasts that
-step would show on the step time; the interval follows Young's rule, sqrt(2 x copy time x
-mean time between failures). A node keeps two buffers per rank (the last complete
+A rank copies its share (``snapshot.shards.share_out``: whole blocks, fp32 masters and
+Adam moments) at ``host_bandwidth`` and computes its parity chunk across nodes while its
+next step computes, so only what outlasts that step would show on the step time; the
+interval follows Young's rule, sqrt(2 x snapshot time x mean time between failures), the
+snapshot's whole time standing for its cost (what it costs the step depends on how much
+of it the step hides). A node keeps two buffers per rank (the last complete
 snapshot and the one being written) of its share and of its parity chunk
 (1/(group nodes - 1) of the largest share of its group, RAID-5 style).
 """
@@ -24,12 +26,18 @@ from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.snapshot.shards import share_out
 
-__all__ = ["restore_time", "snapshot_copy_s", "snapshot_host_bytes", "snapshot_shares", "young_interval_steps"]
+__all__ = ["restore_time", "snapshot_time_s", "snapshot_host_bytes", "snapshot_shares", "young_interval_steps"]
+
+
+def _share_bytes(profile: ModelProfile, block) -> int:
+    """What a snapshot holds of a block: its fp32 masters and Adam moments (the optimizer
+    state, 12 bytes a parameter), not the low-precision weights they round to."""
+    return profile.block(block).optimizer_bytes
 
 
 def snapshot_shares(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, int]:
     """Bytes of each worker's share of a snapshot of ``plan`` (one TP shard of it)."""
-    size = lambda block: profile.block(block).state_bytes  # noqa: E731
+    size = lambda block: _share_bytes(profile, block)  # noqa: E731
     owned = share_out(plan.holdings(profile), size)
     shares = dict.fromkeys(plan.workers, 0)
     for block, worker in owned.items():
@@ -37,9 +45,18 @@ def snapshot_shares(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, int
     return shares
 
 
-def snapshot_copy_s(plan: ExecutionPlan, profile: ModelProfile) -> float:
-    """Seconds the largest share takes to copy to host memory."""
-    return max(snapshot_shares(plan, profile).values(), default=0) / profile.host_bandwidth
+def _group_members(nodes_per_group: int, nodes: int) -> int:
+    return min(nodes_per_group, nodes)
+
+
+def snapshot_time_s(plan: ExecutionPlan, profile: ModelProfile, *, nodes_per_group: int, nodes: int) -> float:
+    """Seconds the largest share takes to snapshot: its copy to host memory, then its parity
+    (a reduce-scatter over the group: each member sends and receives ``members / (members -
+    1)`` of a share across nodes; nothing on a single node)."""
+    largest = max(snapshot_shares(plan, profile).values(), default=0)
+    members = _group_members(nodes_per_group, nodes)
+    parity_s = largest * members / (members - 1) / profile.inter_node_bandwidth if members > 1 else 0.0
+    return largest / profile.host_bandwidth + parity_s
 
 
 def snapshot_host_bytes(plan: ExecutionPlan, profile: ModelProfile, *, nodes_per_group: int, nodes: int) -> int:
@@ -47,7 +64,7 @@ def snapshot_host_bytes(plan: ExecutionPlan, profile: ModelProfile, *, nodes_per
     of its parity chunk (the largest share over the group's members less one; none on a
     single node, where no group has a second node)."""
     largest = max(snapshot_shares(plan, profile).values(), default=0)
-    members = min(nodes_per_group, nodes)
+    members = _group_members(nodes_per_group, nodes)
     return 2 * (largest + (math.ceil(largest / (members - 1)) if members > 1 else 0))
 
 
@@ -59,7 +76,7 @@ def restore_time(restore: Restore, transfers: Sequence[Transfer], *, profile: Mo
     transfers from where the blocks were read (``transfer_time``)."""
     owned: dict[int, int] = {}
     for block, worker in restore.owners:
-        owned[worker] = owned.get(worker, 0) + profile.block(block).state_bytes
+        owned[worker] = owned.get(worker, 0) + _share_bytes(profile, block)
     tp = cluster.tensor_parallel_size
     rebuild_s = max((owned.get(r.lost // tp, 0) / tp * len(r.readers) / profile.inter_node_bandwidth
                      for r in restore.rebuilds), default=0.0)

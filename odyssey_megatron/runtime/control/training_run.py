@@ -232,7 +232,9 @@ class TrainingRun:
     def _snapshot_interval(self) -> int:
         """``odyssey.snapshot_interval``, or Young's interval for the starting plan."""
         configured = self.config.odyssey.snapshot_interval
-        return configured if configured is not None else self.center.snapshot_interval()
+        if configured is not None:
+            return configured
+        return self.center.snapshot_interval(nodes_per_group=self.config.odyssey.snapshot_parity_nodes)
 
     def _collect_snapshot(self) -> None:
         """Take in the newest snapshot of the running generation whose every part is in.

@@ -14,6 +14,9 @@ snapshot, so a failure during a write never leaves the run without one; the next
 snapshot waits for the previous one to be done, so it never overwrites the only complete
 one.
 
+Parity runs on gloo groups whatever the training backend: the shards are in host memory
+(and NCCL has no bitwise reduction).
+
 **Restoring.** In a rollback generation (``PlanPublished.restore``) the rank reads the
 shards it is named to read from its node's keeper, takes part in the XOR rebuilds of shards
 whose node is lost, and ends holding those blocks as of the snapshot's step; the plan's
@@ -104,7 +107,7 @@ class SnapshotTaker:
             if len(members) > 1:  # alone on the only node: unprotected
                 # Only the members build it: a worker that joins the generation to send a block does not snapshot.
                 self.group = dist.new_group([rank_in_generation(m) for m in members], timeout=timeout,
-                                            use_local_synchronization=True)
+                                            backend="gloo", use_local_synchronization=True)
                 self.member = members.index(rank)
                 self.stripes = StripeLayout(tuple(_shard_layout(model, self.owned, m // tp, tp)[1] for m in members))
         self.slot = _Slot(slot)
@@ -229,7 +232,7 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         if rank not in rebuilt.readers:
             continue
         group = dist.new_group([rank_in_generation(r) for r in rebuilt.readers], timeout=timeout,
-                               use_local_synchronization=True)
+                               backend="gloo", use_local_synchronization=True)
         member = members[rebuilt.readers.index(rank)]
         payload, chunk = snapshot_of(member, parity=True)
         stripes = StripeLayout(tuple(_shard_layout(model, owned, m // tp_size, tp_size)[1] for m in rebuilt.group))
