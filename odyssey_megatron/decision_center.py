@@ -33,7 +33,7 @@ from odyssey_megatron.planner import (
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
-from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.profile import ModelProfile, block_sort_key
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.settings import DecisionSettings
@@ -342,7 +342,8 @@ class DecisionCenter:
         interval = interval_s if interval_s is not None else \
             self.failure_model.expected_interval_s(self.cluster.alive_devices)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
-        lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere}, key=str) if in_memory else []
+        lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},
+                      key=block_sort_key) if in_memory else []
         restores: dict[int, Restore] = {}
         if lost or (roll_back and snapshot is not None):
             why = (f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "

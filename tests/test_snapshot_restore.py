@@ -27,8 +27,8 @@ from odyssey_megatron.snapshot.shards import owners, shard_blocks, snapshot_grou
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "llama2_7b" / "tiny_cpu.yaml"
 
 
-def center(devices_per_node: int) -> tuple[DecisionCenter, object]:
-    config = load_config(TINY, [f"cluster.devices_per_node={devices_per_node}"])
+def center(devices_per_node: int, *overrides: str) -> tuple[DecisionCenter, object]:
+    config = load_config(TINY, [f"cluster.devices_per_node={devices_per_node}", *overrides])
     return DecisionCenter.from_recipe(config), config
 
 
@@ -128,6 +128,24 @@ def test_eq_8_weighs_each_candidate_with_its_restore_and_the_steps_it_trains_aga
         scores[replayed] = {cand.layout: (cand.transition_s, cand.estimate.step_time_s) for cand in candidates}
     for layout, (transition, step_s) in scores[50].items():
         assert transition == pytest.approx(scores[0][layout][0] + 50 * step_s)
+
+
+def test_with_tensor_parallelism_each_tp_rank_reads_and_rebuilds_its_own_shard():
+    """TP 2 x PP 2 x DP 2 over 2 nodes of 4 ranks: node 1 holds both workers (TP groups) of
+    stage 1. Losing it rebuilds each of its ranks' shards from a partner on node 0 of the
+    same TP rank (a group of two nodes mirrors), and every transfer moves TP shard k
+    between TP ranks k."""
+    c, config = center(4, "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                       "parallel.data_parallel_size=2")
+    record = record_of(c, config)
+    assert record.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    decision = c.on_failure(nodes=[1], in_memory=True,
+                            snapshot=SnapshotSource(record, frozenset({1}), config.model, replayed_steps=1))
+    restore = decision.rollback
+    assert [(r.lost, r.readers) for r in restore.rebuilds] == [(4, (0,)), (5, (1,)), (6, (2,)), (7, (3,))]
+    assert all(read.reader % 2 == read.owner % 2 for read in restore.reads)
+    assert all(t.src % 2 == t.dst % 2 for t in decision.chosen.plan.transfers)
+    assert not decision.chosen.plan.blocks_from_nowhere
 
 
 def test_a_restore_survives_its_json_round_trip():

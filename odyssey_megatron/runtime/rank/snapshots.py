@@ -66,7 +66,7 @@ class _Slot:
         self.parity = (KeeperBuffer(parity0), KeeperBuffer(parity1))
 
     def holding(self, step: int, generation: int) -> Optional[int]:
-        """The buffer pair whose data and parity hold the snapshot of ``step`` written in ``generation``."""
+        """The buffer pair (by its data buffer) that holds the snapshot of ``step`` written in ``generation``."""
         for index in (0, 1):
             found = self.data[index].read()
             if found is not None and (found[0].get("step"), found[0].get("generation")) == (step, generation):
@@ -88,7 +88,7 @@ class SnapshotTaker:
         """Builds this rank's protection group's process group with its members, when the
         generation snapshots (``rank_in_generation`` maps launch ranks to the generation's)."""
         plan = published.plan
-        self.plan, self.rank, self.model, self.store = plan, rank, model, store
+        self.rank, self.store = rank, store
         self.ended, self.poll_s = ended, poll_s
         self.interval, self.start_step = published.snapshot_interval, published.start_step
         self.generation = plan.generation

@@ -183,6 +183,9 @@ class Worker:
         self.group_store = self.store.clone()
         """The step ledger's connection: waits no longer than a collective may."""
         self.group_store.set_timeout(self.collective_timeout)
+        self.snapshot_store = self.store.clone()
+        """The snapshot thread's connection: it counts in while the training thread may wait on the ledger."""
+        self.snapshot_store.set_timeout(self.collective_timeout)
         self.rendezvous = RendezvousStore(self.store.clone(), guard=self.guard)
         """Where the process groups meet: an abort ends a setup that waits for a dead member."""
         self.state: Optional[TrainingState] = None
@@ -360,7 +363,7 @@ class Worker:
                 slot=self.launch.keeper[self.launch.local_rank], rank=self.launch.rank, model=self.config.model,
                 devices_per_node=self.config.cluster.devices_per_node,
                 nodes_per_group=self.config.odyssey.snapshot_parity_nodes, published=published,
-                store=self.group_store, rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp),
+                store=self.snapshot_store, rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp),
                 ended=lambda: self.store.check([abort_key(plan.generation)]), poll_s=self.timeouts.poll_interval / 10,
                 timeout=self.collective_timeout)
             self.guard.track(self.snapshots.process_groups)
