@@ -538,19 +538,23 @@ def test_a_lost_node_holding_every_replica_of_a_stage_is_rebuilt_from_parity_acr
     whole as step 4 starts (its launcher, the keeper of its snapshot memory, and its
     workers): its stage's only copies and its snapshot shards are gone. Its two shards of
     step 2's snapshot are rebuilt by XOR from the parity of their protection groups (the
-    i-th rank of every node), the run rolls back to step 2 and ends with the failure-free
-    model."""
+    i-th rank of every node). Rank 6 dies as the rollback moves its blocks: the decision
+    starts again, rank 6's shard is read from its node's keeper by rank 7 (which then
+    serves node 1's rebuild for it too), and the run ends with the failure-free model."""
     run_dir = tmp_path / "run"
     status, _, err = train_nodes(run_dir, data_cache, 4, "cluster.devices_per_node=2", "odyssey.snapshot_interval=2",
                                  "odyssey.online_profile=false", "--nnodes", "4", "--master-port", str(_free_port()),
-                                 faults("{node: 1, step: 4, phase: snapshot, action: kill}"))
+                                 faults("{node: 1, step: 4, phase: snapshot, action: kill}",
+                                        "{rank: 6, step: 2, phase: transfer, action: kill}"))
     assert status == 0, err[-4000:] + run_logs(run_dir)
     (recovery,) = recoveries(run_dir)
-    assert recovery["cause"] == "node" and recovery["failed_ranks"] == [2, 3], recovery
+    assert recovery["failed_ranks"] == [2, 3, 6] and recovery["restarts"] == 1, recovery
     assert recovery["snapshot_step"] == 2 and recovery["rebuilt_shards"] == 2 and recovery["replayed_steps"] == 2
+    assert recovery["read_for_failed_ranks"] == [6]
     logs = "".join(p.read_text() for p in run_dir.glob("logs/rank-*.log"))
     assert "rebuilt rank 2's snapshot shard of step 2 from parity (group [0, 2, 4, 6])" in logs
     assert "rebuilt rank 3's snapshot shard of step 2 from parity (group [1, 3, 5, 7])" in logs
+    assert "rank 7: read rank 6's snapshot shard of step 2 from the node's keeper" in logs
     assert_same_training(run_dir, reference)
 
 

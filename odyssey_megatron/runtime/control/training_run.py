@@ -104,6 +104,8 @@ class _Recovery:
     decided_at: float
     record: dict
     """The decision: policy, alternatives, bytes moved."""
+    committed_before: int
+    """Steps committed when the recovery began: a rollback trains again those after its snapshot."""
     ready_at: Optional[float] = None
 
 
@@ -260,18 +262,19 @@ class TrainingRun:
                 self.controller.record.event("snapshot", step=step, generation=generation)
                 return
 
-    def _snapshot_source(self) -> SnapshotSource:
-        """The last snapshot as the decision center sees it (``DecisionCenter.on_failure``)."""
+    def _snapshot_source(self, committed_before: int) -> SnapshotSource:
+        """The last snapshot as the decision center sees it (``DecisionCenter.on_failure``),
+        rolling back from ``committed_before`` steps."""
         return SnapshotSource(self.snapshot, frozenset(self._lost_nodes), self.config.model,
-                              replayed_steps=self.committed - self.snapshot.step)
+                              replayed_steps=committed_before - self.snapshot.step)
 
     def _roll_back(self, restore: Restore) -> None:
         """The run goes back to the snapshot's step: the steps since are trained again."""
         replayed = self.committed - restore.step
         forget_steps_from(self.run_dir / SAMPLES, restore.step)
         self.controller.record.event("rollback", step=restore.step, generation=restore.generation, replayed=replayed)
-        log.info("run: rolled back to the snapshot of step %d (%d committed steps to train again)",
-                    restore.step, replayed)
+        log.info("run: rolled back to the snapshot of step %d (%d committed steps to train again)", restore.step,
+                 replayed)
         self.committed = restore.step
         self._progress.rolled_back()
 
@@ -313,9 +316,10 @@ class TrainingRun:
     def _recover(self, failure: Failure) -> None:
         """Decide and publish the next generation after ``failure``; a failure before
         every rank of it is ready restarts the decision with the new survivors."""
-        failures, seen, restarts = [failure], [], 0
+        failures, seen, restarts, before = [failure], [], 0, None
         if self._recovery is not None:  # the last recovery had not reached its first step
             seen, restarts = list(self._recovery.failures), self._recovery.restarts + 1
+            before = self._recovery.committed_before
         while failures:
             self._stop_preparing()
             time.sleep(self.timeouts.poll_interval)  # ranks failing together arrive together
@@ -325,13 +329,14 @@ class TrainingRun:
             self._lost_nodes |= {r // self.config.cluster.devices_per_node for f in failures if f.cause is Cause.NODE
                                  for r in f.ranks}
             self.end_generation()
-            committed = self.committed
-            decision = self._decide(failures)
+            before = self.committed if before is None else before
+            decision = self._decide(failures, committed_before=before)
             if decision.rollback is not None:
                 self._roll_back(decision.rollback)
             self._recovery = _Recovery(generation=decision.chosen.plan.generation, failures=list(seen),
                                        restarts=restarts, decided_at=time.time(),
-                                       record=self._decision_record(decision, committed=committed))
+                                       record=self._decision_record(decision, committed=before),
+                                       committed_before=before)
             self._publish(decision.chosen.plan, decision.chosen.estimate.step_time_s, decision.rollback)
             failures = self._wait_ready()
             restarts += 1
@@ -345,8 +350,9 @@ class TrainingRun:
                 self._commit(self.plan.generation, step)
         self._collect_snapshot()  # one the owner had not seen done yet
 
-    def _decide(self, failures: list[Failure]) -> Decision:
-        """Run the decision center from the settled plan on the new survivors."""
+    def _decide(self, failures: list[Failure], *, committed_before: int) -> Decision:
+        """Run the decision center from the settled plan on the new survivors;
+        ``committed_before``: steps committed when the recovery began."""
         # A recovery that failed before its first step leaves survivors with the settled plan's blocks.
         held = None if self.settled is self.plan else replace(self.settled, generation=self.plan.generation)
         # A lost node comes as the ranks it held: the decision center needs no node numbering.
@@ -354,7 +360,8 @@ class TrainingRun:
         # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint.
         # A rollback interrupted before its first step rolls back again: the blocks the
         # survivors hold are the snapshot's, not the settled plan's.
-        snapshot = self._snapshot_source() if self.snapshot is not None and not self.fresh else None
+        snapshot = (self._snapshot_source(committed_before) if self.snapshot is not None and not self.fresh
+                    else None)
         decision = self.center.on_failure(ranks=ranks, at_s=time.monotonic() - self.started, in_memory=not self.fresh,
                                           from_plan=held, snapshot=snapshot,
                                           roll_back=self._restore is not None and self.settled is not self.plan)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.training_state import TrainingState
+from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import Block
 from odyssey_megatron.runtime.protocol import PlanPublished, snapshot_done_key, snapshot_parts_key
 from odyssey_megatron.snapshot.keeper import KeeperBuffer, pack, payload_layout, unpack
@@ -44,7 +45,7 @@ from odyssey_megatron.snapshot.parity import StripeLayout, encode, rebuild
 from odyssey_megatron.snapshot.restore import Restore, block_from_key
 from odyssey_megatron.snapshot.shards import owners, shard_blocks, shard_entries, snapshot_groups
 
-__all__ = ["SnapshotAbandoned", "SnapshotTaker", "restore_snapshot"]
+__all__ = ["SnapshotAbandoned", "SnapshotTaker", "protection_group", "restore_snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,32 @@ class _Slot:
             buffer.close()
 
 
+def protection_group(plan: ExecutionPlan, *, rank: int, devices_per_node: int, nodes_per_group: int,
+                     rank_in_generation: Callable[[int], int],
+                     timeout: datetime.timedelta) -> Optional[tuple[tuple[int, ...], dist.ProcessGroup]]:
+    """This rank's protection group (its members in launch ranks, and its gloo group), or
+    None where it has none (it trains nothing, or is alone on the only node). Collective:
+    every rank of the generation calls it, in the same place among its ``new_group``
+    calls (torch names a group by its ranks and the groups a process holds, so groups
+    built by their members alone come out under different names where the members hold
+    different numbers of groups)."""
+    mine = None
+    for members in snapshot_groups(plan, devices_per_node=devices_per_node, nodes_per_group=nodes_per_group):
+        if len(members) < 2:
+            continue
+        group = dist.new_group([rank_in_generation(m) for m in members], timeout=timeout, backend="gloo")
+        if rank in members:
+            mine = members, group
+    return mine
+
+
 class SnapshotTaker:
     """One generation's snapshots on this rank (``PlanPublished.snapshot_interval``)."""
 
-    def __init__(self, *, slot: Sequence[str], rank: int, model: ModelConfig, devices_per_node: int,
-                 nodes_per_group: int, published: PlanPublished, store: dist.Store,
-                 rank_in_generation: Callable[[int], int], ended: Callable[[], bool], poll_s: float,
-                 timeout: datetime.timedelta):
-        """Builds this rank's protection group's process group with its members, when the
-        generation snapshots (``rank_in_generation`` maps launch ranks to the generation's)."""
+    def __init__(self, *, slot: Sequence[str], rank: int, model: ModelConfig, published: PlanPublished,
+                 protection: Optional[tuple[tuple[int, ...], dist.ProcessGroup]], store: dist.Store,
+                 ended: Callable[[], bool], poll_s: float):
+        """``protection``: this rank's protection group (``protection_group``), if any."""
         plan = published.plan
         self.rank, self.store = rank, store
         self.ended, self.poll_s = ended, poll_s
@@ -101,24 +119,15 @@ class SnapshotTaker:
         self.entries, self.total = _shard_layout(model, self.owned, rank // tp, tp)
         self.group: Optional[dist.ProcessGroup] = None
         self.member, self.stripes = 0, None
-        if self.interval:
-            groups = snapshot_groups(plan, devices_per_node=devices_per_node, nodes_per_group=nodes_per_group)
-            members = next(g for g in groups if rank in g)
-            if len(members) > 1:  # alone on the only node: unprotected
-                # Only the members build it: a worker that joins the generation to send a block does not snapshot.
-                self.group = dist.new_group([rank_in_generation(m) for m in members], timeout=timeout,
-                                            backend="gloo", use_local_synchronization=True)
-                self.member = members.index(rank)
-                self.stripes = StripeLayout(tuple(_shard_layout(model, self.owned, m // tp, tp)[1] for m in members))
+        if protection is not None:
+            members, self.group = protection
+            self.member = members.index(rank)
+            self.stripes = StripeLayout(tuple(_shard_layout(model, self.owned, m // tp, tp)[1] for m in members))
         self.slot = _Slot(slot)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._pending: Optional[int] = None
         """The step of the snapshot this rank wrote last, until it is known done."""
-
-    @property
-    def process_groups(self) -> list[dist.ProcessGroup]:
-        return [self.group] if self.group is not None else []
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is taken as ``step`` starts (after ``step`` committed steps)."""
@@ -188,9 +197,11 @@ class SnapshotTaker:
 
 def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots: Sequence[Sequence[str]],
                      model: ModelConfig, tp_size: int, rank_in_generation: Callable[[int], int],
-                     timeout: datetime.timedelta) -> TrainingState:
+                     timeout: datetime.timedelta, track: Callable[[list], None]) -> TrainingState:
     """This rank's blocks as of ``restore.step``: the shards it reads from its node's keeper
-    and the ones it rebuilds (each rebuild's process group built by its readers, in order)."""
+    and the ones it rebuilds. Collective: every rank of the generation builds every
+    rebuild's process group, in order (``protection_group`` says why); ``track`` gets the
+    groups this rank is in (the collective guard keeps them)."""
     owned = dict(restore.owners)
     state = TrainingState()
 
@@ -229,10 +240,10 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
                      restore.step)
     for rebuilt in restore.rebuilds:
         members = [m for m in rebuilt.group if m != rebuilt.lost]
+        group = dist.new_group([rank_in_generation(r) for r in rebuilt.readers], timeout=timeout, backend="gloo")
         if rank not in rebuilt.readers:
             continue
-        group = dist.new_group([rank_in_generation(r) for r in rebuilt.readers], timeout=timeout,
-                               backend="gloo", use_local_synchronization=True)
+        track([group])
         member = members[rebuilt.readers.index(rank)]
         payload, chunk = snapshot_of(member, parity=True)
         stripes = StripeLayout(tuple(_shard_layout(model, owned, m // tp_size, tp_size)[1] for m in rebuilt.group))

@@ -80,7 +80,12 @@ from odyssey_megatron.runtime.rank.emulation import recipe_emulation
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
 from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
-from odyssey_megatron.runtime.rank.snapshots import SnapshotAbandoned, SnapshotTaker, restore_snapshot
+from odyssey_megatron.runtime.rank.snapshots import (
+    SnapshotAbandoned,
+    SnapshotTaker,
+    protection_group,
+    restore_snapshot,
+)
 from odyssey_megatron.runtime.step_ledger import COMMITTED, StepLedger
 
 __all__ = ["GenerationEnded", "train_worker"]
@@ -335,7 +340,8 @@ class Worker:
             self.state = restore_snapshot(
                 published.restore, rank=self.launch.rank, node_first_rank=self.launch.rank - self.launch.local_rank,
                 slots=self.launch.keeper, model=self.config.model, tp_size=self.tp,
-                rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp), timeout=self.collective_timeout)
+                rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp), timeout=self.collective_timeout,
+                track=self.guard.track)
         elif self.state is None:
             self.state = self._first_state(plan, ranks, rank) if training else TrainingState()
         self._check_steps(published.start_step)
@@ -351,6 +357,7 @@ class Worker:
         if not training:  # sent its blocks; holds nothing the plan trains
             self.idle_groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=self.collective_timeout)
             self.guard.track(self.idle_groups.owned)
+            self._protection_group(published, ranks)
             self._entered(plan.generation)
             self._wait_until_ended()
             return
@@ -358,15 +365,12 @@ class Worker:
         self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, state=self.state,
                                  settings=self.runner_settings, on_phase=self._on_phase)
         self.guard.track(self.runner.groups.owned)
+        protection = self._protection_group(published, ranks)
         if published.snapshot_interval:
             self.snapshots = SnapshotTaker(
                 slot=self.launch.keeper[self.launch.local_rank], rank=self.launch.rank, model=self.config.model,
-                devices_per_node=self.config.cluster.devices_per_node,
-                nodes_per_group=self.config.odyssey.snapshot_parity_nodes, published=published,
-                store=self.snapshot_store, rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp),
-                ended=lambda: self.store.check([abort_key(plan.generation)]), poll_s=self.timeouts.poll_interval / 10,
-                timeout=self.collective_timeout)
-            self.guard.track(self.snapshots.process_groups)
+                published=published, protection=protection, store=self.snapshot_store,
+                ended=lambda: self.store.check([abort_key(plan.generation)]), poll_s=self.timeouts.poll_interval / 10)
         self._entered(plan.generation)
         interval = self.config.odyssey.checkpoint_interval
         for step in range(published.start_step, train.train_iters):
@@ -382,6 +386,20 @@ class Worker:
                          tp_rank=self.tp_rank, state=self.runner.training_state(), rank=self.launch.rank)
         self.store.add(final_key(plan.generation), 1)
         self._wait_until_ended()
+
+    def _protection_group(self, published: PlanPublished, ranks: RankMap):
+        """This rank's snapshot protection group, built with every rank of the generation
+        (``snapshots.protection_group``), where the generation snapshots."""
+        if not published.snapshot_interval:
+            return None
+        found = protection_group(published.plan, rank=self.launch.rank,
+                                 devices_per_node=self.config.cluster.devices_per_node,
+                                 nodes_per_group=self.config.odyssey.snapshot_parity_nodes,
+                                 rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp),
+                                 timeout=self.collective_timeout)
+        if found is not None:
+            self.guard.track([found[1]])
+        return found
 
     def _entered(self, generation: int) -> None:
         """Count this rank in the generation (its groups built, blocks moved, stage built)."""
