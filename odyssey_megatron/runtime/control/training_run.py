@@ -11,6 +11,12 @@ once and nothing rolls back: committed steps stay, the rest replays in the next
 generation from ``start_step``, on the same global batch. Until a first step commits no
 trained state exists, and the plans published say so (``fresh``).
 
+When no survivor holds some block, the decision rolls back to the last complete
+in-memory snapshot instead (``_collect_snapshot`` follows them; ``snapshot.restore``):
+``samples.jsonl`` forgets the steps after it, and they are trained again on the same
+global batches. Two losses in one parity group leave nothing to roll back to: the run
+fails, for ``--resume`` from the disk checkpoint.
+
 A stop on purpose (``Controller.request_stop``: a signal, or a node's launcher told to
 stop) ends the generation the same way, then orders every worker to write the blocks it is
 the first live holder of in the settled plan, as of the last committed step, and marks

@@ -6,10 +6,15 @@ participants (on the generation's store prefix), moves the blocks the plan's tra
 name, builds its stage on Megatron-Core from the per-block state it holds and trains
 from the plan's ``start_step``. A step counts once every rank of the generation has its
 final gradients (``runtime.step_ledger``); a rank applies its optimizer step only after
-that, so a step that did not commit was applied nowhere and nothing is ever rolled back.
+that, so a step that did not commit was applied nowhere and no step is ever undone.
 Until the first step of the run (or of a resumed run) commits, no trained state exists:
 a worker entering a generation then (``PlanPublished.fresh``) draws its stage from the
-seed or the checkpoint, and no block moves.
+seed or the checkpoint, and no block moves. Every ``snapshot_interval`` steps the worker
+also writes its share of an in-memory snapshot into its node's keeper
+(``runtime.rank.snapshots``); where a failure leaves some block with no live copy, the
+next generation is a rollback (``PlanPublished.restore``): the worker drops what it
+holds, reads or rebuilds the snapshot's shards it is named for, and the plan's transfers
+move them, so the run goes on from the snapshot's step.
 
 When a peer fails, the survivors' collectives end: gloo reports a closed connection as
 soon as a dead peer's sockets close, and where nothing closes (a frozen node, a dropped
