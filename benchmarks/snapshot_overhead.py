@@ -105,7 +105,7 @@ from odyssey_megatron.plan import ExecutionPlan  # noqa: E402
 from odyssey_megatron.profile import uniform_profile  # noqa: E402
 from odyssey_megatron.restorer import with_sync  # noqa: E402
 from odyssey_megatron.runtime.rank.op_timers import BACKWARD, FORWARD  # noqa: E402
-from odyssey_megatron.runtime.rank.snapshots import SnapshotTaker  # noqa: E402
+from odyssey_megatron.runtime.rank.snapshots import SnapshotTaker, protection_group  # noqa: E402
 from odyssey_megatron.settings import Pricing  # noqa: E402
 from odyssey_megatron.testing.local_world import run_world  # noqa: E402
 from odyssey_megatron.testing.plans import pipelines_plan  # noqa: E402
@@ -216,12 +216,15 @@ class SnapshottingStep(LiveWorkerStep):
                                   snapshot_interval=1)
         store = self.store.clone()  # the worker's group store: a clone with the collective timeout
         store.set_timeout(COLLECTIVE_TIMEOUT)
-        self.taker = _TimedTaker(slot=slot, rank=self.rank, model=kwargs["recipe"].model,
-                                 devices_per_node=DEVICES_PER_NODE, nodes_per_group=NODES_PER_GROUP,
-                                 published=published, store=_TimedStore(store, spans), rank_in_generation=lambda r: r,
-                                 ended=lambda: False, poll_s=POLL_S, timeout=COLLECTIVE_TIMEOUT)
+        protection = protection_group(kwargs["plan"], rank=self.rank, devices_per_node=DEVICES_PER_NODE,
+                                      nodes_per_group=NODES_PER_GROUP, rank_in_generation=lambda r: r,
+                                      timeout=COLLECTIVE_TIMEOUT)
+        self.taker = _TimedTaker(slot=slot, rank=self.rank, model=kwargs["recipe"].model, published=published,
+                                 protection=protection, store=_TimedStore(store, spans), ended=lambda: False,
+                                 poll_s=POLL_S)
         self.taker.spans = spans
-        self.guard.track(self.taker.process_groups)
+        if protection is not None:
+            self.guard.track([protection[1]])
         self.share_bytes = self.taker.total
         self.parity_bytes = self.taker.stripes.chunk_bytes if self.taker.stripes is not None else 0
         dist.barrier()
@@ -465,7 +468,8 @@ def rebuild_world(rank: int, world: int, overrides: list[str], slots: list[list[
         dist.barrier()
         started = time.perf_counter()
         state = restore_snapshot(restore, rank=rank, node_first_rank=rank, slots=[slots[rank]], model=model,
-                                 tp_size=1, rank_in_generation=lambda r: r, timeout=COLLECTIVE_TIMEOUT)
+                                 tp_size=1, rank_in_generation=lambda r: r, timeout=COLLECTIVE_TIMEOUT,
+                                 track=lambda groups: None)
         out["restore_s"].append(time.perf_counter() - started)
         if expected is not None:  # the first survivor holds the lost member's layer, bit for bit
             got = state.export(lost)
@@ -476,7 +480,8 @@ def rebuild_world(rank: int, world: int, overrides: list[str], slots: list[list[
 
     # The same once piece by piece, on a group built beforehand: read (and copy out, as
     # restore_snapshot does) the shard and parity, the XOR reduce to the first survivor, unpack.
-    survivors_group = dist.new_group(list(survivors), use_local_synchronization=True) if rank in survivors else None
+    survivors_group = dist.new_group(list(survivors))  # by every rank: see snapshots.protection_group
+    survivors_group = survivors_group if rank in survivors else None
     dist.barrier()
     if survivors_group is not None:
         started = time.perf_counter()

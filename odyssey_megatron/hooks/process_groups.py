@@ -54,6 +54,10 @@ class RankMap:
     def rank(self, worker: int, tp_rank: int = 0) -> int:
         return self.workers.index(worker) * self.tensor_parallel_size + tp_rank
 
+    def of_launch_rank(self, launch_rank: int) -> int:
+        """This world's rank of launch rank ``launch_rank`` (worker ``launch_rank // TP``)."""
+        return self.rank(*divmod(launch_rank, self.tensor_parallel_size))
+
     def worker(self, rank: int) -> int:
         return self.workers[rank // self.tensor_parallel_size]
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Optional
 
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.schedules.program import StepProgram, publish, read_published
-from odyssey_megatron.snapshot.restore import Restore
+from odyssey_megatron.snapshot.restore import Restore, participants
 from odyssey_megatron.timeouts import Timeouts
 
 __all__ = [
@@ -378,8 +378,7 @@ class PlanPublished:
 
     def participants(self) -> tuple[int, ...]:
         """Workers that enter the generation: the plan's, and those that read a snapshot shard for it."""
-        readers = self.restore.workers(self.plan.tensor_parallel_size) if self.restore else set()
-        return tuple(sorted(set(self.plan.participants) | readers))
+        return participants(self.plan, self.restore)
 
     def to_json(self) -> str:
         return json.dumps({"kind": "plan", "published_at": self.published_at, "start_step": self.start_step,

@@ -16,7 +16,7 @@ plan's transfers do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
@@ -24,7 +24,7 @@ from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import EMBEDDING, OUTPUT, Block
 
 __all__ = ["Restore", "SnapshotLost", "SnapshotRead", "SnapshotRebuild", "SnapshotRecord", "SnapshotSource",
-           "block_from_key", "plan_restore"]
+           "block_from_key", "participants", "plan_restore"]
 
 
 def block_from_key(text: str) -> Block:
@@ -104,6 +104,13 @@ class Restore:
                    reads=tuple(SnapshotRead(int(r), int(o)) for r, o in data["reads"]),
                    rebuilds=tuple(SnapshotRebuild(int(b["lost"]), tuple(map(int, b["group"])),
                                                   tuple(map(int, b["readers"]))) for b in data["rebuilds"]))
+
+
+def participants(plan: ExecutionPlan, restore: Optional[Restore]) -> tuple[int, ...]:
+    """Workers that enter ``plan``'s generation: the plan's, and those that read a snapshot
+    shard for its rollback (``restore``), ascending."""
+    readers = restore.workers(plan.tensor_parallel_size) if restore is not None else set()
+    return tuple(sorted(set(plan.participants) | readers))
 
 
 @dataclass(frozen=True)

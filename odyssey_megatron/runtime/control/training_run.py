@@ -65,7 +65,7 @@ from odyssey_megatron.runtime.protocol import (
     step_report_key,
     stopped_key,
 )
-from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, SnapshotSource
+from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, SnapshotSource, participants
 from odyssey_megatron.snapshot.shards import snapshot_groups
 from odyssey_megatron.runtime.step_ledger import StepLedger
 
@@ -186,9 +186,7 @@ class TrainingRun:
         return [w * tp + k for w in plan.workers for k in range(tp)]
 
     def _world_size(self, plan: ExecutionPlan) -> int:
-        tp = plan.tensor_parallel_size
-        readers = self._restore.workers(tp) if self._restore is not None else set()
-        return len(set(plan.participants) | readers) * tp
+        return len(participants(plan, self._restore)) * plan.tensor_parallel_size
 
     def _final_written(self) -> bool:
         if self.committed < self.iters:
@@ -332,8 +330,7 @@ class TrainingRun:
             while (more := self.controller.next_failure(timeout=0)) is not None:
                 failures.append(more)
             seen += failures
-            self._lost_nodes |= {r // self.config.cluster.devices_per_node for f in failures if f.cause is Cause.NODE
-                                 for r in f.ranks}
+            self._lost_nodes |= {f.node for f in failures if f.cause is Cause.NODE}
             self.end_generation()
             before = self.committed if before is None else before
             decision = self._decide(failures, committed_before=before)

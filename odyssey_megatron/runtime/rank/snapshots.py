@@ -58,6 +58,14 @@ def _shard_layout(model: ModelConfig, owned: dict[Block, int], worker: int, tp_s
     return payload_layout(shard_entries(model, shard_blocks(owned, worker), tp_size=tp_size))
 
 
+def _sealed(buffer: KeeperBuffer, step: int, generation: int) -> Optional[torch.Tensor]:
+    """The payload ``buffer`` holds of the snapshot of ``step`` written in ``generation``, if it holds that one."""
+    found = buffer.read()
+    if found is None or (found[0].get("step"), found[0].get("generation")) != (step, generation):
+        return None
+    return found[1]
+
+
 class _Slot:
     """One rank's keeper slot: a pair of data buffers and a pair of parity buffers."""
 
@@ -68,11 +76,7 @@ class _Slot:
 
     def holding(self, step: int, generation: int) -> Optional[int]:
         """The buffer pair (by its data buffer) that holds the snapshot of ``step`` written in ``generation``."""
-        for index in (0, 1):
-            found = self.data[index].read()
-            if found is not None and (found[0].get("step"), found[0].get("generation")) == (step, generation):
-                return index
-        return None
+        return next((index for index in (0, 1) if _sealed(self.data[index], step, generation) is not None), None)
 
     def close(self) -> None:
         for buffer in (*self.data, *self.parity):
@@ -222,14 +226,13 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         if index is None:
             raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no snapshot of step {restore.step} "
                                f"(generation {restore.generation})")
-        payload = slot.data[index].read()[1].clone()
+        payload = _sealed(slot.data[index], restore.step, restore.generation).clone()
         chunk = None
         if parity:
-            found = slot.parity[index].read()
-            if found is None or (found[0].get("step"), found[0].get("generation")) != (restore.step,
-                                                                                        restore.generation):
+            chunk = _sealed(slot.parity[index], restore.step, restore.generation)
+            if chunk is None:
                 raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no parity of step {restore.step}")
-            chunk = found[1].clone()
+            chunk = chunk.clone()
         slot.close()
         return payload, chunk
 

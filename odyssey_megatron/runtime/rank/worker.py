@@ -345,7 +345,7 @@ class Worker:
             self.state = restore_snapshot(
                 published.restore, rank=self.launch.rank, node_first_rank=self.launch.rank - self.launch.local_rank,
                 slots=self.launch.keeper, model=self.config.model, tp_size=self.tp,
-                rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp), timeout=self.collective_timeout,
+                rank_in_generation=ranks.of_launch_rank, timeout=self.collective_timeout,
                 track=self.guard.track)
         elif self.state is None:
             self.state = self._first_state(plan, ranks, rank) if training else TrainingState()
@@ -400,7 +400,7 @@ class Worker:
         found = protection_group(published.plan, rank=self.launch.rank,
                                  devices_per_node=self.config.cluster.devices_per_node,
                                  nodes_per_group=self.config.odyssey.snapshot_parity_nodes,
-                                 rank_in_generation=lambda r: ranks.rank(r // self.tp, r % self.tp),
+                                 rank_in_generation=ranks.of_launch_rank,
                                  timeout=self.collective_timeout)
         if found is not None:
             self.guard.track([found[1]])
