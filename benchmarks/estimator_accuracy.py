@@ -237,7 +237,7 @@ class LiveSteps:
         def commit(step: int, losses: dict, samples: dict) -> None:
             if not commit_step(store=self.store, ledger=self.ledger, rank=self.rank, step=step, losses=losses,
                                samples=samples, op_timers=self.runner.model.config.timers,
-                               timeout=self.timeout):
+                               timeout=self.timeout).committed:
                 raise RuntimeError(f"step {step} did not commit")
 
         train_step(self.runner, step=step, load=self.load, commit=commit)

@@ -386,7 +386,7 @@ class LiveWorkerStep:
 
         started = time.perf_counter()
         if not commit_step(store=self.store, ledger=self.ledger, rank=self.rank, step=step, losses=losses,
-                           samples=samples, op_timers=self.timers, timeout=COLLECTIVE_TIMEOUT):
+                           samples=samples, op_timers=self.timers, timeout=COLLECTIVE_TIMEOUT).committed:
             raise RuntimeError(f"step {step} did not commit")
         self.commit_s.append(time.perf_counter() - started)
 

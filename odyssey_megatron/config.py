@@ -101,6 +101,9 @@ class FaultPhase(Choice):
     group_setup = "group_setup"
 
 
+JOIN_PHASES = (FaultPhase.recovery, FaultPhase.transfer, FaultPhase.mid_transfer, FaultPhase.group_setup)
+"""Where a ``join`` fault may strike: a generation that takes workers back, before its first step."""
+
 FaultAction = Choice("FaultAction", [(name, name) for name in ("kill", "stop", "raise")], module=__name__)
 """What an injected fault does: kill (SIGKILL), stop (SIGSTOP: a hung worker) or raise (an
 exception in the training loop). A functional enum, since ``raise`` is a Python keyword."""
@@ -357,8 +360,8 @@ class FaultSpec:
     node: Optional[int] = None
     """The node that fails with all its ranks (its launcher is killed), 1 .. nodes - 1:
     node 0 hosts the controller, whose loss ends the run."""
-    step: int = MISSING
-    """The training step it strikes in, 0 .. training.train_iters - 1."""
+    step: Optional[int] = None
+    """The training step it strikes in, 0 .. training.train_iters - 1 (required unless ``join``)."""
     phase: FaultPhase = MISSING
     """forward, backward, grad_sync, optimizer, transfer or recovery."""
     action: FaultAction = MISSING
@@ -368,6 +371,12 @@ class FaultSpec:
     """Other ranks of ``rank``'s node killed in the same instant: ``rank`` carries the fault
     out, SIGKILLing them (wherever they are in their step) and then itself, so they fail
     together, not one after another. Kill only; default: none."""
+    join: bool = False
+    """Strike in the first generation that takes workers back (``odyssey.restart_workers``, a
+    replacement node), at ``phase``, instead of at a step: when a join happens depends on
+    how fast the worker restarts. Recovery phases only (recovery, transfer, mid_transfer,
+    group_setup), on the joining worker (receiving its blocks) or any other rank of the
+    generation; default: false."""
 
     def check(self, key: str) -> None:
         """What the spec alone decides: the choices, and exactly one target."""
@@ -376,6 +385,13 @@ class FaultSpec:
         targets = {name: getattr(self, name) for name in ("rank", "node") if getattr(self, name) is not None}
         require(len(targets) == 1, key, "must give exactly one of rank and node; got "
                 + (" and ".join(f"{name} {value}" for name, value in targets.items()) or "neither"))
+        if self.join:
+            require(self.step is None, f"{key}.step", f"must be left out with join (it strikes in the first "
+                                                      f"generation that takes workers back); got {self.step}")
+            require(self.phase in JOIN_PHASES, f"{key}.phase",
+                    f"must be one of {', '.join(JOIN_PHASES)} with join; got {self.phase}")
+        else:
+            require(self.step is not None, f"{key}.step", "must be given (or join: true, for the first join)")
         require(self.node is None or self.action == "kill", f"{key}.action",
                 f"must be kill for a node fault (a node is lost whole: its launcher and workers die); got {self.action}")
         if self.with_ranks:
@@ -407,7 +423,7 @@ class FaultSpec:
             require(first <= peer < min(first + devices_per_node, num_ranks), f"{key}.with_ranks",
                     f"must name ranks of rank {self.rank}'s node, {first}..{min(first + devices_per_node, num_ranks) - 1}"
                     f" (cluster.devices_per_node={devices_per_node}): it kills their pids; got {peer}")
-        require(0 <= self.step < train_iters, f"{key}.step",
+        require(self.step is None or 0 <= self.step < train_iters, f"{key}.step",
                 f"must lie in 0..{train_iters - 1} (training.train_iters is {train_iters}); got {self.step}")
         if self.phase == FaultPhase.snapshot:
             require(bool(snapshot_interval) and self.step > 0 and self.step % snapshot_interval == 0, f"{key}.step",
@@ -421,7 +437,8 @@ class FaultSpec:
         return f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
 
     def __str__(self) -> str:
-        return f"{self.action} {self.target} at step {self.step}, {self.phase}"
+        when = "in the first join" if self.join else f"at step {self.step}"
+        return f"{self.action} {self.target} {when}, {self.phase}"
 
 
 @dataclass
@@ -530,6 +547,12 @@ class OdysseyConfig:
     snapshot_parity_nodes: int = 4
     """Nodes per parity protection group: each group's snapshots survive the loss of any
     one of its nodes; the parity costs 1/(nodes - 1) of a shard in host memory."""
+    restart_workers: int = 0
+    """Times a node's launcher starts a worker again after it died (an error, a crash, killed
+    as hung) while its node lives on (torchrun's ``--max-restarts``, per rank). The
+    restarted worker joins the running job as new capacity: the controller decides by Eq. 8
+    whether to grow back onto it, and the next generation hands it its blocks
+    (``runtime.control.training_run``). 0: a dead worker stays out of the run."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("odyssey", self)
@@ -540,7 +563,7 @@ class OdysseyConfig:
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
                              "reparallelize_restart_s", "checkpoint_restart_penalty_s", "checkpoint_interval",
-                             "prepared_decisions_mib")
+                             "prepared_decisions_mib", "restart_workers")
         if self.snapshot_interval is not None:
             require_non_negative("odyssey", self, "snapshot_interval")
         require(self.snapshot_parity_nodes >= 2, "odyssey.snapshot_parity_nodes",
@@ -548,6 +571,8 @@ class OdysseyConfig:
         require_at_most("odyssey", self, limits.MAX_SEARCH_RADIUS, "candidates grow with the radii",
                         "dp_search_radius", "pp_search_radius")
         require_at_most("odyssey", self, limits.MAX_LAYER_SPLITS, "each is priced", "max_layer_splits")
+        require_at_most("odyssey", self, 1000, "a worker that dies a thousand times has a fault of its own",
+                        "restart_workers")
         require_at_most("odyssey", self, 2.0**20, "a TiB", "prepared_decisions_mib")
         require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", "reroute_restart_s",
                         "reparallelize_restart_s", "checkpoint_restart_penalty_s")

@@ -133,22 +133,45 @@ class DecisionCenter:
         (``Decision.rollback``); ``roll_back``: it does so
         whatever the survivors hold (they hold the snapshot's blocks: a rollback failed
         before its first step). Raises
-        UnrecoverableFailure when no candidate exists either.
+        UnrecoverableFailure when no candidate exists either. The plan chosen is always a new
+        generation, the current layout too where it goes on (a failure that touched none of
+        its workers; its transfers were made when it started): the runtime ended the
+        generation that ran.
         """
         self._observe(failures=1, at_s=at_s)
         if from_plan is not None:
             self.plan = from_plan
         before = self.cluster
         self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
-        return self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory,
-                            snapshot=snapshot, roll_back=roll_back)
+        decision = self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory,
+                                snapshot=snapshot, roll_back=roll_back)
+        if decision.chosen.plan is decision.replaced:  # what runs goes on, with nothing left to move
+            plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
+            decision = replace(decision, chosen=replace(decision.chosen, plan=plan))
+            self.plan = plan
+        return decision
+
+    def on_idle_failure(self, *, ranks: Iterable[int], running: ExecutionPlan, at_s: float | None = None) -> None:
+        """Mark ``ranks`` failed where ``running`` (the plan that trains) does not use them (an
+        idle worker, a joiner not taken back yet): it goes on, no decision is needed, and
+        the failure counts for the failure rate. A decision committed after ``running`` and
+        not carried out (a join still waiting for its step boundary) is dropped."""
+        self._observe(failures=1, at_s=at_s)
+        self.plan = running
+        self.cluster = self.cluster.fail_ranks(ranks)
+
+    def withdraw(self, running: ExecutionPlan) -> None:
+        """Go back to ``running``: the decision committed after it is not carried out (the
+        run ended before a join's step boundary came)."""
+        self.plan = running
 
     def on_join(self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), at_s: float | None = None,
                 interval_s: float | None = None) -> Decision:
         """Mark repaired or replacement ``ranks`` (and every rank of ``workers``) alive,
         decide whether to use them (the current plan keeps training meanwhile), and commit
         the chosen plan. ``at_s`` and ``interval_s`` as in ``on_failure``; a join adds
-        exposure, not a failure."""
+        exposure, not a failure. Where Eq. 8 keeps the current plan, the decision's plan is
+        the current one itself (``Decision.replaced``)."""
         self._observe(failures=0, at_s=at_s)
         self.cluster = self.cluster.repair_ranks([*ranks, *self._ranks_of(workers)])
         return self._decide(interval_s)

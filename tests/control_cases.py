@@ -57,9 +57,10 @@ def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str, port_out
     time.sleep(LIFETIME_S)
 
 
-def _launcher_main(config: LaunchConfig, timeouts: Timeouts, target: Callable[[WorkerLaunch], None]) -> None:
+def _launcher_main(config: LaunchConfig, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
+                   restart_workers: int) -> None:
     _log_to_stderr(f"launcher {config.node_rank}")
-    sys.exit(NodeLauncher(config, timeouts=timeouts, target=target).run())
+    sys.exit(NodeLauncher(config, timeouts=timeouts, target=target, restart_workers=restart_workers).run())
 
 
 def process_state(pid: int) -> str | None:
@@ -90,8 +91,10 @@ class LocalCluster:
     started by ``with`` and every process of it killed on leaving."""
 
     def __init__(self, run_dir: Path, *, nodes: int, per_node: int, timeouts: Timeouts,
-                 reporting_rank: int | None = None):
+                 reporting_rank: int | None = None, restart_workers: int = 0):
         self.run_dir, self.nodes, self.per_node, self.timeouts = run_dir, nodes, per_node, timeouts
+        self.restart_workers = restart_workers
+        self.port: int | None = None
         self.target = partial(idle_worker, reporting_rank=reporting_rank)
         self.controller: multiprocessing.Process | None = None
         self.launchers: list[multiprocessing.Process] = []
@@ -107,14 +110,9 @@ class LocalCluster:
                                           args=(self.run_dir, self.timeouts, published, port_out))
         self.controller.start()
         try:
-            port = port_out.get(timeout=60)
+            self.port = port_out.get(timeout=60)
             for node in range(self.nodes):
-                flags = {"nnodes": str(self.nodes), "node_rank": str(node), "master_port": str(port),
-                         "nproc_per_node": str(self.per_node)}
-                config = LaunchConfig.resolve(flags, environ={})
-                launcher = context.Process(target=_launcher_main, args=(config, self.timeouts, self.target))
-                launcher.start()
-                self.launchers.append(launcher)
+                self.start_launcher(node)
             wait_for(self._ready, timeout=60, what="every worker registered and, unless failed, running generation 0")
         except BaseException:
             self.__exit__()
@@ -131,6 +129,17 @@ class LocalCluster:
         for row in workers.values():  # a worker outlives its launcher only if the test failed
             if row["pid"] is not None and alive(row["pid"]):
                 os.kill(row["pid"], signal.SIGKILL)
+
+    def start_launcher(self, node: int) -> multiprocessing.Process:
+        """Start node ``node``'s launcher (again, for a replacement node), in its own process group."""
+        flags = {"nnodes": str(self.nodes), "node_rank": str(node), "master_port": str(self.port),
+                 "nproc_per_node": str(self.per_node)}
+        config = LaunchConfig.resolve(flags, environ={})
+        launcher = multiprocessing.get_context("spawn").Process(
+            target=_launcher_main, args=(config, self.timeouts, self.target, self.restart_workers))
+        launcher.start()
+        self.launchers.append(launcher)
+        return launcher
 
     def _ready(self) -> bool:
         workers = self.workers()

@@ -33,7 +33,9 @@ from odyssey_megatron.runtime.protocol import (
     EXIT_CONTROLLER_LOST,
     CollectiveStalled,
     INBOX,
+    EXIT_REPLACED,
     Heartbeat,
+    KillOrder,
     NodeLeft,
     NodeRegistration,
     PlanPublished,
@@ -144,6 +146,57 @@ def test_a_killed_launcher_is_one_node_failure_and_a_lost_controller_takes_every
         assert cluster.launchers[0].exitcode == EXIT_CONTROLLER_LOST
 
 
+@pytest.mark.timeout(300)
+def test_a_dead_worker_is_restarted_as_a_joiner_and_a_kill_order_for_its_old_process_spares_the_new_one(tmp_path):
+    """``odyssey.restart_workers``: rank 1 is killed and its launcher starts it again, as a
+    joiner; a kill order that comes late for the old process spares the new one. Killed
+    again, with no restart left, it stays dead."""
+    with LocalCluster(tmp_path, nodes=1, per_node=2, timeouts=TIMEOUTS, restart_workers=1) as cluster:
+        first = cluster.workers()[1]["pid"]
+        os.kill(first, signal.SIGKILL)
+        assert cluster.wait_event("failure", timeout=10)["ranks"] == [1]
+        second = wait_for(lambda: cluster.workers()[1]["state"] == "alive" and cluster.workers()[1]["pid"] != first
+                          and cluster.workers()[1]["pid"], timeout=30, what="rank 1 restarted and registered")
+        registered = [e for e in cluster.events("rank_joined") if e["rank"] == 1]
+        assert [e["pid"] for e in registered] == [first, second]
+        client = dist.TCPStore("127.0.0.1", cluster.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.queue_push(kill_orders_key(0), KillOrder(1, first).to_json())  # late, for the old process
+        time.sleep(3 * TIMEOUTS.poll_interval)
+        assert alive(second)
+        os.kill(second, signal.SIGKILL)
+        wait_for(lambda: len(cluster.events("failure")) == 2, timeout=10, what="the second failure")
+        time.sleep(1)
+        assert cluster.workers()[1]["state"] == "exited" and alive(cluster.workers()[0]["pid"])
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_launcher_fails_a_frozen_node_and_fences_it_when_it_thaws(tmp_path):
+    """Node 1 freezes whole (its launcher and workers stopped: no socket closes) and a new
+    launcher for node 1 starts elsewhere before the old one is found silent: the old node's
+    ranks fail as one node failure at once, the new workers register as joiners. When the
+    frozen node thaws, its launcher finds itself replaced, kills its workers and exits, so
+    no rank runs twice."""
+    with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=TIMEOUTS) as cluster:
+        old_launcher, old_workers = cluster.launchers[1], [cluster.workers()[r]["pid"] for r in (2, 3)]
+        frozen = [old_launcher.pid, *old_workers]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        cluster.start_launcher(1)
+        failure = cluster.wait_event("failure", timeout=10)
+        assert (failure["cause"], failure["node"], failure["ranks"]) == ("node", 1, [2, 3])
+        new_workers = wait_for(lambda: [w["pid"] for r, w in cluster.workers().items() if r in (2, 3)
+                                        and w["state"] == "alive" and w["pid"] not in old_workers] or None,
+                               timeout=60, what="the replacement's workers registered")
+        assert len(new_workers) == 2
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        old_launcher.join(timeout=10)
+        assert old_launcher.exitcode == EXIT_REPLACED
+        wait_for(lambda: not any(alive(pid) for pid in old_workers), timeout=5, what="the old workers killed")
+        assert all(alive(pid) for pid in new_workers)
+        assert len(cluster.events("failure")) == 1
+
+
 # -- the store and plans, in this process -----------------------------------------------
 
 
@@ -181,7 +234,7 @@ def test_the_controller_turns_inbox_messages_into_failures_records_and_kill_orde
     client.queue_push(INBOX, RankFailureReport(1, None, "boom", 5.0).to_json())
     error = controller.next_failure(timeout=10)
     assert (error.cause, error.ranks, error.detail) == (Cause.ERROR, (1,), "boom")
-    assert client.queue_pop(kill_orders_key(0), block=False) == b"1"
+    assert KillOrder.from_json(client.queue_pop(kill_orders_key(0), block=False)) == KillOrder(1, 21)
     client.queue_push(INBOX, RankExit(0, 0, -9, 6.0).to_json())
     exit_failure = controller.next_failure(timeout=10)
     assert (exit_failure.cause, exit_failure.ranks, exit_failure.failed_at) == (Cause.EXIT, (0,), 6.0)
@@ -395,3 +448,28 @@ def test_bad_launch_settings_are_one_line_naming_the_flag_or_variable(flags, env
     with pytest.raises(ConfigError) as error:
         LaunchConfig.resolve(flags, env)
     assert str(error.value).startswith(culprit) and "\n" not in str(error.value)
+
+
+def test_a_node_registering_again_replaces_the_old_launcher_whose_live_ranks_fail_as_one_node():
+    detector = _detector_with_node()
+    replaced = detector.node_joined(NodeRegistration(0, 11, "h2", (0, 1)), now=1.0, wall=1001.0)
+    assert (replaced.cause, replaced.node, replaced.ranks) == (Cause.NODE, 0, (0, 1))
+    assert "launcher pid 10 on h replaced by pid 11 on h2" in replaced.detail
+    assert detector.starting_ranks() == [0, 1] and detector.alive_ranks() == []
+    detector.rank_joined(RankRegistration(0, 30, "h2", 0), now=1.5)
+    assert detector.starting_ranks() == [1] and detector.alive_ranks() == [0] and detector.pid_of(0) == 30
+    assert detector.check(now=1.6, wall=1001.6) == []  # the new launcher's watch starts now
+
+
+def test_a_lost_node_registering_again_fails_nothing_more_and_a_restarted_rank_is_alive_again():
+    detector = _detector_with_node()
+    [lost] = detector.check(now=10 * T, wall=2000.0)
+    assert lost.cause is Cause.NODE
+    assert detector.node_joined(NodeRegistration(0, 11, "h", (0, 1)), now=10 * T, wall=2000.0) is None
+    for rank in (0, 1):
+        detector.rank_joined(RankRegistration(rank, 40 + rank, "h", 0), now=10 * T)
+    assert detector.alive_ranks() == [0, 1]
+    exited = detector.rank_exited(RankExit(1, 0, -9, 2001.0), wall=2001.0)
+    assert exited.ranks == (1,) and detector.alive_ranks() == [0]
+    detector.rank_joined(RankRegistration(1, 50, "h", 0), now=10 * T + 1)  # its launcher restarted it
+    assert detector.alive_ranks() == [0, 1] and detector.pid_of(1) == 50

@@ -33,6 +33,7 @@ from odyssey_megatron.report import PLOTS, phase_seconds
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "llama2_7b" / "tiny_cpu.yaml"
 STEPS = 5
+GROWING_STEPS = 12
 RUN_TIMEOUT_S = 300
 
 pytestmark = pytest.mark.timeout(2 * RUN_TIMEOUT_S)
@@ -107,10 +108,19 @@ def reference(tmp_path_factory, data_cache) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory, data_cache) -> Path:
+    """The failure-free run of ``GROWING_STEPS`` steps: long enough to lose workers and grow back."""
+    run_dir = tmp_path_factory.mktemp("runs") / "failure-free-long"
+    status, _, err = finish(train(run_dir, data_cache, steps=GROWING_STEPS))
+    assert status == 0, err[-4000:]
+    return run_dir
+
+
 def assert_same_training(run_dir: Path, reference: Path) -> None:
     """Same samples in every step and the same final model as the failure-free run."""
     steps, expected = read_jsonl(run_dir / "samples.jsonl"), read_jsonl(reference / "samples.jsonl")
-    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["step"] for s in steps] == list(range(len(expected)))
     assert [s["samples"] for s in steps] == [s["samples"] for s in expected]
     final, want = torch.load(run_dir / "final.pt"), torch.load(reference / "final.pt")
     assert final.keys() == want.keys()
@@ -587,6 +597,75 @@ def test_two_lost_nodes_of_one_protection_group_fall_back_to_the_disk_checkpoint
     assert_same_training(run_dir, reference)
     first, second = wandb_runs(run_dir)  # one W&B run, continued by --resume
     assert read_wandb_run(first)[0] == read_wandb_run(second)[0] == (run_dir / "wandb-run-id").read_text().strip()
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
+
+
+def test_a_restarted_worker_joins_back_even_when_killed_while_it_receives_its_blocks(
+        tmp_path, data_cache, long_reference):
+    """Rank 5 is killed in step 1; its launcher starts it again (``odyssey.restart_workers``)
+    and the run, trained on by 7 workers meanwhile, decides to grow back onto it: the
+    generation hands over at a step boundary and the next one names rank 5, which holds
+    nothing and receives its blocks. It is killed again once its first block has moved
+    (a ``join`` fault): the join's generation is abandoned and decided again without it,
+    from the settled plan. Restarted once more, it joins for good; the run ends on all 8
+    ranks with the failure-free model, every sample once."""
+    run_dir = tmp_path / "run"
+    status, out, err = finish(train(run_dir, data_cache, "odyssey.restart_workers=2", "odyssey.online_profile=false",
+                                    slow_device(tmp_path, forward_s=0.03),
+                                    faults("{rank: 5, step: 1, phase: backward, action: kill}",
+                                           "{rank: 5, join: true, phase: mid_transfer, action: kill}"),
+                                    steps=GROWING_STEPS))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    interrupted, = events(run_dir, "join_interrupted")
+    assert interrupted["workers"] == [5] and interrupted["failed_ranks"] == [5]
+    joins = [j for j in events(run_dir, "join") if j["grew"]]
+    assert [j["workers"] for j in joins] == [[5]], joins
+    assert joins[0]["training_ranks"] == 8 and joins[0]["transfer_bytes"] > 0
+    assert joins[0]["first_step_at"] > joins[0]["published_at"] > joins[0]["decided_at"]
+    plans = events(run_dir, "plan")
+    assert [p["joined"] for p in plans if p["joined"]] == [[5], [5]]  # the interrupted join, then the one that held
+    assert sorted(plans[-1]["workers"]) == list(range(8))
+    assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[5], [5]]
+    assert "join: rank 5 back -> " in err and "(8 ranks training)" in err
+    assert_same_training(run_dir, long_reference)
+
+
+def test_a_replacement_node_joins_the_run_through_a_failure_elsewhere_during_its_join(
+        tmp_path, data_cache, long_reference):
+    """Two nodes of 4 ranks, DP 8: node 1 dies in step 1 and the run goes on rerouted on
+    node 0. A fresh ``odyssey train --node-rank 1`` (a replacement host) registers while
+    it trains: its 4 workers join. As the join's generation moves their blocks, rank 2 on
+    node 0 is killed (a ``join`` fault): a failure during the join, decided from the settled
+    plan with the new node's ranks among the candidates. Rank 2's launcher starts it again
+    and it joins too: the run ends on all 8 ranks with the failure-free model."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8", "cluster.devices_per_node=4",
+              "odyssey.restart_workers=1", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.1),
+              "--nnodes", "2", "--master-port", str(port),
+              faults("{node: 1, step: 1, phase: backward, action: kill}",
+                     "{rank: 2, join: true, phase: transfer, action: kill}")]
+    nodes = [train(run_dir, data_cache, *common, node_rank=n, steps=GROWING_STEPS) for n in range(2)]
+    try:
+        wait_for_event(run_dir, "failure", nodes=(nodes[0],))
+        nodes.append(train(run_dir, data_cache, *common, node_rank=1, steps=GROWING_STEPS))
+        status, out, err = finish(nodes[0])
+    finally:
+        for node in nodes[1:]:
+            finish(node)
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    assert nodes[2].returncode == 0
+    interrupted, = events(run_dir, "join_interrupted")
+    assert interrupted["workers"] == [4, 5, 6, 7] and interrupted["failed_ranks"] == [2]
+    plans = events(run_dir, "plan")
+    assert sorted(plans[-1]["workers"]) == list(range(8))
+    joined = [w for p in plans for w in p["joined"]]
+    assert sorted(set(joined)) == [2, 4, 5, 6, 7]
+    node_joins = events(run_dir, "node_joined")
+    assert [n["node"] for n in node_joins].count(1) == 2
+    assert_same_training(run_dir, long_reference)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ __all__ = [
     "CONTROLLER_HEARTBEAT",
     "CollectiveStalled",
     "EXIT_CONTROLLER_LOST",
+    "EXIT_REPLACED",
     "INBOX",
     "Heartbeat",
     "HeartbeatWatch",
@@ -43,6 +44,8 @@ __all__ = [
     "StaleGenerationError",
     "WorkerLaunch",
     "FROZEN",
+    "KillOrder",
+    "PUBLISHED_GENERATION",
     "RUN_DONE",
     "RUN_SPEC",
     "RUN_STOP",
@@ -53,7 +56,10 @@ __all__ = [
     "decided_key",
     "arrived_key",
     "final_key",
+    "fault_fired_key",
     "generation_prefix",
+    "handover_key",
+    "launcher_key",
     "process_group_prefix",
     "ready_key",
     "step_report_key",
@@ -82,8 +88,16 @@ def node_heartbeat_key(node: int) -> str:
 
 
 def kill_orders_key(node: int) -> str:
-    """Queue of ranks the controller declared failed and node ``node``'s launcher must kill."""
+    """Queue of ``KillOrder``: ranks the controller declared failed, which node ``node``'s
+    launcher must kill."""
     return f"control/kill/node/{node}"
+
+
+def launcher_key(node: int) -> str:
+    """Who launches node ``node`` now (``host:pid``), set by its launcher as it starts: a
+    launcher that finds it set joins a running run (a repaired or replacement node), and
+    one that finds another there has been replaced and ends its workers (fencing)."""
+    return f"control/launcher/node/{node}"
 
 
 def generation_prefix(generation: int) -> str:
@@ -107,6 +121,10 @@ RUN_DONE = "run/done"
 workers and those waiting for a plan exit."""
 
 
+PUBLISHED_GENERATION = "run/generation"
+"""The newest plan generation published: where a joining worker starts watching."""
+
+
 def process_group_prefix(generation: int) -> str:
     """Where a generation's ``init_process_group`` rendezvous (a ``PrefixStore``)."""
     return generation_prefix(generation) + "pg/"
@@ -128,6 +146,12 @@ def abort_key(generation: int) -> str:
     """Set by the controller when a failure ends the generation: a rank waiting on the
     store (not in a collective, where the peers' closed sockets end its wait) stops."""
     return generation_prefix(generation) + "abort"
+
+
+def handover_key(generation: int) -> str:
+    """Set by the controller to end the generation at the next step boundary (a join): the
+    rank that commits the next step decides it as the generation's last (``step_ledger``)."""
+    return generation_prefix(generation) + "handover"
 
 
 def applied_key(generation: int, step: int) -> str:
@@ -170,6 +194,12 @@ def snapshot_done_key(generation: int, step: int) -> str:
     return generation_prefix(generation) + f"snapshot/{step}/done"
 
 
+def fault_fired_key(key: str) -> str:
+    """Set when the injected fault ``key`` (``odyssey.faults[i]``) fired: a restarted worker
+    does not fire it again."""
+    return f"faults/fired/{key}"
+
+
 def final_key(generation: int) -> str:
     """Counter: ranks that wrote their part of ``final.pt``."""
     return generation_prefix(generation) + "final"
@@ -177,6 +207,8 @@ def final_key(generation: int) -> str:
 
 EXIT_CONTROLLER_LOST = 75
 """Exit status of a worker or launcher that lost its controller (EX_TEMPFAIL)."""
+EXIT_REPLACED = 76
+"""Exit status of a launcher another launcher of the same node replaced (fenced)."""
 
 # -- messages ------------------------------------------------------------------------
 
@@ -329,6 +361,16 @@ class StopRequested(Message):
 
 
 @dataclass(frozen=True)
+class KillOrder(Message):
+    """Under ``kill_orders_key``: kill ``rank`` if it still runs as process ``pid`` (a
+    restarted worker is another process, which the order does not name)."""
+
+    KIND = "kill"
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
 class StopOrder(Message):
     """Under ``RUN_STOP``: save what is committed and exit. ``writers`` maps each block
     (``str(block)``) to the worker that writes it (each of its TP ranks its shard): the
@@ -375,6 +417,10 @@ class PlanPublished:
     restore: Optional[Restore] = None
     """A rollback: every block comes back from the snapshot it names, as of its step
     (``start_step``), not from what the survivors hold."""
+    joined: tuple[int, ...] = ()
+    """Workers that come back in this generation (restarted or on a replacement node): they
+    hold nothing and receive every block of their stage; a joining worker enters no
+    generation before the first that names it."""
 
     def participants(self) -> tuple[int, ...]:
         """Workers that enter the generation: the plan's, and those that read a snapshot shard for it."""
@@ -385,7 +431,7 @@ class PlanPublished:
                            "fresh": self.fresh, "snapshot_interval": self.snapshot_interval,
                            "snapshot": list(self.snapshot) if self.snapshot else None,
                            "restore": self.restore.to_dict() if self.restore else None,
-                           "plan": publish(self.plan, self.program)}, allow_nan=False)
+                           "joined": list(self.joined), "plan": publish(self.plan, self.program)}, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, current_generation: int) -> "PlanPublished":
@@ -393,7 +439,8 @@ class PlanPublished:
         data = _loads(text)
         if not (isinstance(data, dict) and data.get("kind") == "plan" and _conforms(data.get("published_at"), "float")
                 and _conforms(data.get("start_step"), "int") and _conforms(data.get("fresh"), "bool")
-                and _conforms(data.get("snapshot_interval", 0), "int")):
+                and _conforms(data.get("snapshot_interval", 0), "int")
+                and _conforms(data.get("joined", []), "tuple[int, ...]")):
             raise ProtocolError(f"expected a 'plan' message with published_at, start_step and fresh; got "
                                 f"{str(data)[:200]}")
         try:
@@ -408,7 +455,7 @@ class PlanPublished:
                                        "is already running")
         return cls(plan=plan, program=program, published_at=data["published_at"], start_step=data["start_step"],
                    fresh=data["fresh"], snapshot_interval=data.get("snapshot_interval", 0), snapshot=snapshot,
-                   restore=restore)
+                   restore=restore, joined=tuple(data.get("joined", [])))
 
 
 # -- liveness ------------------------------------------------------------------------
@@ -497,3 +544,6 @@ class WorkerLaunch:
     keeper: tuple[tuple[str, ...], ...] = ()
     """The node's keeper memory (``snapshot.keeper``): per local rank, the paths of its two
     data and two parity buffers."""
+    joining: bool = False
+    """The run is under way: the worker was restarted, or its node replaced, and holds
+    nothing; it waits for a generation that admits it (``PlanPublished.joined``)."""

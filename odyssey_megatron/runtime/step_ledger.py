@@ -15,6 +15,12 @@ committed; whoever knows writes the decision key, which wakes the ranks waiting 
 without polling. ``freeze`` walks every step from the first one the controller has not
 collected yet, so a controller that lags behind the ranks commits what they committed.
 
+A generation can also end at a step boundary, with nothing frozen (workers join: the next
+plan uses them): the controller sets the generation's handover key, and the rank whose
+add commits the next step decides it ``LAST``, committed and the generation's last. Every
+rank reads that one decision, applies the step and leaves; the key may come at any
+moment, since only the one decision reads it.
+
 Both sides of the runtime use it (the rank side to count in and wait, the control side to
 collect and freeze); it knows nothing but a store (``dist.Store``'s ``add``, ``set``,
 ``get``, ``check``, ``wait``), so the rules are unit-tested over a dict.
@@ -23,14 +29,26 @@ collect and freeze); it knows nothing but a store (``dist.Store``'s ``add``, ``s
 from __future__ import annotations
 
 import datetime
-from typing import Protocol
+from enum import Enum
+from typing import Optional, Protocol
 
-from odyssey_megatron.runtime.protocol import FROZEN, applied_key, decided_key
+from odyssey_megatron.runtime.protocol import FROZEN, applied_key, decided_key, handover_key
 
-__all__ = ["COMMITTED", "NOT_COMMITTED", "StepLedger", "StepStore"]
+__all__ = ["Outcome", "StepLedger", "StepStore"]
 
-COMMITTED = b"committed"
-NOT_COMMITTED = b"frozen"
+
+class Outcome(bytes, Enum):
+    """How a step was decided, as its decision key holds it."""
+
+    COMMITTED = b"committed"
+    LAST = b"committed, last"
+    """Committed, and the generation ends after it (a handover)."""
+    FROZEN = b"frozen"
+    """Not committed: applied nowhere."""
+
+    @property
+    def committed(self) -> bool:
+        return self is not Outcome.FROZEN
 
 
 class StepStore(Protocol):
@@ -49,27 +67,38 @@ class StepLedger:
 
     # -- the rank side ------------------------------------------------------------------
 
-    def count_in(self, step: int) -> bool | None:
-        """Count this rank into ``step``: True if that committed it, False if the step was
-        frozen already, None if others are still to come (``wait_decided``)."""
+    def count_in(self, step: int) -> Optional[Outcome]:
+        """Count this rank into ``step``: its outcome if this add decided it (COMMITTED or
+        LAST) or it was frozen already (FROZEN), None if others are still to come
+        (``wait_decided``)."""
         count = self.store.add(applied_key(self.generation, step), 1)
         if count == self.training_ranks:
-            self.store.set(decided_key(self.generation, step), COMMITTED)
-            return True
-        return False if count < 0 else None
+            outcome = Outcome.LAST if self.store.check([handover_key(self.generation)]) else Outcome.COMMITTED
+            self.store.set(decided_key(self.generation, step), outcome.value)
+            return outcome
+        return Outcome.FROZEN if count < 0 else None
 
-    def wait_decided(self, step: int, *, timeout: datetime.timedelta) -> bool:
-        """Whether ``step`` committed, once it is decided; a store error (the controller
-        gone, or ``timeout`` passed) propagates."""
+    def wait_decided(self, step: int, *, timeout: datetime.timedelta) -> Outcome:
+        """``step``'s outcome, once it is decided; a store error (the controller gone, or
+        ``timeout`` passed) propagates."""
         key = decided_key(self.generation, step)
         self.store.wait([key], timeout)
-        return self.store.get(key) == COMMITTED
+        return Outcome(self.store.get(key))
+
+    def decided(self, step: int) -> Optional[Outcome]:
+        """``step``'s outcome if it is decided, else None."""
+        key = decided_key(self.generation, step)
+        return Outcome(self.store.get(key)) if self.store.check([key]) else None
 
     # -- the control side ---------------------------------------------------------------
 
     def committed(self, step: int) -> bool:
         """Whether every training rank counted into ``step`` (it is not frozen)."""
         return self.store.add(applied_key(self.generation, step), 0) == self.training_ranks
+
+    def hand_over(self) -> None:
+        """End the generation after the next step to commit (``Outcome.LAST``)."""
+        self.store.set(handover_key(self.generation), "1")
 
     def freeze(self, first: int, last: int) -> list[int]:
         """End the generation's counting from step ``first`` on: each step that every rank
@@ -78,16 +107,16 @@ class StepLedger:
         run, beyond which nothing is frozen."""
         committed = []
         for step in range(first, last + 1):
-            decided = decided_key(self.generation, step)
-            if self.store.check([decided]) and self.store.get(decided) == COMMITTED:
+            outcome = self.decided(step)
+            if outcome is not None and outcome.committed:
                 committed.append(step)  # its last rank decided it already
                 self.store.add(applied_key(self.generation, step), FROZEN)
                 continue
             before = self.store.add(applied_key(self.generation, step), FROZEN) - FROZEN
             if before == self.training_ranks:
-                self.store.set(decided_key(self.generation, step), COMMITTED)
+                self.store.set(decided_key(self.generation, step), Outcome.COMMITTED.value)
                 committed.append(step)
                 continue
-            self.store.set(decided_key(self.generation, step), NOT_COMMITTED)
+            self.store.set(decided_key(self.generation, step), Outcome.FROZEN.value)
             break
         return committed

@@ -62,7 +62,8 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     timeouts = config.odyssey.timeouts
     if launch.node_rank != 0:
         _log_to_run_dir_of(launch, timeouts)
-        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker)
+        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
+                                restart_workers=config.odyssey.restart_workers)
         signals = StopSignals(lambda name, status: launcher.request_stop(name))
         signals.install()
         try:
@@ -107,7 +108,9 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     signals.install()
     try:
         # A dedicated controller's node has no workers: it only owns the run.
-        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker).run() if launch.ranks else 0
+        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
+                                restart_workers=config.odyssey.restart_workers)
+        status = launcher.run() if launch.ranks else 0
         while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
             owner.join(timeout=timeouts.heartbeat_interval)
         if not outcome:

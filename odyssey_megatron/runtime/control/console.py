@@ -166,3 +166,12 @@ def recovery_line(record: dict) -> str:
             f"training again {record['to_first_step_s']:.3f} s after the failure (detection "
             f"{record['detection_s']:.3f} s + decision {decided:.3f} s + entering the plan {entered:.3f} s + first "
             f"step {first:.3f} s)")
+
+
+def join_line(record: dict) -> str:
+    """One line per join carried out: who came back, the plan grown onto them, what moved."""
+    moved = record["transfer_bytes"] / 2**20
+    return (f"join: {_ranks(record['ranks'])} back -> {record['policy']} to {record['chosen']['layout']} "
+            f"({record['training_ranks']} ranks training), {record['transfers']} transfers {moved:.2f} MiB, after "
+            f"step {record['handover_step']}; training on the grown plan {record['to_first_step_s']:.3f} s after the "
+            f"decision (waiting for the step boundary {record['handover_s']:.3f} s)")

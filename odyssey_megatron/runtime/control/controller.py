@@ -32,8 +32,10 @@ from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     INBOX,
+    PUBLISHED_GENERATION,
     CollectiveStalled,
     Heartbeat,
+    KillOrder,
     Message,
     NodeLeft,
     NodeRegistration,
@@ -141,24 +143,26 @@ class Controller:
 
     def publish_plan(self, plan: ExecutionPlan, program: StepProgram, *, start_step: int = 0,
                      fresh: bool = False, estimated_step_s: float | None = None, snapshot_interval: int = 0,
-                     snapshot: tuple[int, int] | None = None, restore: Restore | None = None) -> None:
+                     snapshot: tuple[int, int] | None = None, restore: Restore | None = None,
+                     joined: tuple[int, ...] = ()) -> None:
         """Publish ``plan`` with its step program as JSON under its generation's key, to
         be run from step ``start_step``; generations go up one by one, so an older or
         repeated one is refused (a decision overtaken by a newer one). ``estimated_step_s``
         (the estimator's step time) goes into the record; ``fresh``, ``snapshot_interval``,
-        ``snapshot`` and ``restore``: see ``PlanPublished``."""
+        ``snapshot``, ``restore`` and ``joined``: see ``PlanPublished``."""
         if plan.generation != self.published_generation + 1:
             problem = "stale" if plan.generation <= self.published_generation else "not the next one"
             raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
                                        f"{self.published_generation} was published last")
         published = PlanPublished(plan, program, time.time(), start_step, fresh, snapshot_interval, snapshot,
-                                  restore)  # checks that the program is the plan's
+                                  restore, joined)  # checks that the program is the plan's
         self.record.plan(plan, program)
         self.store.set(plan_key(plan.generation), published.to_json())
+        self.store.set(PUBLISHED_GENERATION, str(plan.generation))
         self.published_generation = plan.generation
         self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers),
                           start_step=start_step, estimated_step_s=estimated_step_s,
-                          rollback_to=restore.step if restore is not None else None)
+                          rollback_to=restore.step if restore is not None else None, joined=list(joined))
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
 
     # -- the polling thread ----------------------------------------------------------------
@@ -208,7 +212,9 @@ class Controller:
         """Hand one inbox message to the detector; True if workers.json changes."""
         now, wall = time.monotonic(), time.time()
         if isinstance(msg, NodeRegistration):
-            self.detector.node_joined(msg, now, wall)
+            replaced = self.detector.node_joined(msg, now, wall)
+            if replaced is not None:
+                self._report(store, replaced)
             self.record.event("node_joined", node=msg.node, pid=msg.pid, host=msg.host, ranks=list(msg.ranks))
             log.info("controller: node %d joined (launcher pid %d on %s, ranks %s)", msg.node, msg.pid, msg.host,
                      list(msg.ranks))
@@ -248,5 +254,7 @@ class Controller:
         if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
             for rank in failure.ranks:
-                store.queue_push(kill_orders_key(self.detector.node_of(rank)), str(rank))
+                pid = self.detector.pid_of(rank)
+                if pid is not None:  # one that never registered is killed with its fenced launcher
+                    store.queue_push(kill_orders_key(self.detector.node_of(rank)), KillOrder(rank, pid).to_json())
         self._failures.put(failure)

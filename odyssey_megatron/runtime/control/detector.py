@@ -19,6 +19,12 @@ plain Python, every rule is unit-tested with made-up times. Ranks fail four ways
   load, and that process cannot be lost without the controller; its workers' exits and
   heartbeats are judged as anywhere else.
 
+A node's launcher that registers again (a replacement node, or the same one restarted)
+replaces the node: if the old one still counted as alive, its ranks fail as one node
+failure first, so what the old launcher ran is never confused with what the new one
+starts. A rank that registers again after it failed or exited (its launcher restarted it)
+is alive again: capacity that the controller may take back (``alive_ranks``).
+
 A rank's heartbeats and its launcher's stop together when a node dies, and the rank's
 may be seen to stop a poll earlier. So a silent rank counts as hung only once its
 launcher has beaten after the rank's deadline; until then the node may still turn out
@@ -131,12 +137,23 @@ class Detector:
 
     # -- what arrives in the inbox ---------------------------------------------------
 
-    def node_joined(self, msg: NodeRegistration, now: float, wall: float) -> None:
+    def node_joined(self, msg: NodeRegistration, now: float, wall: float) -> Optional[Failure]:
+        """Watch the node from now on; where it replaces a launcher still counted alive, the
+        old one's live ranks fail together (returned)."""
         beside_controller = (msg.host, msg.pid) == self.controller_process
         timeout = math.inf if beside_controller else self.heartbeat_timeout
+        old = self.nodes.get(msg.node)
+        replaced = None
+        if old is not None and old.state == _State.ALIVE:
+            old.state = _State.FAILED
+            lost = tuple(r for r in old.ranks if self.ranks[r].state in (_State.STARTING, _State.ALIVE))
+            last = old.watch.last.sent_at if old.watch.last else old.registered_at
+            replaced = Failure(Cause.NODE, lost, msg.node, last, wall,
+                               f"launcher pid {old.pid} on {old.host} replaced by pid {msg.pid} on {msg.host}")
         self.nodes[msg.node] = _Node(msg.ranks, msg.pid, msg.host, wall, HeartbeatWatch(timeout, now))
         for rank in msg.ranks:
             self.ranks[rank] = _Rank(node=msg.node)
+        return replaced
 
     def rank_joined(self, msg: RankRegistration, now: float) -> None:
         rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))
@@ -228,6 +245,18 @@ class Detector:
     def live_ranks(self) -> list[int]:
         """Ranks starting or alive (neither failed nor exited)."""
         return [r for r, rank in list(self.ranks.items()) if rank.state in (_State.STARTING, _State.ALIVE)]
+
+    def alive_ranks(self) -> list[int]:
+        """Ranks registered and alive: started and heartbeating, since they last (re)started."""
+        return [r for r, rank in list(self.ranks.items()) if rank.state == _State.ALIVE]
+
+    def starting_ranks(self) -> list[int]:
+        """Ranks a launcher announced that have not registered yet (their workers start up)."""
+        return [r for r, rank in list(self.ranks.items()) if rank.state == _State.STARTING]
+
+    def pid_of(self, rank: int) -> Optional[int]:
+        """The process the rank registered from last, if it did."""
+        return self.ranks[rank].pid
 
     def node_of(self, rank: int) -> int:
         return self.ranks[rank].node

@@ -1,5 +1,13 @@
 """The node launcher: starts this node's worker processes and reports on them; unlike
-torchrun it never kills survivors when one dies and restarts nothing by itself.
+torchrun it never kills survivors when one dies, and a worker that died while its node
+lives on is started again only where ``odyssey.restart_workers`` allows, as a joiner:
+the run goes on meanwhile and takes it back when the controller decides to
+(``WorkerLaunch.joining``).
+
+A launcher started with the same ``--node-rank`` while the run goes on (the node repaired,
+or a replacement host) finds the node's launcher key set: its workers join too. It writes
+its own name there, and a launcher that finds another's name in it has been replaced (a
+frozen node that came back): it kills its workers and exits, so no rank runs twice.
 
 It waits on the workers' process sentinels, so an exit is seen at once and reported to the
 controller's inbox. A thread beats for the node every heartbeat interval (its silence is
@@ -39,9 +47,13 @@ from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     EXIT_CONTROLLER_LOST,
+    EXIT_REPLACED,
     INBOX,
+    RUN_DONE,
+    RUN_STOP,
     Heartbeat,
     HeartbeatWatch,
+    KillOrder,
     NodeLeft,
     NodeRegistration,
     ProtocolError,
@@ -49,6 +61,7 @@ from odyssey_megatron.runtime.protocol import (
     StopRequested,
     WorkerLaunch,
     kill_orders_key,
+    launcher_key,
     missed_beat,
     node_heartbeat_key,
 )
@@ -64,6 +77,10 @@ class _ControllerLost(Exception):
     pass
 
 
+class _Replaced(Exception):
+    """Another launcher took this node's place."""
+
+
 class NodeLauncher:
     """One node's launcher; ``run`` returns its exit status: 0 once every worker has
     exited, ``EXIT_CONTROLLER_LOST`` if the controller went away first."""
@@ -73,8 +90,17 @@ class NodeLauncher:
     target: Callable[[WorkerLaunch], None]
     """The worker's main function, importable by name (spawn pickles it by reference)."""
 
-    def __init__(self, config: LaunchConfig, *, timeouts: Timeouts, target: Callable[[WorkerLaunch], None]):
+    def __init__(self, config: LaunchConfig, *, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
+                 restart_workers: int = 0):
         self.config, self.timeouts, self.target = config, timeouts, target
+        self.restart_workers = restart_workers
+        """Times each rank's worker may be started again after it died (``odyssey.restart_workers``)."""
+        self._restarts: dict[int, int] = {}
+        self._name = f"{socket.gethostname()}:{os.getpid()}"
+        """What this launcher writes under the node's launcher key."""
+        self._joining = False
+        """The run was under way when this launcher started: its workers join it."""
+        self._context = None
         self._workers: dict[int, multiprocessing.Process] = {}
         self._seq = 0
         self._beating = threading.Event()
@@ -93,12 +119,17 @@ class NodeLauncher:
             store = dist.TCPStore(self.config.master_addr, self.config.master_port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout))
             store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
+            self._joining = store.check([launcher_key(node)])
+            store.set(launcher_key(node), self._name)
             self._beat(store)
             self._start_beating(store.clone())
             store.queue_push(INBOX, NodeRegistration(node, os.getpid(), socket.gethostname(),
                                                      tuple(self.config.ranks)).to_json())
             self._start_workers()
             self._watch(store)
+        except _Replaced as exc:
+            log.error("node %d: %s; killing its workers", node, exc)
+            return EXIT_REPLACED
         except (dist.DistError, ProtocolError, _ControllerLost) as exc:
             log.error("node %d: lost the controller (%s); its workers save what they hold, then exit", node,
                       str(exc).splitlines()[0])
@@ -118,16 +149,20 @@ class NodeLauncher:
         self._stop_signal = signal_name
 
     def _start_workers(self) -> None:
-        context = start_fork_server(self.target.__module__)
+        self._context = start_fork_server(self.target.__module__)
         for local_rank, rank in enumerate(self.config.ranks):
-            launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
-                                  world_size=self.config.world_size, store_host=self.config.master_addr,
-                                  store_port=self.config.master_port, launcher_pid=os.getpid(),
-                                  timeouts=self.timeouts, keeper=self._keeper_paths)
-            process = context.Process(target=self.target, args=(launch,), name=f"odyssey-rank{rank}")
-            process.start()
-            self._workers[rank] = process
-            log.info("node %d: started rank %d (pid %d)", self.config.node_rank, rank, process.pid)
+            self._start_worker(local_rank, rank, joining=self._joining)
+
+    def _start_worker(self, local_rank: int, rank: int, *, joining: bool) -> None:
+        launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
+                              world_size=self.config.world_size, store_host=self.config.master_addr,
+                              store_port=self.config.master_port, launcher_pid=os.getpid(),
+                              timeouts=self.timeouts, keeper=self._keeper_paths, joining=joining)
+        process = self._context.Process(target=self.target, args=(launch,), name=f"odyssey-rank{rank}")
+        process.start()
+        self._workers[rank] = process
+        log.info("node %d: %s rank %d (pid %d)", self.config.node_rank, "started joining" if joining else "started",
+                 rank, process.pid)
 
     def _watch(self, store: dist.Store) -> None:
         """Until every worker has exited: report exits at once, poll the store meanwhile."""
@@ -151,12 +186,14 @@ class NodeLauncher:
                 store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             if controller.stale(now):
                 raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
+            if store.get(launcher_key(self.config.node_rank)).decode() != self._name:
+                raise _Replaced(f"replaced by launcher {store.get(launcher_key(self.config.node_rank)).decode()}")
             if self._stop_signal is not None:
                 store.queue_push(INBOX, StopRequested(self.config.node_rank, self._stop_signal, time.time()).to_json())
                 self._stop_signal = None
             orders = kill_orders_key(self.config.node_rank)
             for _ in range(store.queue_len(orders)):
-                self._kill(int(store.queue_pop(orders, block=False)))
+                self._kill(KillOrder.from_json(store.queue_pop(orders, block=False)))
 
     def _reap(self, store: dist.Store, rank: int) -> None:
         process = self._workers.pop(rank)
@@ -166,12 +203,21 @@ class NodeLauncher:
         # INFO: a failed rank's exit reaches the terminal as the controller's failure line.
         log.info("node %d: rank %d (pid %d) exited: %s", self.config.node_rank, rank, process.pid,
                  describe_exit(process.exitcode))
+        if self._restartable(store, rank, process.exitcode):
+            self._restarts[rank] = self._restarts.get(rank, 0) + 1
+            self._start_worker(self.config.ranks.index(rank), rank, joining=True)
 
-    def _kill(self, rank: int) -> None:
-        process = self._workers.get(rank)
-        if process is not None:
-            log.info("node %d: killing rank %d (pid %d) on the controller's order", self.config.node_rank, rank,
-                     process.pid)
+    def _restartable(self, store: dist.Store, rank: int, exitcode: int) -> bool:
+        """Whether a worker that exited with ``exitcode`` starts again: it died (not a clean
+        exit, nor one for a lost controller), restarts are left, and the run goes on."""
+        return (exitcode not in (0, EXIT_CONTROLLER_LOST) and self._restarts.get(rank, 0) < self.restart_workers
+                and not store.check([RUN_DONE]) and not store.check([RUN_STOP]))
+
+    def _kill(self, order: KillOrder) -> None:
+        process = self._workers.get(order.rank)
+        if process is not None and process.pid == order.pid:  # not a worker restarted since
+            log.info("node %d: killing rank %d (pid %d) on the controller's order", self.config.node_rank,
+                     order.rank, process.pid)
             process.kill()
 
     def _let_workers_exit(self, *, within: float) -> None:

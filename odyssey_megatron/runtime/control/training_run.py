@@ -22,6 +22,17 @@ stop) ends the generation the same way, then orders every worker to write the bl
 the first live holder of in the settled plan, as of the last committed step, and marks
 that checkpoint the one to resume from once its parts hold every block (``RunStopped``).
 
+Workers that come back (restarted by their launcher, or on a replacement node: alive in
+the detector, failed in the decision center) are offered to the decision center
+(``on_join``) while the generation trains on. Where Eq. 8 takes them, the owner asks for a
+handover (``StepLedger.hand_over``): the next step to commit is the generation's last,
+every rank applies it and leaves, and the join's generation starts at the step after it,
+naming the joining workers (``PlanPublished.joined``), which receive their blocks by the
+plan's transfers. A failure before that generation's first step commits is a failure like
+any other: the decision starts again from the settled plan, with what is alive then. A
+failure of a rank the running generation does not use (an idle worker, a joiner not taken
+back yet) ends nothing: the decision center only counts it.
+
 What survivors hold when a failure strikes: the blocks of the last generation whose
 first step committed (the last *settled* plan), plus what a later one moved to them
 (workers drop blocks only once their generation's first step commits). So a decision
@@ -47,7 +58,7 @@ from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.hooks.training_state import stage_blocks, worker_blocks
 from odyssey_megatron.run_dir import append_jsonl, read_jsonl, write_jsonl
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
-from odyssey_megatron.runtime.control.console import CONSOLE, Progress, recovery_line
+from odyssey_megatron.runtime.control.console import CONSOLE, Progress, join_line, recovery_line
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
@@ -67,7 +78,7 @@ from odyssey_megatron.runtime.protocol import (
 )
 from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, SnapshotSource, participants
 from odyssey_megatron.snapshot.shards import snapshot_groups
-from odyssey_megatron.runtime.step_ledger import StepLedger
+from odyssey_megatron.runtime.step_ledger import Outcome, StepLedger
 
 __all__ = ["RunFailed", "TrainingRun", "forget_steps_from"]
 
@@ -115,6 +126,24 @@ class _Recovery:
     ready_at: Optional[float] = None
 
 
+@dataclass
+class _Join:
+    """One join: decided while the generation trained, carried out at a step boundary, and
+    recorded once its generation's first step commits."""
+
+    workers: list[int]
+    decision: Decision
+    decided_at: float
+    record: dict
+    """The decision: policy, alternatives, bytes moved."""
+    generation: Optional[int] = None
+    """Its generation, once published."""
+    handover_step: Optional[int] = None
+    """The last step of the generation before it."""
+    published_at: Optional[float] = None
+    ready_at: Optional[float] = None
+
+
 class TrainingRun:
     def __init__(self, *, config: RecipeConfig, controller: Controller, center: DecisionCenter, run_dir: Path,
                  start_step: int = 0):
@@ -149,6 +178,11 @@ class TrainingRun:
         """The rollback the generation published last carries out, if it is one."""
         self._lost_nodes: set[int] = set()
         """Nodes lost so far: their keepers, and the snapshot shards in them, are gone."""
+        self._join: Optional[_Join] = None
+        """The join under way, until its generation's first step commits."""
+        self._newcomers: set[int] = set()
+        """Workers the decision center took back that no published generation has named yet
+        (``PlanPublished.joined``: they hold nothing)."""
         train = config.training
         self._progress = Progress(train_iters=train.train_iters, log_interval=config.logger.log_interval,
                                   global_batch_size=train.global_batch_size, seq_length=config.model.seq_length,
@@ -178,6 +212,10 @@ class TrainingRun:
             failure = self.controller.next_failure(timeout=self.timeouts.poll_interval)
             if failure is not None:
                 self._recover(failure)
+            elif self._join is not None and self._join.generation is None:
+                self._hand_over()
+            elif self._join is None and self._recovery is None:
+                self._take_back()
         return merge_final_parts(self.run_dir, ranks=self._training_ranks(self.plan),
                                  tied=self.config.model.tie_embeddings)
 
@@ -203,9 +241,11 @@ class TrainingRun:
 
     def _publish(self, plan: ExecutionPlan, estimated_step_s: float, restore: Optional[Restore] = None) -> None:
         kept = (self.snapshot.step, self.snapshot.generation) if self.snapshot is not None else None
+        joined = tuple(sorted(self._newcomers & set(participants(plan, restore))))
         self.controller.publish_plan(plan, self.center.program, start_step=self.committed, fresh=self.fresh,
                                      estimated_step_s=estimated_step_s, snapshot_interval=self.snapshot_interval,
-                                     snapshot=kept, restore=restore)
+                                     snapshot=kept, restore=restore, joined=joined)
+        self._newcomers -= set(joined)
         self.plan, self._restore = plan, restore
         self._start_steps[plan.generation] = self.committed
         self._start_preparing()
@@ -312,6 +352,8 @@ class TrainingRun:
             self.settled = self.plan
         if self._recovery is not None and self._recovery.generation == generation:
             self._finish_recovery_record(first_step_at=time.time())
+        if self._join is not None and self._join.generation == generation:
+            self._finish_join_record(first_step_at=time.time())
         if (line := self._progress.committed(step=step, loss=loss, ranks=len(self._training_ranks(self.plan)))):
             console.info(line)
 
@@ -320,6 +362,9 @@ class TrainingRun:
     def _recover(self, failure: Failure) -> None:
         """Decide and publish the next generation after ``failure``; a failure before
         every rank of it is ready restarts the decision with the new survivors."""
+        if self._recovery is None and self._outside_the_generation(failure):
+            return
+        self._interrupt_join(failure)
         failures, seen, restarts, before = [failure], [], 0, None
         if self._recovery is not None:  # the last recovery had not reached its first step
             seen, restarts = list(self._recovery.failures), self._recovery.restarts + 1
@@ -331,6 +376,7 @@ class TrainingRun:
                 failures.append(more)
             seen += failures
             self._lost_nodes |= {f.node for f in failures if f.cause is Cause.NODE}
+            self._newcomers -= {self.center.cluster.worker_of(r) for f in failures for r in f.ranks}
             self.end_generation()
             before = self.committed if before is None else before
             decision = self._decide(failures, committed_before=before)
@@ -343,6 +389,36 @@ class TrainingRun:
             self._publish(decision.chosen.plan, decision.chosen.estimate.step_time_s, decision.rollback)
             failures = self._wait_ready()
             restarts += 1
+        self._recovery.ready_at = time.time()
+
+    def _outside_the_generation(self, failure: Failure) -> bool:
+        """Whether ``failure`` touches no rank of the running generation (an idle worker, a
+        joiner not taken back yet) while no join waits for its step boundary: then the
+        decision center only counts it, and training goes on."""
+        if self._join is not None and self._join.generation is None:
+            return False  # the join's decision counted on what is alive: decide again
+        tp = self.plan.tensor_parallel_size
+        running = {w * tp + k for w in participants(self.plan, self._restore) for k in range(tp)}
+        if running & set(failure.ranks):
+            return False
+        self.center.on_idle_failure(ranks=failure.ranks, running=self.plan, at_s=time.monotonic() - self.started)
+        self._newcomers -= {self.center.cluster.worker_of(r) for r in failure.ranks}
+        if failure.cause is Cause.NODE:
+            self._lost_nodes.add(failure.node)
+        log.info("run: ranks %s failed outside generation %d, which trains on", list(failure.ranks),
+                 self.plan.generation)
+        return True
+
+    def _interrupt_join(self, failure: Failure) -> None:
+        """A failure before the join's generation trains: the recovery decides from what runs
+        (the join waiting for its step boundary) or from the settled plan (its generation
+        being entered), with the joiners still alive among the candidates."""
+        if self._join is None:
+            return
+        self.controller.record.event("join_interrupted", workers=self._join.workers, generation=self._join.generation,
+                                     failed_ranks=list(failure.ranks))
+        log.info("run: ranks %s failed during the join of workers %s", list(failure.ranks), self._join.workers)
+        self._join = None
 
     def end_generation(self) -> None:
         """Stop the running generation: the abort key, and freeze its step counters (the
@@ -356,8 +432,10 @@ class TrainingRun:
     def _decide(self, failures: list[Failure], *, committed_before: int) -> Decision:
         """Run the decision center from the settled plan on the new survivors;
         ``committed_before``: steps committed when the recovery began."""
-        # A recovery that failed before its first step leaves survivors with the settled plan's blocks.
-        held = None if self.settled is self.plan else replace(self.settled, generation=self.plan.generation)
+        # A recovery that failed before its first step leaves survivors with the settled plan's
+        # blocks; a join that waited for its step boundary, with the running plan's.
+        held = self.plan if self.settled is self.plan else replace(self.settled, generation=self.plan.generation,
+                                                                   transfers=())
         # A lost node comes as the ranks it held: the decision center needs no node numbering.
         ranks = sorted({r for f in failures for r in f.ranks})
         # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint.
@@ -417,7 +495,6 @@ class TrainingRun:
             if time.monotonic() > deadline:
                 raise RunFailed(f"generation {self.plan.generation} was not entered within the recovery timeout "
                                 f"({self.timeouts.recovery_timeout} s)")
-        self._recovery.ready_at = time.time()
         return []
 
     def _finish_recovery_record(self, *, first_step_at: float) -> None:
@@ -432,6 +509,72 @@ class TrainingRun:
         self.controller.record.event("recovery", **record)
         console.info(recovery_line(record))
         self._recovery = None
+
+    # -- growing back -----------------------------------------------------------------------
+
+    def _take_back(self) -> None:
+        """Offer the workers that came back (alive in the detector, failed in the decision
+        center) to the decision center while the generation trains on; where Eq. 8 grows
+        onto them, ask for a handover at the next step boundary."""
+        if self.committed >= self.iters - 1:
+            return  # no step left to gain from them
+        detector = self.controller.detector
+        if detector.starting_ranks():
+            return  # a node's workers come back together: one decision for all of them
+        cluster = self.center.cluster
+        alive = set(detector.alive_ranks())
+        back = sorted(w for w in cluster.failed_workers if all(r in alive for r in cluster.worker_ranks(w)))
+        if not back:
+            return
+        self._stop_preparing()
+        decided_at = time.time()
+        decision = self.center.on_join(workers=back, at_s=time.monotonic() - self.started)
+        self._newcomers |= set(back)
+        record = self._decision_record(decision, committed=self.committed)
+        if decision.chosen.plan is decision.replaced:
+            self.controller.record.event("join", workers=back, grew=False, decided_at=decided_at, **record)
+            log.info("run: workers %s are back; Eq. 8 keeps generation %d (%s)", back, self.plan.generation,
+                     decision.note or "no faster plan")
+            self._start_preparing()
+            return
+        joining = sorted(self._newcomers & set(decision.chosen.plan.workers))  # those kept back before too
+        self._join = _Join(joining, decision, decided_at, record)
+        self._ledger(self.plan).hand_over()
+        log.info("run: workers %s are back; generation %d hands over to a %s plan of %d workers at its next step "
+                 "boundary", joining, self.plan.generation, decision.chosen.policy, len(decision.chosen.plan.workers))
+
+    def _hand_over(self) -> None:
+        """Once the running generation's last step (the handover) committed, publish the
+        join's generation from the step after it; a failure while it is entered is recovered
+        from like any other."""
+        join = self._join
+        if self.committed >= self.iters:  # the run ended before the step boundary came
+            self.center.withdraw(self.plan)
+            self._join = None
+            return
+        if self._ledger(self.plan).decided(self.committed - 1) is not Outcome.LAST:
+            return
+        join.handover_step, join.published_at = self.committed - 1, time.time()
+        plan = join.decision.chosen.plan
+        self._publish(plan, join.decision.chosen.estimate.step_time_s)
+        join.generation = plan.generation
+        while failures := self._wait_ready():
+            self._recover(failures[0])
+            if self._join is None:  # it was a recovery's to finish
+                return
+        join.ready_at = time.time()
+
+    def _finish_join_record(self, *, first_step_at: float) -> None:
+        j = self._join
+        tp = self.plan.tensor_parallel_size
+        record = dict(generation=j.generation, workers=j.workers, ranks=[w * tp + k for w in j.workers for k in range(tp)],
+                      grew=True, decided_at=j.decided_at, handover_step=j.handover_step, published_at=j.published_at,
+                      ready_at=j.ready_at, first_step_at=first_step_at, handover_s=j.published_at - j.decided_at,
+                      to_first_step_s=first_step_at - j.decided_at,
+                      training_ranks=len(self._training_ranks(self.plan)), **j.record)
+        self.controller.record.event("join", **record)
+        console.info(join_line(record))
+        self._join = None
 
     # -- stopping on purpose --------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from odyssey_megatron.runtime.protocol import (
     EXIT_CONTROLLER_LOST,
     CollectiveStalled,
     INBOX,
+    PUBLISHED_GENERATION,
     Heartbeat,
     HeartbeatWatch,
     PlanPublished,
@@ -102,12 +103,16 @@ class ControllerLink:
     on_abort: Optional[Callable[[int], None]]
     """Called with the generation (on the heartbeat thread) once the controller aborts
     ``watching``; the worker may have moved on to the next one meanwhile."""
+    published_at_start: int
+    """The newest generation published before the worker registered (-1: none): a joining
+    worker watches from there, as no generation before it can name the worker."""
 
     def __init__(self, launch: WorkerLaunch):
         self.launch = launch
         self.generation = self.watching = None
         self.on_abort = None
         self.on_controller_lost = None
+        self.published_at_start = -1
         self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
                                    timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
         self._beats = self._fresh_beats()
@@ -125,6 +130,8 @@ class ControllerLink:
         one) and start beating."""
         _die_with_parent(self.launch.launcher_pid)
         self._beat(self.store)  # on the registration's connection, so the store has it first
+        if self.store.check([PUBLISHED_GENERATION]):
+            self.published_at_start = int(self.store.get(PUBLISHED_GENERATION))
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
                                                       self.launch.node).to_json())
         self._thread.start()

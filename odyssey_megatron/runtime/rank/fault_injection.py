@@ -8,8 +8,11 @@ every worker of the node (each asked the kernel for SIGKILL when its launcher di
 ``controller_link``); the node's first worker (local rank 0) carries it out, so the node
 fails at one well-defined point of the step. Ranks failing together (``with_ranks``)
 are killed by the spec's ``rank``, their pids and then its own, back to back: each of them
-published its pid in the store when its injector was built. Each spec fires at most once: a
-step replayed after recovery reaches the same phase again and runs clean.
+published its pid in the store when its injector was built. Each spec fires at most once,
+in the whole run: a step replayed after recovery reaches the same phase again and runs
+clean, and a restarted worker (``odyssey.restart_workers``) skips the specs that fired (the
+store marks them). A ``join`` spec strikes in the first generation that takes workers
+back, whatever its step (``in_join``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from odyssey_megatron.config import FaultPhase, FaultSpec
-from odyssey_megatron.runtime.protocol import WorkerLaunch
+from odyssey_megatron.runtime.protocol import WorkerLaunch, fault_fired_key
 
 __all__ = ["FaultInjector", "InjectedFault", "pid_key"]
 
@@ -52,15 +55,19 @@ class FaultInjector:
     _pending: dict[str, FaultSpec]
     """The faults aimed at this worker that have not fired yet, by their config key."""
     store: Optional[dist.Store]
-    """Where ranks failing together publish their pids (needed when a spec has ``with_ranks``)."""
+    """Where ranks failing together publish their pids and fired specs are marked."""
+    in_join: bool
+    """The generation the worker runs takes workers back: ``join`` specs strike there."""
 
     def __init__(self, faults: Sequence[FaultSpec], *, rank: int, node: int, local_rank: int, launcher_pid: int,
                  store: Optional[dist.Store] = None):
         self.rank, self.node, self.local_rank, self.launcher_pid = rank, node, local_rank, launcher_pid
         self.store = store
+        self.in_join = False
         self._pending = {
             f"odyssey.faults[{index}]": spec for index, spec in enumerate(faults)
-            if spec.rank == rank or (spec.node == node and local_rank == 0)
+            if (spec.rank == rank or (spec.node == node and local_rank == 0))
+            and not (store is not None and store.check([fault_fired_key(f"odyssey.faults[{index}]")]))
         }
         together = [spec for spec in faults if rank in spec.with_ranks or (spec.rank == rank and spec.with_ranks)]
         if together and store is None:
@@ -81,11 +88,14 @@ class FaultInjector:
         this process (or kill its node), or raise InjectedFault. Returns when none is
         pending there, or when a stopped worker is continued."""
         phase = FaultPhase(phase)  # a misspelt phase would silently never fire
-        key = next((key for key, spec in self._pending.items() if spec.phase == phase and spec.step == step), None)
+        key = next((key for key, spec in self._pending.items()
+                    if spec.phase == phase and (self.in_join if spec.join else spec.step == step)), None)
         if key is None:
             return
         spec = self._pending.pop(key)
         log.warning("rank %d: injecting %s: %s", self.rank, key, spec)
+        if self.store is not None:
+            self.store.set(fault_fired_key(key), "1")
         if spec.node is not None:
             os.kill(self.launcher_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)  # without waiting for the kernel's death signal

@@ -8,7 +8,7 @@ rank's gradients are final (synced and clipped) and before its optimizer step is
 ``commit_step`` is that commit (``runtime.step_ledger``): the rank's ``StepReport`` (its
 losses, samples and op times since the last step, from the op timers) is appended to the
 store, the rank counts into the step, and, unless its count committed the step, waits for
-the decision key.
+the decision key, and returns the step's outcome.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from odyssey_megatron.runtime.protocol import StepReport, step_report_key
 from odyssey_megatron.runtime.rank import op_timers as timed
 from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
-from odyssey_megatron.runtime.step_ledger import StepLedger
+from odyssey_megatron.runtime.step_ledger import Outcome, StepLedger
 
 __all__ = ["commit_step", "train_step"]
 
@@ -50,17 +50,15 @@ def train_step(runner: PlanRunner, *, step: int, load: Callable[[int, int], dict
 
 
 def commit_step(*, store: dist.Store, ledger: StepLedger, rank: int, step: int, losses: dict[int, float],
-                samples: dict[int, list[int]], op_timers: OpTimers | None, timeout: datetime.timedelta) -> bool:
+                samples: dict[int, list[int]], op_timers: OpTimers | None, timeout: datetime.timedelta) -> Outcome:
     """Report ``step`` for launch rank ``rank`` into ``store`` (the controller's), count in
     through ``ledger`` (on a store connection that waits at most ``timeout``) and return
-    whether the step committed, once it is decided."""
+    the step's outcome, once it is decided."""
     order = sorted(losses)
     times = op_timers.take() if op_timers is not None else dict.fromkeys(timed.TIMED, (0.0, 0))
     report = StepReport(rank, tuple(order), tuple(losses[m] for m in order),
                         tuple(i for m in order for i in samples[m]), *times[timed.FORWARD],
                         *times[timed.BACKWARD], *times[timed.WEIGHT_GRAD], times[timed.OPTIMIZER][0])
     store.append(step_report_key(ledger.generation, step), report.to_json() + "\n")
-    committed = ledger.count_in(step)
-    if committed is None:
-        committed = ledger.wait_decided(step, timeout=timeout)
-    return committed
+    outcome = ledger.count_in(step)
+    return outcome if outcome is not None else ledger.wait_decided(step, timeout=timeout)

@@ -16,6 +16,12 @@ next generation is a rollback (``PlanPublished.restore``): the worker drops what
 holds, reads or rebuilds the snapshot's shards it is named for, and the plan's transfers
 move them, so the run goes on from the snapshot's step.
 
+A worker its launcher restarted, or one on a replacement node, joins the running job
+(``WorkerLaunch.joining``): it holds nothing, sits out every generation until one admits it
+(``PlanPublished.joined``), and receives its stage's blocks there by the plan's transfers.
+The generation before that one ends at a step boundary: the step the controller's
+handover marks last (``step_ledger.Outcome.LAST``) is applied, then every rank leaves.
+
 When a peer fails, the survivors' collectives end: gloo reports a closed connection as
 soon as a dead peer's sockets close, and where nothing closes (a frozen node, a dropped
 link) the controller names the failure from missed heartbeats and sets the generation's
@@ -71,7 +77,6 @@ from odyssey_megatron.runtime.protocol import (
     WorkerLaunch,
     abort_key,
     arrived_key,
-    decided_key,
     final_key,
     plan_key,
     process_group_prefix,
@@ -91,7 +96,7 @@ from odyssey_megatron.runtime.rank.snapshots import (
     protection_group,
     restore_snapshot,
 )
-from odyssey_megatron.runtime.step_ledger import COMMITTED, StepLedger
+from odyssey_megatron.runtime.step_ledger import Outcome, StepLedger
 
 __all__ = ["GenerationEnded", "train_worker"]
 
@@ -198,7 +203,13 @@ class Worker:
         self.snapshot_store.set_timeout(self.collective_timeout)
         self.rendezvous = RendezvousStore(self.store.clone(), guard=self.guard)
         """Where the process groups meet: an abort ends a setup that waits for a dead member."""
-        self.state: Optional[TrainingState] = None
+        self.state: Optional[TrainingState] = TrainingState() if launch.joining else None
+        """The blocks held; None: none yet, drawn from the seed or checkpoint on entering a
+        generation (a joiner holds nothing and receives every block)."""
+        self.admitted = not launch.joining
+        """A joiner is admitted by the first generation that names it (``PlanPublished.joined``)."""
+        self.handed_over = False
+        """The step just committed is the generation's last (a handover for a join)."""
         self.spare: Optional[TrainingState] = None
         """Blocks held before this generation that its stage does not train (``_set_aside``)."""
         self.runner: Optional[PlanRunner] = None
@@ -221,6 +232,8 @@ class Worker:
 
     def run(self) -> int:
         """Train generation after generation; returns the process's exit status."""
+        if self.launch.joining:
+            self.generation = max(-1, self.link.published_at_start - 1)  # watch from the running one
         while True:
             if self.controller_lost is not None:
                 self._save_held()
@@ -319,11 +332,17 @@ class Worker:
         ranks = RankMap.of(published.participants(), self.tp)
         self.training_ranks = len(plan.workers) * self.tp
         self.ledger = StepLedger(self.group_store, generation=plan.generation, training_ranks=self.training_ranks)
-        if published.fresh:  # nothing trained yet: what is held now is drawn again for the new stage
+        self.injector.in_join, self.handed_over = bool(published.joined), False
+        # A generation published before this process registered named an earlier one of this rank.
+        named = self.worker_id in published.joined and plan.generation > self.link.published_at_start
+        if not self.admitted and named:
+            self.admitted = True
+            log.info("rank %d: joins the run in generation %d", self.launch.rank, plan.generation)
+        if published.fresh and self.admitted:  # nothing trained yet: every stage is drawn again
             self.state, self.spare = None, None
         if published.restore is not None:  # a rollback: every block comes back from the snapshot
             self.state, self.spare = TrainingState(), None
-        if self.worker_id not in ranks.workers:  # no stage and nothing to send: idle until the next plan
+        if self.worker_id not in ranks.workers or not self.admitted:  # idle until the next plan
             log.info("rank %d: idle in generation %d", self.launch.rank, plan.generation)
             if self.state is not None:
                 self._set_aside([], held=self.state.blocks)
@@ -386,6 +405,10 @@ class Worker:
                 self._on_phase("snapshot")
                 self.snapshots.take(step, self.runner.training_state())
             self._train_step(step)
+            if self.handed_over and step + 1 < train.train_iters:
+                log.info("rank %d: generation %d handed over after step %d", self.launch.rank, plan.generation, step)
+                self.step = step + 1
+                return
         self.step = train.train_iters
         write_final_part(self.run_dir, plan=plan, model=self.config.model, worker=self.worker_id,
                          tp_rank=self.tp_rank, state=self.runner.training_state(), rank=self.launch.rank)
@@ -443,9 +466,11 @@ class Worker:
     def _commit(self, step: int, losses: dict[int, float], samples: dict[int, list[int]]) -> None:
         """With this rank's gradients final: report the step, count in, and return once it
         committed (then the optimizer step is applied); GenerationEnded if it was frozen."""
-        if not commit_step(store=self.store, ledger=self.ledger, rank=self.launch.rank, step=step, losses=losses,
-                           samples=samples, op_timers=self.op_timers, timeout=self.collective_timeout):
+        outcome = commit_step(store=self.store, ledger=self.ledger, rank=self.launch.rank, step=step, losses=losses,
+                              samples=samples, op_timers=self.op_timers, timeout=self.collective_timeout)
+        if not outcome.committed:
             raise GenerationEnded(f"step {step} did not commit")
+        self.handed_over = outcome is Outcome.LAST
         self.spare = None  # a step of this generation committed: it is settled
         if self.snapshots is not None:
             self.snapshots.wait_written()  # the optimizer step overwrites what the snapshot copies
@@ -470,6 +495,8 @@ class Worker:
     def _wait_all_arrived(self, world_size: int) -> None:
         """Count this rank in and wait for the generation's every rank, or its abort."""
         key = arrived_key(self.generation)
+        if self.store.check([abort_key(self.generation)]):  # a rank that comes late counts in nowhere
+            raise GenerationEnded("the controller ended the generation before this rank arrived")
         self.store.add(key, 1)
         deadline = time.monotonic() + self.timeouts.collective_timeout
         while self.store.add(key, 0) < world_size:
@@ -482,8 +509,8 @@ class Worker:
 
     def _first_step_committed(self) -> bool:
         """Whether the generation's first step committed: its plan is then the settled one."""
-        key = decided_key(self.generation, self.start_step)
-        return self.store.check([key]) and self.store.get(key) == COMMITTED
+        outcome = self.ledger.decided(self.start_step)
+        return outcome is not None and outcome.committed
 
     def _settled_here(self) -> bool:
         """``_first_step_committed``, or False where the store is gone (keep the spare blocks)."""
