@@ -62,6 +62,8 @@ class ReplicaSystem:
         """When each of those joins (admitted after the ones before it), as last planned."""
         self.cold = False
         """No replica was left: the next one back restarts from the last checkpoint."""
+        self.loaded_at = 0.0
+        """When the last restart from a checkpoint has loaded it."""
         self.step_s = 0.0
         self._placement: ClusterState | None = None
         self._prices: dict[frozenset[int], tuple[float, float, float]] = {}
@@ -123,8 +125,11 @@ class ReplicaSystem:
                 if r not in self.out and (r not in self.available_at or self.joined_at.get(r, now_s + 1) <= now_s)}
 
     def _outcome(self, now_s: float, *, pause_s: float, lost_s: float, note: str, pause_state: str = RECOVERING) -> Outcome:
-        """From ``now_s``: the pause, then one phase per replica still to join (training on
-        those in, then the pause that admits the next), then the final throughput."""
+        """From ``now_s``: the pause (at least until a checkpoint being loaded is in), then
+        one phase per replica still to join (training on those in, then the pause that
+        admits the next), then the final throughput."""
+        if self.loaded_at > now_s + pause_s:
+            pause_s, pause_state = self.loaded_at - now_s, RESTARTING
         live = self._in(now_s)
         for replica in live:
             self.available_at.pop(replica, None)
@@ -169,16 +174,15 @@ class ReplicaSystem:
                              lost_s=self.lost_on_failure(len(live), len(lost)), note=note)
 
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
+        live = self._in(now_s)
         back = {r for r in self.out
                 if all(stage.worker not in cluster.failed_workers for stage in self.base.pipelines[r].stages)}
         self.out -= back
         note = f"{len(joined)} worker(s) rejoined: {len(back)} replica(s) back"
         if self.cold and back:  # the first replicas back load the checkpoint; later ones heal from them
             self.cold = False
-            load_s = self.context.restart_s + self.context.checkpoint_load_s
-            return self._outcome(now_s, pause_s=load_s, lost_s=0.0, pause_state=RESTARTING,
-                                 note=f"{note}, from the last checkpoint")
-        live = self._in(now_s)
+            self.loaded_at = now_s + self.context.restart_s + self.context.checkpoint_load_s
+            return self._outcome(now_s, pause_s=0.0, lost_s=0.0, note=f"{note}, from the last checkpoint")
         for replica in back:
             heal = self._heal_from(replica, live) if self.background_heal else 0.0
             self.available_at[replica] = now_s + self.context.restart_s + heal
