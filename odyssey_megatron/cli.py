@@ -116,8 +116,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     plan.add_argument("--print-config", action=_Once, nargs=0, const=True, default=False,
                       help="print the recipe as resolved (YAML: defaults, model spec, overrides, derived sizes) and exit")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. odyssey.policy=reroute")
-    sim = commands.add_parser("simulate", help="compare Odyssey with Oobleck, ReCycle and checkpoint-restart",
-                              allow_abbrev=False)
+    sim = commands.add_parser("simulate", allow_abbrev=False,
+                              help="compare Odyssey with Oobleck, ReCycle, checkpoint-restart, replica drop, "
+                                   "redistribution, DP scale-in and hot spares")
     sim.add_argument("--scenario", required=True, action=_Once, help="scenario YAML (see configs/scenarios/)")
     sim.add_argument("--seed", type=_seed, action=_Once, default=None, help="override the scenario's seed")
     sim.add_argument("--out", action=_Once, default=None,
@@ -348,11 +349,13 @@ def _simulate_command(args: argparse.Namespace) -> int:
     print(f"{len(result.events)} cluster events over {scenario.config.duration_hours:g} h on "
           f"{scenario.recipe.parallel.num_ranks} devices; fault-free {result.fault_free_throughput:.2f} samples/s, "
           f"fault-scaled ideal {result.ideal_throughput:.2f}")
-    print(f"{'system':<11} {'samples/s':>9} {'of ideal':>9} {'of fault-free':>13} {'paused (s)':>10}  odyssey/x")
+    print(f"{'system':<12} {'samples/s':>9} {'of ideal':>9} {'of fault-free':>13} {'paused (s)':>10} "
+          f"{'samples/dev-h paid':>18} {'ETTR':>6} {'dropped':>9}  odyssey/x (goodput)")
     for name, s in result.summaries.items():
         ratio = result.ratios.get(name)
-        print(f"{name:<11} {s.avg_throughput:9.3f} {s.fraction_of_ideal:9.3f} {s.fraction_of_fault_free:13.3f} "
-              f"{s.transition_time_s:10.0f}  {'' if ratio is None else f'{ratio:.3f}x'}")
+        print(f"{name:<12} {s.avg_throughput:9.3f} {s.fraction_of_ideal:9.3f} {s.fraction_of_fault_free:13.3f} "
+              f"{s.transition_time_s:10.0f} {s.goodput:18.1f} {s.ettr:6.3f} {s.dropped_samples:9.0f}  "
+              f"{'' if ratio is None else f'{ratio:.3f}x'}")
     wandb_note = f"; W&B run: {out / wandb_dir.relative_to(run_dir.staging)}" if wandb_dir else ""
     print(f"outputs: {out}{wandb_note}")
     return 0

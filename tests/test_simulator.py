@@ -29,7 +29,7 @@ from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate
 from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
 from odyssey_megatron.simulator.run import fault_scaled_ideal, simulate
-from odyssey_megatron.simulator.scenario import FailureConfig, RepairConfig, load_scenario
+from odyssey_megatron.simulator.scenario import SYSTEMS, FailureConfig, RepairConfig, load_scenario
 from odyssey_megatron.simulator.system import (
     RECOVERING,
     RESTARTING,
@@ -264,6 +264,7 @@ def test_failure_process_is_seeded_and_per_unit():
         ("duration_hours=abc", "duration_hours"),
         ("failures.process=trace", "failures.trace"),
         ("costs.checkpoint_save_s=9999", "costs.checkpoint_save_s"),
+        ("hot_spares.spares_per_rack=72", "hot_spares.spares_per_rack"),
         ("recipe=nowhere.yaml", "recipe"),
         ("colour=red", "colour"),
     ],
@@ -280,15 +281,25 @@ def test_with_no_failures_every_system_trains_alike():
     """Like for like: every system starts from the same plan and prices its steps with the
     job's one set of schedule options, so in a run without failures all train at the same
     rate, and a ratio measures only how a system handles failures. recycle_1f1b, ReCycle
-    as paper 001 models it (plain 1F1B throughout), is an ablation, slower by design."""
-    scenario = load_scenario(SCENARIO, ["failures.rate_per_device_hour=1e-9", "duration_hours=1"])
+    as paper 001 models it (plain 1F1B throughout), is an ablation, slower by design. Hot
+    spares train at the same rate but pay for 8 idle spares in the job's one 72-device
+    rack: 40 devices for 32, so their goodput is 32 / 40 = 0.8 of the others'."""
+    scenario = load_scenario(SCENARIO, ["failures.rate_per_device_hour=1e-9", "duration_hours=1",
+                                        f"systems=[{','.join(SYSTEMS)}]"])
     result = simulate(scenario)
     assert result.events == []
     rates = {name: summary.avg_throughput for name, summary in result.summaries.items()}
     ablation = rates.pop("recycle_1f1b")
-    assert set(rates) == {"odyssey", "oracle", "oobleck", "recycle", "checkpoint"}
+    assert set(rates) == {"odyssey", "oracle", "oobleck", "recycle", "checkpoint", "replica_drop", "redistribute",
+                          "dp_scale_in", "hot_spares"}
     assert max(rates.values()) == pytest.approx(min(rates.values()), rel=1e-9)
     assert ablation < min(rates.values())
+    goodput = {name: summary.goodput for name, summary in result.summaries.items()}
+    assert goodput["odyssey"] == pytest.approx(rates["odyssey"] * 3600 / 32)
+    assert goodput["hot_spares"] / goodput["odyssey"] == pytest.approx(0.8)
+    assert result.ratios["hot_spares"] == pytest.approx(1.25) and result.ratios["replica_drop"] == pytest.approx(1)
+    assert [s.ettr for s in result.summaries.values()] == [pytest.approx(1 - 20 / 1800)] * 10  # checkpoint saves only
+    assert {s.dropped_samples for s in result.summaries.values()} == {0.0}
 
 
 def test_the_fault_scaled_ideal_bounds_every_system():
@@ -326,7 +337,8 @@ def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
     assert main(args + ["--seed", "5", "--force"]) == 0
     assert json.loads(capsys.readouterr().out) == first
     for name in ("odyssey", "recycle", "checkpoint"):
-        assert set(first["systems"][name]) >= {"avg_throughput", "transition_time_s", "fraction_of_ideal"}
+        assert set(first["systems"][name]) >= {"avg_throughput", "transition_time_s", "fraction_of_ideal", "goodput",
+                                               "ettr", "dropped_samples", "paid_devices"}
         assert 0 < first["systems"][name]["fraction_of_ideal"] <= 1 + 1e-12
     assert set(first["ratios"]) == {"recycle", "checkpoint"}
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "series.json").exists()

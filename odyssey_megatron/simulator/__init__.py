@@ -1,2 +1,3 @@
 """Event-driven cluster simulator: Odyssey against Oobleck, ReCycle and checkpoint-restart
-on the same events, estimator and profile (paper 001, section V-B)."""
+(paper 001, section V-B) and against replica drop, micro-batch redistribution, DP
+scale-in and hot spares, on the same events, estimator and profile."""

@@ -16,6 +16,7 @@ class CheckpointRestartSystem:
     """Restart from the last checkpoint on every failure and every repair."""
 
     name = "checkpoint"
+    spare_devices = 0
 
     def __init__(self, context: SimulationContext):
         self.context = context

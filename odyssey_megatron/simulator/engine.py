@@ -2,10 +2,11 @@
 
 Between events a system trains at its current throughput (times the share of time not
 spent saving checkpoints, the same for all systems). At an event it reports an
-``Outcome``: a pause, a new throughput and progress lost; the engine turns that into
-segments of a timeline. An event during a pause cuts the pause short and the system's
-next outcome decides what follows. Samples lost to a rollback are subtracted from
-progress, never below zero.
+``Outcome``: a pause, optional ramp phases, a new throughput and progress lost; the
+engine turns that into segments of a timeline. An event during a pause or a ramp cuts
+it short and the system's next outcome decides what follows. Samples lost to a rollback
+are subtracted from progress, never below zero; the wall time they took is kept too
+(for the effective training time ratio), and so are the samples a shrunken batch lacked.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent
-from odyssey_megatron.simulator.system import STOPPED, TRAINING, System
+from odyssey_megatron.simulator.system import STOPPED, TRAINING, Outcome, Phase, System
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Segment:
     state: str
     samples_per_s: float
     active_devices: int
+    dropped_per_s: float = 0.0
 
 
 @dataclass
@@ -32,6 +34,8 @@ class Timeline:
     system: str
     segments: list[Segment] = field(default_factory=list)
     lost_samples: float = 0.0
+    lost_time_s: float = 0.0
+    """Wall seconds of training whose progress a rollback threw away."""
     notes: list[tuple[float, str]] = field(default_factory=list)
 
     @property
@@ -39,8 +43,37 @@ class Timeline:
         trained = sum((s.end_s - s.start_s) * s.samples_per_s for s in self.segments)
         return max(0.0, trained - self.lost_samples)
 
+    @property
+    def dropped_samples(self) -> float:
+        """Samples the steps trained lacked against the job's global batch."""
+        return sum((s.end_s - s.start_s) * s.dropped_per_s for s in self.segments)
+
+    def trained_since(self, now_s: float, last_event_s: float) -> float:
+        """Seconds trained without a pause up to ``now_s``, counted from ``last_event_s``
+        at the earliest (what a rollback at ``now_s`` can throw away)."""
+        since = last_event_s
+        for segment in reversed(self.segments):
+            if segment.end_s <= last_event_s:
+                break
+            if segment.samples_per_s == 0:
+                since = max(since, segment.end_s)
+                break
+        return max(0.0, now_s - since)
+
     def time_in(self, *states: str) -> float:
         return sum(s.end_s - s.start_s for s in self.segments if s.state in states)
+
+
+def _phases(outcome: Outcome, start_s: float, duty: float) -> list[tuple[float, Phase]]:
+    """(end time, phase) for the pause and the ramp of ``outcome``, rates scaled by ``duty``."""
+    phases = [Phase(outcome.pause_s, 0.0, state=outcome.pause_state), *outcome.ramp]
+    ends, t = [], start_s
+    for phase in phases:
+        t += phase.duration_s
+        if phase.duration_s > 0:
+            ends.append((t, Phase(phase.duration_s, phase.samples_per_s * duty, phase.dropped_per_s * duty,
+                                  phase.state)))
+    return ends
 
 
 def run_system(
@@ -56,22 +89,26 @@ def run_system(
     training time not blocked by checkpoint saves; ``on_event`` is called after each event
     (progress reporting)."""
     timeline = Timeline(system.name)
-    rate = system.start(cluster) * checkpoint_duty
-    state, resume_at, last_event = TRAINING, 0.0, 0.0
+    rate, dropped = system.start(cluster) * checkpoint_duty, 0.0
+    ahead: list[tuple[float, Phase]] = []  # (end time, phase) before ``rate`` applies
+    last_event = 0.0
+
+    def add(start: float, end: float, state: str, samples_per_s: float, dropped_per_s: float) -> None:
+        timeline.segments.append(Segment(start, end, state, samples_per_s, cluster.alive_devices, dropped_per_s))
 
     def advance(until: float) -> None:
-        nonlocal state
         start = timeline.segments[-1].end_s if timeline.segments else 0.0
-        if state != TRAINING and start < until:
-            pause_end = min(resume_at, until)
-            if pause_end > start:
-                timeline.segments.append(Segment(start, pause_end, state, 0.0, cluster.alive_devices))
-                start = pause_end
-            if pause_end >= resume_at:
-                state = TRAINING if rate > 0 else STOPPED
+        while ahead and start < until:
+            end, phase = ahead[0]
+            stop = min(end, until)
+            if stop > start:
+                add(start, stop, TRAINING if phase.samples_per_s > 0 else phase.state, phase.samples_per_s,
+                    phase.dropped_per_s)
+                start = stop
+            if stop >= end:
+                ahead.pop(0)
         if start < until:
-            current = TRAINING if rate > 0 else STOPPED
-            timeline.segments.append(Segment(start, until, current, rate, cluster.alive_devices))
+            add(start, until, TRAINING if rate > 0 else STOPPED, rate, dropped)
 
     for event in events:
         if event.time_s >= duration_s:
@@ -88,10 +125,13 @@ def run_system(
         if not changed:
             continue  # a device of an already-failed TP group, or a repair of a group still down
         outcome = (system.on_failure if event.kind == FAIL else system.on_join)(cluster, changed, event.time_s)
-        trained_since = event.time_s - max(last_event, resume_at if state == TRAINING else event.time_s)
-        timeline.lost_samples += rate * min(outcome.lost_s, max(0.0, trained_since))
-        rate = outcome.samples_per_s * checkpoint_duty
-        state, resume_at, last_event = outcome.pause_state, event.time_s + outcome.pause_s, event.time_s
+        current = timeline.segments[-1].samples_per_s if timeline.segments else rate
+        rolled_back = min(outcome.lost_s, timeline.trained_since(event.time_s, last_event))
+        timeline.lost_samples += current * rolled_back
+        timeline.lost_time_s += rolled_back
+        rate, dropped = outcome.samples_per_s * checkpoint_duty, outcome.dropped_per_s * checkpoint_duty
+        ahead[:] = _phases(outcome, event.time_s, checkpoint_duty)
+        last_event = event.time_s
         timeline.notes.append((event.time_s, f"{event.kind} {len(changed) * tp} device(s): {outcome.note}"))
         if on_event is not None:
             on_event()

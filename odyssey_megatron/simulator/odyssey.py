@@ -27,6 +27,7 @@ from odyssey_megatron.simulator.system import Outcome, SimulationContext, initia
 
 
 class OdysseySystem:
+    spare_devices = 0
     def __init__(
         self,
         context: SimulationContext,

@@ -97,6 +97,7 @@ class OobleckPipeline:
 
 class OobleckSystem:
     name = "oobleck"
+    spare_devices = 0
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ from odyssey_megatron.simulator.system import Outcome, SimulationContext, initia
 
 
 class ReCycleSystem:
+    spare_devices = 0
     def __init__(self, context: SimulationContext, *, detection_s: float, reroute_s: float, decoupled: bool = True,
                  name: str = "recycle"):
         self.name = name

@@ -1,5 +1,6 @@
 """Run a scenario: build the job's context, generate events, live through them with every
-system, and summarise against the fault-free and fault-scaled ideals."""
+system, and summarise against the fault-free and fault-scaled ideals and per device-hour
+paid (goodput)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from odyssey_megatron import limits
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
+from odyssey_megatron.simulator.dp_scale_in import DpScaleInSystem
 from odyssey_megatron.simulator.engine import Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent, generate_events, read_trace
+from odyssey_megatron.simulator.hot_spares import HotSparesSystem, spare_devices_for
 from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.oobleck import OobleckSystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
+from odyssey_megatron.simulator.redistribute import RedistributeSystem
+from odyssey_megatron.simulator.replica_drop import ReplicaDropSystem
 from odyssey_megatron.simulator.scenario import Scenario
-from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, SimulationContext
+from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, TRAINING, SimulationContext
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
 
@@ -33,6 +38,16 @@ class SystemSummary:
     """Of the fault-scaled ideal (``fault_scaled_ideal``); never above 1."""
     fraction_of_fault_free: float
     lost_samples: float
+    goodput: float
+    """Samples trained (rollbacks subtracted) per device-hour paid: the job's devices and
+    the system's spares, for the whole run."""
+    paid_devices: int
+    ettr: float
+    """Effective training time ratio: the share of wall time spent on steps that were
+    kept (not paused, stopped, saving checkpoints or rolled back), at whatever rate."""
+    dropped_samples: float
+    """Samples the steps lacked against the job's global batch (a system that shrinks the
+    batch); 0 for the others."""
 
 
 @dataclass
@@ -46,12 +61,13 @@ class SimulationResult:
 
     @property
     def ratios(self) -> dict[str, float | None]:
-        """Odyssey's average throughput over each other system's; None where that system
-        trained nothing (the ratio has no finite value)."""
-        odyssey = self.summaries["odyssey"].avg_throughput if "odyssey" in self.summaries else None
+        """Odyssey's goodput over each other system's (its throughput ratio where both pay
+        for the same devices); None where that system trained nothing (the ratio has no
+        finite value)."""
+        odyssey = self.summaries["odyssey"].goodput if "odyssey" in self.summaries else None
         if odyssey is None:
             return {}
-        return {name: odyssey / s.avg_throughput if s.avg_throughput > 0 else None
+        return {name: odyssey / s.goodput if s.goodput > 0 else None
                 for name, s in self.summaries.items() if name != "odyssey"}
 
 
@@ -111,6 +127,9 @@ def _build_systems(scenario: Scenario, context: SimulationContext, events: list[
     return systems
 
 
+REPLICA_SYSTEMS = {system.name: system for system in (ReplicaDropSystem, RedistributeSystem, DpScaleInSystem)}
+
+
 def _systems(scenario: Scenario, context: SimulationContext, events: list[ClusterEvent]):
     config = scenario.config
     costs = config.costs
@@ -133,6 +152,17 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
         elif name == "oobleck":
             yield OobleckSystem(context, tolerated_failures=config.oobleck_tolerated_failures,
                                 detection_s=costs.detection_s, start_on_job_plan=True)
+        elif name in REPLICA_SYSTEMS:
+            # A replica rejoins, or leaves, after the communicator rebuild every in-memory system pays.
+            yield REPLICA_SYSTEMS[name](context, detection_s=costs.detection_s,
+                                        reconfigure_s=scenario.recipe.odyssey.reroute_restart_s)
+        elif name == "hot_spares":
+            spares = config.hot_spares
+            devices = scenario.recipe.parallel.num_ranks
+            yield HotSparesSystem(context, detection_s=costs.detection_s, restart_s=spares.restart_s,
+                                  spare_devices=spare_devices_for(devices, rack_devices=spares.rack_devices,
+                                                                  spares_per_rack=spares.spares_per_rack,
+                                                                  devices_per_node=context.devices_per_node))
 
 
 def fault_scaled_ideal(
@@ -186,8 +216,9 @@ def simulate(
         devices_per_node=recipe.cluster.devices_per_node,
     )
     duty = 1.0 - context.checkpoint_save_s / context.checkpoint_interval_s
-    timelines = {}
+    timelines, paid = {}, {}
     for system in _build_systems(scenario, context, events, cluster):
+        paid[system.name] = cluster.world_size + system.spare_devices
         on_event = progress(system.name, len(events)) if progress is not None else None
         timelines[system.name] = run_system(system, cluster=cluster, events=events, duration_s=duration,
                                             checkpoint_duty=duty, on_event=on_event)
@@ -205,5 +236,9 @@ def simulate(
             fraction_of_ideal=avg / ideal if ideal > 0 else 0.0,
             fraction_of_fault_free=avg / fault_free if fault_free > 0 else 0.0,
             lost_samples=timeline.lost_samples,
+            goodput=timeline.samples / (paid[name] * config.duration_hours),
+            paid_devices=paid[name],
+            ettr=duty * (timeline.time_in(TRAINING) - timeline.lost_time_s) / duration,
+            dropped_samples=timeline.dropped_samples,
         )
     return SimulationResult(scenario, events, fault_free, ideal, timelines, summaries)

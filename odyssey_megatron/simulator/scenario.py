@@ -28,8 +28,10 @@ from odyssey_megatron.typed_yaml import (
 )
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
-SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle")
-BASELINES = ("oobleck", "recycle", "recycle_1f1b", "checkpoint")
+SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle",
+           "replica_drop", "redistribute", "dp_scale_in", "hot_spares")
+BASELINES = ("oobleck", "recycle", "recycle_1f1b", "checkpoint", "replica_drop", "redistribute", "dp_scale_in",
+             "hot_spares")
 """The systems Odyssey is compared with; the others are Odyssey itself and its variants."""
 System = Choice("System", [(name, name) for name in SYSTEMS], module=__name__)
 
@@ -120,6 +122,29 @@ class CostConfig:
 
 
 @dataclass
+class HotSparesConfig:
+    """The ``hot_spares`` system: warm spare nodes and its in-job restart."""
+
+    restart_s: float = 30.0
+    """From detection to training again on a spare (TrainMover about 20 s, DeadPool under 40 s)."""
+    rack_devices: int = 72
+    """Devices per rack, spares included."""
+    spares_per_rack: int = 8
+    """Spare devices held in each rack the job fills (about 8 of 72 reported), rounded up to whole nodes."""
+
+    def __post_init__(self) -> None:
+        require_plain_numbers("hot_spares", self)
+        require_non_negative("hot_spares", self, "restart_s")
+        require_at_most("hot_spares", self, limits.MAX_SECONDS, "a year, in seconds", "restart_s")
+        require_positive("hot_spares", self, "rack_devices", "spares_per_rack")
+        require_at_most("hot_spares", self, limits.MAX_WORKERS * limits.MAX_DEVICES_PER_NODE,
+                        "more devices than any job has", "rack_devices")
+        require(self.spares_per_rack < self.rack_devices, "hot_spares.spares_per_rack",
+                f"must be below hot_spares.rack_devices ({self.rack_devices}), or no device trains; "
+                f"got {self.spares_per_rack}")
+
+
+@dataclass
 class ScenarioConfig:
     recipe: str = "recipes/llama2_7b/ascend_910b_32.yaml"
     """The job: a recipe YAML, relative to the scenario file or the working directory."""
@@ -130,6 +155,7 @@ class ScenarioConfig:
     failures: FailureConfig = field(default_factory=FailureConfig)
     repairs: RepairConfig = field(default_factory=RepairConfig)
     costs: CostConfig = field(default_factory=CostConfig)
+    hot_spares: HotSparesConfig = field(default_factory=HotSparesConfig)
     systems: List[System] = field(default_factory=lambda: list(System))
     oobleck_tolerated_failures: int = 2
     """Oobleck's f: it needs (f+1) * n0 workers and gives up below that."""

@@ -1,8 +1,9 @@
 """What every simulated fault-tolerance system implements.
 
 A system owns its current layout and answers each cluster event with an ``Outcome``:
-how long training pauses, what throughput follows, and how much already-trained time is
-lost (rolled back). Step times come from the shared estimator and profile, priced with
+how long training pauses, what throughput follows (possibly after a ramp of phases, when
+part of the job trains while another part restarts), and how much already-trained time
+is lost (rolled back). Step times come from the shared estimator and profile, priced with
 the job's one set of schedule options, so with no failures every system trains alike
 and the systems differ only by how they handle failures.
 """
@@ -25,6 +26,19 @@ STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
+class Phase:
+    """A stretch of fixed throughput between an event's pause and its final throughput."""
+
+    duration_s: float
+    samples_per_s: float
+    """0: paused (in ``state``)."""
+    dropped_per_s: float = 0.0
+    """Samples/s the job's global batch lacks while this phase trains (``Outcome.dropped_per_s``)."""
+    state: str = RECOVERING
+    """What a paused phase is: RECOVERING, or RESTARTING (from a checkpoint)."""
+
+
+@dataclass(frozen=True)
 class Outcome:
     pause_s: float
     """Seconds with zero throughput before training resumes (decide, move, restart)."""
@@ -36,6 +50,12 @@ class Outcome:
     pause_state: str = RECOVERING
     """RECOVERING (in-memory recovery) or RESTARTING (from a checkpoint)."""
     note: str = ""
+    ramp: tuple[Phase, ...] = ()
+    """Phases after the pause and before ``samples_per_s``: a replica restarting in the
+    background while the others train, then the pause that admits it."""
+    dropped_per_s: float = 0.0
+    """Samples/s by which the steps at ``samples_per_s`` fall short of the job's global
+    batch: a system that shrinks the batch (replica drop) trains them nowhere."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,8 @@ def initial_layout(context: SimulationContext, *, max_layer_splits: int = 256) -
 
 class System(Protocol):
     name: str
+    spare_devices: int
+    """Devices paid for beyond the job's own, idle until a failure (hot spares)."""
 
     def start(self, cluster: ClusterState) -> float:
         """Failure-free throughput (samples/s) on ``cluster``."""

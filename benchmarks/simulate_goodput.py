@@ -1,0 +1,113 @@
+"""Which fault-tolerance approach trains the most per device-hour paid (issue 33).
+
+Llama-2 7B (Ascend 910B, TP1 x PP4, 8 micro-batches per pipeline) and 70B (H100, TP8 x
+PP8, 64 per pipeline) at 1,024 and 16,384 devices; failure rates from Llama 3's 16k-GPU
+run (419 unexpected interruptions in 54 days on 16,384 GPUs: 1.97e-5 per GPU-hour) and
+from paper 001 (10 % per device-hour); device or node failures; without and with repairs
+(mean 2 h). Every cell runs every system on the same seeded events. Durations: a week,
+cut so a cell expects at most --max-failures failure events (16,384-device decisions
+take seconds each); the hours column says what each cell covers.
+Prints goodput (samples per device-hour paid) per system, Odyssey's goodput over each
+system's, and the ETTR; writes a markdown table and a figure of goodput relative to
+Odyssey per cell.
+Run: .venv/bin/python benchmarks/simulate_goodput.py [--jobs 2] [--max-failures 4] [--out runs/goodput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from odyssey_megatron.simulator.run import simulate
+from odyssey_megatron.simulator.scenario import load_scenario
+
+LLAMA3_RATE = 419 / (54 * 24 * 16384)
+"""Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days on 16,384 H100s."""
+PAPER_RATE = 0.1
+"""Paper 001, section V-B: 10 % failures per device-hour."""
+MODELS = {  # name: (recipe relative to the scenario, TP * PP, micro-batches per pipeline)
+    "7B": ("../../recipes/llama2_7b/ascend_910b_32.yaml", 4, 8),
+    "70B": ("../llama2_70b_h100_1024.yaml", 64, 64),
+}
+SYSTEMS = ("odyssey", "checkpoint", "replica_drop", "redistribute", "dp_scale_in", "hot_spares")
+WEEK_H = 168.0
+
+
+def cell(model: str, devices: int, rate: float, unit: str, repairs: bool, *, max_failures: float, seed: int):
+    recipe, model_parallel, per_pipeline = MODELS[model]
+    dp = devices // model_parallel
+    hours = min(WEEK_H, max_failures / (devices * rate))  # a node fails 8x as often, with 1/8 as many units
+    scenario = load_scenario("configs/scenarios/paper_32npu.yaml", [
+        f"recipe={recipe}",
+        f"recipe_overrides=[parallel.data_parallel_size={dp},training.global_batch_size={per_pipeline * dp}]",
+        f"failures.rate_per_device_hour={rate}", f"failures.unit={unit}", f"repairs.enabled={str(repairs).lower()}",
+        f"duration_hours={hours}", f"seed={seed}", "wandb_mode=disabled", f"systems=[{','.join(SYSTEMS)}]",
+    ])
+    started = time.perf_counter()
+    result = simulate(scenario)
+    failures = sum(1 for e in result.events if e.kind == "fail")
+    return hours, failures, result.summaries, result.ratios, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-failures", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="cells simulated in parallel processes")
+    parser.add_argument("--out", type=Path, default=Path("runs/goodput"), help="where table.md and goodput.png go")
+    args = parser.parse_args()
+    cells = list(itertools.product(MODELS, (1024, 16384), (LLAMA3_RATE, PAPER_RATE), ("device", "node"),
+                                   (False, True)))
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(cell, *c, max_failures=args.max_failures, seed=args.seed) for c in cells]
+        results = [f.result() for f in futures]
+    header = ("| model | devices | rate | unit | repairs | hours | failures | "
+              + " | ".join(SYSTEMS) + " | best other | odyssey/best | ETTR odyssey / best |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for (model, devices, rate, unit, repairs), (hours, failures, summaries, ratios, _) in zip(cells, results):
+        others = [s for s in SYSTEMS if s != "odyssey"]
+        best = max(others, key=lambda s: summaries[s].goodput)
+        ratio = ratios[best]
+        rate_name = "Llama 3" if rate == LLAMA3_RATE else "paper"
+        lines.append(f"| {model} | {devices:,} | {rate_name} | {unit} | {'yes' if repairs else 'no'} | {hours:.2f} | "
+                     f"{failures} | " + " | ".join(f"{summaries[s].goodput:,.0f}" for s in SYSTEMS)
+                     + f" | {best} | {'-' if ratio is None else f'{ratio:.3f}'} | "
+                     f"{summaries['odyssey'].ettr:.3f} / {summaries[best].ettr:.3f} |")
+    table = "\n".join(lines)
+    print("goodput: samples trained per device-hour paid (spares included)")
+    print(table)
+    print(f"simulated in {sum(r[4] for r in results):.0f} s of cell time")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(table + "\n")
+    draw(cells, results, args.out / "goodput.png")
+    print(f"wrote {args.out / 'table.md'} and {args.out / 'goodput.png'}")
+
+
+def draw(cells, results, path: Path) -> None:
+    """Each system's goodput over Odyssey's, one group of bars per cell."""
+    from odyssey_megatron.plotting import pyplot
+
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(14, 4.5))
+    width = 0.8 / (len(SYSTEMS) - 1)
+    others = [s for s in SYSTEMS if s != "odyssey"]
+    for k, system in enumerate(others):
+        values = [r[2][system].goodput / r[2]["odyssey"].goodput if r[2]["odyssey"].goodput > 0 else 0.0
+                  for r in results]
+        axis.bar([i + k * width for i in range(len(cells))], values, width, label=system)
+    axis.axhline(1.0, color="grey", linestyle=":", label="odyssey")
+    labels = [f"{m} {d // 1024}k {'L3' if r == LLAMA3_RATE else 'p'} {u[0]}{' +r' if rep else ''}"
+              for m, d, r, u, rep in cells]
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], labels, rotation=90, fontsize=7)
+    axis.set(ylabel="goodput / Odyssey's", title="Samples per device-hour paid, relative to Odyssey")
+    axis.legend(fontsize=7, ncol=len(SYSTEMS))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()
