@@ -6,6 +6,7 @@ Everything is derived from wall-clock stamps the controller wrote: throughput fr
 between successive commits (a gap that spans a recovery shows as a dip), measured step time
 from gaps between successive commits of one plan generation, recovery phases from each
 recovery's ``failed_at``, ``detected_at``, ``decided_at``, ``ready_at`` and
+``first_step_at``, and each join (workers taken back) from its ``decided_at`` to its
 ``first_step_at``. Fields a run may lack (estimates on plan or step events) are read with
 ``.get`` and their series left out. Unreadable records are one ``ConfigError`` naming the
 argument the directory came from; a torn last line (the run was killed mid-append) is
@@ -38,9 +39,10 @@ _NUMBERS = {
     "profile": ("generation",),
     "failure": ("failed_at",),
     "recovery": ("generation", "start_step") + _PHASE_STAMPS,
+    "join": ("decided_at",),
 }
 """Per event kind, the numeric fields the report reads without ``.get``."""
-_LISTS = {"plan": ("workers",), "failure": ("ranks",), "recovery": ("failed_ranks",)}
+_LISTS = {"plan": ("workers",), "failure": ("ranks",), "recovery": ("failed_ranks",), "join": ("workers",)}
 _POLICY_COLOURS = {"reroute": "tab:orange", "reparallelize": "tab:purple"}
 
 
@@ -236,10 +238,36 @@ def summary_text(run: RunRecords) -> str:
                         "from parity)" if r.get("snapshot_step") is not None else ""))
     lost = sum(r["first_step_at"] - r["failed_at"] for r in recoveries)
     lines.append(f"time lost to recoveries: {_s(lost)} (from each failure to the first step committed after it)")
+    lines += _join_lines(run.kind("join"))
     account = samples_account(run)
     lines.append(f"samples: {account.expected} expected ({run.global_batch_size} x {account.steps} committed steps), "
                  f"{account.distinct} distinct seen; samples lost: {account.lost}; samples doubled: {account.doubled}")
     return "\n".join(lines)
+
+
+def _join_lines(joins: list[dict]) -> list[str]:
+    """Workers taken back: the plan grown onto them, or kept where Eq. 8 said so."""
+    grown = [j for j in joins if j.get("grew")]
+    lines = [f"joins: {len(grown)} grown" + (f", {len(joins) - len(grown)} kept the plan" if len(joins) > len(grown)
+                                             else "")] if joins else []
+    for j in joins:
+        if not j.get("grew"):
+            lines.append(f"  workers {j['workers']} back: Eq. 8 kept the plan")
+            continue
+        moved = j.get("transfer_bytes")
+        lines.append(f"  generation {j.get('generation')}: workers {j['workers']} back -> {j.get('policy', 'unknown')} "
+                     f"with {j.get('training_ranks')} ranks training from step {j.get('start_step')}"
+                     + (f", {moved / 2**20:.2f} MiB moved" if _is_number(moved) else "")
+                     + (f", {_s(j['first_step_at'] - j['decided_at'])} from the decision to its first step"
+                        if _is_number(j.get("first_step_at")) else ""))
+    return lines
+
+
+def _mark_joins(axis, joins: list[dict], *, start: float) -> None:
+    """Shade each join carried out, from its decision to its first step on the grown plan."""
+    for i, j in enumerate(j for j in joins if j.get("grew") and _is_number(j.get("first_step_at"))):
+        axis.axvspan(j["decided_at"] - start, j["first_step_at"] - start, color="tab:green", alpha=0.2,
+                     label=None if i else "join (workers back)")
 
 
 def _mark_recoveries(axis, recoveries: list[dict], *, start: float | None = None) -> None:
@@ -283,6 +311,7 @@ def _plot_throughput(plt, run: RunRecords, path: Path) -> None:
     axis.set(xlabel="time since the controller started (s)", ylabel="throughput (samples/s)",
              title=f"Throughput and training ranks ({run.seq_length} tokens per sample)")
     _mark_recoveries(axis, run.kind("recovery"), start=start)
+    _mark_joins(axis, run.kind("join"), start=start)
     ranks = _active_ranks(run)
     if ranks:
         end = max(e["time"] for e in run.events)

@@ -149,12 +149,12 @@ def wandb_runs(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "wandb").glob("offline-run-*"))
 
 
-def read_wandb_run(directory: Path) -> tuple[str, list[dict], list[dict]]:
-    """(run id, history rows, recovery table rows) as W&B recorded them."""
+def read_wandb_run(directory: Path, table_name: str = "recoveries") -> tuple[str, list[dict], list[dict]]:
+    """(run id, history rows, rows of the table ``table_name``) as W&B recorded them."""
     records = wandb_records(next(directory.glob("run-*.wandb")))
     run_id = next(r.run.run_id for r in records if r.WhichOneof("record_type") == "run")
     rows = []
-    for table in sorted(directory.glob("files/media/table/recoveries_*.table.json"),
+    for table in sorted(directory.glob(f"files/media/table/{table_name}_*.table.json"),
                         key=lambda p: int(p.name.split("_")[1])):
         data = json.loads(table.read_text())
         rows += [dict(zip(data["columns"], row)) for row in data["data"]]
@@ -630,6 +630,13 @@ def test_a_restarted_worker_joins_back_even_when_killed_while_it_receives_its_bl
     assert sorted(plans[-1]["workers"]) == list(range(8))
     assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[5], [5]]
     assert "join: rank 5 back -> " in err and "(8 ranks training)" in err
+    assert "joins: 1 grown" in out and "workers [5] back -> " in out  # odyssey report's summary
+    _, history_rows, table = read_wandb_run(wandb_runs(run_dir)[0], "joins")
+    assert [(row["workers"], row["grew"]) for row in table if row["grew"]] == [("[5]", True)]
+    assert [row["join/transfer_bytes"] for row in history_rows if "join/transfer_bytes" in row] == [
+        joins[0]["transfer_bytes"]]
+    ranks = [row["train/training_ranks"] for row in history_rows if "train/training_ranks" in row]
+    assert ranks[0] == 8 and min(ranks) < 8 and ranks[-1] == 8  # the training ranks go down, then back up
     assert_same_training(run_dir, long_reference)
 
 

@@ -567,11 +567,13 @@ class TrainingRun:
     def _finish_join_record(self, *, first_step_at: float) -> None:
         j = self._join
         tp = self.plan.tensor_parallel_size
-        record = dict(generation=j.generation, workers=j.workers, ranks=[w * tp + k for w in j.workers for k in range(tp)],
-                      grew=True, decided_at=j.decided_at, handover_step=j.handover_step, published_at=j.published_at,
-                      ready_at=j.ready_at, first_step_at=first_step_at, handover_s=j.published_at - j.decided_at,
-                      to_first_step_s=first_step_at - j.decided_at,
-                      training_ranks=len(self._training_ranks(self.plan)), **j.record)
+        record = {**j.record, "generation": j.generation, "workers": j.workers,
+                  "ranks": [w * tp + k for w in j.workers for k in range(tp)], "grew": True,
+                  "start_step": self._start_steps[j.generation], "decided_at": j.decided_at,
+                  "handover_step": j.handover_step, "published_at": j.published_at, "ready_at": j.ready_at,
+                  "first_step_at": first_step_at, "handover_s": j.published_at - j.decided_at,
+                  "to_first_step_s": first_step_at - j.decided_at,
+                  "training_ranks": len(self._training_ranks(self.plan))}
         self.controller.record.event("join", **record)
         console.info(join_line(record))
         self._join = None

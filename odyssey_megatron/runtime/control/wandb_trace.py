@@ -10,8 +10,9 @@ seconds since the run started, for failures and recoveries (the time of each pha
 moved by the Kuhn-Munkres and by a naive mapping) and for the online profile's factors
 (``profile/*``, measured over the starting profile's op times; the estimated step time
 follows them). Every recovery is also a row of an
-incremental ``recoveries`` table with its policy and the alternatives' estimates, and
-every published plan an artifact. Offline unless ``logger.wandb_project`` is given; the W&B
+incremental ``recoveries`` table with its policy and the alternatives' estimates, every
+join (workers taken back, or kept out by Eq. 8) a row of a ``joins`` table with its
+decision and the bytes it moved, and every published plan an artifact. Offline unless ``logger.wandb_project`` is given; the W&B
 files go into the run directory unless ``logger.wandb_save_dir`` names another. The run id
 is kept in ``RUN_DIR/wandb-run-id``, so ``odyssey train --resume`` continues the same run.
 """
@@ -30,7 +31,7 @@ from omegaconf import OmegaConf
 
 from odyssey_megatron.config import RecipeConfig
 
-__all__ = ["RECOVERY_COLUMNS", "RUN_ID_FILE", "WandbTrace"]
+__all__ = ["JOIN_COLUMNS", "RECOVERY_COLUMNS", "RUN_ID_FILE", "WandbTrace"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ RUN_ID_FILE = "wandb-run-id"
 RECOVERY_COLUMNS = ("generation", "failed_ranks", "cause", "policy", "decision_source", "start_step", "detection_s",
                     "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes", "naive_mapping_bytes",
                     "restarts", "snapshot_step", "replayed_steps", "replay_s", "rebuilt_shards", "alternatives")
+JOIN_COLUMNS = ("generation", "workers", "grew", "policy", "decision_source", "start_step", "training_ranks",
+                "handover_s", "to_first_step_s", "transfers", "transfer_bytes", "mapping_bytes", "naive_mapping_bytes",
+                "alternatives")
+_JOIN_METRICS = ("transfer_bytes", "handover_s", "to_first_step_s", "training_ranks")
 _RECOVERY_METRICS = ("detection_s", "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes",
                      "naive_mapping_bytes", "replayed_steps", "replay_s")
 _END = object()
@@ -61,7 +66,7 @@ class WandbTrace:
         """Training ranks per plan generation."""
         self._last_commit: Optional[tuple[int, float]] = None
         """(generation, time) of the last committed step."""
-        self._failures = self._recoveries = 0
+        self._failures = self._recoveries = self._joins = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -82,9 +87,9 @@ class WandbTrace:
     def _log_all(self) -> None:
         run = None
         try:
-            run, table = self._init()
+            run, tables = self._init()
             while (record := self._records.get()) is not _END:
-                self._log(run, table, record)
+                self._log(run, tables, record)
             self.directory = Path(run.dir).parent
             run.finish()
         except Exception as exc:  # noqa: BLE001 - W&B must never stop the training run
@@ -124,9 +129,11 @@ class WandbTrace:
         run.define_metric("time_s")
         run.define_metric("recovery/*", step_metric="time_s")
         run.define_metric("profile/*", step_metric="time_s")
-        return run, wandb.Table(columns=list(RECOVERY_COLUMNS), log_mode="INCREMENTAL")
+        run.define_metric("join/*", step_metric="time_s")
+        return run, {"recoveries": wandb.Table(columns=list(RECOVERY_COLUMNS), log_mode="INCREMENTAL"),
+                     "joins": wandb.Table(columns=list(JOIN_COLUMNS), log_mode="INCREMENTAL")}
 
-    def _log(self, run, table, record: dict) -> None:
+    def _log(self, run, tables: dict, record: dict) -> None:
         import wandb
 
         event, at = record["event"], record["time"]
@@ -158,11 +165,17 @@ class WandbTrace:
         elif event == "recovery":
             run.log({**{f"recovery/{key}": record[key] for key in _RECOVERY_METRICS},
                      "recovery/generation": record["generation"], "time_s": time_s})
-            row = {**record, "alternatives": json.dumps(record.get("alternatives", []))}
-            table.add_data(*[str(row[c]) if isinstance(row[c], list) else row[c] for c in RECOVERY_COLUMNS])
-            run.log({"recoveries": table})
+            _add_row(tables["recoveries"], record, RECOVERY_COLUMNS)
+            run.log({"recoveries": tables["recoveries"]})
             self._recoveries += 1
             run.summary["recoveries"] = self._recoveries
+        elif event == "join":
+            if record["grew"]:
+                run.log({**{f"join/{key}": record[key] for key in _JOIN_METRICS}, "time_s": time_s})
+                self._joins += 1
+                run.summary["joins"] = self._joins
+            _add_row(tables["joins"], record, JOIN_COLUMNS)
+            run.log({"joins": tables["joins"]})
         elif event == "run_end":
             run.summary["status"], run.summary["message"] = record["status"], record["message"]
 
@@ -179,3 +192,10 @@ class WandbTrace:
             metrics["train/tokens_per_s"] = training.global_batch_size * self.config.model.seq_length / measured
         self._last_commit = generation, at
         run.log(metrics)
+
+
+def _add_row(table, record: dict, columns: tuple[str, ...]) -> None:
+    """``record`` as a row of ``table``: lists as text, the alternatives as JSON, a field
+    the record lacks (a join Eq. 8 declined has no timings) as None."""
+    row = {**record, "alternatives": json.dumps(record.get("alternatives", []))}
+    table.add_data(*[str(row[c]) if isinstance(row.get(c), list) else row.get(c) for c in columns])
