@@ -132,6 +132,9 @@ class _RecordingGroup:
     def abort(self):
         self.aborted += 1
 
+    def size(self):
+        return 1  # no pair to connect
+
 
 def test_on_nccl_an_abort_aborts_every_tracked_group_also_those_made_after_it(monkeypatch):
     guard = CollectiveGuard(backend="nccl", timeout_s=5)

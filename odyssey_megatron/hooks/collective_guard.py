@@ -12,12 +12,13 @@ thread then calls ``CollectiveGuard.abort``, and what that does depends on the b
   out its whole timeout after both), and a point-to-point work can neither be polled
   (``is_completed`` stays False until waited) nor waited with a timeout (the timeout fails
   the receive). So a gloo work is waited on by a helper thread while the calling thread
-  waits for that, looking at the abort flag every ``slice_s``. A gloo group connects a pair
-  of members at the pair's first operation (``prepare_backend``), so that waiting for a
-  member that never connects happens inside an operation, which the guard leaves: made
-  eagerly, a group waited in ``new_group`` itself, where nothing ends a wait, five group
-  timeouts (gloo's ``Pair::waitUntil``: 150 s at a 30 s collective timeout) for a member
-  that died having published its address, then failed with an error of its own. An
+  waits for that, looking at the abort flag every ``slice_s``. A gloo group is made without
+  connecting its members (``prepare_backend``) and connected when the guard takes it in
+  (``track``), by an all-to-all on the group's own threads, so that waiting for a member
+  that never connects happens in an operation the guard leaves: made eagerly, a group
+  waited in ``new_group`` itself, where nothing ends a wait, five group timeouts (gloo's
+  ``Pair::waitUntil``: 150 s at a 30 s collective timeout) for a member that died having
+  published its address, then failed with an error of its own. An
   abandoned operation still holds its group's sockets and threads (and its helper thread)
   until gloo ends it, and dropping the group's last reference before then blocks until it
   does: the guard keeps the generation's groups (the graveyard) until their operations
@@ -46,6 +47,7 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveGuard", "PeerLost", "is_peer_loss", "prepare_backend"]
@@ -90,11 +92,12 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 
 def prepare_backend(backend: str) -> None:
-    """Before any process group exists: gloo groups (the training's, and the snapshots'
-    whatever the backend) connect a pair of members at its first operation, which the guard
-    can leave, instead of while the group is built (``TORCH_GLOO_LAZY_INIT``, as NCCL makes
-    its communicators at their first collective); an NCCL/HCCL watchdog that sees an error
-    aborts the communicators and lets the process live (the default tears it down)."""
+    """Before any process group exists: a gloo group (the training's, and the snapshots'
+    whatever the backend) is made without connecting its members, as NCCL makes its
+    communicators at their first collective (``TORCH_GLOO_LAZY_INIT``), and connected by
+    ``CollectiveGuard.track`` in an operation the guard can leave; an NCCL/HCCL watchdog
+    that sees an error aborts the communicators and lets the process live (the default
+    tears it down)."""
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     if backend == "nccl":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # CleanUpOnly
@@ -183,12 +186,22 @@ class CollectiveGuard:
     # -- the generation's lifecycle ------------------------------------------------------
 
     def track(self, groups: Iterable[dist.ProcessGroup]) -> None:
-        """Groups of the current generation: aborted with it, kept until their operations end."""
+        """Take in groups of the current generation, as soon as they are made (collective:
+        every member, in the order the groups were made): aborted with the generation, kept
+        until their operations end, and a gloo group connected now, every pair of members
+        in one all-to-all, an operation the guard leaves on an abort (connected later, a
+        pair would connect inside a point-to-point start, which blocks its caller)."""
+        groups = [g for g in groups if g is not None]
         with self._lock:
-            self._groups.extend(g for g in groups if g is not None)
+            self._groups.extend(groups)
             aborted = self._aborted.is_set()
         if aborted:  # made after the abort came: end them too
             self._abort_groups()
+        for group in groups:
+            if group.size() > 1 and dist.get_backend(group) == "gloo":
+                mesh = torch.zeros(group.size())
+                self.check()
+                self.wait(dist.all_to_all_single(torch.empty_like(mesh), mesh, group=group, async_op=True))
 
     def abort(self, reason: str, *, generation: Optional[int] = None) -> None:
         """End the generation's waits (callable from any thread, more than once).

@@ -1,8 +1,8 @@
 """The store a generation's process groups meet through, made abortable.
 
 Gloo, NCCL and HCCL connect a group's members by waiting in the store for each member's
-address (or the communicator's id): gloo as a pair's first operation runs, on the group's
-own thread (``collective_guard.prepare_backend``), NCCL and HCCL at the first collective.
+address (or the communicator's id): gloo as the group's first operation connects a pair,
+on the group's own thread (``CollectiveGuard.track``), NCCL and HCCL at the first collective.
 A member that died before writing it never will, and a C++ store wait ends only at its
 timeout: survivors connecting with a dead peer sat out the whole collective timeout (30 s),
 because the controller's abort reaches the collective guard but not a wait inside the
