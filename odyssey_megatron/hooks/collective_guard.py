@@ -18,11 +18,11 @@ thread then calls ``CollectiveGuard.abort``, and what that does depends on the b
   that never connects happens in an operation the guard leaves: made eagerly, a group
   waited in ``new_group`` itself, where nothing ends a wait, five group timeouts (gloo's
   ``Pair::waitUntil``: 150 s at a 30 s collective timeout) for a member that died having
-  published its address, then failed with an error of its own. An
-  abandoned operation still holds its group's sockets and threads (and its helper thread)
-  until gloo ends it, and dropping the group's last reference before then blocks until it
-  does: the guard keeps the generation's groups (the graveyard) until their operations
-  have surely ended (``_LINGER_TIMEOUTS``).
+  published its address, then failed with an error of its own. An abandoned operation
+  still holds its group's sockets and threads (and its helper thread) until gloo ends it,
+  and dropping the group's last reference before then blocks until it does: the guard
+  keeps the generation's groups (the graveyard) until their operations have surely ended
+  (``_LINGER_TIMEOUTS``).
 - **NCCL and HCCL**: the communicators are aborted from the watching thread (a thread
   other than the one blocked in the collective, as nvidia-resiliency-ext's monitor does),
   which ends the kernels in flight; the watchdog is told to clean up rather than tear the
