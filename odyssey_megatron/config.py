@@ -88,7 +88,9 @@ class FaultPhase(Choice):
     any block moves), mid_transfer (after this rank's first block moved, sent or received,
     before it waits on its others; with one block, after it moved), group_setup (a training
     rank, its blocks moved, about to build the plan's process groups while its peers build
-    them)."""
+    them), mid_group_setup (a training rank that has made the first of the plan's groups
+    it shares with others, its address published to them, while its peers build them; in
+    the first generation too, at step 0)."""
 
     snapshot = "snapshot"
     forward = "forward"
@@ -99,6 +101,7 @@ class FaultPhase(Choice):
     recovery = "recovery"
     mid_transfer = "mid_transfer"
     group_setup = "group_setup"
+    mid_group_setup = "mid_group_setup"
 
 
 JOIN_PHASES = (FaultPhase.recovery, FaultPhase.transfer, FaultPhase.mid_transfer, FaultPhase.group_setup)

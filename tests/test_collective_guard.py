@@ -111,6 +111,12 @@ def test_gloo_transport_errors_and_dist_errors_are_peer_loss_and_others_are_not(
     assert is_peer_loss(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"))
     assert is_peer_loss(RuntimeError("[../gloo/transport/tcp/pair.cc:589] Write error: Broken pipe"))
     assert is_peer_loss(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv"))
+    assert is_peer_loss(RuntimeError("[gloo/transport/tcp/pair.h:311] Connect timeout [none]"))
+    refused = RuntimeError("[gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+                           "remote=[127.0.0.1]:37795$0")
+    assert is_peer_loss(refused) and not PeerLost.of(refused).timed_out  # the peer is gone: no stall to report
+    assert PeerLost.of(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv")
+                       ).timed_out
     assert is_peer_loss(dist.DistNetworkError("store gone"))
     assert is_peer_loss(PeerLost("x"))
     assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
@@ -125,6 +131,9 @@ class _RecordingGroup:
 
     def abort(self):
         self.aborted += 1
+
+    def size(self):
+        return 1  # no pair to connect
 
 
 def test_on_nccl_an_abort_aborts_every_tracked_group_also_those_made_after_it(monkeypatch):
@@ -157,8 +166,17 @@ def test_an_abort_that_arrives_for_a_generation_the_worker_left_is_ignored():
 
 def test_the_nccl_watchdog_is_told_to_clean_up_instead_of_tearing_the_process_down(monkeypatch):
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
     prepare_backend("nccl")
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     prepare_backend("gloo")
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+def test_gloo_groups_connect_at_their_first_operation_whatever_the_backend(monkeypatch):
+    """The snapshots' parity groups are gloo groups beside NCCL training too."""
+    for backend in ("gloo", "nccl"):
+        monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+        prepare_backend(backend)
+        assert os.environ["TORCH_GLOO_LAZY_INIT"] == "1"

@@ -63,7 +63,7 @@ def test_faults_from_yaml_and_from_the_command_line_are_the_same(tmp_path):
 
 
 ALLOWED_PHASES = ("must be one of snapshot, forward, backward, grad_sync, optimizer, transfer, recovery, "
-                  "mid_transfer, group_setup; got 'backwards'")
+                  "mid_transfer, group_setup, mid_group_setup; got 'backwards'")
 ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks fill 1 node(s) of cluster.devices_per_node=8"
 
 
@@ -146,7 +146,8 @@ def test_beside_a_dedicated_controller_every_node_of_ranks_may_fail():
 
 # -- the injector in this process ----------------------------------------------------
 
-PHASES = ("forward", "backward", "grad_sync", "optimizer", "transfer", "recovery", "mid_transfer", "group_setup")
+PHASES = ("forward", "backward", "grad_sync", "optimizer", "transfer", "recovery", "mid_transfer", "group_setup",
+          "mid_group_setup")
 
 
 @pytest.fixture

@@ -233,8 +233,18 @@ def reparallelized(tmp_path_factory, data_cache) -> tuple[Path, str]:
         "{rank: 6, step: 4, phase: group_setup, action: kill}")))
     if status != 0:
         pytest.fail(f"odyssey train exited {status}:\n{err[-4000:]}")
+    return run_dir, rank_log_lines(run_dir)
+
+
+def rank_log_lines(run_dir: Path) -> str:
+    """Every rank's log lines, in time order."""
     lines = [line for log in (run_dir / "logs").glob("rank-*.log") for line in log.read_text().splitlines()]
-    return run_dir, "\n".join(sorted(line for line in lines if line[:4].isdigit()))
+    return "\n".join(sorted(line for line in lines if line[:4].isdigit()))
+
+
+GROUP_SETUP = {"group_setup", "mid_group_setup"}
+"""A training rank's phases while it sets up the plan's groups: before them, then once it
+shares one (the guard connects them once all are made)."""
 
 
 def ended_in(err: str, rank: int, generation: int) -> str:
@@ -291,18 +301,18 @@ def test_reparallelizing_survives_kills_mid_transfer_in_group_setup_and_two_at_o
     assert len(moves) >= 2, moves
     receiver = moves[0]["dst"]
     if moves[0]["src"] == 2 and sum(receiver in (t["src"], t["dst"]) for t in moves) == 1:
-        assert ended_in(err, receiver, 1) == "group_setup"
+        assert ended_in(err, receiver, 1) in GROUP_SETUP
 
     # Rank 6 died entering a plan as a training rank, while its peers built the groups.
     entered = plan_before(failures[(6,)])
     assert entered["start_step"] == 4 and 6 in entered["workers"]
-    assert {ended_in(err, rank, entered["generation"]) for rank in set(entered["workers"]) - {6}} == {"group_setup"}
+    assert {ended_in(err, rank, entered["generation"]) for rank in set(entered["workers"]) - {6}} <= GROUP_SETUP
 
 
 def test_a_rank_lost_while_the_survivors_build_groups_costs_no_collective_timeout(reparallelized):
     """The two kills above that leave survivors building process groups with a dead
-    peer (mid_transfer, group_setup): the controller's abort ends their wait in the group
-    rendezvous (``hooks.rendezvous_store``), and they are back in the restarted decision's
+    peer (mid_transfer, group_setup): the controller's abort ends their wait as the groups
+    are connected (``CollectiveGuard.track``), and they are back in the restarted decision's
     plan well inside the collective timeout (30 s)."""
     run_dir, _ = reparallelized
     events = read_jsonl(run_dir / "events.jsonl")
@@ -310,6 +320,30 @@ def test_a_rank_lost_while_the_survivors_build_groups_costs_no_collective_timeou
     ready_at = {tuple(r["failed_ranks"]): r["ready_at"] for r in recoveries(run_dir)}
     waited = {"mid_transfer": ready_at[(2, 5)] - failed_at[(2,)], "group_setup": ready_at[(0, 6, 7)] - failed_at[(6,)]}
     assert max(waited.values()) < 10, waited
+
+
+def test_a_rank_killed_as_the_first_generation_builds_its_groups_takes_no_survivor_with_it(tmp_path, data_cache,
+                                                                                          reference):
+    """Rank 3 dies in generation 0 having published its address in the first of the plan's
+    groups it shares, while its peers build theirs (mid_group_setup: it never connects).
+    The survivors make their groups without waiting for it and leave the generation while
+    the guard connects them, at the controller's abort or a refused connection, as a lost
+    peer: none reports an error of its own or a stall (found by hurting a run from
+    outside: survivors held five collective timeouts inside ``new_group``, others failing
+    in it, one after another), and all are back in the next plan well inside the
+    collective timeout (30 s); the run ends with the failure-free model."""
+    run_dir = tmp_path / "run"
+    status, _, err = finish(train(run_dir, data_cache, faults("{rank: 3, step: 0, phase: mid_group_setup, action: kill}")))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    assert_same_training(run_dir, reference)
+    lines = rank_log_lines(run_dir)
+    assert "rank 3: injecting odyssey.faults[0]: kill rank 3 at step 0, mid_group_setup" in lines
+    failures = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "failure"]
+    assert [(f["ranks"], f["cause"]) for f in failures] == [([3], "exit")], failures
+    assert {ended_in(lines, rank, 0) for rank in set(range(8)) - {3}} <= GROUP_SETUP  # each left, none failed
+    (recovery,) = recoveries(run_dir)
+    assert recovery["failed_ranks"] == [3] and recovery["start_step"] == 0
+    assert recovery["ready_at"] - recovery["failed_at"] < 10, recovery
 
 
 def _free_port() -> int:

@@ -12,11 +12,17 @@ thread then calls ``CollectiveGuard.abort``, and what that does depends on the b
   out its whole timeout after both), and a point-to-point work can neither be polled
   (``is_completed`` stays False until waited) nor waited with a timeout (the timeout fails
   the receive). So a gloo work is waited on by a helper thread while the calling thread
-  waits for that, looking at the abort flag every ``slice_s``. An abandoned operation
-  still holds its group's sockets and threads (and its helper thread) until the group's
-  own timeout ends it, and dropping the group's last reference before then blocks until
-  it does: the guard keeps the generation's groups (the graveyard) until their operations
-  have surely ended.
+  waits for that, looking at the abort flag every ``slice_s``. A gloo group is made without
+  connecting its members (``prepare_backend``) and connected when the guard takes it in
+  (``track``), by an all-to-all on the group's own threads, so that waiting for a member
+  that never connects happens in an operation the guard leaves: made eagerly, a group
+  waited in ``new_group`` itself, where nothing ends a wait, five group timeouts (gloo's
+  ``Pair::waitUntil``: 150 s at a 30 s collective timeout) for a member that died having
+  published its address, then failed with an error of its own. An abandoned operation
+  still holds its group's sockets and threads (and its helper thread) until gloo ends it,
+  and dropping the group's last reference before then blocks until it does: the guard
+  keeps the generation's groups (the graveyard) until their operations have surely ended
+  (``_LINGER_TIMEOUTS``).
 - **NCCL and HCCL**: the communicators are aborted from the watching thread (a thread
   other than the one blocked in the collective, as nvidia-resiliency-ext's monitor does),
   which ends the kernels in flight; the watchdog is told to clean up rather than tear the
@@ -41,15 +47,21 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveGuard", "PeerLost", "is_peer_loss", "prepare_backend"]
 
 _PEER_LOSS_MARKS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
-                    "Socket closed", "Broken pipe", "Timed out", "timed out", "Connection refused", "aborted")
+                    "Socket closed", "Broken pipe", "Timed out", "timed out", "Connect timeout", "Connection refused",
+                    "aborted")
 """What gloo's transport (and a backend aborting) says when a peer or the group is gone."""
 _SLICED_BACKENDS = ("gloo",)
 _ABORTED_BACKENDS = ("nccl", "hccl")
+_LINGER_TIMEOUTS = 7
+"""How many collective timeouts an abandoned gloo operation may still run: a pair it connects
+waits up to one for the peer's address in the store and five (gloo's ``Pair::waitUntil``)
+for the peer to connect, then the operation up to one for its data."""
 
 
 class PeerLost(RuntimeError):
@@ -61,6 +73,16 @@ class PeerLost(RuntimeError):
         super().__init__(detail)
         self.timed_out = timed_out
 
+    @classmethod
+    def of(cls, exc: BaseException) -> "PeerLost":
+        """What a lost peer error (``is_peer_loss``) raised by an operation is: timed out
+        where it says the operation waited out its timeout (a frozen peer), not where the
+        peer is gone: gloo words a connection that a dead peer's closed port refused, after
+        a few retries within milliseconds, "timed out connecting: ... Connection refused",
+        and the worker must not report that as a stall (which takes the reporter out)."""
+        text = str(exc)
+        return cls(_first_line(exc), timed_out="imed out" in text and "Connection refused" not in text)
+
 
 def is_peer_loss(exc: BaseException) -> bool:
     """Whether an error raised by a collective means a lost peer or group."""
@@ -70,8 +92,13 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 
 def prepare_backend(backend: str) -> None:
-    """Before any process group exists: an NCCL/HCCL watchdog that sees an error aborts the
-    communicators and lets the process live (the default tears it down)."""
+    """Before any process group exists: a gloo group (the training's, and the snapshots'
+    whatever the backend) is made without connecting its members, as NCCL makes its
+    communicators at their first collective (``TORCH_GLOO_LAZY_INIT``), and connected by
+    ``CollectiveGuard.track`` in an operation the guard can leave; an NCCL/HCCL watchdog
+    that sees an error aborts the communicators and lets the process live (the default
+    tears it down)."""
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     if backend == "nccl":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # CleanUpOnly
     elif backend == "hccl":
@@ -159,12 +186,22 @@ class CollectiveGuard:
     # -- the generation's lifecycle ------------------------------------------------------
 
     def track(self, groups: Iterable[dist.ProcessGroup]) -> None:
-        """Groups of the current generation: aborted with it, kept until their operations end."""
+        """Take in groups of the current generation, as soon as they are made (collective:
+        every member, in the order the groups were made): aborted with the generation, kept
+        until their operations end, and a gloo group connected now, every pair of members
+        in one all-to-all, an operation the guard leaves on an abort (connected later, a
+        pair would connect inside a point-to-point start, which blocks its caller)."""
+        groups = [g for g in groups if g is not None]
         with self._lock:
-            self._groups.extend(g for g in groups if g is not None)
+            self._groups.extend(groups)
             aborted = self._aborted.is_set()
         if aborted:  # made after the abort came: end them too
             self._abort_groups()
+        for group in groups:
+            if group.size() > 1 and dist.get_backend(group) == "gloo":
+                mesh = torch.zeros(group.size())
+                self.check()
+                self.wait(dist.all_to_all_single(torch.empty_like(mesh), mesh, group=group, async_op=True))
 
     def abort(self, reason: str, *, generation: Optional[int] = None) -> None:
         """End the generation's waits (callable from any thread, more than once).
@@ -197,8 +234,8 @@ class CollectiveGuard:
             self.keep([*groups, default] if default is not None else groups)
 
     def keep(self, objects: list) -> None:
-        """Hold ``objects`` (groups, works) until the collective timeout has passed."""
-        self._graveyard.append((time.monotonic() + self.timeout_s + 1.0, objects))
+        """Hold ``objects`` (groups, works) until every operation on them has surely ended."""
+        self._graveyard.append((time.monotonic() + _LINGER_TIMEOUTS * self.timeout_s + 1.0, objects))
 
     def reopen(self, generation: Optional[int] = None) -> None:
         """Before entering ``generation``: clear the abort, drop what has surely ended."""
@@ -233,9 +270,11 @@ class CollectiveGuard:
                 return waited.result(timeout=self.slice_s)
             except concurrent.futures.TimeoutError:
                 pass
+            except PeerLost:  # from the rendezvous store, on the group's thread as it connected a pair
+                raise
             except Exception as exc:
                 if is_peer_loss(exc):
-                    raise PeerLost(_first_line(exc), timed_out="imed out" in str(exc)) from exc
+                    raise PeerLost.of(exc) from exc
                 raise
             if self._aborted.is_set():
                 self.keep([work])

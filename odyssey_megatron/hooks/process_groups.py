@@ -1,7 +1,10 @@
 """Process groups for one plan generation.
 
 Every rank calls ``dist.new_group`` for every group, in the same order (gloo and NCCL
-both require it), and keeps only its own. A rank gets:
+both require it), and keeps only its own. Making a group waits for no other member: it
+publishes this rank's address (``collective_guard.prepare_backend``), and the collective
+guard connects the members when it takes the groups in (``CollectiveGuard.track``), in an
+operation it leaves if a member died. A rank gets:
 
 - its TP group (the ranks of its worker) and a singleton group that stands in for
   Megatron's PP/CP/EP/DP groups: to Megatron a stage is a whole model; the Odyssey
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -100,19 +103,24 @@ class PlanGroups:
 
 
 def build_plan_groups(plan: ExecutionPlan, *, rank: int, ranks: RankMap,
-                      timeout: datetime.timedelta | None = None) -> PlanGroups:
+                      timeout: datetime.timedelta | None = None,
+                      on_shared: Callable[[], None] | None = None) -> PlanGroups:
     """This rank's groups for ``plan``; collective: every rank must call it. ``timeout``:
     how long an operation on them may wait (the collective timeout); without it a group
-    takes its backend's default (gloo: 30 minutes), not the default group's."""
+    takes its backend's default (gloo: 30 minutes), not the default group's. ``on_shared``
+    is called after each group this rank shares with others is made (its address
+    published, its peers still making theirs): where a fault injector strikes mid-setup."""
     tp = plan.tensor_parallel_size
     mine: list[dist.ProcessGroup] = []
 
     def create(ranks: list[int]) -> dist.ProcessGroup | None:
         group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            mine.append(group)
-            return group
-        return None
+        if rank not in ranks:
+            return None
+        mine.append(group)
+        if len(ranks) > 1 and on_shared is not None:
+            on_shared()
+        return group
 
     singleton = tp_group = None
     for r in range(ranks.world_size):

@@ -1,18 +1,20 @@
 """The store a generation's process groups meet through, made abortable.
 
-Gloo, NCCL and HCCL build a group by waiting in the store for each member's address (or
-the communicator's id). A member that died before writing it never will, and a C++ store
-wait ends only at its timeout: survivors building a plan's groups with a dead peer sat out
-the whole collective timeout (30 s), because the controller's abort reaches the collective
-guard but not a wait inside the store. ``RendezvousStore`` is a ``torch.distributed.Store``
-written in Python (c10d calls its methods from C++), whose blocking reads poll the real
-store and ask the guard between polls: an abort ends a group setup at once with
-``PeerLost``, and a read that outlasts the collective timeout raises
-``PeerLost(timed_out=True)``, as a collective would.
+Gloo, NCCL and HCCL connect a group's members by waiting in the store for each member's
+address (or the communicator's id): gloo as the group's first operation connects a pair,
+on the group's own thread (``CollectiveGuard.track``), NCCL and HCCL at the first collective.
+A member that died before writing it never will, and a C++ store wait ends only at its
+timeout: survivors connecting with a dead peer sat out the whole collective timeout (30 s),
+because the controller's abort reaches the collective guard but not a wait inside the
+store. ``RendezvousStore`` is a ``torch.distributed.Store`` written in Python (c10d calls
+its methods from C++, from any thread), whose blocking reads poll the real store and ask
+the guard between polls: an abort ends the wait at once with ``PeerLost``, and a read
+that outlasts the collective timeout raises ``PeerLost(timed_out=True)``, as a collective
+would.
 
 Polling, rather than the store's own wait, also keeps the connection in step: a TCPStore
-wait that times out leaves its answer to be read by the next request. Only group setup
-reads through it; the step ledger keeps the store's push-style wait.
+wait that times out leaves its answer to be read by the next request. Only the groups
+read through it; the step ledger keeps the store's push-style wait.
 """
 
 from __future__ import annotations

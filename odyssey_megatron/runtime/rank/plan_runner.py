@@ -142,7 +142,8 @@ class PlanRunner:
         called as the step enters each phase (forward, backward, grad_sync, optimizer: after
         the global norm and the commit, before the step is applied), once per micro-batch
         for the forward and backward, and with group_setup here, before the plan's groups
-        are built: where a fault injector acts."""
+        are built, and mid_group_setup after each group this rank shares is made: where a
+        fault injector acts."""
         if program.generation != plan.generation:
             raise ValueError(f"step program of generation {program.generation} given for plan generation "
                              f"{plan.generation}")
@@ -154,7 +155,8 @@ class PlanRunner:
         """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
         self._on_phase = on_phase or (lambda phase: None)
         self._on_phase("group_setup")
-        self.groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=settings.collective_timeout)
+        self.groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=settings.collective_timeout,
+                                        on_shared=lambda: self._on_phase("mid_group_setup"))
         self.stage = StageSpec.of_worker(plan, self.worker)
         self.device = settings.device
         self.model = build_stage_model(settings.model, self.stage, pg_collection=self.groups.pg_collection)
