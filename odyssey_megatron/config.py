@@ -104,7 +104,8 @@ class FaultPhase(Choice):
     mid_group_setup = "mid_group_setup"
 
 
-JOIN_PHASES = (FaultPhase.recovery, FaultPhase.transfer, FaultPhase.mid_transfer, FaultPhase.group_setup)
+JOIN_PHASES = (FaultPhase.recovery, FaultPhase.transfer, FaultPhase.mid_transfer, FaultPhase.group_setup,
+               FaultPhase.mid_group_setup)
 """Where a ``join`` fault may strike: a generation that takes workers back, before its first step."""
 
 FaultAction = Choice("FaultAction", [(name, name) for name in ("kill", "stop", "raise")], module=__name__)
@@ -378,7 +379,7 @@ class FaultSpec:
     """Strike in the first generation that takes workers back (``odyssey.restart_workers``, a
     replacement node), at ``phase``, instead of at a step: when a join happens depends on
     how fast the worker restarts. Recovery phases only (recovery, transfer, mid_transfer,
-    group_setup), on the joining worker (receiving its blocks) or any other rank of the
+    group_setup, mid_group_setup), on the joining worker (receiving its blocks) or any other rank of the
     generation; default: false."""
 
     def check(self, key: str) -> None:

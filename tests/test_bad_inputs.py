@@ -377,7 +377,7 @@ VALUE_CASES = {
     "join fault with a step": recipe(VALID + "  faults:\n    - {rank: 1, step: 2, join: true, phase: transfer, action: kill}\n",
                                      ("odyssey.faults[0].step", "must be left out with join")),
     "join fault in training": recipe(VALID + "  faults:\n    - {rank: 1, join: true, phase: forward, action: kill}\n",
-                                     ("odyssey.faults[0].phase", "recovery, transfer, mid_transfer, group_setup")),
+                                     ("odyssey.faults[0].phase", "recovery, transfer, mid_transfer, group_setup, mid_group_setup")),
     "negative restarts": recipe(VALID + "  restart_workers: -1\n", ("odyssey.restart_workers", ">= 0")),
     "bridge fault rank": bridge("odyssey.faults=[{rank: 99, step: 0, phase: forward, action: kill}]",
                                 culprit="odyssey.faults[0].rank"),
