@@ -382,6 +382,11 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
                                 '"plan": {"generation": 1}}', current_generation=0)
     with pytest.raises(ProtocolError, match="with published_at, start_step and fresh"):
         PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "plan": {"generation": 1}}', current_generation=0)
+    joining = PlanPublished(*_published(1), 4.0, start_step=3, joined=(0,))
+    assert PlanPublished.from_json(joining.to_json(), current_generation=0) == joining
+    assert KillOrder.from_json(KillOrder(3, 1234).to_json()) == KillOrder(3, 1234)
+    with pytest.raises(ProtocolError, match="with published_at, start_step and fresh"):
+        PlanPublished.from_json(joining.to_json().replace('"joined": [0]', '"joined": ["0"]'), current_generation=0)
 
 
 @pytest.mark.parametrize("override, culprit", [

@@ -191,6 +191,42 @@ def test_rank_faults_aimed_elsewhere_never_fire(launcher):
                 injector.fire(phase, step)
 
 
+class MarkingStore:
+    """The store calls the injector makes: a fired spec is marked in it."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+
+def test_a_join_fault_strikes_in_the_first_generation_that_takes_workers_back_whatever_its_step(launcher):
+    injector = FaultInjector([fault(rank=5, join=True, phase="mid_transfer", action="raise")],
+                             rank=5, node=0, local_rank=5, launcher_pid=launcher.pid, store=MarkingStore())
+    for step in range(4):
+        injector.fire("mid_transfer", step)  # generations that take nobody back
+    injector.in_join = True
+    with pytest.raises(InjectedFault, match=re.escape("raise rank 5 in the first join, mid_transfer")):
+        injector.fire("mid_transfer", 7)
+    injector.fire("mid_transfer", 9)  # the next join runs clean
+
+
+def test_a_restarted_worker_does_not_fire_the_faults_its_predecessor_fired(launcher):
+    faults = [fault(rank=2, step=1, phase="forward", action="raise"), fault(rank=2, step=3, phase="forward", action="raise")]
+    store = MarkingStore()
+    first = FaultInjector(faults, rank=2, node=0, local_rank=2, launcher_pid=launcher.pid, store=store)
+    with pytest.raises(InjectedFault, match=re.escape("odyssey.faults[0]")):
+        first.fire("forward", 1)
+    restarted = FaultInjector(faults, rank=2, node=0, local_rank=2, launcher_pid=launcher.pid, store=store)
+    restarted.fire("forward", 1)  # a replay of step 1 on the restarted worker runs clean
+    with pytest.raises(InjectedFault, match=re.escape("odyssey.faults[1]")):
+        restarted.fire("forward", 3)  # the one that never fired still does
+
+
 def test_a_misspelt_phase_is_refused(launcher):
     injector = FaultInjector([], rank=0, node=0, local_rank=0, launcher_pid=launcher.pid)
     with pytest.raises(ValueError, match="backwards"):

@@ -471,6 +471,22 @@ def test_decision_center_takes_a_repaired_rank_back():
     assert {t.dst for t in center.plan.transfers} == {5}  # only the returning rank receives weights
 
 
+def test_a_failure_the_plan_does_not_feel_is_a_new_generation_of_the_same_layout_with_nothing_to_move():
+    """The runtime ended the generation that ran: what goes on must be a new one. A rank
+    the running plan does not use (idle after a reparallelization) counted without a
+    decision leaves the plan as it is."""
+    center = DecisionCenter.from_recipe(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
+    center.on_failure(ranks=[5])
+    running = center.plan
+    grown = center.on_join(ranks=[5])  # decided, then overtaken before its step boundary
+    assert grown.chosen.plan is center.plan and center.plan.transfers
+    center.on_idle_failure(ranks=[5], running=running, at_s=10.0)
+    assert center.plan is running and 5 in center.cluster.failed_ranks
+    kept = center.on_failure(ranks=[5], from_plan=running)
+    assert kept.chosen.plan.generation == running.generation + 1 and kept.chosen.plan.transfers == ()
+    assert kept.chosen.plan.pipelines == running.pipelines and center.plan is kept.chosen.plan
+
+
 def test_decision_center_learns_the_failure_rate_from_observed_failures():
     config = load_config("recipes/llama2_7b/ascend_910b_32.yaml")
     learning, fixed = DecisionCenter.from_recipe(config), DecisionCenter.from_recipe(
