@@ -108,9 +108,8 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     signals.install()
     try:
         # A dedicated controller's node has no workers: it only owns the run.
-        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
-                                restart_workers=config.odyssey.restart_workers)
-        status = launcher.run() if launch.ranks else 0
+        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
+                              restart_workers=config.odyssey.restart_workers).run() if launch.ranks else 0
         while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
             owner.join(timeout=timeouts.heartbeat_interval)
         if not outcome:
