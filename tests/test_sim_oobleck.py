@@ -241,6 +241,15 @@ def test_instantiation_finds_the_fastest_mix(monkeypatch, max_sizes):
     assert system.planned_step_time(chosen) == min(system.planned_step_time(mix) for mix in mixes)
 
 
+def test_a_mix_of_thousands_of_pipelines_is_listed_past_the_recursion_limit():
+    """16,384 workers hold thousands of pipelines: the mixes are listed on a stack (the
+    recursive listing raised RecursionError on a repair at that scale)."""
+    system, _ = started(context=make_context(num_micro_batches=4096))  # templates 2, 3, 4
+    mixes = system._mixes(3000)
+    assert next(mixes) == (2,) * 1500
+    assert next(mixes) == (2,) * 1498 + (4,)
+
+
 def test_workers_beyond_the_largest_template_idle_and_may_fail_for_free():
     # One 10 B layer per 10 B device: n0 = 4 = the layer count, so 4 is the only template
     # (no pipeline has more stages than layers). f = 1 on 12 workers: three pipelines.

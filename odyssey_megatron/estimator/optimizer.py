@@ -29,6 +29,11 @@ def norm_allreduce_time(plan: ExecutionPlan, profile: ModelProfile, cluster: Clu
 
 def optimizer_time(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, *,
                    staggered: bool) -> float:
-    """Seconds from the end of the DP sync to the end of the slowest rank's Adam step."""
-    adam_s = max((profile.optimizer_s(blocks) for blocks in plan.holdings(profile).values()), default=0.0)
+    """Seconds from the end of the DP sync to the end of the slowest rank's Adam step.
+    Each distinct stage (layers and pipeline position) is priced once: at scale thousands
+    of ranks hold the same blocks."""
+    stages = {(stage.layers, si == 0, si == len(p.stages) - 1)
+              for p in plan.pipelines for si, stage in enumerate(p.stages) if stage.worker is not None}
+    adam_s = max((profile.optimizer_s(profile.stage_blocks(start, end, first=first, last=last))
+                  for (start, end), first, last in stages), default=0.0)
     return adam_s + (0.0 if staggered else norm_allreduce_time(plan, profile, cluster))

@@ -22,15 +22,22 @@ def sync_units(plan: ExecutionPlan, profile: ModelProfile) -> tuple[SyncUnit, ..
     """One unit per distinct set of live holders, in model order of first block.
 
     Single-holder units stay in: they need no all-reduce, but the runtime still scales
-    their gradients.
+    their gradients. Workers are gathered per distinct stage (layers and pipeline
+    position), whose blocks are listed once: at scale thousands hold the same stage.
     """
+    by_stage: dict[tuple[int, int, bool, bool], list[int]] = {}
+    for pipeline in plan.pipelines:
+        last = len(pipeline.stages) - 1
+        for si, stage in enumerate(pipeline.stages):
+            if stage.worker is not None:
+                by_stage.setdefault((*stage.layers, si == 0, si == last), []).append(stage.worker)
     holders: dict[Block, list[int]] = {}
-    for worker, blocks in sorted(plan.holdings(profile).items()):
-        for b in blocks:
-            holders.setdefault(b, []).append(worker)
+    for (start, end, first, last), workers in by_stage.items():
+        for b in profile.stage_blocks(start, end, first=first, last=last):
+            holders.setdefault(b, []).extend(workers)
     groups: dict[tuple[int, ...], list[Block]] = {}
     for b in sorted(holders, key=block_sort_key):
-        groups.setdefault(tuple(holders[b]), []).append(b)
+        groups.setdefault(tuple(sorted(holders[b])), []).append(b)
     return tuple(SyncUnit(blocks=tuple(blocks), workers=workers) for workers, blocks in groups.items())
 
 

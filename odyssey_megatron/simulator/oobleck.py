@@ -322,26 +322,28 @@ class OobleckSystem:
         return self._best_sizes[num_workers]
 
     def _mixes(self, total: int) -> Iterator[tuple[int, ...]]:
-        """Non-decreasing template sizes summing to ``total``, f+1 to M of them (4.2.1)."""
+        """Non-decreasing template sizes summing to ``total``, f+1 to M of them (4.2.1), in
+        lexicographic order. Depth first on an explicit stack: a mix of thousands of
+        workers holds thousands of pipelines, past Python's recursion limit."""
         sizes = sorted(self.templates)
         most = self.context.num_micro_batches
         least = self.tolerated_failures + 1
-
-        def extend(prefix: list[int], first: int, remaining: int) -> Iterator[tuple[int, ...]]:
+        prefix: list[int] = []
+        chosen: list[int] = []  # the index in ``sizes`` of each size in ``prefix``
+        remaining, first = total, 0  # what the mix still lacks; the smallest size index it may add
+        while True:
             if remaining == 0:
                 if len(prefix) >= least:
                     yield tuple(prefix)
+            elif len(prefix) < most and first < len(sizes) and sizes[first] <= remaining:
+                prefix.append(sizes[first])
+                chosen.append(first)
+                remaining -= sizes[first]
+                continue
+            if not chosen:  # every extension of every prefix was tried
                 return
-            if len(prefix) == most:
-                return
-            for i in range(first, len(sizes)):
-                if sizes[i] > remaining:
-                    break
-                prefix.append(sizes[i])
-                yield from extend(prefix, i, remaining - sizes[i])
-                prefix.pop()
-
-        return extend([], 0, total)
+            remaining += prefix.pop()
+            first = chosen.pop() + 1
 
     def _two_size_mixes(self, total: int) -> Iterator[tuple[int, ...]]:
         """The sets of ``_mixes`` that use one or two template sizes."""

@@ -53,29 +53,35 @@ def split_search(context: SimulationContext) -> SplitSearch:
 
 @lru_cache(maxsize=4096)
 def _best_symmetric_layout(context: SimulationContext, num_workers: int) -> SymmetricLayout | None:
-    if num_workers == 0:
-        return None
-    # A restarted job numbers its ranks afresh, packed onto the surviving nodes.
-    packed = ClusterState(world_size=num_workers * context.tensor_parallel_size,
-                          tensor_parallel_size=context.tensor_parallel_size, devices_per_node=context.devices_per_node)
     best = None
     for pp in range(1, min(num_workers, context.num_layers) + 1):
         dp = min(num_workers // pp, context.num_micro_batches)
-        busiest = -(-context.num_micro_batches // dp)
-        found = split_search(context).best(pp, busiest)
-        if found is None:
-            continue
-        plan = with_sync(
-            symmetric_plan_on(list(range(dp * pp)), dp=dp, split=found[0],
-                              num_micro_batches=context.num_micro_batches,
-                              tensor_parallel_size=context.tensor_parallel_size),
-            context.profile,
-        )
-        step_s = estimate_plan(plan, context.profile, packed, pricing=context.pricing).step_time_s
-        rate = context.num_micro_batches * context.profile.samples_per_micro_batch / step_s
-        if best is None or rate > best.samples_per_s:
+        rate = _symmetric_rate(context, dp, pp)
+        if rate is not None and (best is None or rate > best.samples_per_s):
             best = SymmetricLayout(dp, pp, rate)
     return best
+
+
+@lru_cache(maxsize=None)
+def _symmetric_rate(context: SimulationContext, dp: int, pp: int) -> float | None:
+    """Samples/s of the DP x PP layout on workers 0..dp*pp-1 (None if no split fits in
+    memory). Memoised by (dp, pp): a restart packs its ranks afresh, so the layout runs on
+    the same workers however many survive, and the estimator reads nothing of the cluster
+    beyond those workers' nodes; after a failure only the pipeline lengths whose DP degree
+    changed are priced again."""
+    busiest = -(-context.num_micro_batches // dp)
+    found = split_search(context).best(pp, busiest)
+    if found is None:
+        return None
+    packed = ClusterState(world_size=dp * pp * context.tensor_parallel_size,
+                          tensor_parallel_size=context.tensor_parallel_size, devices_per_node=context.devices_per_node)
+    plan = with_sync(
+        symmetric_plan_on(list(range(dp * pp)), dp=dp, split=found[0], num_micro_batches=context.num_micro_batches,
+                          tensor_parallel_size=context.tensor_parallel_size),
+        context.profile,
+    )
+    step_s = estimate_plan(plan, context.profile, packed, pricing=context.pricing).step_time_s
+    return context.num_micro_batches * context.profile.samples_per_micro_batch / step_s
 
 
 def restart_plan(context: SimulationContext, cluster: ClusterState) -> ExecutionPlan | None:
