@@ -67,6 +67,8 @@ def _member(rank: int, port: int, death: str, results: mp.Queue) -> None:
         dist.all_reduce(tensor)
         if rank == 2:
             results.put((rank, "ok", float(tensor[0])))
+            results.close()
+            results.join_thread()  # sent before this process kills itself below
             if death == "publishing":
                 rendezvous.armed = True
                 dist.new_group([0, 1, 2], timeout=_timeout())
@@ -110,6 +112,11 @@ def _member(rank: int, port: int, death: str, results: mp.Queue) -> None:
         results.put((rank, "ok", (attempts, leave_s, float(tensor[0]))))
     except BaseException as exc:  # noqa: BLE001
         results.put((rank, "error", repr(exc)))
+    # As a worker ends (``os._exit``): interpreter teardown would join the guard's helper
+    # threads, still inside the abandoned connections, before the queue's feeder sends the answer.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("death", ["before", "publishing"])
