@@ -184,10 +184,12 @@ def test_a_replacement_launcher_fails_a_frozen_node_and_fences_it_when_it_thaws(
         cluster.start_launcher(1)
         failure = cluster.wait_event("failure", timeout=10)
         assert (failure["cause"], failure["node"], failure["ranks"]) == ("node", 1, [2, 3])
-        new_workers = wait_for(lambda: [w["pid"] for r, w in cluster.workers().items() if r in (2, 3)
-                                        and w["state"] == "alive" and w["pid"] not in old_workers] or None,
-                               timeout=60, what="the replacement's workers registered")
-        assert len(new_workers) == 2
+        def registered() -> list[int] | None:
+            pids = [w["pid"] for r, w in cluster.workers().items()
+                    if r in (2, 3) and w["state"] == "alive" and w["pid"] not in old_workers]
+            return pids if len(pids) == 2 else None
+
+        new_workers = wait_for(registered, timeout=60, what="both of the replacement's workers registered")
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
         old_launcher.join(timeout=10)
