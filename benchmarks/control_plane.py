@@ -123,9 +123,9 @@ from odyssey_megatron.runtime.protocol import (
 )
 from odyssey_megatron.runtime.step_ledger import Outcome
 from odyssey_megatron.timeouts import Timeouts
+from plan_search import DEVICES_PER_NODE, MODELS, recipe
 
-SPEC, DEVICE, TP, PP = "llama2-7b", "ascend-910b", 1, 4
-DEVICES_PER_NODE = 8
+_, DEVICE, TP, PP, _ = MODELS["7B"]  # plan_search.py's 7B, widened the same way
 RANKS = (1024, 4096, 16384)
 RUNNING = 0
 """The generation the simulated ranks train in; the recovery publishes the next one."""
@@ -133,16 +133,6 @@ STEPS = 1000
 """Steps whose decision key is set before the steady window: a commit never waits."""
 DRIVERS = 4
 THREADS_PER_DRIVER = 8
-
-
-def recipe(ranks: int, micro_batches: int):
-    dp = ranks // (TP * PP)
-    return load_config(None, [
-        f"model.spec={SPEC}", f"cluster.device={DEVICE}", f"cluster.devices_per_node={DEVICES_PER_NODE}",
-        f"parallel.tensor_model_parallel_size={TP}", f"parallel.pipeline_model_parallel_size={PP}",
-        f"parallel.data_parallel_size={dp}", "training.micro_batch_size=1",
-        f"training.global_batch_size={micro_batches * dp}",
-    ])
 
 
 # -- the plan ----------------------------------------------------------------------------
@@ -497,7 +487,7 @@ def live_recovery(store: dist.TCPStore, pipes: list, text: str, readers: int, ti
 
 
 def measure(ranks: int, args, timeouts: Timeouts) -> dict:
-    config = recipe(ranks, args.micro_batches)
+    config = recipe("7B", ranks, micro_batches=args.micro_batches)
     text, chosen = recovery_plan(config)
     started = time.perf_counter()
     PlanPublished.from_json(text, current_generation=RUNNING)

@@ -111,8 +111,10 @@ RANKS = (32, 1024, 4096, 16384)
 DEVICES_PER_NODE = 8
 
 
-def recipe(model: str, ranks: int):
+def recipe(model: str, ranks: int, *, micro_batches: int | None = None):
+    """``model``'s recipe widened to ``ranks``, with ``micro_batches`` per pipeline (default: MODELS')."""
     spec, device, tp, pp, per_pipeline = MODELS[model]
+    per_pipeline = micro_batches or per_pipeline
     dp = ranks // (tp * pp)
     return load_config(None, [
         f"model.spec={spec}", f"cluster.device={device}", f"cluster.devices_per_node={DEVICES_PER_NODE}",

@@ -181,17 +181,20 @@ def test_a_replacement_launcher_fails_a_frozen_node_and_fences_it_when_it_thaws(
         frozen = [old_launcher.pid, *old_workers]
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
-        cluster.start_launcher(1)
-        failure = cluster.wait_event("failure", timeout=10)
-        assert (failure["cause"], failure["node"], failure["ranks"]) == ("node", 1, [2, 3])
-        def registered() -> list[int] | None:
-            pids = [w["pid"] for r, w in cluster.workers().items()
-                    if r in (2, 3) and w["state"] == "alive" and w["pid"] not in old_workers]
-            return pids if len(pids) == 2 else None
+        try:
+            cluster.start_launcher(1)
+            failure = cluster.wait_event("failure", timeout=10)
+            assert (failure["cause"], failure["node"], failure["ranks"]) == ("node", 1, [2, 3])
 
-        new_workers = wait_for(registered, timeout=60, what="both of the replacement's workers registered")
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
+            def registered() -> list[int] | None:
+                pids = [w["pid"] for r, w in cluster.workers().items()
+                        if r in (2, 3) and w["state"] == "alive" and w["pid"] not in old_workers]
+                return pids if len(pids) == 2 else None
+
+            new_workers = wait_for(registered, timeout=60, what="both of the replacement's workers registered")
+        finally:  # the cluster kills the workers workers.json names: the frozen ones are no longer there
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
         old_launcher.join(timeout=10)
         assert old_launcher.exitcode == EXIT_REPLACED
         wait_for(lambda: not any(alive(pid) for pid in old_workers), timeout=5, what="the old workers killed")

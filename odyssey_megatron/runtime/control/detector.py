@@ -145,11 +145,8 @@ class Detector:
         old = self.nodes.get(msg.node)
         replaced = None
         if old is not None and old.state == _State.ALIVE:
-            old.state = _State.FAILED
-            lost = tuple(r for r in old.ranks if self.ranks[r].state in (_State.STARTING, _State.ALIVE))
-            last = old.watch.last.sent_at if old.watch.last else old.registered_at
-            replaced = Failure(Cause.NODE, lost, msg.node, last, wall,
-                               f"launcher pid {old.pid} on {old.host} replaced by pid {msg.pid} on {msg.host}")
+            replaced = self._fail_node(msg.node, wall, f"launcher pid {old.pid} on {old.host} replaced by pid "
+                                                       f"{msg.pid} on {msg.host}")
         self.nodes[msg.node] = _Node(msg.ranks, msg.pid, msg.host, wall, HeartbeatWatch(timeout, now))
         for rank in msg.ranks:
             self.ranks[rank] = _Rank(node=msg.node)
@@ -217,14 +214,8 @@ class Detector:
         failures = []
         for n, node in self.nodes.items():
             if node.state == _State.ALIVE and node.watch.stale(now):
-                node.state = _State.FAILED
-                lost = tuple(r for r in node.ranks if self.ranks[r].state in (_State.STARTING, _State.ALIVE))
-                for r in lost:
-                    self.ranks[r].state = _State.FAILED
-                last = node.watch.last.sent_at if node.watch.last else node.registered_at
-                failures.append(Failure(Cause.NODE, lost, n, last, wall,
-                                        f"launcher pid {node.pid} on {node.host} silent for over "
-                                        f"{self.heartbeat_timeout} s"))
+                failures.append(self._fail_node(n, wall, f"launcher pid {node.pid} on {node.host} silent for over "
+                                                         f"{self.heartbeat_timeout} s"))
         hung = [r for r, rank in self.ranks.items() if rank.state == _State.ALIVE and self._hung(rank, now)]
         if hung:
             for r in hung:
@@ -233,6 +224,16 @@ class Detector:
             failures.append(Failure(Cause.HEARTBEAT, tuple(hung), None, last, wall,
                                     f"no heartbeat for over {self.heartbeat_timeout} s while its launcher lived"))
         return failures
+
+    def _fail_node(self, n: int, wall: float, detail: str) -> Failure:
+        """Node ``n`` is lost with every rank of it still starting or alive."""
+        node = self.nodes[n]
+        node.state = _State.FAILED
+        lost = tuple(r for r in node.ranks if self.ranks[r].state in (_State.STARTING, _State.ALIVE))
+        for r in lost:
+            self.ranks[r].state = _State.FAILED
+        last = node.watch.last.sent_at if node.watch.last else node.registered_at
+        return Failure(Cause.NODE, lost, n, last, wall, detail)
 
     def _hung(self, rank: _Rank, now: float) -> bool:
         if not rank.watch.stale(now):

@@ -186,8 +186,9 @@ class NodeLauncher:
                 store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             if controller.stale(now):
                 raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
-            if store.get(launcher_key(self.config.node_rank)).decode() != self._name:
-                raise _Replaced(f"replaced by launcher {store.get(launcher_key(self.config.node_rank)).decode()}")
+            launching = store.get(launcher_key(self.config.node_rank)).decode()
+            if launching != self._name:
+                raise _Replaced(f"replaced by launcher {launching}")
             if self._stop_signal is not None:
                 store.queue_push(INBOX, StopRequested(self.config.node_rank, self._stop_signal, time.time()).to_json())
                 self._stop_signal = None

@@ -397,8 +397,8 @@ class TrainingRun:
         decision center only counts it, and training goes on."""
         if self._join is not None and self._join.generation is None:
             return False  # the join's decision counted on what is alive: decide again
-        tp = self.plan.tensor_parallel_size
-        running = {w * tp + k for w in participants(self.plan, self._restore) for k in range(tp)}
+        cluster = self.center.cluster
+        running = {r for w in participants(self.plan, self._restore) for r in cluster.worker_ranks(w)}
         if running & set(failure.ranks):
             return False
         self.center.on_idle_failure(ranks=failure.ranks, running=self.plan, at_s=time.monotonic() - self.started)
@@ -566,9 +566,8 @@ class TrainingRun:
 
     def _finish_join_record(self, *, first_step_at: float) -> None:
         j = self._join
-        tp = self.plan.tensor_parallel_size
         record = {**j.record, "generation": j.generation, "workers": j.workers,
-                  "ranks": [w * tp + k for w in j.workers for k in range(tp)], "grew": True,
+                  "ranks": [r for w in j.workers for r in self.center.cluster.worker_ranks(w)], "grew": True,
                   "start_step": self._start_steps[j.generation], "decided_at": j.decided_at,
                   "handover_step": j.handover_step, "published_at": j.published_at, "ready_at": j.ready_at,
                   "first_step_at": first_step_at, "handover_s": j.published_at - j.decided_at,
