@@ -35,6 +35,8 @@ from odyssey_megatron.runtime.protocol import (
     INBOX,
     EXIT_REPLACED,
     Heartbeat,
+    NodeHeartbeat,
+    NodeView,
     KillOrder,
     NodeLeft,
     NodeRegistration,
@@ -42,14 +44,18 @@ from odyssey_megatron.runtime.protocol import (
     ProtocolError,
     RankExit,
     RankFailureReport,
+    RUN_DONE,
+    RUN_STOP,
     RankRegistration,
     StaleGenerationError,
+    StopOrder,
     WorkerLaunch,
     kill_orders_key,
     node_heartbeat_key,
+    successor_key,
+    rank_heartbeat_key,
     parse_inbox,
     plan_key,
-    rank_heartbeat_key,
 )
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.schedules.program import StepProgram, read_published
@@ -114,6 +120,12 @@ def test_a_worker_reporting_an_error_and_a_stopped_one_are_failed_and_killed_by_
         killed = cluster.wait_event("rank_exit", timeout=5, rank=1)
         assert killed["detail"] == "killed by SIGKILL" and process_state(pid) is None  # killed and reaped
         assert len(cluster.events("failure")) == 2 and alive(cluster.workers()[0]["pid"])
+        # The controller's store held one heartbeat for the node, none per rank: the
+        # launcher forwarded rank 1's stale entry, and rank 0's, which went on changing.
+        store = dist.TCPStore("127.0.0.1", cluster.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        assert not any(store.check([rank_heartbeat_key(r)]) for r in range(3))
+        beat = NodeHeartbeat.from_json(store.get(node_heartbeat_key(0)))
+        assert {"0", "1"} <= set(beat.seqs)
 
 
 @pytest.mark.timeout(300)
@@ -208,7 +220,7 @@ def test_a_replacement_launcher_fails_a_frozen_node_and_fences_it_when_it_thaws(
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     launch = WorkerLaunch(rank=0, local_rank=0, node=0, world_size=1, store_host="127.0.0.1",
-                          store_port=controller.port, launcher_pid=os.getpid(), timeouts=TIMEOUTS)
+                          store_port=controller.port, node_store_port=0, launcher_pid=os.getpid(), timeouts=TIMEOUTS)
     link = ControllerLink(launch)  # not started: no registration, no heartbeat thread
     controller.publish_plan(*_published(0))
     assert (link.wait_plan(newer_than=-1).plan, link.wait_plan(newer_than=-1).program) == _published(0)
@@ -226,13 +238,24 @@ def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_
     assert read_published(json.loads((tmp_path / "plan-1.json").read_text())) == _published(1)
 
 
+def test_the_successor_key_names_what_follows_each_generation_and_a_stop_is_not_overwritten(tmp_path):
+    """Workers between generations wait on it: the next plan, or the stop order they must
+    carry out before the run is done."""
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
+    controller.publish_plan(*_published(0))
+    assert controller.store.get(successor_key(-1)).decode() == plan_key(0)
+    assert not controller.store.check([successor_key(0)])
+    controller.end_run(RUN_STOP, StopOrder(3, "SIGTERM", {}).to_json())
+    controller.end_run(RUN_DONE, "1")
+    assert controller.store.get(successor_key(0)).decode() == RUN_STOP and controller.store.check([RUN_DONE])
+
+
 def test_the_controller_turns_inbox_messages_into_failures_records_and_kill_orders(tmp_path, caplog):
     slow = Timeouts(heartbeat_interval=0.1, heartbeat_timeout=60.0, collective_timeout=90.0, recovery_timeout=120.0)
     controller = Controller(host="127.0.0.1", port=0, timeouts=slow, run_dir=tmp_path)
     controller.start()
     client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    for key in (node_heartbeat_key(0), rank_heartbeat_key(0), rank_heartbeat_key(1)):
-        client.set(key, _beat(0).to_json())
+    client.set(node_heartbeat_key(0), NodeHeartbeat(0, 1000.0, {"0": 0, "1": 0}, {}).to_json())
     for msg in (NodeRegistration(0, 10, "h", (0, 1)), RankRegistration(0, 20, "h", 0), RankRegistration(1, 21, "h", 0)):
         client.queue_push(INBOX, msg.to_json())
     client.queue_push(INBOX, b"\x80 not json")  # dropped with a warning; the controller goes on
@@ -271,8 +294,12 @@ def test_a_taken_port_is_an_error_at_once(tmp_path):
 T = TIMEOUTS.heartbeat_timeout
 
 
-def _beat(seq: int, generation: int | None = None) -> Heartbeat:
-    return Heartbeat(seq, 1000.0 + seq, generation)
+def _node_beat(seq: int, ranks: dict[int, int], generations: dict[int, int] | None = None,
+               node: int = 0) -> dict[str, NodeHeartbeat]:
+    """Node ``node``'s beat ``seq`` carrying rank -> its last beat's seq (and generation)."""
+    beat = NodeHeartbeat(seq, 1000.0 + seq, {str(r): s for r, s in ranks.items()},
+                         {str(r): g for r, g in (generations or {}).items()})
+    return {node_heartbeat_key(node): beat}
 
 
 def _detector_with_node(ranks=(0, 1)) -> Detector:
@@ -295,12 +322,11 @@ def test_the_launcher_in_the_controllers_process_is_never_found_silent_and_the_o
 
 def test_a_silent_rank_is_hung_only_once_its_launcher_beat_after_its_deadline():
     detector = _detector_with_node()
-    detector.observe({rank_heartbeat_key(0): _beat(1), rank_heartbeat_key(1): _beat(1), node_heartbeat_key(0): _beat(1)},
-                     now=0.25)
+    detector.observe(_node_beat(1, {0: 1, 1: 1}), now=0.25)
     # Rank 1 goes silent after t=0.25; rank 0 and the launcher beat until t=1.25 (rank 1's deadline), then pause.
-    detector.observe({rank_heartbeat_key(0): _beat(2), node_heartbeat_key(0): _beat(2)}, now=1.25)
+    detector.observe(_node_beat(2, {0: 2, 1: 1}), now=1.25)
     assert detector.check(now=1.5, wall=2000.0) == []  # rank 1 is late, but its launcher has not beaten since
-    detector.observe({rank_heartbeat_key(0): _beat(3), node_heartbeat_key(0): _beat(3)}, now=1.5)
+    detector.observe(_node_beat(3, {0: 3, 1: 1}), now=1.5)
     [failure] = detector.check(now=1.5, wall=2000.0)
     assert (failure.cause, failure.ranks, failure.failed_at, failure.detected_at) == (Cause.HEARTBEAT, (1,), 1001.0, 2000.0)
     assert detector.workers()[1]["state"] == "failed" and detector.workers()[0]["state"] == "alive"
@@ -309,8 +335,7 @@ def test_a_silent_rank_is_hung_only_once_its_launcher_beat_after_its_deadline():
 def test_a_silent_launcher_fails_its_node_with_every_live_rank_at_once():
     detector = _detector_with_node((0, 1, 2))
     detector.rank_exited(RankExit(2, 0, 0, 1000.5), wall=1000.5)  # a clean exit: no failure, not lost later
-    detector.observe({rank_heartbeat_key(0): _beat(1), rank_heartbeat_key(1): _beat(1), node_heartbeat_key(0): _beat(1)},
-                     now=0.5)
+    detector.observe(_node_beat(1, {0: 1, 1: 1}), now=0.5)
     assert detector.check(now=0.5 + T, wall=2000.0) == []  # exactly the timeout is not over it
     [failure] = detector.check(now=0.75 + T, wall=2000.0)
     assert (failure.cause, failure.node, failure.ranks, failure.failed_at) == (Cause.NODE, 0, (0, 1), 1001.0)
@@ -340,13 +365,11 @@ def test_a_starting_rank_gets_the_initial_timeout_until_it_has_entered_a_generat
     for rank in (0, 1):
         detector.rank_joined(RankRegistration(rank, 20 + rank, "h", 0), now=0.0)
     for tick in range(1, 9):  # the launcher beats on; rank 0 is silent for 8 timeouts, rank 1 beats in generation 0
-        detector.observe({rank_heartbeat_key(1): _beat(tick, generation=0), node_heartbeat_key(0): _beat(tick)},
-                         now=tick * T)
+        detector.observe(_node_beat(tick, {1: tick}, {1: 0}), now=tick * T)
         assert detector.check(now=tick * T, wall=2000.0) == []
-    detector.observe({rank_heartbeat_key(0): _beat(1, generation=0), node_heartbeat_key(0): _beat(20)}, now=9 * T)
+    detector.observe(_node_beat(20, {0: 1, 1: 8}, {0: 0, 1: 0}), now=9 * T)
     for tick in range(10, 12):  # now started, rank 0 gets the ordinary timeout
-        detector.observe({rank_heartbeat_key(1): _beat(tick, generation=0), node_heartbeat_key(0): _beat(tick + 20)},
-                         now=tick * T + 0.5)
+        detector.observe(_node_beat(tick + 20, {0: 1, 1: tick}, {0: 0, 1: 0}), now=tick * T + 0.5)
     [failure] = detector.check(now=11 * T + 0.5, wall=2001.0)
     assert (failure.cause, failure.ranks) == (Cause.HEARTBEAT, (0,))
 
@@ -361,8 +384,8 @@ def test_a_stalled_collective_takes_its_rank_out_once():
 
 def test_heartbeats_carry_the_generation_each_worker_runs():
     detector = _detector_with_node()
-    assert detector.observe({rank_heartbeat_key(0): _beat(1)}, now=0.1) is False  # still no plan
-    assert detector.observe({rank_heartbeat_key(0): _beat(2, generation=0)}, now=0.2) is True
+    assert detector.observe(_node_beat(1, {0: 1}), now=0.1) is False  # still no plan
+    assert detector.observe(_node_beat(2, {0: 2}, {0: 0}), now=0.2) is True
     assert [row["generation"] for row in detector.workers().values()] == [0, None]
 
 
@@ -373,7 +396,16 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
     for msg in (RankRegistration(3, 99, "h", 1), NodeRegistration(1, 98, "h", (2, 3)), RankExit(3, 1, -9, 1.5),
                 RankFailureReport(3, None, "boom", 2.0), CollectiveStalled(3, 2, "timed out", 2.5), NodeLeft(1, 3.0)):
         assert parse_inbox(msg.to_json()) == msg
-    assert Heartbeat.from_json(_beat(4, generation=2).to_json()) == _beat(4, generation=2)
+    beat = Heartbeat(4, 1004.0, generation=2, watching=3)
+    assert Heartbeat.from_json(beat.to_json()) == beat
+    [node_beat] = _node_beat(5, {3: 4, 4: 1}, {3: 2}).values()
+    assert NodeHeartbeat.from_json(node_beat.to_json()) == node_beat
+    assert node_beat.rank_beats() == {3: Heartbeat(4, 1005.0, 2), 4: Heartbeat(1, 1005.0, None)}
+    view = NodeView(7, 1007.0, (2, 3), controller_lost="store unreachable")
+    assert NodeView.from_json(view.to_json()) == view and view.controller_beat() == Heartbeat(7, 1007.0)
+    with pytest.raises(ProtocolError, match="field 'seqs' must be dict"):
+        NodeHeartbeat.from_json('{"kind": "node_heartbeat", "seq": 1, "sent_at": 1.0, "seqs": {"3": "x"}, '
+                                '"generations": {}}')
     with pytest.raises(ProtocolError, match="unknown inbox message kind 'shutdown'"):
         parse_inbox('{"kind": "shutdown"}')
     with pytest.raises(ProtocolError, match="field 'rank' must be int"):

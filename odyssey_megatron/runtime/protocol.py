@@ -32,8 +32,11 @@ __all__ = [
     "Heartbeat",
     "HeartbeatWatch",
     "Message",
+    "NODE_VIEW",
+    "NodeHeartbeat",
     "NodeLeft",
     "NodeRegistration",
+    "NodeView",
     "PlanPublished",
     "ProtocolError",
     "RankExit",
@@ -51,7 +54,10 @@ __all__ = [
     "RUN_STOP",
     "StopOrder",
     "StopRequested",
+    "ABORTED",
+    "ALL_ARRIVED",
     "abort_key",
+    "all_arrived_key",
     "applied_key",
     "decided_key",
     "arrived_key",
@@ -64,6 +70,7 @@ __all__ = [
     "ready_key",
     "step_report_key",
     "stopped_key",
+    "successor_key",
     "kill_orders_key",
     "missed_beat",
     "node_heartbeat_key",
@@ -80,11 +87,17 @@ CONTROLLER_HEARTBEAT = "heartbeat/controller"
 
 
 def rank_heartbeat_key(rank: int) -> str:
+    """A worker's ``Heartbeat``, in its node's store (its launcher's), not the controller's."""
     return f"heartbeat/rank/{rank}"
 
 
 def node_heartbeat_key(node: int) -> str:
+    """The node's ``NodeHeartbeat``: its launcher's beat with each of its workers' last one."""
     return f"heartbeat/node/{node}"
+
+
+NODE_VIEW = "node/view"
+"""In a node's store: the ``NodeView`` its launcher relays to the node's workers."""
 
 
 def kill_orders_key(node: int) -> str:
@@ -135,6 +148,24 @@ def arrived_key(generation: int) -> str:
     the store, where the abort key can end the wait, before the process group's
     rendezvous, which only a timeout ends."""
     return generation_prefix(generation) + "arrived"
+
+
+def all_arrived_key(generation: int) -> str:
+    """Set by the rank whose arrival completes ``arrived_key`` (``ALL_ARRIVED``), or by the
+    controller when it ends the generation first (``ABORTED``): arriving ranks wait on it,
+    without polling, for whichever comes first."""
+    return generation_prefix(generation) + "all_arrived"
+
+
+ALL_ARRIVED = b"all"
+ABORTED = b"abort"
+
+
+def successor_key(generation: int) -> str:
+    """What follows generation ``generation`` (-1: the first plan), set by the controller
+    once it is known: ``plan_key(generation + 1)``, ``RUN_STOP`` or ``RUN_DONE`` (the key
+    to read next). A worker between generations waits on it, without polling."""
+    return generation_prefix(generation) + "successor"
 
 
 def ready_key(generation: int) -> str:
@@ -280,7 +311,47 @@ class Heartbeat(Message):
     seq: int
     sent_at: float
     generation: Optional[int] = None
-    """The plan generation a worker runs; None before its first plan and for launchers and the controller."""
+    """The plan generation a worker runs; None before its first plan and for the controller."""
+    watching: Optional[int] = None
+    """The plan generation a worker enters or runs (its launcher relays that generation's abort)."""
+
+
+@dataclass(frozen=True)
+class NodeHeartbeat(Message):
+    """A launcher's beat under ``node_heartbeat_key``, carrying its workers' liveness: each
+    worker beats into its node's store and the launcher forwards the latest beat of each,
+    so the controller's store sees one write per node per interval, not one per rank. A
+    worker that hangs stops changing its ``seqs`` entry while the node's ``seq`` goes on."""
+
+    KIND = "node_heartbeat"
+    seq: int
+    sent_at: float
+    seqs: dict[str, int]
+    """Rank -> the sequence number of its last beat (ranks that have beaten at all)."""
+    generations: dict[str, int]
+    """Rank -> the plan generation it runs, for ranks that have entered one."""
+
+    def rank_beats(self) -> dict[int, Heartbeat]:
+        """Each rank's last beat as the launcher saw it, stamped with the node's clock."""
+        return {int(rank): Heartbeat(seq, self.sent_at, self.generations.get(rank))
+                for rank, seq in self.seqs.items()}
+
+
+@dataclass(frozen=True)
+class NodeView(Message):
+    """What a launcher relays from the controller to its node's workers under ``NODE_VIEW``,
+    every heartbeat interval: the controller's heartbeat, the generations it aborted that
+    a worker of the node watches, and whether the launcher lost the controller."""
+
+    KIND = "node_view"
+    controller_seq: int
+    controller_sent_at: float
+    aborted: tuple[int, ...]
+    controller_lost: Optional[str] = None
+    """Why the launcher counts the controller gone (its connection closed, or its beats stopped)."""
+
+    def controller_beat(self) -> Heartbeat:
+        return Heartbeat(self.controller_seq, self.controller_sent_at)
 
 
 @dataclass(frozen=True)
@@ -539,6 +610,9 @@ class WorkerLaunch:
     world_size: int
     store_host: str
     store_port: int
+    node_store_port: int
+    """The node's store, served by its launcher on the loopback address: the worker's
+    heartbeats go there (``NodeHeartbeat``), and the launcher's ``NodeView`` comes back."""
     launcher_pid: int
     timeouts: Timeouts
     keeper: tuple[tuple[str, ...], ...] = ()

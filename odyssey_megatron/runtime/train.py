@@ -136,7 +136,7 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
     try:
         final = run.run()
         outcome.append(TrainOutcome(0, f"trained {run.committed} steps; final model in {final}"))
-        run.store.set(RUN_DONE, "1")
+        run.controller.end_run(RUN_DONE, "1")
         return
     except RunStopped as stop:
         checkpoint = latest_checkpoint(run.run_dir)
@@ -146,7 +146,7 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
         outcome.append(TrainOutcome(stop.status, f"stopped ({stop.reason}) after {stop.step} committed steps, {what}; "
                                                  f"{_resume_hint(run.run_dir, checkpoint)}",
                                     resume=_resume_command(run.run_dir) if checkpoint else None))
-        run.store.set(RUN_DONE, "1")
+        run.controller.end_run(RUN_DONE, "1")
         return
     except UnrecoverableFailure as exc:
         checkpoint = latest_checkpoint(run.run_dir)
@@ -161,7 +161,7 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
         if run.plan is not None:
             run.end_generation()
     finally:
-        run.store.set(RUN_DONE, "1")
+        run.controller.end_run(RUN_DONE, "1")
 
 
 def _resume_command(run_dir: Path) -> str:

@@ -3,7 +3,8 @@ TCPStore, runs the fault detector, records the run and publishes plans.
 
 A daemon thread polls twice per heartbeat interval: it writes the controller's own
 heartbeat (workers and launchers exit when it stops, so a lost controller leaves no
-orphans), drains the inbox, reads every watched heartbeat in one round trip, and turns the
+orphans), drains the inbox, reads every live node's heartbeat (which carries its workers'
+beats, ``NodeHeartbeat``) in one round trip, and turns the
 detector's verdicts into ``events.jsonl`` records, kill orders for the failed ranks'
 launchers, and ``Failure`` items for the owner (the training orchestrator) to act on with
 ``next_failure``. The thread never waits on the owner, so a long decision delays neither
@@ -12,7 +13,6 @@ heartbeats nor detection.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import queue
@@ -29,6 +29,7 @@ from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
+from odyssey_megatron.runtime.control.store_server import StoreServer
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     INBOX,
@@ -37,6 +38,7 @@ from odyssey_megatron.runtime.protocol import (
     Heartbeat,
     KillOrder,
     Message,
+    NodeHeartbeat,
     NodeLeft,
     NodeRegistration,
     PlanPublished,
@@ -50,6 +52,7 @@ from odyssey_megatron.runtime.protocol import (
     kill_orders_key,
     parse_inbox,
     plan_key,
+    successor_key,
 )
 from odyssey_megatron.schedules.program import StepProgram
 from odyssey_megatron.snapshot.restore import Restore
@@ -59,20 +62,6 @@ __all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
-
-
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host`` alone: TCPStore binds every interface when it opens its own."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(socket.SOMAXCONN)
-    return sock
 
 
 class Controller:
@@ -97,11 +86,8 @@ class Controller:
     def __init__(self, *, host: str, port: int, timeouts: Timeouts, run_dir: Path):
         self.timeouts = timeouts
         self.record = RunRecord(run_dir)
-        self._socket = _listening_socket(host, port)
-        self.host, self.port = host, self._socket.getsockname()[1]
-        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False, use_libuv=True,
-                                   master_listen_fd=self._socket.fileno(),
-                                   timeout=datetime.timedelta(seconds=timeouts.recovery_timeout))
+        self._server = StoreServer(host, port, timeout=timeouts.recovery_timeout)
+        self.host, self.port, self.store = host, self._server.port, self._server.store
         self._seq = 0
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
@@ -159,11 +145,19 @@ class Controller:
         self.record.plan(plan, program)
         self.store.set(plan_key(plan.generation), published.to_json())
         self.store.set(PUBLISHED_GENERATION, str(plan.generation))
+        self.store.set(successor_key(plan.generation - 1), plan_key(plan.generation))
         self.published_generation = plan.generation
         self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers),
                           start_step=start_step, estimated_step_s=estimated_step_s,
                           rollback_to=restore.step if restore is not None else None, joined=list(joined))
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
+
+    def end_run(self, key: str, value: str) -> None:
+        """Set ``RUN_DONE`` or ``RUN_STOP`` (``key``) to ``value``, and wake the workers
+        waiting for what follows the newest generation (unless a stop already did: the
+        workers carry out the stop order, then the run is done)."""
+        self.store.set(key, value)
+        self.store.compare_set(successor_key(self.published_generation), "", key)
 
     # -- the polling thread ----------------------------------------------------------------
 
@@ -198,7 +192,7 @@ class Controller:
         beats = {}
         for key, raw in zip(keys, store.multi_get(keys) if keys else []):
             try:
-                beats[key] = Heartbeat.from_json(raw)
+                beats[key] = NodeHeartbeat.from_json(raw)
             except ProtocolError as exc:
                 log.warning("controller: malformed heartbeat under %s: %s", key, exc)
         workers_changed |= self.detector.observe(beats, time.monotonic())

@@ -25,10 +25,12 @@ failure first, so what the old launcher ran is never confused with what the new 
 starts. A rank that registers again after it failed or exited (its launcher restarted it)
 is alive again: capacity that the controller may take back (``alive_ranks``).
 
-A rank's heartbeats and its launcher's stop together when a node dies, and the rank's
-may be seen to stop a poll earlier. So a silent rank counts as hung only once its
-launcher has beaten after the rank's deadline; until then the node may still turn out
-lost, and then all its ranks fail as one node failure.
+A rank's beats reach the controller inside its launcher's (``NodeHeartbeat``: one store
+key per node, however many ranks it runs), as the launcher last read them from its node's
+store. They stop together when a node dies, and the rank's may stop changing a beat
+earlier. So a silent rank counts as hung only once its launcher has beaten after the
+rank's deadline; until then the node may still turn out lost, and then all its ranks fail
+as one node failure.
 """
 
 from __future__ import annotations
@@ -41,15 +43,14 @@ from typing import Optional
 
 from odyssey_megatron.runtime.protocol import (
     CollectiveStalled,
-    Heartbeat,
     HeartbeatWatch,
+    NodeHeartbeat,
     NodeLeft,
     NodeRegistration,
     RankExit,
     RankFailureReport,
     RankRegistration,
     node_heartbeat_key,
-    rank_heartbeat_key,
 )
 
 __all__ = ["Cause", "Detector", "Failure", "describe_exit"]
@@ -188,25 +189,27 @@ class Detector:
     # -- heartbeats ----------------------------------------------------------------------
 
     def heartbeat_keys(self) -> list[str]:
-        """Keys of every watched heartbeat: live ranks and live nodes."""
-        ranks = [rank_heartbeat_key(r) for r, rank in self.ranks.items() if rank.state == _State.ALIVE]
-        return ranks + [node_heartbeat_key(n) for n, node in self.nodes.items() if node.state == _State.ALIVE]
+        """Keys of every watched heartbeat: live nodes' (each carries its ranks' beats)."""
+        return [node_heartbeat_key(n) for n, node in self.nodes.items() if node.state == _State.ALIVE]
 
-    def observe(self, beats: dict[str, Heartbeat], now: float) -> bool:
-        """Take in heartbeats read under ``heartbeat_keys``; True when a rank's plan generation changed."""
+    def observe(self, beats: dict[str, NodeHeartbeat], now: float) -> bool:
+        """Take in node heartbeats read under ``heartbeat_keys``; True when a rank's plan
+        generation changed."""
         changed = False
-        for r, rank in self.ranks.items():
-            beat = beats.get(rank_heartbeat_key(r))
-            if beat is not None and rank.watch is not None:
-                rank.watch.see(beat, now)
-                if beat.generation is not None:  # started: the start-up grace is over
-                    rank.watch.timeout = self.heartbeat_timeout
-                changed |= beat.generation != rank.generation
-                rank.generation = beat.generation
         for n, node in self.nodes.items():
             beat = beats.get(node_heartbeat_key(n))
-            if beat is not None:
-                node.watch.see(beat, now)
+            if beat is None:
+                continue
+            node.watch.see(beat, now)
+            for r, rank_beat in beat.rank_beats().items():
+                rank = self.ranks.get(r)
+                if rank is None or rank.node != n or rank.watch is None:
+                    continue
+                rank.watch.see(rank_beat, now)
+                if rank_beat.generation is not None:  # started: the start-up grace is over
+                    rank.watch.timeout = self.heartbeat_timeout
+                changed |= rank_beat.generation != rank.generation
+                rank.generation = rank_beat.generation
         return changed
 
     def check(self, now: float, wall: float) -> list[Failure]:

@@ -10,14 +10,19 @@ its own name there, and a launcher that finds another's name in it has been repl
 frozen node that came back): it kills its workers and exits, so no rank runs twice.
 
 It waits on the workers' process sentinels, so an exit is seen at once and reported to the
-controller's inbox. A thread beats for the node every heartbeat interval (its silence is
-how the controller learns the node is lost); twice per interval the launcher kills the
-ranks the controller ordered killed (hung or failed: a failed worker never comes back
-into a collective), and reads the
-controller's heartbeat: when that stops, or the store is gone, it gives its workers the
-collective timeout to save what they hold and exit (``runtime.rank.controller_link``),
-kills those left and exits. Its workers die with it when it is killed (see
-``runtime.rank.controller_link``), so a lost node leaves no orphans either.
+controller's inbox. It serves its node's own store on the loopback address, where its
+workers beat, and a thread talks to the controller's store for the whole node once per
+heartbeat interval, so that store's load grows with nodes, not ranks: it writes the
+node's heartbeat carrying each worker's last beat (``NodeHeartbeat``: the node's silence
+is how the controller learns the node is lost, a worker's stale entry that the worker
+hangs), reads the controller's heartbeat and the node's launcher key, checks the abort
+key of each generation its workers watch, takes the kill orders for its ranks (hung or
+failed: a failed worker never comes back into a collective), and relays to the workers
+what they need back (``NodeView``). When the controller's heartbeat stops, or its store is
+gone, the launcher tells its workers, gives them the collective timeout to save what
+they hold and exit (``runtime.rank.controller_link``), kills those left and exits. Its
+workers die with it when it is killed (see ``runtime.rank.controller_link``), so a lost
+node leaves no orphans either.
 
 Workers start from multiprocessing's fork server, which imports the worker's module (torch,
 Megatron-Core: seconds of CPU each) once and forks every worker from it, instead of each
@@ -29,6 +34,7 @@ fork server with them.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import multiprocessing
@@ -37,33 +43,39 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from odyssey_megatron.runtime.control.detector import describe_exit
 from odyssey_megatron.runtime.control.fork_server import start_fork_server
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+from odyssey_megatron.runtime.control.store_server import StoreServer
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     EXIT_CONTROLLER_LOST,
     EXIT_REPLACED,
     INBOX,
+    NODE_VIEW,
     RUN_DONE,
     RUN_STOP,
     Heartbeat,
     HeartbeatWatch,
     KillOrder,
+    NodeHeartbeat,
     NodeLeft,
     NodeRegistration,
+    NodeView,
     ProtocolError,
     RankExit,
     StopRequested,
     WorkerLaunch,
+    abort_key,
     kill_orders_key,
     launcher_key,
     missed_beat,
     node_heartbeat_key,
+    rank_heartbeat_key,
 )
 from odyssey_megatron.snapshot.keeper import NodeKeeper
 from odyssey_megatron.timeouts import Timeouts
@@ -102,10 +114,20 @@ class NodeLauncher:
         """The run was under way when this launcher started: its workers join it."""
         self._context = None
         self._workers: dict[int, multiprocessing.Process] = {}
+        self._node_store = StoreServer("127.0.0.1", 0, timeout=timeouts.heartbeat_timeout)
+        """The node's store, where its workers beat and read the ``NodeView``."""
         self._seq = 0
         self._beating = threading.Event()
         """Set when the node's heartbeat thread must stop."""
         self._beater: threading.Thread | None = None
+        # What the heartbeat thread found in the controller's store, for the main thread:
+        self._controller = HeartbeatWatch(timeouts.controller_silence, time.monotonic())
+        self._controller_lost: Optional[str] = None
+        self._launching: Optional[str] = None
+        """Who the node's launcher key names now."""
+        self._kill_orders: collections.deque[KillOrder] = collections.deque()
+        self._aborted: set[int] = set()
+        """Generations the controller aborted that a worker of this node watched."""
         self._stop_signal: str | None = None
         """A stop signal this node's main process received, until sent to the controller."""
         self._keeper = NodeKeeper(len(config.ranks))
@@ -121,8 +143,11 @@ class NodeLauncher:
             store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             self._joining = store.check([launcher_key(node)])
             store.set(launcher_key(node), self._name)
-            self._beat(store)
-            self._start_beating(store.clone())
+            beats = store.clone()
+            beats.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
+            node_store = self._node_store.store.clone()
+            self._beat(beats, node_store)  # the node's first beat and view, before any worker reads them
+            self._start_beating(beats, node_store)
             store.queue_push(INBOX, NodeRegistration(node, os.getpid(), socket.gethostname(),
                                                      tuple(self.config.ranks)).to_json())
             self._start_workers()
@@ -131,8 +156,10 @@ class NodeLauncher:
             log.error("node %d: %s; killing its workers", node, exc)
             return EXIT_REPLACED
         except (dist.DistError, ProtocolError, _ControllerLost) as exc:
-            log.error("node %d: lost the controller (%s); its workers save what they hold, then exit", node,
-                      str(exc).splitlines()[0])
+            why = str(exc).splitlines()[0]
+            log.error("node %d: lost the controller (%s); its workers save what they hold, then exit", node, why)
+            self._stop_beating()
+            self._tell_workers_lost(why)
             self._let_workers_exit(within=self.timeouts.collective_timeout)
             return EXIT_CONTROLLER_LOST
         finally:
@@ -156,7 +183,8 @@ class NodeLauncher:
     def _start_worker(self, local_rank: int, rank: int, *, joining: bool) -> None:
         launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
                               world_size=self.config.world_size, store_host=self.config.master_addr,
-                              store_port=self.config.master_port, launcher_pid=os.getpid(),
+                              store_port=self.config.master_port, node_store_port=self._node_store.port,
+                              launcher_pid=os.getpid(),
                               timeouts=self.timeouts, keeper=self._keeper_paths, joining=joining)
         process = self._context.Process(target=self.target, args=(launch,), name=f"odyssey-rank{rank}")
         process.start()
@@ -165,8 +193,8 @@ class NodeLauncher:
                  rank, process.pid)
 
     def _watch(self, store: dist.Store) -> None:
-        """Until every worker has exited: report exits at once, poll the store meanwhile."""
-        controller = HeartbeatWatch(self.timeouts.controller_silence, time.monotonic())
+        """Until every worker has exited: report exits at once, and act on what the heartbeat
+        thread found in the controller's store."""
         next_poll = time.monotonic()
         while self._workers:
             by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
@@ -177,24 +205,17 @@ class NodeLauncher:
             if now < next_poll:
                 continue
             next_poll = max(next_poll + self.timeouts.poll_interval, now)
-            try:
-                controller.see(Heartbeat.from_json(store.get(CONTROLLER_HEARTBEAT)), now)
-            except dist.DistError as exc:
-                if not missed_beat(exc):
-                    raise
-                store = store.clone()  # a late answer must not be read as the next request's
-                store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
-            if controller.stale(now):
+            if self._controller_lost is not None:
+                raise _ControllerLost(self._controller_lost)
+            if self._controller.stale(now):
                 raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
-            launching = store.get(launcher_key(self.config.node_rank)).decode()
-            if launching != self._name:
-                raise _Replaced(f"replaced by launcher {launching}")
+            if self._launching not in (None, self._name):
+                raise _Replaced(f"replaced by launcher {self._launching}")
             if self._stop_signal is not None:
                 store.queue_push(INBOX, StopRequested(self.config.node_rank, self._stop_signal, time.time()).to_json())
                 self._stop_signal = None
-            orders = kill_orders_key(self.config.node_rank)
-            for _ in range(store.queue_len(orders)):
-                self._kill(KillOrder.from_json(store.queue_pop(orders, block=False)))
+            while self._kill_orders:
+                self._kill(self._kill_orders.popleft())
 
     def _reap(self, store: dist.Store, rank: int) -> None:
         process = self._workers.pop(rank)
@@ -238,15 +259,20 @@ class NodeLauncher:
             process.join()
         self._workers.clear()
 
-    def _start_beating(self, store: dist.Store) -> None:
+    def _start_beating(self, store: dist.Store, node_store: dist.Store) -> None:
         """Beat for the node from a thread of its own, so the node lives on while the main
         thread starts workers (the fork server's first start imports the worker's module)."""
         def beat_loop() -> None:
+            nonlocal store
             while not self._beating.wait(self.timeouts.heartbeat_interval):
                 try:
-                    self._beat(store)
-                except dist.DistError:
-                    return  # the controller is gone: the main thread finds out too
+                    self._beat(store, node_store)
+                except (dist.DistError, ProtocolError) as exc:
+                    if not missed_beat(exc):
+                        self._controller_lost = f"store unreachable: {str(exc).splitlines()[0]}"
+                        return
+                    store = store.clone()  # a late answer must not be read as the next request's
+                    store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
 
         self._beater = threading.Thread(target=beat_loop, name="odyssey-node-heartbeat", daemon=True)
         self._beater.start()
@@ -258,6 +284,41 @@ class NodeLauncher:
         if self._beater is not None:
             self._beater.join()
 
-    def _beat(self, store: dist.Store) -> None:
-        store.set(node_heartbeat_key(self.config.node_rank), Heartbeat(self._seq, time.time()).to_json())
+    def _beat(self, store: dist.Store, node_store: dist.Store) -> None:
+        """One heartbeat interval's round trip with the controller's store, for the whole
+        node: forward the workers' beats, read what concerns the node, relay it back."""
+        node = self.config.node_rank
+        workers = self._worker_beats(node_store)
+        store.set(node_heartbeat_key(node), NodeHeartbeat(
+            self._seq, time.time(), seqs={str(r): b.seq for r, b in workers.items()},
+            generations={str(r): b.generation for r, b in workers.items() if b.generation is not None}).to_json())
         self._seq += 1
+        controller, launching = store.multi_get([CONTROLLER_HEARTBEAT, launcher_key(node)])
+        controller = Heartbeat.from_json(controller)
+        self._controller.see(controller, time.monotonic())
+        self._launching = launching.decode()
+        for generation in {b.watching for b in workers.values()} - self._aborted - {None}:
+            if store.check([abort_key(generation)]):
+                self._aborted.add(generation)
+        orders = kill_orders_key(node)
+        for _ in range(store.queue_len(orders)):
+            self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
+        node_store.set(NODE_VIEW, NodeView(controller.seq, controller.sent_at, tuple(sorted(self._aborted))).to_json())
+
+    def _worker_beats(self, node_store: dist.Store) -> dict[int, Heartbeat]:
+        """Each of the node's workers' last beat in the node's store (those that beat yet)."""
+        keys = {rank: rank_heartbeat_key(rank) for rank in self.config.ranks}
+        present = {rank: key for rank, key in keys.items() if node_store.check([key])}
+        beats = {}
+        for rank, raw in zip(present, node_store.multi_get(list(present.values())) if present else []):
+            try:
+                beats[rank] = Heartbeat.from_json(raw)
+            except ProtocolError as exc:  # not the controller's fault: that worker's entry waits
+                log.warning("node %d: malformed heartbeat of rank %d: %s", self.config.node_rank, rank, exc)
+        return beats
+
+    def _tell_workers_lost(self, why: str) -> None:
+        """Relay the controller's loss to the workers at once: they save what they hold."""
+        beat = self._controller.last or Heartbeat(-1, 0.0)
+        view = NodeView(beat.seq, beat.sent_at, tuple(sorted(self._aborted)), controller_lost=why)
+        self._node_store.store.set(NODE_VIEW, view.to_json())

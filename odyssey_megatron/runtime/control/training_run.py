@@ -69,7 +69,9 @@ from odyssey_megatron.runtime.protocol import (
     StopOrder,
     ProtocolError,
     StepReport,
+    ABORTED,
     abort_key,
+    all_arrived_key,
     final_key,
     ready_key,
     snapshot_done_key,
@@ -198,7 +200,7 @@ class TrainingRun:
             final = self._train()
         finally:
             self._stop_preparing()  # no thread may be inside scipy when the interpreter exits
-        self.store.set(RUN_DONE, "1")
+        self.controller.end_run(RUN_DONE, "1")
         self.controller.record.event("finished", steps=self.committed, generation=self.plan.generation,
                                      final=str(final))
         return final
@@ -424,6 +426,7 @@ class TrainingRun:
         """Stop the running generation: the abort key, and freeze its step counters (the
         steps every rank completed commit first, in order)."""
         self.store.set(abort_key(self.plan.generation), "1")
+        self.store.set(all_arrived_key(self.plan.generation), ABORTED)  # wakes the ranks still arriving
         if self.committed < self.iters:
             for step in self._ledger(self.plan).freeze(self.committed, self.iters - 1):
                 self._commit(self.plan.generation, step)
@@ -589,10 +592,11 @@ class TrainingRun:
         self.end_generation()
         self.controller.record.event("stop", reason=reason, step=self.committed)
         if self.fresh:
-            self.store.set(RUN_STOP, StopOrder(self.committed, reason, {}).to_json())
+            self.controller.end_run(RUN_STOP, StopOrder(self.committed, reason, {}).to_json())
             raise RunStopped(reason, status=status, step=self.committed, saved=False)
         writers = self._writers()
-        self.store.set(RUN_STOP, StopOrder(self.committed, reason, {str(b): w for b, w in writers.items()}).to_json())
+        self.controller.end_run(RUN_STOP, StopOrder(self.committed, reason,
+                                                    {str(b): w for b, w in writers.items()}).to_json())
         tp = self.settled.tensor_parallel_size
         writing = {w * tp + k for w in set(writers.values()) for k in range(tp)}
         deadline = time.monotonic() + self.timeouts.recovery_timeout

@@ -1,20 +1,22 @@
 """A worker's tie to the controller: registration, heartbeats, failure reports, plans.
 
-The heartbeat runs on a daemon thread with its own store connection, so it beats while the
-training thread computes or sits in a collective. Each beat also looks for the abort key of
-the generation the worker runs and, once it is set, calls ``on_abort`` (the worker's
-collective guard), which ends the training thread's waits on that generation's groups
-even where no socket closes. Each beat reads the controller's heartbeat too; when the
-store connection breaks, or that heartbeat stops changing for the collective timeout
-(``Timeouts.controller_silence``: longer than a worker's, as the controller's process is
-busier), the controller is gone: the thread calls ``on_controller_lost`` (the worker aborts its generation and saves
-what it holds, which is committed state) and ends the process if the worker has not within
-the collective timeout (``os._exit``: the training thread may be blocked where no exception
-reaches it). A lost node leaves no
-orphans either: every beat checks that the launcher still runs. (The kernel's
-parent-death signal, which the worker also asks for, fires only when its parent, the
-launcher's fork server, exits; and that server waits for its workers to close their copies
-of the pipe it watches for the launcher's end.)
+The heartbeat runs on a daemon thread with its own connection to its node's store (its
+launcher's, on the loopback address: the launcher forwards every worker's last beat to
+the controller in one node heartbeat, and relays back what the worker needs, a
+``NodeView``), so it beats while the training thread computes or sits in a collective.
+Each beat also looks in the view for the abort of the generation the worker runs and,
+once there, calls ``on_abort`` (the worker's collective guard), which ends the training
+thread's waits on that generation's groups even where no socket closes. The view carries
+the controller's heartbeat too; when the launcher found the controller's store gone, or
+that heartbeat stops changing for the collective timeout (``Timeouts.controller_silence``:
+longer than a worker's, as the controller's process is busier), the controller is gone:
+the thread calls ``on_controller_lost`` (the worker aborts its generation and saves what
+it holds, which is committed state) and ends the process if the worker has not within
+the collective timeout (``os._exit``: the training thread may be blocked where no
+exception reaches it). A lost node leaves no orphans either: every beat checks that the
+launcher still runs. (The kernel's parent-death signal, which the worker also asks for,
+fires only when its parent, the launcher's fork server, exits; and that server waits for
+its workers to close their copies of the pipe it watches for the launcher's end.)
 """
 
 from __future__ import annotations
@@ -33,19 +35,19 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from odyssey_megatron.runtime.protocol import (
-    CONTROLLER_HEARTBEAT,
     EXIT_CONTROLLER_LOST,
+    NODE_VIEW,
     CollectiveStalled,
     INBOX,
     PUBLISHED_GENERATION,
     Heartbeat,
     HeartbeatWatch,
+    NodeView,
     PlanPublished,
     ProtocolError,
     RankFailureReport,
     RankRegistration,
     WorkerLaunch,
-    abort_key,
     missed_beat,
     plan_key,
     rank_heartbeat_key,
@@ -115,21 +117,24 @@ class ControllerLink:
         self.published_at_start = -1
         self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
                                    timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
-        self._beats = self._fresh_beats()
+        self._beats: Optional[dist.Store] = None
+        self._aborted: frozenset[int] = frozenset()
+        """Generations the controller aborted, as the node's view last relayed them."""
         self._seq = 0
         self._thread = threading.Thread(target=self._beat_loop, name="odyssey-heartbeat", daemon=True)
 
     def _fresh_beats(self) -> dist.Store:
-        """A connection of the heartbeat thread's own, waiting at most a heartbeat timeout."""
-        beats = self.store.clone()
-        beats.set_timeout(datetime.timedelta(seconds=self.launch.timeouts.heartbeat_timeout))
-        return beats
+        """A connection of the heartbeat thread's own to the node's store, waiting at most a
+        heartbeat timeout."""
+        return dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=self.launch.timeouts.heartbeat_timeout))
 
     def start(self) -> None:
-        """Tie to the launcher, register (after a first heartbeat, so the controller finds
+        """Tie to the launcher, register (after a first heartbeat, so its launcher forwards
         one) and start beating."""
         _die_with_parent(self.launch.launcher_pid)
-        self._beat(self.store)  # on the registration's connection, so the store has it first
+        self._beats = self._fresh_beats()
+        self._beat(self._beats)
         if self.store.check([PUBLISHED_GENERATION]):
             self.published_at_start = int(self.store.get(PUBLISHED_GENERATION))
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
@@ -146,6 +151,11 @@ class ControllerLink:
         timeout with no abort: nothing else would end the generation."""
         self.store.queue_push(INBOX, CollectiveStalled(self.launch.rank, generation, detail, time.time()).to_json())
 
+    def aborted(self, generation: int) -> bool:
+        """Whether the controller aborted ``generation`` (the worker watches it), as the
+        heartbeat thread last heard from the launcher: no request to the controller's store."""
+        return generation in self._aborted
+
     def wait_plan(self, *, newer_than: int) -> PlanPublished:
         """Wait (up to the recovery timeout) for plan generation ``newer_than + 1`` and
         return it with its step program; a message carrying an older generation is
@@ -155,7 +165,7 @@ class ControllerLink:
         return PlanPublished.from_json(self.store.get(key), current_generation=newer_than)
 
     def _beat(self, store: dist.Store) -> None:
-        beat = Heartbeat(self._seq, time.time(), self.generation)
+        beat = Heartbeat(self._seq, time.time(), self.generation, self.watching)
         store.set(rank_heartbeat_key(self.launch.rank), beat.to_json())
         self._seq += 1
 
@@ -169,19 +179,25 @@ class ControllerLink:
             next_beat = max(next_beat + timeouts.heartbeat_interval, time.monotonic())
             try:
                 self._beat(self._beats)
-                controller.see(Heartbeat.from_json(self._beats.get(CONTROLLER_HEARTBEAT)), time.monotonic())
+                view = NodeView.from_json(self._beats.get(NODE_VIEW))
+                if view.controller_lost is not None:
+                    self._controller_lost(f"its launcher lost it: {view.controller_lost}")
+                controller.see(view.controller_beat(), time.monotonic())
+                self._aborted = frozenset(view.aborted)
                 generation = self.watching
-                if generation is not None and generation != aborted and self._beats.check([abort_key(generation)]):
+                if generation is not None and generation != aborted and generation in view.aborted:
                     aborted = generation
                     if self.on_abort is not None:
                         self.on_abort(generation)
             except (dist.DistError, ProtocolError) as exc:
+                if not _alive(self.launch.launcher_pid):
+                    self._exit(f"its launcher (pid {self.launch.launcher_pid}) is gone")
                 if not missed_beat(exc):
-                    self._controller_lost(f"store unreachable: {str(exc).splitlines()[0]}")
+                    self._controller_lost(f"its node's store unreachable: {str(exc).splitlines()[0]}")
                 try:
                     self._beats = self._fresh_beats()  # a late answer must not be read as the next one's
                 except dist.DistError as lost:
-                    self._controller_lost(f"store unreachable: {str(lost).splitlines()[0]}")
+                    self._controller_lost(f"its node's store unreachable: {str(lost).splitlines()[0]}")
             if controller.stale(time.monotonic()):
                 self._controller_lost(f"no controller heartbeat for over {timeouts.controller_silence} s")
             if not _alive(self.launch.launcher_pid):

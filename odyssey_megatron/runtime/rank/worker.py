@@ -67,6 +67,7 @@ from odyssey_megatron.hooks.training_state import TrainingState, worker_blocks
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint, save_part
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol import (
+    ALL_ARRIVED,
     EXIT_CONTROLLER_LOST,
     RUN_DONE,
     RUN_SPEC,
@@ -76,12 +77,14 @@ from odyssey_megatron.runtime.protocol import (
     RunSpec,
     WorkerLaunch,
     abort_key,
+    all_arrived_key,
     arrived_key,
     final_key,
-    plan_key,
+    missed_beat,
     process_group_prefix,
     ready_key,
     stopped_key,
+    successor_key,
 )
 from odyssey_megatron.runtime.rank import op_timers
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
@@ -195,9 +198,8 @@ class Worker:
         link.on_controller_lost = self._on_controller_lost
         link.on_abort = lambda generation: self.guard.abort(f"the controller ended generation {generation}",
                                                             generation=generation)
-        self.group_store = self.store.clone()
+        self.group_store = self._store_for_steps()
         """The step ledger's connection: waits no longer than a collective may."""
-        self.group_store.set_timeout(self.collective_timeout)
         self.snapshot_store = self.store.clone()
         """The snapshot thread's connection: it counts in while the training thread may wait on the ledger."""
         self.snapshot_store.set_timeout(self.collective_timeout)
@@ -269,19 +271,27 @@ class Worker:
 
     def _next_plan(self) -> PlanPublished | StopOrder | None:
         """The next generation's plan, the order to stop, or None once the run is done;
-        waits up to the recovery timeout."""
-        key = plan_key(self.generation + 1)
-        deadline = time.monotonic() + self.timeouts.recovery_timeout
-        while not self.store.check([key]):
-            if self.store.check([RUN_STOP]):
-                return StopOrder.from_json(self.store.get(RUN_STOP))
-            if self.store.check([RUN_DONE]):
-                return None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no plan generation {self.generation + 1} within the recovery timeout "
-                                   f"({self.timeouts.recovery_timeout} s)")
-            time.sleep(self.timeouts.poll_interval)
+        waits (on the successor key, without polling) up to the recovery timeout."""
+        key = successor_key(self.generation)
+        try:
+            self.store.wait([key])
+        except dist.DistStoreError as exc:
+            if not missed_beat(exc):
+                raise
+            raise TimeoutError(f"no plan generation {self.generation + 1} within the recovery timeout "
+                               f"({self.timeouts.recovery_timeout} s)") from None
+        successor = self.store.get(key).decode()
+        if successor == RUN_STOP:
+            return StopOrder.from_json(self.store.get(RUN_STOP))
+        if successor == RUN_DONE:
+            return None
         return self.link.wait_plan(newer_than=self.generation)
+
+    def _store_for_steps(self) -> dist.Store:
+        """A connection of its own that waits no longer than a collective may."""
+        store = self.store.clone()
+        store.set_timeout(self.collective_timeout)
+        return store
 
     def _on_controller_lost(self, why: str) -> None:
         """On the heartbeat thread: end the generation; the training thread saves and exits."""
@@ -494,18 +504,21 @@ class Worker:
 
     def _wait_all_arrived(self, world_size: int) -> None:
         """Count this rank in and wait for the generation's every rank, or its abort."""
-        key = arrived_key(self.generation)
         if self.store.check([abort_key(self.generation)]):  # a rank that comes late counts in nowhere
             raise GenerationEnded("the controller ended the generation before this rank arrived")
-        self.store.add(key, 1)
-        deadline = time.monotonic() + self.timeouts.collective_timeout
-        while self.store.add(key, 0) < world_size:
-            if self.store.check([abort_key(self.generation)]):
-                raise GenerationEnded("the controller ended the generation before every rank arrived")
-            if time.monotonic() > deadline:
-                raise GenerationEnded(f"not every rank arrived within the collective timeout "
-                                      f"({self.timeouts.collective_timeout} s)")
-            time.sleep(self.timeouts.poll_interval / 10)
+        everyone = all_arrived_key(self.generation)
+        if self.store.add(arrived_key(self.generation), 1) == world_size:
+            self.store.compare_set(everyone, "", ALL_ARRIVED)
+        try:
+            self.group_store.wait([everyone])  # it waits up to the collective timeout
+        except dist.DistStoreError as exc:
+            if not missed_beat(exc):
+                raise
+            self.group_store = self._store_for_steps()  # its late answer must not be read as the next one's
+            raise GenerationEnded(f"not every rank arrived within the collective timeout "
+                                  f"({self.timeouts.collective_timeout} s)") from None
+        if self.group_store.get(everyone) != ALL_ARRIVED:
+            raise GenerationEnded("the controller ended the generation before every rank arrived")
 
     def _first_step_committed(self) -> bool:
         """Whether the generation's first step committed: its plan is then the settled one."""
@@ -522,11 +535,12 @@ class Worker:
     def _wait_until_ended(self) -> None:
         """An idle worker (or one done training) waits for the next plan or the run's end;
         it drops its spare blocks once the generation's first step commits."""
-        while not self.store.check([abort_key(self.generation)]):
-            if self.store.check([RUN_DONE]) or self.store.check([plan_key(self.generation + 1)]):
+        successor = successor_key(self.generation)
+        while not self.link.aborted(self.generation):
+            if self.store.check([successor]):
+                if self.store.get(successor).decode() == RUN_STOP:
+                    raise GenerationEnded("the run stops")
                 return
-            if self.store.check([RUN_STOP]):
-                raise GenerationEnded("the run stops")
             if self.spare is not None and self._first_step_committed():
                 self.spare = None
             time.sleep(self.timeouts.poll_interval)
