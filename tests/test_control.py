@@ -486,6 +486,18 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
     assert KillOrder.from_json(KillOrder(3, 1234).to_json()) == KillOrder(3, 1234)
 
 
+def test_the_frame_of_a_4096_worker_plan_is_under_2_kb_and_reads_back_exactly():
+    """Its size follows what is irregular in the plan (here a rerouted stage), not the
+    world's size: the plan's own JSON is 300 KB."""
+    profile = uniform_profile(num_layers=8)
+    plan = with_sync(symmetric_plan(dp=1024, pp=4, num_layers=8, micro_batches_per_pipeline=16), profile)
+    plan = reroute_plan(plan, failed_workers={2050}, profile=profile)
+    published = PlanPublished(plan, StepProgram(plan.generation, {}, staggered_optimizer=True, split_backward=True), 2.0)
+    frame = published.frame()
+    assert len(frame) < 2_000 and len(json.dumps(plan.to_dict())) > 300_000
+    assert PlanPublished.from_frame(frame, current_generation=plan.generation - 1) == published
+
+
 def _frame_with(published: PlanPublished, change) -> bytes:
     data = json.loads(zlib.decompress(published.frame()))
     change(data)
