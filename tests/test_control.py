@@ -17,15 +17,21 @@ import os
 import signal
 import socket
 import time
+import zlib
+from dataclasses import replace
+
 import pytest
 import torch.distributed as dist
 
 from control_cases import LocalCluster, alive, process_state, wait_for
+from helpers import symmetric_plan
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator.program import step_program
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, Transfer
+from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Detector
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig, first_host
@@ -56,9 +62,14 @@ from odyssey_megatron.runtime.protocol import (
     rank_heartbeat_key,
     parse_inbox,
     plan_key,
+    plan_ops_key,
+    read_plan,
+    write_plan,
 )
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
+from odyssey_megatron.schedules.ops import WEIGHT_GRAD, Op
 from odyssey_megatron.schedules.program import StepProgram, read_published
+from odyssey_megatron.settings import PLAIN
 from odyssey_megatron.timeouts import Timeouts
 
 TIMEOUTS = OdysseyConfig().timeouts
@@ -217,13 +228,103 @@ def test_a_replacement_launcher_fails_a_frozen_node_and_fences_it_when_it_thaws(
 # -- the store and plans, in this process -----------------------------------------------
 
 
+class Recording:
+    """A store that passes the plan's calls through and keeps what was read and written."""
+
+    def __init__(self, store):
+        self.store = store
+        self.read: list[tuple[str, int]] = []
+        """(key, bytes) of each get."""
+        self.written: list[tuple[list[str], int]] = []
+        """(keys, bytes of keys and values) of each set or multi_set."""
+
+    def wait(self, keys):
+        self.store.wait(keys)
+
+    def get(self, key):
+        value = self.store.get(key)
+        self.read.append((key, len(value)))
+        return value
+
+    def set(self, key, value):
+        self.multi_set([key], [value])
+
+    def multi_set(self, keys, values):
+        self.written.append((list(keys), sum(map(len, keys)) + sum(map(len, values))))
+        self.store.multi_set(keys, values)
+
+
+def _master_store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+def _rerouted_tp2() -> tuple[ExecutionPlan, StepProgram]:
+    """DP3 x PP2 at TP2, worker 4 failed (workers 3 and 5 run its micro-batches), with
+    transfers from a peer and from the checkpoint; only worker 0 splits its backwards."""
+    profile = uniform_profile(num_layers=4)
+    plan = with_sync(reroute_plan(symmetric_plan(dp=3, pp=2, num_layers=4, micro_batches_per_pipeline=2),
+                                  failed_workers={4}, profile=profile), profile)
+    plan = replace(plan, tensor_parallel_size=2,
+                   transfers=(Transfer(2, 6, 0, 100), Transfer("embedding", None, 1, 50), Transfer("output", 7, 10, 9)))
+    program = step_program(plan, profile, pricing=PLAIN)
+    backwards = tuple(op._replace(kind=WEIGHT_GRAD) for op in program.ops[0] if op.kind == "B")
+    return plan, replace(program, ops={**program.ops, 0: program.ops[0] + backwards}, split_backward=True)
+
+
+def test_a_plan_is_published_in_slices_and_each_rank_reads_the_frame_and_its_own_op_list_only():
+    plan, program = _rerouted_tp2()
+    published = PlanPublished(plan, program, 1.5, start_step=3, snapshot_interval=2, snapshot=(2, 0), joined=(5,))
+    master = _master_store()
+    writes = Recording(master)
+    write_plan(writes, published, batch_bytes=100)
+    batches = [size for _, size in writes.written[:-1]]
+    assert len(batches) > 1 and max(batches) <= 100, "op lists in batches within the limit"
+    assert writes.written[-1][0] == [plan_key(plan.generation)], "the frame last: once it is there, so are they"
+    assert sorted(k for keys, _ in writes.written[:-1] for k in keys) == sorted(
+        plan_ops_key(plan.generation, w) for w in plan.workers)
+    for rank in range(12):  # 6 workers of 2 TP ranks; worker 4 is failed
+        worker, reader = rank // 2, Recording(master)
+        got = read_plan(reader, rank=rank, current_generation=plan.generation - 1)
+        assert got.plan == plan and replace(got, program=program) == published
+        assert (got.program.generation, got.program.staggered_optimizer) == (program.generation,
+                                                                            program.staggered_optimizer)
+        assert got.program.split_backward, "from the frame, whether or not this worker's list splits"
+        frame = (plan_key(plan.generation), len(published.frame()))
+        if worker == 4:
+            assert got.program.ops == {} and reader.read == [frame]
+        else:
+            own = plan_ops_key(plan.generation, worker)
+            assert got.program.ops == {worker: program.ops[worker]}
+            assert reader.read == [frame, (own, len(master.get(own)))]
+    with pytest.raises(ValueError, match="over the store batch of 30"):
+        write_plan(_master_store(), published, batch_bytes=30)
+
+
+def test_a_worker_refuses_an_op_list_its_plan_does_not_give_it():
+    plan, program = _rerouted_tp2()
+    published = PlanPublished(plan, program, 1.5)
+    store = _master_store()
+    write_plan(store, published)
+    wrong = json.dumps([list(op) for op in program.ops[1] + (Op("F", 0, 0, 0),)]).encode()
+    store.set(plan_ops_key(plan.generation, 1), zlib.compress(wrong))
+    with pytest.raises(ProtocolError, match=r"gives Op\(kind='F', pipeline=0, stage=0, micro_batch=0\) to worker 1; "
+                                            "the plan gives it to 0"):
+        read_plan(store, rank=3, current_generation=plan.generation - 1)
+    store.set(plan_ops_key(plan.generation, 1), zlib.compress(b'[["X", 0, 0, 0]]'))
+    with pytest.raises(ProtocolError, match=r"op \['X', 0, 0, 0\] of worker 1 is not"):
+        read_plan(store, rank=2, current_generation=plan.generation - 1)
+
+
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     launch = WorkerLaunch(rank=0, local_rank=0, node=0, world_size=1, store_host="127.0.0.1",
                           store_port=controller.port, node_store_port=0, launcher_pid=os.getpid(), timeouts=TIMEOUTS)
     link = ControllerLink(launch)  # not started: no registration, no heartbeat thread
+    link.store = Recording(link.store)
     controller.publish_plan(*_published(0))
     assert (link.wait_plan(newer_than=-1).plan, link.wait_plan(newer_than=-1).program) == _published(0)
+    assert [key for key, _ in link.store.read] == [plan_key(0), plan_ops_key(0, 0)] * 2
     with pytest.raises(StaleGenerationError, match="generation 0 is stale"):
         controller.publish_plan(*_published(0))
     with pytest.raises(StaleGenerationError, match="generation 2 is not the next one"):
@@ -231,7 +332,7 @@ def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_
     controller.publish_plan(*_published(1))
     assert link.wait_plan(newer_than=0).plan == _plan(1)
     # A message under the next generation's key that carries an old plan: the worker refuses it.
-    controller.store.set(plan_key(2), PlanPublished(*_published(1), time.time()).to_json())
+    controller.store.set(plan_key(2), PlanPublished(*_published(1), time.time()).frame())
     with pytest.raises(StaleGenerationError, match="plan generation 1 is stale: generation 1 is already running"):
         link.wait_plan(newer_than=1)
     assert sorted(p.name for p in tmp_path.glob("plan-*.json")) == ["plan-0.json", "plan-1.json"]
@@ -414,16 +515,46 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
         parse_inbox('{"kind": "register_node", "node": 1, "pid": 2, "host": "h", "ranks": [1.5]}')
     with pytest.raises(ProtocolError, match="not a JSON message"):
         Heartbeat.from_json(b"\x80(pickle")
-    with pytest.raises(ProtocolError, match="malformed plan"):
-        PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "start_step": 0, "fresh": false, '
-                                '"plan": {"generation": 1}}', current_generation=0)
-    with pytest.raises(ProtocolError, match="with published_at, start_step and fresh"):
-        PlanPublished.from_json('{"kind": "plan", "published_at": 1.0, "plan": {"generation": 1}}', current_generation=0)
-    joining = PlanPublished(*_published(1), 4.0, start_step=3, joined=(0,))
-    assert PlanPublished.from_json(joining.to_json(), current_generation=0) == joining
     assert KillOrder.from_json(KillOrder(3, 1234).to_json()) == KillOrder(3, 1234)
-    with pytest.raises(ProtocolError, match="with published_at, start_step and fresh"):
-        PlanPublished.from_json(joining.to_json().replace('"joined": [0]', '"joined": ["0"]'), current_generation=0)
+
+
+def test_the_frame_of_a_4096_worker_plan_is_under_2_kb_and_reads_back_exactly():
+    """Its size follows what is irregular in the plan (here a rerouted stage), not the
+    world's size: the plan's own JSON is 300 KB."""
+    profile = uniform_profile(num_layers=8)
+    plan = with_sync(symmetric_plan(dp=1024, pp=4, num_layers=8, micro_batches_per_pipeline=16), profile)
+    plan = reroute_plan(plan, failed_workers={2050}, profile=profile)
+    published = PlanPublished(plan, StepProgram(plan.generation, {}, staggered_optimizer=True, split_backward=True), 2.0)
+    frame = published.frame()
+    assert len(frame) < 2_000 and len(json.dumps(plan.to_dict())) > 300_000
+    assert PlanPublished.from_frame(frame, current_generation=plan.generation - 1) == published
+
+
+def _frame_with(published: PlanPublished, change) -> bytes:
+    data = json.loads(zlib.decompress(published.frame()))
+    change(data)
+    return zlib.compress(json.dumps(data).encode())
+
+
+def test_a_frame_round_trips_exactly_and_malformed_ones_are_refused():
+    plan, program = _rerouted_tp2()
+    joining = PlanPublished(plan, program, 4.0, start_step=3, joined=(0,))
+    assert PlanPublished.from_frame(joining.frame(), current_generation=plan.generation - 1) == replace(
+        joining, program=replace(program, ops={}))
+    with pytest.raises(StaleGenerationError, match=f"plan generation {plan.generation} is stale"):
+        PlanPublished.from_frame(joining.frame(), current_generation=plan.generation)
+    with pytest.raises(ProtocolError, match="not a compressed JSON message"):
+        PlanPublished.from_frame(b"\x80(pickle", current_generation=0)
+    with pytest.raises(ProtocolError, match="with published_at, start_step, fresh"):
+        PlanPublished.from_frame(_frame_with(joining, lambda d: d.update(joined=["0"])), current_generation=0)
+    with pytest.raises(ProtocolError, match="malformed plan: .*cannot be cut into pieces"):
+        PlanPublished.from_frame(_frame_with(joining, lambda d: d["plan"]["workers"].pop()), current_generation=0)
+    with pytest.raises(ProtocolError, match="malformed plan: .*not an integer"):
+        PlanPublished.from_frame(_frame_with(joining, lambda d: d["plan"]["layers"].__setitem__(0, 1.5)),
+                                 current_generation=0)
+    with pytest.raises(ProtocolError, match="malformed plan: .*flags must be booleans"):
+        PlanPublished.from_frame(_frame_with(joining, lambda d: d["program"].update(split_backward=1)),
+                                 current_generation=0)
 
 
 @pytest.mark.parametrize("override, culprit", [

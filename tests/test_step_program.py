@@ -9,6 +9,7 @@ trip; a program of another generation or with a wrong op is refused.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,7 +27,7 @@ from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.schedules.ops import WEIGHT_GRAD, Op
-from odyssey_megatron.schedules.program import StepProgram, check_program, publish, read_published
+from odyssey_megatron.schedules.program import check_own_ops, check_program, publish, read_published
 from odyssey_megatron.settings import PLAIN, Pricing
 
 RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"
@@ -79,17 +80,19 @@ def test_a_published_plan_round_trips_through_json():
 
 
 @pytest.mark.parametrize("break_it, message", [
-    (lambda p: StepProgram(p.generation + 1, p.ops, p.staggered_optimizer), "does not belong to plan generation"),
-    (lambda p: StepProgram(p.generation, {w: ops for w, ops in p.ops.items() if w != 1}, False),
-     "live workers are"),
-    (lambda p: StepProgram(p.generation, {**p.ops, 0: p.ops[0][1:]}, False), "never runs"),
-    (lambda p: StepProgram(p.generation, {**p.ops, 0: p.ops[0] + p.ops[0][:1]}, False), "twice"),
-    (lambda p: StepProgram(p.generation, {**p.ops, 0: p.ops[0] + (Op("F", 0, 0, 99),)}, False),
+    (lambda p: replace(p, generation=p.generation + 1), "does not belong to plan generation"),
+    (lambda p: replace(p, ops={w: ops for w, ops in p.ops.items() if w != 1}), "live workers are"),
+    (lambda p: replace(p, ops={**p.ops, 0: p.ops[0][1:]}), "never runs"),
+    (lambda p: replace(p, ops={**p.ops, 0: p.ops[0] + p.ops[0][:1]}), "twice"),
+    (lambda p: replace(p, ops={**p.ops, 0: p.ops[0] + (Op("F", 0, 0, 99),)}), "not part of plan generation"),
+    (lambda p: replace(p, ops={**p.ops, 0: p.ops[0] + p.ops[1][:1], 1: p.ops[1][1:]}), "the plan gives it to 1"),
+    (lambda p: replace(p, ops={**p.ops, 0: p.ops[0] + (Op("W", 1, 0, 2),)}, split_backward=True),
+     "the plan gives it to 1"),
+    (lambda p: replace(p, ops={**p.ops, 0: p.ops[0] + (Op("W", 1, 0, 0),)}, split_backward=True),
      "not part of plan generation"),
-    (lambda p: StepProgram(p.generation, {**p.ops, 0: p.ops[0] + p.ops[1][:1], 1: p.ops[1][1:]}, False),
-     "the plan gives it to"),
-    (lambda p: StepProgram(p.generation, {**p.ops, 0: p.ops[0] + (Op("W", 1, 0, 0),)}, False),
-     "the plan gives it to"),
+    (lambda p: replace(p, split_backward=True), "split_backward=True, its op lists split no backwards"),
+    (lambda p: replace(p, ops={**p.ops, 0: p.ops[0] + (Op("W", 0, 0, 0),)}),
+     "split_backward=False, its op lists split backwards"),
 ])
 def test_a_program_that_does_not_fit_its_plan_is_refused(break_it, message):
     profile = uniform_profile(num_layers=2)
@@ -98,6 +101,43 @@ def test_a_program_that_does_not_fit_its_plan_is_refused(break_it, message):
     check_program(plan, program)
     with pytest.raises(ValueError, match=message):
         check_program(plan, break_it(program))
+
+
+def _rerouted():
+    """DP3 x PP2 with worker 4 (pipeline 1, stage 1) failed: workers 3 and 5 run its micro-batches."""
+    profile = uniform_profile(num_layers=4)
+    plan = with_sync(reroute_plan(symmetric_plan(dp=3, pp=2, num_layers=4, micro_batches_per_pipeline=2),
+                                  failed_workers={4}, profile=profile), profile)
+    return plan, step_program(plan, profile, pricing=Pricing(decouple=True))
+
+
+def test_each_worker_alone_accepts_its_own_list_of_the_whole_program():
+    plan, program = _rerouted()
+    assert plan.reroutes and program.split_backward
+    for worker in plan.workers:
+        check_own_ops(plan, replace(program, ops={worker: program.ops[worker]}), worker)
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda ops, others: ops[1:], r"never runs 1 op\(s\) the plan gives worker 3"),
+    (lambda ops, others: ops + ops[-1:], "runs .* twice on worker 3"),
+    (lambda ops, others: ops + others[:1], "gives Op.* to worker 3; the plan gives it to 0"),
+    (lambda ops, others: ops + (Op("F", 1, 1, 7),), "op Op.* of worker 3 is not part of plan generation"),
+    (lambda ops, others: ops + (Op("W", 1, 1, 3),), "gives Op.* to worker 3; the plan gives it to 5"),
+])
+def test_a_worker_refuses_an_own_list_missing_an_op_with_a_foreign_one_or_one_twice(break_it, message):
+    """Worker 3 (stage 1 of pipeline 0) also runs micro-batches of the failed stage 1 of pipeline 1."""
+    plan, program = _rerouted()
+    assert any(r.worker == 3 for r in plan.reroutes)
+    mine = replace(program, ops={3: break_it(program.ops[3], program.ops[0])})
+    with pytest.raises(ValueError, match=message):
+        check_own_ops(plan, mine, 3)
+
+
+def test_a_worker_refuses_split_backwards_its_program_does_not_announce():
+    plan, program = _rerouted()
+    with pytest.raises(ValueError, match="worker 3's op list splits backwards; its program says none does"):
+        check_own_ops(plan, replace(program, ops={3: program.ops[3]}, split_backward=False), 3)
 
 
 def test_the_decision_center_publishes_each_plan_with_its_program():

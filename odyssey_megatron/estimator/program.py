@@ -13,6 +13,7 @@ from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.schedules.ops import WEIGHT_GRAD
 from odyssey_megatron.schedules.program import StepProgram
 from odyssey_megatron.settings import PLAIN, Pricing
 
@@ -44,4 +45,5 @@ def step_program(
         for own, theirs in zip(source.stages, target.stages):
             ops[theirs.worker] = tuple(op._replace(pipeline=pi, micro_batch=micro_batch[op.micro_batch])
                                        for op in ops[own.worker])
-    return StepProgram(generation=plan.generation, ops=ops, staggered_optimizer=pipeline_s < timing.makespan_s)
+    return StepProgram(generation=plan.generation, ops=ops, staggered_optimizer=pipeline_s < timing.makespan_s,
+                       split_backward=any(op.kind == WEIGHT_GRAD for listed in ops.values() for op in listed))

@@ -7,6 +7,12 @@ pickle: a store is a network service). Senders stamp messages with their wall cl
 receivers judge liveness on their own monotonic clock, by watching a heartbeat's sequence
 number change (``HeartbeatWatch``), so clock skew between nodes never fails a worker.
 
+A plan is published in slices (``write_plan``/``read_plan``): each live worker's op list
+under its own key, then a frame every worker reads (the message's fields, the plan in a
+compact column form, the step program's flags), all zlib-compressed JSON. A worker reads
+the frame and its own op list only, whatever the world's size; and no value comes near
+the store's request limit.
+
 A *rank* here is a worker process's rank fixed at launch (``node * nproc_per_node +
 local_rank``); plan worker ``w`` (a TP group) is ranks ``w*TP .. w*TP+TP-1``.
 """
@@ -15,11 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Optional
+import zlib
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, ClassVar, Iterable, Optional
 
-from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.schedules.program import StepProgram, publish, read_published
+from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, Reroute, StagePlan, SyncUnit, Transfer
+from odyssey_megatron.schedules.program import StepProgram, check_own_ops, check_program, ops_from_json, ops_to_json
 from odyssey_megatron.snapshot.restore import Restore, participants
 from odyssey_megatron.timeouts import Timeouts
 
@@ -52,6 +59,7 @@ __all__ = [
     "RUN_DONE",
     "RUN_SPEC",
     "RUN_STOP",
+    "STORE_BATCH_BYTES",
     "StopOrder",
     "StopRequested",
     "ABORTED",
@@ -76,7 +84,10 @@ __all__ = [
     "node_heartbeat_key",
     "parse_inbox",
     "plan_key",
+    "plan_ops_key",
     "rank_heartbeat_key",
+    "read_plan",
+    "write_plan",
 ]
 
 # -- store keys ----------------------------------------------------------------------
@@ -120,7 +131,19 @@ def generation_prefix(generation: int) -> str:
 
 
 def plan_key(generation: int) -> str:
+    """The generation's plan frame (``PlanPublished.frame``): set after every op list, so a
+    worker that sees it finds its own."""
     return generation_prefix(generation) + "plan"
+
+
+def plan_ops_key(generation: int, worker: int) -> str:
+    """Worker ``worker``'s op list in the generation's step program, read by its TP ranks."""
+    return generation_prefix(generation) + f"ops/{worker}"
+
+
+STORE_BATCH_BYTES = 4 << 20
+"""Most bytes of keys and values one ``multi_set`` carries: the libuv TCPStore server drops
+a request over 8 MiB (the client sees its connection reset)."""
 
 
 RUN_SPEC = "run/spec"
@@ -469,8 +492,9 @@ def parse_inbox(text: str | bytes) -> Message:
 
 @dataclass(frozen=True)
 class PlanPublished:
-    """A plan and its step program (``schedules.program.publish``) under
-    ``plan_key(plan.generation)``; generations are published one after another."""
+    """A plan and its step program, published in slices (``write_plan``); generations are
+    published one after another. Read by a worker (``read_plan``), ``program`` holds that
+    worker's op list only, or none where the plan has it idle."""
 
     plan: ExecutionPlan
     program: StepProgram
@@ -497,36 +521,182 @@ class PlanPublished:
         """Workers that enter the generation: the plan's, and those that read a snapshot shard for it."""
         return participants(self.plan, self.restore)
 
-    def to_json(self) -> str:
-        return json.dumps({"kind": "plan", "published_at": self.published_at, "start_step": self.start_step,
-                           "fresh": self.fresh, "snapshot_interval": self.snapshot_interval,
-                           "snapshot": list(self.snapshot) if self.snapshot else None,
-                           "restore": self.restore.to_dict() if self.restore else None,
-                           "joined": list(self.joined), "plan": publish(self.plan, self.program)}, allow_nan=False)
+    def frame(self) -> bytes:
+        """What every worker reads under ``plan_key``: the fields, the plan (``_plan_columns``)
+        and the step program's flags, without any op list."""
+        return _pack({"kind": "plan", "published_at": self.published_at, "start_step": self.start_step,
+                      "fresh": self.fresh, "snapshot_interval": self.snapshot_interval,
+                      "snapshot": list(self.snapshot) if self.snapshot else None,
+                      "restore": self.restore.to_dict() if self.restore else None, "joined": list(self.joined),
+                      "plan": _plan_columns(self.plan),
+                      "program": {"staggered_optimizer": self.program.staggered_optimizer,
+                                  "split_backward": self.program.split_backward}})
+
+    def op_lists(self) -> dict[str, bytes]:
+        """Each live worker's op list under its ``plan_ops_key``, once the whole program is
+        checked against the plan."""
+        check_program(self.plan, self.program)
+        return {plan_ops_key(self.plan.generation, worker): _pack(ops_to_json(ops))
+                for worker, ops in sorted(self.program.ops.items())}
 
     @classmethod
-    def from_json(cls, text: str | bytes, *, current_generation: int) -> "PlanPublished":
-        """Parse, refusing a plan not newer than ``current_generation`` (the reader's; -1 before any)."""
-        data = _loads(text)
-        if not (isinstance(data, dict) and data.get("kind") == "plan" and _conforms(data.get("published_at"), "float")
-                and _conforms(data.get("start_step"), "int") and _conforms(data.get("fresh"), "bool")
-                and _conforms(data.get("snapshot_interval", 0), "int")
-                and _conforms(data.get("joined", []), "tuple[int, ...]")):
-            raise ProtocolError(f"expected a 'plan' message with published_at, start_step and fresh; got "
-                                f"{str(data)[:200]}")
+    def from_frame(cls, data: bytes, *, current_generation: int) -> "PlanPublished":
+        """Parse a ``frame``, refusing a plan not newer than ``current_generation`` (the
+        reader's; -1 before any); its program holds no op list yet (``with_own_ops``)."""
+        message = _unpack(data)
+        if not (isinstance(message, dict) and message.get("kind") == "plan"
+                and _conforms(message.get("published_at"), "float") and _conforms(message.get("start_step"), "int")
+                and _conforms(message.get("fresh"), "bool") and _conforms(message.get("snapshot_interval"), "int")
+                and _conforms(message.get("joined"), "tuple[int, ...]")):
+            raise ProtocolError(f"expected a 'plan' frame with published_at, start_step, fresh, snapshot_interval "
+                                f"and joined; got {str(message)[:200]}")
         try:
-            plan, program = read_published(data["plan"])
-            snapshot = data.get("snapshot")
+            plan = _plan_of_columns(message["plan"])
+            header = message["program"]
+            if not (_conforms(header["staggered_optimizer"], "bool") and _conforms(header["split_backward"], "bool")):
+                raise ValueError(f"step program flags must be booleans; got {header!r}")
+            snapshot = message["snapshot"]
             snapshot = None if snapshot is None else (int(snapshot[0]), int(snapshot[1]))
-            restore = None if data.get("restore") is None else Restore.from_dict(data["restore"])
+            restore = None if message["restore"] is None else Restore.from_dict(message["restore"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"plan message: malformed plan: {exc!r}") from None
         if plan.generation <= current_generation:
             raise StaleGenerationError(f"plan generation {plan.generation} is stale: generation {current_generation} "
                                        "is already running")
-        return cls(plan=plan, program=program, published_at=data["published_at"], start_step=data["start_step"],
-                   fresh=data["fresh"], snapshot_interval=data.get("snapshot_interval", 0), snapshot=snapshot,
-                   restore=restore, joined=tuple(data.get("joined", [])))
+        program = StepProgram(plan.generation, {}, staggered_optimizer=header["staggered_optimizer"],
+                              split_backward=header["split_backward"])
+        return cls(plan=plan, program=program, published_at=message["published_at"],
+                   start_step=message["start_step"], fresh=message["fresh"],
+                   snapshot_interval=message["snapshot_interval"], snapshot=snapshot, restore=restore,
+                   joined=tuple(message["joined"]))
+
+    def with_own_ops(self, worker: int, data: bytes) -> "PlanPublished":
+        """This message with ``worker``'s op list (read from its ``plan_ops_key``) as its
+        program's, checked against the plan (``check_own_ops``)."""
+        try:
+            program = replace(self.program, ops={worker: ops_from_json(_unpack(data), worker=worker)})
+            check_own_ops(self.plan, program, worker)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"plan generation {self.plan.generation}: {exc}") from None
+        return replace(self, program=program)
+
+
+def write_plan(store: Any, published: PlanPublished, *, batch_bytes: int = STORE_BATCH_BYTES) -> None:
+    """Publish ``published`` on ``store``: every op list, in ``multi_set`` batches of at most
+    ``batch_bytes`` (keys and values), then the frame, which is what workers wait for."""
+    batch: dict[str, bytes] = {}
+    size = 0
+    for key, value in published.op_lists().items():
+        if len(key) + len(value) > batch_bytes:
+            raise ValueError(f"{key} holds {len(value)} bytes: over the store batch of {batch_bytes}")
+        if size + len(key) + len(value) > batch_bytes:
+            store.multi_set(list(batch), list(batch.values()))
+            batch, size = {}, 0
+        batch[key] = value
+        size += len(key) + len(value)
+    if batch:
+        store.multi_set(list(batch), list(batch.values()))
+    store.set(plan_key(published.plan.generation), published.frame())
+
+
+def read_plan(store: Any, *, rank: int, current_generation: int) -> PlanPublished:
+    """Plan generation ``current_generation + 1`` as rank ``rank`` needs it (its frame is
+    set): the frame, and the op list of the rank's worker where the plan has it live;
+    a frame carrying a generation not newer than ``current_generation`` is refused
+    (StaleGenerationError)."""
+    published = PlanPublished.from_frame(store.get(plan_key(current_generation + 1)),
+                                         current_generation=current_generation)
+    worker = rank // published.plan.tensor_parallel_size
+    if worker not in published.plan.workers:
+        return published
+    return published.with_own_ops(worker, store.get(plan_ops_key(published.plan.generation, worker)))
+
+
+def _pack(value: Any) -> bytes:
+    return zlib.compress(json.dumps(value, separators=(",", ":"), allow_nan=False).encode())
+
+
+def _unpack(data: bytes) -> Any:
+    try:
+        return _loads(zlib.decompress(data))
+    except zlib.error as exc:
+        raise ProtocolError(f"not a compressed JSON message: {exc}") from None
+
+
+def _deltas(values: Iterable[Optional[int]]) -> list[Optional[int]]:
+    """Each value less the last value before it (None stays None): runs of worker ids,
+    micro-batches and layer bounds become runs of one number, which zlib folds away."""
+    out, last = [], 0
+    for value in values:
+        out.append(None if value is None else value - last)
+        last = last if value is None else value
+    return out
+
+
+def _sums(deltas: Any, *, optional: bool = False) -> list[Optional[int]]:
+    """The values ``_deltas`` was given."""
+    out, last = [], 0
+    for delta in deltas:
+        if not _conforms(delta, "Optional[int]" if optional else "int"):
+            raise ValueError(f"{delta!r} in a plan column is not an integer")
+        last = last if delta is None else last + delta
+        out.append(None if delta is None else last)
+    return out
+
+
+def _plan_columns(plan: ExecutionPlan) -> dict[str, Any]:
+    """The plan as columns (stage workers, layer bounds and micro-batches of every pipeline
+    each in one list, as ``_deltas``): ``ExecutionPlan.to_dict`` repeats field names per
+    stage and writes id after id, 1.2 MB at 16,384 ranks."""
+    stages = [stage for pipeline in plan.pipelines for stage in pipeline.stages]
+    return {
+        "generation": plan.generation, "policy": plan.policy, "num_layers": plan.num_layers,
+        "tensor_parallel_size": plan.tensor_parallel_size,
+        "stage_counts": [pipeline.num_stages for pipeline in plan.pipelines],
+        "workers": _deltas(stage.worker for stage in stages),
+        "layers": _deltas(bound for stage in stages for bound in stage.layers),
+        "micro_batch_counts": [len(pipeline.micro_batches) for pipeline in plan.pipelines],
+        "micro_batches": _deltas(m for pipeline in plan.pipelines for m in pipeline.micro_batches),
+        "reroutes": [[r.pipeline, r.stage, r.worker, list(r.micro_batches)] for r in plan.reroutes],
+        "sync_units": [[list(unit.blocks), _deltas(unit.workers)] for unit in plan.sync_units],
+        "comm_rounds": [list(r) for r in plan.comm_rounds],
+        "transfers": [[t.layer, t.src, t.dst, t.bytes] for t in plan.transfers],
+    }
+
+
+def _cut(values: list, counts: Any) -> list[list]:
+    """``values`` cut into consecutive pieces of ``counts``, which must cover it exactly."""
+    if not (isinstance(counts, list) and all(_conforms(c, "int") and c >= 0 for c in counts)
+            and sum(counts) == len(values)):
+        raise ValueError(f"{len(values)} plan values cannot be cut into pieces of {str(counts)[:100]}")
+    pieces, at = [], 0
+    for count in counts:
+        pieces.append(values[at:at + count])
+        at += count
+    return pieces
+
+
+def _plan_of_columns(data: dict[str, Any]) -> ExecutionPlan:
+    """The plan ``_plan_columns`` wrote."""
+    if not all(_conforms(data[name], "int") for name in ("generation", "num_layers", "tensor_parallel_size")):
+        raise ValueError("a plan's generation, num_layers and tensor_parallel_size must be integers")
+    stage_counts = data["stage_counts"]
+    workers = _cut(_sums(data["workers"], optional=True), stage_counts)
+    layers = _cut(_sums(data["layers"]), [2 * n for n in stage_counts])
+    micro_batches = _cut(_sums(data["micro_batches"]), data["micro_batch_counts"])
+    if len(micro_batches) != len(workers):
+        raise ValueError(f"{len(workers)} pipelines' stages, {len(micro_batches)} pipelines' micro-batches")
+    pipelines = tuple(
+        PipelinePlan(tuple(StagePlan(w, (bounds[2 * i], bounds[2 * i + 1])) for i, w in enumerate(ws)), tuple(mbs))
+        for ws, bounds, mbs in zip(workers, layers, micro_batches))
+    return ExecutionPlan(
+        generation=data["generation"], policy=data["policy"], num_layers=data["num_layers"],
+        tensor_parallel_size=data["tensor_parallel_size"], pipelines=pipelines,
+        reroutes=tuple(Reroute(p, s, w, tuple(mbs)) for p, s, w, mbs in data["reroutes"]),
+        sync_units=tuple(SyncUnit(tuple(blocks), tuple(_sums(ws))) for blocks, ws in data["sync_units"]),
+        comm_rounds=tuple(tuple(r) for r in data["comm_rounds"]),
+        transfers=tuple(Transfer(layer, src, dst, size) for layer, src, dst, size in data["transfers"]),
+    )
 
 
 # -- liveness ------------------------------------------------------------------------

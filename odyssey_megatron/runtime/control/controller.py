@@ -53,6 +53,7 @@ from odyssey_megatron.runtime.protocol import (
     parse_inbox,
     plan_key,
     successor_key,
+    write_plan,
 )
 from odyssey_megatron.schedules.program import StepProgram
 from odyssey_megatron.snapshot.restore import Restore
@@ -131,8 +132,9 @@ class Controller:
                      fresh: bool = False, estimated_step_s: float | None = None, snapshot_interval: int = 0,
                      snapshot: tuple[int, int] | None = None, restore: Restore | None = None,
                      joined: tuple[int, ...] = ()) -> None:
-        """Publish ``plan`` with its step program as JSON under its generation's key, to
-        be run from step ``start_step``; generations go up one by one, so an older or
+        """Publish ``plan`` with its step program under its generation's keys (``write_plan``:
+        each worker's op list apart, then the frame every worker reads), to be run from step
+        ``start_step``; generations go up one by one, so an older or
         repeated one is refused (a decision overtaken by a newer one). ``estimated_step_s``
         (the estimator's step time) goes into the record; ``fresh``, ``snapshot_interval``,
         ``snapshot``, ``restore`` and ``joined``: see ``PlanPublished``."""
@@ -141,9 +143,9 @@ class Controller:
             raise StaleGenerationError(f"plan generation {plan.generation} is {problem}: generation "
                                        f"{self.published_generation} was published last")
         published = PlanPublished(plan, program, time.time(), start_step, fresh, snapshot_interval, snapshot,
-                                  restore, joined)  # checks that the program is the plan's
+                                  restore, joined)
         self.record.plan(plan, program)
-        self.store.set(plan_key(plan.generation), published.to_json())
+        write_plan(self.store, published)  # checks that the program is the plan's first
         self.store.set(PUBLISHED_GENERATION, str(plan.generation))
         self.store.set(successor_key(plan.generation - 1), plan_key(plan.generation))
         self.published_generation = plan.generation

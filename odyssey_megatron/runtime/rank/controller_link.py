@@ -51,6 +51,7 @@ from odyssey_megatron.runtime.protocol import (
     missed_beat,
     plan_key,
     rank_heartbeat_key,
+    read_plan,
 )
 
 __all__ = ["ControllerLink"]
@@ -158,11 +159,11 @@ class ControllerLink:
 
     def wait_plan(self, *, newer_than: int) -> PlanPublished:
         """Wait (up to the recovery timeout) for plan generation ``newer_than + 1`` and
-        return it with its step program; a message carrying an older generation is
-        refused (StaleGenerationError)."""
-        key = plan_key(newer_than + 1)
-        self.store.wait([key])
-        return PlanPublished.from_json(self.store.get(key), current_generation=newer_than)
+        return it with this worker's op list (``read_plan``: none where the plan has the
+        worker idle); a message carrying an older generation is refused
+        (StaleGenerationError)."""
+        self.store.wait([plan_key(newer_than + 1)])
+        return read_plan(self.store, rank=self.launch.rank, current_generation=newer_than)
 
     def _beat(self, store: dist.Store) -> None:
         beat = Heartbeat(self._seq, time.time(), self.generation, self.watching)
