@@ -1,90 +1,84 @@
-"""The live run's control plane as it is today, at 1,024, 4,096 and 16,384 ranks (issue 34):
-how big the published plan is, what each worker reads of it, how many store operations
-the protocol asks of the controller's one TCPStore, and how long until every worker holds
-a new plan. A baseline for the redesign, which changes the same protocol.
+"""The live run's control plane at 1,024, 4,096 and 16,384 ranks (issue 34): what a plan
+publication writes and each worker reads of it, how many store operations the protocol
+asks of the controller's one TCPStore in steady training and in a recovery, and how long
+until every worker holds its new plan.
 
 Layout: Llama-2 7B as ``benchmarks/plan_search.py`` widens it (Ascend 910B recipe, TP1 x
 PP4, 8 devices per node, so every rank is one plan worker), with 16 micro-batches per
 pipeline (4 x PP: a 1F1B bubble of 16 %; ``--micro-batches``). The plan is the one a
 recovery publishes: ``DecisionCenter.from_recipe`` then ``on_failure`` of one rank in the
-middle, published as ``PlanPublished.to_json``, the exact text ``ControllerLink.wait_plan``
-reads from ``plan_key``.
+middle, published with ``protocol.write_plan`` as ``Controller.publish_plan`` does.
 
 Measured, per row:
-- ``plan_bytes``: that text's length; ``bytes_read_per_worker``: the same (every rank
-  reads the whole key). The table adds the time one worker takes to parse it
-  (``PlanPublished.from_json``), on this machine.
+- ``plan_bytes``: what the publication writes (the frame and every worker's op list, as
+  stored); ``bytes_read_per_worker``: the frame plus the largest op list, what
+  ``read_plan`` gets for the worst-off worker. The table adds the whole plan's JSON (what
+  every worker read before issue 34; the run directory keeps it), and the time
+  ``write_plan`` takes the controller and ``read_plan`` one worker, over a dict.
 - ``own_share_bytes``: the largest, over workers, of the JSON bytes of what the worker
-  needs from that text: its op list, its pipeline's entry (stages and micro-batches: its
-  neighbours), reroutes into its pipeline or onto it, sync units it is a member of (its DP
-  groups, with their member lists), transfers it sends or receives, the comm rounds, the
-  plan's scalar fields and the message's other fields (its ``restore``, if any, whole).
-  The table also gives the median worker's.
+  needs from the whole plan: its op list, its pipeline's entry (stages and micro-batches:
+  its neighbours), reroutes into its pipeline or onto it, sync units it is a member of
+  (its DP groups, with their member lists), transfers it sends or receives, the comm
+  rounds, the plan's scalar fields and the message's other fields. The table also gives
+  the median worker's.
 - The server's cost: a real TCPStore server (libuv, as the Controller opens it) in this
   process, a real controller poll on a thread beside it (``Controller._poll``'s requests:
-  its heartbeat, the inbox length, ``check`` and ``multi_get`` of every rank's and node's
-  heartbeat key, each heartbeat parsed; plus ``TrainingRun``'s commit check) over all the
-  row's keys every ``poll_interval``, and simulated nodes in driver processes, each rank
-  and launcher on a store connection of its own, speaking the protocol with its key
-  functions and messages: each rank's heartbeat thread (set its beat, get the
-  controller's, check the abort key), its launcher (set the node's beat, and every poll
-  interval get the controller's beat and the launcher key and the kill queue's length),
-  and per step each rank's commit (append its ``StepReport``, add to the step counter,
-  wait for and get the decision key). The poll runs alone for half a window: the server's
-  CPU per poll (this process's CPU time less the poll thread's own). Then the simulated
-  nodes run alone, closed-loop (as fast as they are answered, not at their periods) for
-  a window: the server's CPU per request (this process's CPU time over their requests).
-- A live recovery: simulated workers block in ``wait`` on the new plan's key; the plan is
-  set; each gets it, checks the abort key, counts into ``arrived_key`` and polls it (with
-  the abort key) every ``poll_interval / 10`` until all have arrived
-  (``Worker._wait_all_arrived``), then counts into ``ready_key`` while the owner polls it
-  (``TrainingRun._wait_ready``); heartbeats are left out of this run. The time from the
-  plan's ``set`` to the last worker's ``get`` is ``time_to_plan_s`` where every rank of
-  the row was simulated. The plan is first set under a spare key: the libuv server drops
-  any request whose payload is over 8 MiB (the client sees "Connection reset by peer"),
-  and where it drops the plan, today's controller cannot publish it and
-  ``time_to_plan_s`` is null.
+  its heartbeat, the inbox length, ``check`` and ``multi_get`` of every node's heartbeat
+  key, each parsed; plus ``TrainingRun``'s commit check) over the row's keys every
+  ``poll_interval``, and simulated nodes in driver processes, each rank and launcher on a
+  store connection of its own, speaking the protocol with its key functions and messages:
+  each launcher's beat thread (``NodeLauncher._beat``: the node's heartbeat with its
+  ranks' beats, then the controller's heartbeat and the launcher key in one request; the
+  ranks' own beats go to their node's store, which is not the controller's) and per step
+  the node's commit (``runtime.rank.node_ledger``: the rank carrying the node's count
+  appends the node's ``StepReport`` lines, adds the node's ranks to the step counter, waits
+  for and gets the decision key). The poll runs alone for half a window: the server's CPU per poll
+  (this process's CPU time less the poll thread's own). Then the simulated nodes run
+  alone, closed-loop (as fast as they are answered, not at their periods) for a window:
+  the server's CPU per request (this process's CPU time over their requests).
+- A live recovery: the plan is written; simulated ranks (those of live workers) block in
+  ``wait`` on the successor key; it is set (``Controller.publish_plan``'s last write); each
+  rank gets it, the frame and its worker's op list, checks the abort key, counts into
+  ``arrived_key`` (the last one sets ``all_arrived_key``), waits on ``all_arrived_key`` and
+  gets it, then counts into ``ready_key`` while the owner polls it
+  (``TrainingRun._wait_ready``); heartbeats are left out of this run. ``time_to_plan_s``:
+  from the successor key's set until the last rank got its op list.
 
-Computed, not measured: ``steady_ops_per_s`` and ``recovery_ops_per_s`` are the rates the
-protocol asks for at the row's size: its periods (``odyssey`` defaults: heartbeat 0.1 s,
-poll 0.05 s) and a stated step time (``--step-s``, 5 s) times the operations one node's
-period and one step take, counted by running the same simulated-node code against a
-counting store. Steady: heartbeats, launchers, controller poll, commits. Recovery: the
-same heartbeats, launchers and poll plus every rank's arrival poll, the phase that lasts
-from a worker's plan read until the last worker's; the plan reads themselves are
-``time_to_plan_s``. Process-group rendezvous (gloo's own keys under ``process_group_prefix``)
-is not counted. The table's "server busy" is the share of one core the store's single
-libuv thread would need for the steady (recovery) rate: the server's CPU per poll at the
-row's size times the polls per second the controller asks for, plus the rest of the rate
-times the server's CPU per request.
+Computed, not measured: ``steady_ops_per_s`` is the rate the protocol asks for at the
+row's size: its periods (``odyssey`` defaults: heartbeat 0.1 s, poll 0.05 s) and a stated
+step time (``--step-s``, 5 s) times the operations one node's period and one step take,
+counted by running the same simulated-node code against a counting store: launchers'
+heartbeats and nodes' commits (both grow with nodes), the controller's poll.
+``recovery_ops_per_s``: the launchers' and the poll's rate plus every rank's recovery
+requests (``RECOVERY_REQUESTS``, none repeated while waiting) over the time until all
+arrived. Process-group rendezvous (gloo's own keys under ``process_group_prefix``) is not
+counted. The table's "server busy" is the share of one core the store's single libuv
+thread would need for the steady rate: the server's CPU per poll at the row's size times
+the polls per second the controller asks for, plus the rest of the rate times the
+server's CPU per request.
 
-Extrapolated (listed in the row's ``extrapolated``): where the machine holds fewer
-clients than the row has ranks (``--clients``, 1,024 by default, and at most
-``--read-budget`` bytes of plan reads), ``time_to_plan_s`` = ranks x plan bytes / the
-server's byte rate measured while the simulated workers read this row's plan. That rate is
-a lower bound: clients and server share this machine's 2 cores (and a CI run).
+Extrapolated (listed in the row's ``extrapolated``): where the machine holds fewer clients
+than the row has ranks (``--clients``, 1,024 by default), the recovery's times are the
+simulated ranks' times scaled by ranks / simulated ranks: the server answers the row's
+every rank as it answered the simulated ones, one after another. That is an upper bound
+while the server is not saturated (the clients and the server share this machine's 2
+cores), and ``recovery_ops_per_s`` follows from it.
 
 Run: PYTHONPATH=. nice .venv/bin/python benchmarks/control_plane.py [--quick]
-(about 7 minutes on the shared 2-core machine; ``--quick``: 1,024 and 4,096 ranks, 256
-clients, shorter windows, about 3 minutes).
+(about 4 minutes on the shared 2-core machine; ``--quick``: 1,024 and 4,096 ranks, 256
+clients, shorter windows).
 
-One run, 2026-11-27, shared 2-core machine under a CI run (load about 7; poll times and
-byte rates vary by 2x between runs):
+Before issue 34 (one run, 2026-11-27, shared 2-core machine under a CI run), the same
+benchmark of the protocol as it was (every worker read the whole plan from one key and
+beat into the controller's store, polling waits):
 
-| ranks | plan MB | own share KB | parse s | steady ops/s | recovery ops/s | poll ms | time to plan s |
+| ranks | plan MB (read by every worker) | own share KB | parse s | steady ops/s | recovery ops/s | poll ms | time to plan s |
 |---|---|---|---|---|---|---|---|
 | 1,024 | 1.08 | 4.2 / 2.9 | 0.64 | 40,599 (99 %) | 449,380 (1024 %) | 111 | 2.44 |
 | 4,096 | 4.53 | 9.1 / 7.8 | 2.72 | 162,097 (536 %) | 1,797,220 (5259 %) | 182 | 58.3 (extrapolated) |
 | 16,384 | 19.21 | 31.2 / 28.3 | 10.4 | 648,087 (2785 %) | 7,188,580 (20098 %) | 1,190 | none: refused |
 
-Plan MB: also what each worker reads; own share: max / median; ops/s: asked for (server
-busy); time to plan at 4,096 from 441 readers at 318 MB/s. The server's CPU per request
-was 23-29 us. Each worker reads 250-620 times its share; one store thread carries
-today's steady traffic at about 1,000 ranks and no more; the arrival poll (two requests
-per rank every 5 ms) asks ten times that during a recovery; the controller's poll over
-every heartbeat outlasts its 50 ms period from 4,096 ranks on (at 1,024: 15 to 111 ms
-across runs here); and a plan over 8 MiB (16,384 ranks at 16, or 8, micro-batches per
-pipeline) cannot be published at all.
+(a plan over 8 MiB could not be published at all: the libuv server drops such a request.)
 """
 
 from __future__ import annotations
@@ -104,23 +98,30 @@ import torch.distributed as dist
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.runtime.protocol import (
+    ALL_ARRIVED,
     CONTROLLER_HEARTBEAT,
     INBOX,
-    Heartbeat,
+    ControllerHeartbeat,
+    PUBLISHED_GENERATION,
+    NodeHeartbeat,
     PlanPublished,
     StepReport,
     abort_key,
+    all_arrived_key,
     applied_key,
     arrived_key,
     decided_key,
-    kill_orders_key,
     launcher_key,
     node_heartbeat_key,
     plan_key,
-    rank_heartbeat_key,
+    plan_ops_key,
+    read_plan,
     ready_key,
     step_report_key,
+    successor_key,
+    write_plan,
 )
+from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.runtime.step_ledger import Outcome
 from odyssey_megatron.timeouts import Timeouts
 from plan_search import DEVICES_PER_NODE, MODELS, recipe
@@ -138,17 +139,42 @@ THREADS_PER_DRIVER = 8
 # -- the plan ----------------------------------------------------------------------------
 
 
-def recovery_plan(config) -> tuple[str, str]:
-    """(the published text of the plan after one rank in the middle fails, what was chosen)."""
+def recovery_plan(config) -> tuple[PlanPublished, str]:
+    """(the plan published after one rank in the middle fails, what was chosen)."""
     center = DecisionCenter.from_recipe(config)
     decision = center.on_failure(ranks=[config.parallel.num_ranks // 2 + TP])
     published = PlanPublished(center.plan, center.program, time.time(), start_step=100)
-    return published.to_json(), f"{decision.chosen.policy} {decision.chosen.layout}"
+    return published, f"{decision.chosen.policy} {decision.chosen.layout}"
+
+
+def whole_text(published: PlanPublished) -> str:
+    """The whole plan as one JSON text, as the run directory keeps it (``plan-<g>.json``)
+    and as every worker read it before issue 34, with the message's fields."""
+    return json.dumps({"kind": "plan", "published_at": published.published_at, "start_step": published.start_step,
+                       "fresh": published.fresh, "snapshot_interval": published.snapshot_interval,
+                       "snapshot": None, "restore": None, "joined": list(published.joined),
+                       "plan": publish(published.plan, published.program)})
+
+
+class DictStore:
+    """The store calls ``write_plan`` and ``read_plan`` make, over a dict."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def multi_set(self, keys, values):
+        self.values.update(zip(keys, values))
+
+    def set(self, key, value):
+        self.values[key] = value
+
+    def get(self, key):
+        return self.values[key]
 
 
 def own_shares(text: str) -> list[int]:
-    """Per live worker, the JSON bytes of the parts of the published plan it needs (see the
-    module docstring): what a per-worker slice would hold, before any compaction."""
+    """Per live worker, the JSON bytes of the parts of the whole plan (``whole_text``) it
+    needs (see the module docstring), before any compaction."""
     def size(value) -> int:
         return len(json.dumps(value))
 
@@ -202,34 +228,25 @@ class SimNode:
     (the other stages' carry no micro-batches: more bytes than the real, the same requests)."""
 
     def beat(self, seq: int, timeouts: Timeouts) -> None:
-        """One heartbeat interval: each rank's heartbeat thread (``ControllerLink._beat_loop``)
-        and the launcher's beat thread and watch loop (``Launcher._watch``), which polls twice
-        per beat."""
-        for rank, store in zip(self.ranks, self.rank_stores):
-            store.set(rank_heartbeat_key(rank), Heartbeat(seq, time.time(), RUNNING).to_json())
-            Heartbeat.from_json(store.get(CONTROLLER_HEARTBEAT))
-            store.check([abort_key(RUNNING)])
-        self.launcher.set(node_heartbeat_key(self.node), Heartbeat(seq, time.time()).to_json())
-        for _ in range(round(timeouts.heartbeat_interval / timeouts.poll_interval)):
-            Heartbeat.from_json(self.launcher.get(CONTROLLER_HEARTBEAT))
-            self.launcher.get(launcher_key(self.node))
-            self.launcher.queue_len(kill_orders_key(self.node))
+        """One heartbeat interval of the launcher's beat thread (``NodeLauncher._beat``): the
+        node's heartbeat with its ranks' last beats, then the controller's beat (aborts and
+        kill-order counts in it) and the launcher key in one request. The ranks beat into
+        their node's store, which the controller's never sees."""
+        self.launcher.set(node_heartbeat_key(self.node), NodeHeartbeat(
+            seq, time.time(), {str(r): seq for r in self.ranks}, {str(r): RUNNING for r in self.ranks}).to_json())
+        controller, _ = self.launcher.multi_get([CONTROLLER_HEARTBEAT, launcher_key(self.node)])
+        ControllerHeartbeat.from_json(controller)
 
     def commit(self, step: int) -> None:
-        """Each rank's ``live_step.commit_step``: report, count in, wait for the decision."""
-        for store in self.rank_stores:
-            store.append(step_report_key(RUNNING, step), self.report)
-            store.add(applied_key(RUNNING, step), 1)
-            store.wait([decided_key(RUNNING, step)], datetime.timedelta(seconds=30))
-            Outcome(store.get(decided_key(RUNNING, step)))
-
-
-def arrival_poll(store, world: int) -> bool:
-    """One tick of ``Worker._wait_all_arrived``'s loop: whether every rank has arrived."""
-    if store.add(arrived_key(RUNNING + 1), 0) >= world:
-        return True
-    store.check([abort_key(RUNNING + 1)])
-    return False
+        """The node's commit (``runtime.rank.node_ledger``) as the controller's store sees it:
+        the rank that carries the node's count appends the node's reports, counts the node's
+        ranks in, waits for the decision and reads it (the ranks report, count in and wait in
+        their node's store)."""
+        store = self.rank_stores[0]
+        store.append(step_report_key(RUNNING, step), self.report * len(self.ranks))
+        store.add(applied_key(RUNNING, step), len(self.ranks))
+        store.wait([decided_key(RUNNING, step)], datetime.timedelta(seconds=30))
+        Outcome(store.get(decided_key(RUNNING, step)))
 
 
 def step_report(micro_batches: int) -> str:
@@ -240,11 +257,16 @@ def step_report(micro_batches: int) -> str:
                       optimizer_s=0.012).to_json() + "\n"
 
 
+def controller_beat(seq: int) -> str:
+    """``Controller._beat``'s value: one generation aborted lately, kill orders queued for a few nodes."""
+    return ControllerHeartbeat(seq, time.time(), (RUNNING,), {str(n): 1 for n in range(4)}).to_json()
+
+
 class CountingStore:
     """A dict with a store's methods, counting requests: the protocol's operations per period."""
 
     def __init__(self):
-        self.values: dict[str, bytes] = {CONTROLLER_HEARTBEAT: Heartbeat(0, 0.0).to_json().encode()}
+        self.values: dict[str, bytes] = {CONTROLLER_HEARTBEAT: controller_beat(0).encode()}
         self.requests = 0
 
     def _count(self) -> None:
@@ -262,6 +284,10 @@ class CountingStore:
         self._count()
         return all(k in self.values for k in keys)
 
+    def multi_get(self, keys):
+        self._count()
+        return [self.values.get(k, Outcome.COMMITTED.value) for k in keys]
+
     def queue_len(self, key):
         self._count()
         return 0
@@ -277,19 +303,18 @@ class CountingStore:
         self._count()
 
 
-def requests_per_period(timeouts: Timeouts) -> tuple[int, int, int]:
-    """(requests of one node's heartbeat interval, of one node's step commit, of one rank's arrival tick)."""
-    beat, commit, arrival = CountingStore(), CountingStore(), CountingStore()
+def requests_per_period(timeouts: Timeouts) -> tuple[int, int]:
+    """(requests of one node's heartbeat interval, of one node's step commit)."""
+    beat, commit = CountingStore(), CountingStore()
     ranks = list(range(DEVICES_PER_NODE))
-    SimNode(0, ranks, beat, [beat] * DEVICES_PER_NODE, "").beat(0, timeouts)
-    SimNode(0, ranks, commit, [commit] * DEVICES_PER_NODE, "").commit(0)
-    arrival_poll(arrival, world=2)
-    return beat.requests, commit.requests, arrival.requests
+    SimNode(0, ranks, beat, [], "").beat(0, timeouts)
+    SimNode(0, ranks, commit, [commit], "").commit(0)
+    return beat.requests, commit.requests
 
 
 CONTROLLER_POLL_REQUESTS = 5
 """``Controller._poll``: its beat, the inbox length, ``check`` and ``multi_get`` of every
-heartbeat key; and ``TrainingRun._collect_commits``' add on the running step's counter."""
+node's heartbeat key; and ``TrainingRun._collect_commits``' add on the running step's counter."""
 
 
 # -- the drivers (separate processes) ---------------------------------------------------------
@@ -343,35 +368,38 @@ def _closed_loop(nodes: list[SimNode], timeouts: Timeouts, beats_per_step: int, 
     return beats * len(nodes), commits * len(nodes)
 
 
-def _recover(nodes: list[SimNode], world: int, timeouts: Timeouts) -> dict:
-    """Enter the next generation as ``Worker`` does, for this thread's simulated ranks of the
-    first ``world``: wait for and read the plan, count in, poll until all arrived, count ready."""
-    stores = [s for node in nodes for r, s in zip(node.ranks, node.rank_stores) if r < world]
-    if not stores:
+RECOVERY_REQUESTS = 10
+"""One rank's requests to enter a generation (``_recover``): no request repeats while it waits."""
+
+
+def _recover(nodes: list[SimNode], readers: frozenset[int], timeouts: Timeouts) -> dict:
+    """Enter the next generation as ``Worker`` does, for this thread's simulated ranks among
+    ``readers``: wait for the successor key, read the frame and the worker's own op list
+    (``read_plan``'s requests), count in, wait until all arrived, count ready. The thread's
+    ranks take each phase in turn (a wait blocks the thread; the counts never do)."""
+    world = len(readers)
+    ranks = [(r, s) for node in nodes for r, s in zip(node.ranks, node.rank_stores) if r in readers]
+    if not ranks:
         return {"read_at": 0.0, "requests": 0, "arrived_at": 0.0}
-    key = plan_key(RUNNING + 1)
-    requests = 0
-    for store in stores:
-        store.wait([key], datetime.timedelta(seconds=120))
-        store.get(key)
-        requests += 2
+    generation = RUNNING + 1
+    for rank, store in ranks:
+        store.wait([successor_key(RUNNING)], datetime.timedelta(seconds=120))
+        store.get(successor_key(RUNNING))
+        store.get(plan_key(generation))
+        store.get(plan_ops_key(generation, rank // TP))
     read_at = time.time()
-    for store in stores:
-        store.check([abort_key(RUNNING + 1)])
-        store.add(arrived_key(RUNNING + 1), 1)
-        requests += 2
-    waiting = list(stores)
-    while waiting:
-        still = [s for s in waiting if not arrival_poll(s, world)]
-        requests += len(waiting) + len(still)  # an add each, and a check of the abort key for those still waiting
-        waiting = still
-        if waiting:
-            time.sleep(timeouts.poll_interval / 10)
+    everyone = all_arrived_key(generation)
+    for rank, store in ranks:
+        store.check([abort_key(generation)])
+        if store.add(arrived_key(generation), 1) == world:
+            store.compare_set(everyone, "", ALL_ARRIVED)
+    for rank, store in ranks:
+        store.wait([everyone], datetime.timedelta(seconds=120))
+        store.get(everyone)
     arrived_at = time.time()
-    for store in stores:
-        store.add(ready_key(RUNNING + 1), 1)
-        requests += 1
-    return {"read_at": read_at, "requests": requests, "arrived_at": arrived_at}
+    for rank, store in ranks:
+        store.add(ready_key(generation), 1)
+    return {"read_at": read_at, "requests": RECOVERY_REQUESTS * len(ranks), "arrived_at": arrived_at}
 
 
 def start_drivers(port: int, simulated: int, timeouts: Timeouts, beats_per_step: int,
@@ -434,11 +462,11 @@ class ControllerPoll:
         while not self._stop.wait(max(0.0, next_poll - time.monotonic())):
             next_poll = max(next_poll + self.period, time.monotonic())
             started, cpu = time.perf_counter(), time.thread_time()
-            self.store.set(CONTROLLER_HEARTBEAT, Heartbeat(seq, time.time()).to_json())
+            self.store.set(CONTROLLER_HEARTBEAT, controller_beat(seq))
             self.store.queue_len(INBOX)
             self.store.check(self.keys)
             for raw in self.store.multi_get(self.keys):
-                Heartbeat.from_json(raw)
+                NodeHeartbeat.from_json(raw)
             self.store.add(applied_key(RUNNING, 0), 0)
             self.cpu_s += time.thread_time() - cpu
             self.durations.append(time.perf_counter() - started)
@@ -457,29 +485,26 @@ def server_cpu(poll: ControllerPoll, seconds: float, during=None) -> tuple[float
     return (time.process_time() - process) - (poll.cpu_s - polled), result
 
 
-def live_recovery(store: dist.TCPStore, pipes: list, text: str, readers: int, timeouts: Timeouts) -> dict | None:
-    """Publish ``text`` to the first ``readers`` simulated ranks, blocked in ``wait`` on its
-    key, and have them enter the generation, the owner polling the ready counter; what it
-    took, or None where the store refuses the plan (first tried under another key, so no
-    rank waits for a plan that never comes)."""
-    probe = store.clone()
-    try:
-        probe.set("benchmark/plan-size-probe", text)
-    except dist.DistError:
-        return None
-    store.delete_key("benchmark/plan-size-probe")
+def live_recovery(store: dist.TCPStore, pipes: list, published: PlanPublished, readers: frozenset[int],
+                  timeouts: Timeouts) -> dict:
+    """Publish ``published`` (``write_plan``; not timed: the controller's side) to the
+    simulated ranks ``readers`` (those of live workers), blocked in ``wait`` on the successor key, set that key as
+    ``Controller.publish_plan`` does, and have them enter the generation, the owner polling
+    the ready counter: what it took from the successor key's set."""
+    write_plan(store, published)
     recovered: list[dict] = []
     recovery = threading.Thread(target=lambda: recovered.extend(ask(pipes, "recover", readers)))
     recovery.start()
-    time.sleep(1.0)  # the workers block in wait on the plan's key
+    time.sleep(1.0)  # the workers block in wait on the successor key
     published_at = time.time()
-    store.set(plan_key(RUNNING + 1), text)
-    while store.add(ready_key(RUNNING + 1), 0) < readers:  # TrainingRun._wait_ready
+    store.set(PUBLISHED_GENERATION, str(RUNNING + 1))
+    store.set(successor_key(RUNNING), plan_key(RUNNING + 1))
+    while store.add(ready_key(RUNNING + 1), 0) < len(readers):  # TrainingRun._wait_ready
         time.sleep(timeouts.poll_interval)
     recovery.join()
     read_s = max(r["read_at"] for r in recovered) - published_at
     arrived_s = max(r["arrived_at"] for r in recovered) - published_at
-    return {"read_s": read_s, "arrived_s": arrived_s, "bytes_per_s": readers * len(text) / read_s,
+    return {"read_s": read_s, "arrived_s": arrived_s,
             "requests_per_s": sum(r["requests"] for r in recovered) / arrived_s}
 
 
@@ -488,20 +513,29 @@ def live_recovery(store: dist.TCPStore, pipes: list, text: str, readers: int, ti
 
 def measure(ranks: int, args, timeouts: Timeouts) -> dict:
     config = recipe("7B", ranks, micro_batches=args.micro_batches)
-    text, chosen = recovery_plan(config)
-    started = time.perf_counter()
-    PlanPublished.from_json(text, current_generation=RUNNING)
-    parse_s = time.perf_counter() - started
+    published, chosen = recovery_plan(config)
+    text = whole_text(published)
     shares = own_shares(text)
+    slices = DictStore()
+    started = time.perf_counter()
+    write_plan(slices, published)
+    write_s = time.perf_counter() - started
+    frame = len(slices.values[plan_key(published.plan.generation)])
+    ops = {w: len(slices.values[plan_ops_key(published.plan.generation, w)]) for w in published.plan.workers}
+    widest = max(ops, key=ops.get)
+    started = time.perf_counter()
+    read_plan(slices, rank=widest * TP, current_generation=RUNNING)
+    parse_s = time.perf_counter() - started
     nodes = ranks // DEVICES_PER_NODE
     simulated = min(ranks, args.clients) // DEVICES_PER_NODE * DEVICES_PER_NODE
-    readers = min(simulated, max(DEVICES_PER_NODE, args.read_budget // len(text)))
     beats_per_step = round(args.step_s / timeouts.heartbeat_interval)
-    beat_requests, commit_requests, arrival_requests = requests_per_period(timeouts)
+    beat_requests, commit_requests = requests_per_period(timeouts)
 
     store = open_store()
-    keys = [rank_heartbeat_key(r) for r in range(ranks)] + [node_heartbeat_key(n) for n in range(nodes)]
-    store.multi_set(keys, [Heartbeat(0, time.time(), RUNNING).to_json()] * len(keys))
+    keys = [node_heartbeat_key(n) for n in range(nodes)]
+    beat = NodeHeartbeat(0, time.time(), {str(r): 0 for r in range(DEVICES_PER_NODE)},
+                         {str(r): RUNNING for r in range(DEVICES_PER_NODE)}).to_json()
+    store.multi_set(keys, [beat] * len(keys))
     store.multi_set([launcher_key(n) for n in range(nodes)], [f"host{n}:1" for n in range(nodes)])
     store.multi_set([decided_key(RUNNING, s) for s in range(STEPS)], [Outcome.COMMITTED.value] * STEPS)
     pipes, drivers = start_drivers(store.port, simulated, timeouts, beats_per_step, step_report(args.micro_batches))
@@ -513,37 +547,39 @@ def measure(ranks: int, args, timeouts: Timeouts) -> dict:
         driven_cpu, results = server_cpu(poll, 0, lambda: ask(pipes, "steady", args.window))
         node_beats, node_commits = map(sum, zip(*results))
         driven = node_beats * beat_requests + node_commits * commit_requests
-
-        recovery = live_recovery(store, pipes, text, readers, timeouts)
-    finally:  # a driver may still wait on a plan the store refused
+        live = frozenset(r for r in range(simulated) if r // TP in set(published.plan.workers))
+        recovery = live_recovery(store, pipes, published, live, timeouts)
+    finally:
         for driver in drivers:
             driver.terminate()
             driver.join()
 
     controller_rate = CONTROLLER_POLL_REQUESTS / timeouts.poll_interval
     beats = nodes * beat_requests / timeouts.heartbeat_interval
-    steady = beats + nodes * commit_requests / args.step_s + controller_rate + 1 / args.step_s
-    recovering = beats + ranks * arrival_requests / (timeouts.poll_interval / 10) + controller_rate
+    commits = nodes * commit_requests / args.step_s
+    steady = beats + commits + controller_rate + 1 / args.step_s
+    if simulated == ranks:
+        time_to_plan, arrived, extrapolated = recovery["read_s"], recovery["arrived_s"], []
+    else:  # the server answers the row's every rank as it answered the simulated ones, one after another
+        scale = ranks / simulated
+        time_to_plan, arrived = recovery["read_s"] * scale, recovery["arrived_s"] * scale
+        extrapolated = ["time_to_plan_s", "recovery_ops_per_s"]
+    recovering = beats + controller_rate + ranks * RECOVERY_REQUESTS / arrived
     controller_share = controller_cpu / len(polls) / timeouts.poll_interval  # at its period, however long it took
     cpu_per_request = driven_cpu / driven
-    if recovery is None:  # today's controller cannot publish it: no time to plan
-        time_to_plan, extrapolated = None, []
-    elif readers == ranks:
-        time_to_plan, extrapolated = round(recovery["read_s"], 3), []
-    else:
-        time_to_plan, extrapolated = round(ranks * len(text) / recovery["bytes_per_s"], 3), ["time_to_plan_s"]
     return {
         "row": {
-            "ranks": ranks, "nodes": nodes, "plan_bytes": len(text), "bytes_read_per_worker": len(text),
-            "own_share_bytes": max(shares), "steady_ops_per_s": round(steady), "recovery_ops_per_s": round(recovering),
-            "time_to_plan_s": time_to_plan, "extrapolated": extrapolated,
+            "ranks": ranks, "nodes": nodes, "plan_bytes": frame + sum(ops.values()),
+            "bytes_read_per_worker": frame + ops[widest], "own_share_bytes": max(shares),
+            "steady_ops_per_s": round(steady), "recovery_ops_per_s": round(recovering),
+            "time_to_plan_s": round(time_to_plan, 3), "extrapolated": extrapolated,
         },
-        "chosen": chosen, "median_share": statistics.median(shares), "parse_s": parse_s, "simulated": simulated,
-        "readers": readers, "recovery": recovery,
+        "chosen": chosen, "whole_bytes": len(text), "frame_bytes": frame, "median_share": statistics.median(shares),
+        "write_s": write_s, "parse_s": parse_s, "simulated": simulated, "recovery": recovery, "arrived_s": arrived,
+        "beats_per_s": beats, "commits_per_s": commits,
         "poll_ms": 1e3 * statistics.median(polls), "driven_per_s": driven / args.window,
         "us_per_request": 1e6 * cpu_per_request,
         "steady_busy": controller_share + (steady - controller_rate) * cpu_per_request,
-        "recovery_busy": controller_share + (recovering - controller_rate) * cpu_per_request,
     }
 
 
@@ -551,32 +587,29 @@ def print_table(measured: list[dict], args) -> None:
     print(f"\nLlama-2 7B, {DEVICE} recipe widened: TP{TP} x PP{PP}, {args.micro_batches} micro-batches per "
           f"pipeline, {DEVICES_PER_NODE} ranks per node; plan after one rank failed; step {args.step_s} s; "
           "heartbeat 0.1 s, poll 0.05 s.")
-    print("| ranks | nodes | chosen | plan MB (= read per worker) | own share KB max / median | parse s | "
-          "steady ops/s | server busy | recovery ops/s | server busy | poll ms | µs/op | "
-          "clients (closed-loop ops/s) | time to plan s | all arrived s (live) | readers (MB/s) |")
-    print("|" + "---|" * 16)
+    print("| ranks | nodes | chosen | whole plan MB | published KB (frame B) | read per worker B | own share KB "
+          "max / median | write s | read s | steady ops/s (beats + commits) | server busy | poll ms | µs/op | "
+          "clients (closed-loop ops/s) | time to plan s | all arrived s | recovery ops/s |")
+    print("|" + "---|" * 17)
     for m in measured:
-        row, recovery = m["row"], m["recovery"]
-        if recovery is None:
-            plan_cells = "refused by the store | - | -"
-        else:
-            kind = "extrapolated" if row["extrapolated"] else "measured"
-            plan_cells = (f"{row['time_to_plan_s']:.2f} ({kind}) | {recovery['arrived_s']:.2f} ({m['readers']} ranks, "
-                          f"{recovery['requests_per_s']:,.0f} ops/s) | "
-                          f"{m['readers']:,} ({recovery['bytes_per_s'] / 1e6:,.0f})")
-        print(f"| {row['ranks']:,} | {row['nodes']:,} | {m['chosen']} | {row['plan_bytes'] / 1e6:.2f} | "
-              f"{row['own_share_bytes'] / 1e3:.1f} / {m['median_share'] / 1e3:.1f} | {m['parse_s']:.2f} | "
-              f"{row['steady_ops_per_s']:,} | {100 * m['steady_busy']:.0f} % | {row['recovery_ops_per_s']:,} | "
-              f"{100 * m['recovery_busy']:.0f} % | {m['poll_ms']:.1f} | {m['us_per_request']:.1f} | "
-              f"{m['simulated']:,} ({m['driven_per_s']:,.0f}) | {plan_cells} |")
-    if any(m["recovery"] is None for m in measured):
-        print("refused by the store: the libuv TCPStore server drops a request whose payload exceeds 8 MiB "
-              "(its log: 'Invalid payload size ... max: 8388608'; the client's set fails with 'Connection reset "
-              "by peer'), so Controller.publish_plan cannot publish this plan: time_to_plan_s is null.")
-    print("server busy: share of one core the store's one libuv thread needs (>100 %: it cannot keep up); "
-          "poll ms: one controller poll over every heartbeat key, median (its period is 50 ms); "
-          "µs/op: server CPU per simulated-node request; "
-          "all arrived: from the plan's set until the live recovery's last rank arrived, and the requests/s it drove.")
+        row = m["row"]
+        kind = "extrapolated" if row["extrapolated"] else "measured"
+        print(f"| {row['ranks']:,} | {row['nodes']:,} | {m['chosen']} | {m['whole_bytes'] / 1e6:.2f} | "
+              f"{row['plan_bytes'] / 1e3:,.0f} ({m['frame_bytes']:,}) | {row['bytes_read_per_worker']:,} | "
+              f"{row['own_share_bytes'] / 1e3:.1f} / {m['median_share'] / 1e3:.1f} | {m['write_s']:.2f} | "
+              f"{m['parse_s']:.3f} | {row['steady_ops_per_s']:,} ({m['beats_per_s']:,.0f} + {m['commits_per_s']:,.0f}) | "
+              f"{100 * m['steady_busy']:.0f} % | {m['poll_ms']:.1f} | {m['us_per_request']:.1f} | "
+              f"{m['simulated']:,} ({m['driven_per_s']:,.0f}) | {row['time_to_plan_s']:.3f} ({kind}) | "
+              f"{m['arrived_s']:.3f} | {row['recovery_ops_per_s']:,} |")
+    print("whole plan: the JSON every worker read before (now in the run directory only); published: the frame "
+          "every worker reads plus every worker's op list, zlib; read per worker: the frame and the largest op list; "
+          "write s / read s: write_plan of the whole publication (the controller, before it wakes anyone) and "
+          "read_plan of the largest slice (one worker), over a dict; "
+          "server busy: share of one core the store's one libuv thread needs for the steady rate; "
+          "poll ms: one controller poll over every node's heartbeat, median (its period is 50 ms); "
+          "µs/op: server CPU per simulated-node request; time to plan: from the successor key's set until the "
+          "last rank read its op list; all arrived: until the last rank's all-arrived wait returned; recovery "
+          f"ops/s: the periodic rate plus {RECOVERY_REQUESTS} requests per rank over the time until all arrived.")
 
 
 def main() -> None:
@@ -586,8 +619,6 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=16, help="per pipeline")
     parser.add_argument("--step-s", type=float, default=5.0, help="the training step time the commits come at")
     parser.add_argument("--clients", type=int, default=1024, help="simulated ranks this machine holds")
-    parser.add_argument("--read-budget", type=int, default=2_000_000_000,
-                        help="bytes of plan reads in one live recovery (fewer readers for a bigger plan)")
     parser.add_argument("--window", type=float, default=4.0, help="seconds of closed-loop traffic per row")
     args = parser.parse_args()
     if args.quick:

@@ -14,7 +14,7 @@ two cores fits inside the padded times. Plans, over one node of 8 devices:
   d. the rerouted plan with split backwards and staggered optimizer steps
   d'. the rerouted plan with split backwards through the worker's own step
       (``runtime.rank.live_step``, as ``Worker._train_step`` runs it): each step commits
-      through a ``StepLedger`` on the TCPStore the parent hosts, its ``StepReport`` (from
+      through a ``NodeLedger`` on the TCPStore the parent hosts, its ``StepReport`` (from
       the op timers, ``odyssey.online_profile`` on) appended there, before its optimizer
       step is applied; every wait goes through the ``CollectiveGuard``. Not staggered:
       the worker's step cannot be (a staggered rank would step before its step commits),
@@ -203,7 +203,7 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
 
 class LiveSteps:
     """The worker's step loop (``runtime.rank.live_step``, as ``Worker._train_step`` runs
-    it): each step commits through a ``StepLedger`` on the TCPStore the parent hosts (as
+    it): each step commits through a ``NodeLedger`` on the TCPStore the parent hosts (as
     the controller hosts it), its ``StepReport`` appended there, before the optimizer step
     is applied; every wait goes through the ``CollectiveGuard``. Called with the step."""
 
@@ -214,13 +214,15 @@ class LiveSteps:
         import torch.distributed as dist
 
         from odyssey_megatron.hooks.collective_guard import CollectiveGuard
+        from odyssey_megatron.runtime.rank.node_ledger import NodeLedger
         from odyssey_megatron.runtime.step_ledger import StepLedger
 
         self.runner, self.rank, self.data, self.size = runner, rank, data, micro_batch_size
         self.timeout = datetime.timedelta(seconds=300)
         port = dist.distributed_c10d._get_default_store().underlying_store.port
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=self.timeout)
-        self.ledger = StepLedger(self.store.clone(), generation=0, training_ranks=world_size)
+        self.ledger = NodeLedger(StepLedger(self.store.clone(), generation=0, training_ranks=world_size),
+                                 self.store.clone, node_ranks=world_size, check_s=0.1)  # one node: every rank
         self.guard = CollectiveGuard(backend="gloo", timeout_s=self.timeout.total_seconds())
         self.guard.install()
         self.guard.reopen(0)
@@ -235,7 +237,7 @@ class LiveSteps:
         from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
 
         def commit(step: int, losses: dict, samples: dict) -> None:
-            if not commit_step(store=self.store, ledger=self.ledger, rank=self.rank, step=step, losses=losses,
+            if not commit_step(ledger=self.ledger, rank=self.rank, step=step, losses=losses,
                                samples=samples, op_timers=self.runner.model.config.timers,
                                timeout=self.timeout).committed:
                 raise RuntimeError(f"step {step} did not commit")

@@ -22,8 +22,8 @@
    no staggering), ``finish_step`` with the layer-wise DP sync, global-norm clipping and,
    before Adam, the real commit: the ``StepReport`` (from the op timers,
    ``odyssey.online_profile``) appended to the TCPStore the benchmark's parent hosts as
-   the controller hosts it, ``StepLedger.count_in`` and ``wait_decided`` on a clone of
-   that connection; the ``CollectiveGuard`` installed and tracking the groups, as the
+   the controller hosts it, ``NodeLedger.count_in`` and ``wait_decided`` on clones of
+   that connection (it stands in for the node's store too: one node); the ``CollectiveGuard`` installed and tracking the groups, as the
    worker does; the phase hooks firing an empty fault injector. (Not included: the
    heartbeat thread, which beats from its own thread and connection.) Megatron: its
    stage model in Megatron's ``DistributedDataParallel``, the schedule
@@ -331,8 +331,8 @@ class LiveWorkerStep:
     the same code (``runtime.rank.live_step``): ``PlanRunner.forward_backward`` and
     ``finish_step`` with the real commit, whose ``StepReport`` (from the op timers) goes to
     the TCPStore the parent hosts, as the controller hosts it, on a client connection of
-    its own (the worker's controller link), and whose ``StepLedger`` counts in and waits on
-    a clone of it (the worker's group store); the ``CollectiveGuard`` installed, tracking
+    its own (the worker's controller link), and whose ``NodeLedger`` counts in and waits on
+    clones of it (the worker's group store, and the node's store, which it stands in for: one node); the ``CollectiveGuard`` installed, tracking
     the default group and the runner's, as the worker does; the phase hook firing a fault
     injector that holds no fault. One instance is one plan generation, with its own keys."""
 
@@ -346,13 +346,15 @@ class LiveWorkerStep:
         from odyssey_megatron.hooks.stage_optimizer import optimizer_config
         from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
         from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
+        from odyssey_megatron.runtime.rank.node_ledger import NodeLedger
         from odyssey_megatron.runtime.step_ledger import StepLedger
 
         self.rank, self.timers, self.phase, self.step = rank, timers, "recovery", 0
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         group_store = self.store.clone()
         group_store.set_timeout(COLLECTIVE_TIMEOUT)
-        self.ledger = StepLedger(group_store, generation=generation, training_ranks=world)
+        self.ledger = NodeLedger(StepLedger(group_store, generation=generation, training_ranks=world),
+                                 self._node_store, node_ranks=world, check_s=0.1)  # one node: every rank
         self.guard = CollectiveGuard(backend="gloo", timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
         prepare_backend("gloo")
         self.guard.install()
@@ -371,6 +373,12 @@ class LiveWorkerStep:
         self.commit_s: list[float] = []
         """Per step: this rank's commit (report, count in, wait for the decision)."""
 
+    def _node_store(self):
+        """The node's store stands in on the parent's (one node): a connection of its own."""
+        store = self.store.clone()
+        store.set_timeout(COLLECTIVE_TIMEOUT)
+        return store
+
     def _on_phase(self, phase: str) -> None:
         self.phase = phase
         self.injector.fire(phase, self.step)
@@ -385,7 +393,7 @@ class LiveWorkerStep:
         from odyssey_megatron.runtime.rank.live_step import commit_step
 
         started = time.perf_counter()
-        if not commit_step(store=self.store, ledger=self.ledger, rank=self.rank, step=step, losses=losses,
+        if not commit_step(ledger=self.ledger, rank=self.rank, step=step, losses=losses,
                            samples=samples, op_timers=self.timers, timeout=COLLECTIVE_TIMEOUT).committed:
             raise RuntimeError(f"step {step} did not commit")
         self.commit_s.append(time.perf_counter() - started)

@@ -30,22 +30,34 @@ from odyssey_megatron.schedules.program import publish, read_published
 
 LIFETIME_S = 120
 """Every process of a cluster ends by itself after this, should a test fail to end it."""
+ABORT_REQUEST = "abort-generation-0"
+"""A file a test creates in the run directory to have the controller abort generation 0."""
 
 
 def _log_to_stderr(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s: %(message)s")
 
 
-def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None) -> None:
+def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None, aborts: Path | None = None) -> None:
     """Register, heartbeat, adopt plan generation 0, then wait; ``reporting_rank`` reports
-    an error of its own instead and hangs."""
+    an error of its own instead and hangs. When the controller aborts generation 0, the
+    worker writes the time it heard of it to ``aborts/<rank>``."""
     _log_to_stderr(f"rank {launch.rank}")
     link = ControllerLink(launch)
+    if aborts is not None:
+        link.on_abort = lambda generation: _note(aborts / str(launch.rank), repr(time.time()))
     link.start()
-    link.generation = link.wait_plan(newer_than=-1).plan.generation
+    link.generation = link.watching = link.wait_plan(newer_than=-1).plan.generation
     if launch.rank == reporting_rank:
         link.report_failure("RuntimeError: injected")
     time.sleep(LIFETIME_S)
+
+
+def _note(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` at once (a reader never sees it half written)."""
+    partial_path = path.with_name(path.name + ".partial")
+    partial_path.write_text(text)
+    partial_path.rename(path)
 
 
 def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str, port_out: multiprocessing.Queue) -> None:
@@ -54,7 +66,12 @@ def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str, port_out
     controller.start()
     controller.publish_plan(*read_published(json.loads(plan_json)))
     port_out.put(controller.port)
-    time.sleep(LIFETIME_S)
+    deadline = time.monotonic() + LIFETIME_S
+    while not (run_dir / ABORT_REQUEST).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if time.monotonic() < deadline:
+        controller.abort(0)
+        time.sleep(deadline - time.monotonic())
 
 
 def _launcher_main(config: LaunchConfig, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
@@ -91,11 +108,11 @@ class LocalCluster:
     started by ``with`` and every process of it killed on leaving."""
 
     def __init__(self, run_dir: Path, *, nodes: int, per_node: int, timeouts: Timeouts,
-                 reporting_rank: int | None = None, restart_workers: int = 0):
+                 reporting_rank: int | None = None, restart_workers: int = 0, aborts: Path | None = None):
         self.run_dir, self.nodes, self.per_node, self.timeouts = run_dir, nodes, per_node, timeouts
         self.restart_workers = restart_workers
         self.port: int | None = None
-        self.target = partial(idle_worker, reporting_rank=reporting_rank)
+        self.target = partial(idle_worker, reporting_rank=reporting_rank, aborts=aborts)
         self.controller: multiprocessing.Process | None = None
         self.launchers: list[multiprocessing.Process] = []
 

@@ -23,7 +23,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from control_cases import LocalCluster, alive, process_state, wait_for
+from control_cases import ABORT_REQUEST, LocalCluster, alive, process_state, wait_for
 from helpers import symmetric_plan
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.errors import ConfigError
@@ -137,6 +137,23 @@ def test_a_worker_reporting_an_error_and_a_stopped_one_are_failed_and_killed_by_
         assert not any(store.check([rank_heartbeat_key(r)]) for r in range(3))
         beat = NodeHeartbeat.from_json(store.get(node_heartbeat_key(0)))
         assert {"0", "1"} <= set(beat.seqs)
+
+
+@pytest.mark.timeout(300)
+def test_an_abort_reaches_every_worker_through_its_launcher_within_two_beats(tmp_path):
+    """Workers never read the controller's store to learn of an abort: the controller's
+    next heartbeat names it, each launcher reads that once per interval and relays it."""
+    aborts = tmp_path / "aborts"
+    aborts.mkdir()
+    with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=TIMEOUTS, aborts=aborts) as cluster:
+        asked = time.time()
+        (tmp_path / ABORT_REQUEST).touch()
+        heard = wait_for(lambda: [float(p.read_text()) for p in aborts.glob("[0-9]")] if len(list(aborts.glob("[0-9]")))
+                         == 4 else None, timeout=10, what="every worker heard of the abort")
+        latency = max(heard) - asked
+        print(f"abort -> every worker's guard: {latency * 1000:.0f} ms")
+        assert latency < 2 * TIMEOUTS.heartbeat_interval + SLACK_S
+        assert all(w["state"] == "alive" for w in cluster.workers().values())
 
 
 @pytest.mark.timeout(300)
@@ -319,7 +336,8 @@ def test_a_worker_refuses_an_op_list_its_plan_does_not_give_it():
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     launch = WorkerLaunch(rank=0, local_rank=0, node=0, world_size=1, store_host="127.0.0.1",
-                          store_port=controller.port, node_store_port=0, launcher_pid=os.getpid(), timeouts=TIMEOUTS)
+                          store_port=controller.port, node_store_port=0, node_ranks=(0,), launcher_pid=os.getpid(),
+                          timeouts=TIMEOUTS)
     link = ControllerLink(launch)  # not started: no registration, no heartbeat thread
     link.store = Recording(link.store)
     controller.publish_plan(*_published(0))

@@ -33,6 +33,7 @@ from odyssey_megatron.timeouts import Timeouts
 __all__ = [
     "CONTROLLER_HEARTBEAT",
     "CollectiveStalled",
+    "ControllerHeartbeat",
     "EXIT_CONTROLLER_LOST",
     "EXIT_REPLACED",
     "INBOX",
@@ -81,7 +82,10 @@ __all__ = [
     "successor_key",
     "kill_orders_key",
     "missed_beat",
+    "node_applied_key",
+    "node_decided_key",
     "node_heartbeat_key",
+    "node_report_key",
     "parse_inbox",
     "plan_key",
     "plan_ops_key",
@@ -237,6 +241,22 @@ def step_report_key(generation: int, step: int) -> str:
     return generation_prefix(generation) + f"report/{step}"
 
 
+def node_report_key(generation: int, step: int) -> str:
+    """In a node's store: the ``StepReport`` lines of the node's ranks for ``step``
+    (``runtime.rank.node_ledger``), carried to ``step_report_key`` in one append."""
+    return generation_prefix(generation) + f"node/report/{step}"
+
+
+def node_applied_key(generation: int, step: int) -> str:
+    """In a node's store: counter of the node's ranks counted into ``step``."""
+    return generation_prefix(generation) + f"node/applied/{step}"
+
+
+def node_decided_key(generation: int, step: int) -> str:
+    """In a node's store: ``step``'s decision, as the rank that carried the node's count left it."""
+    return generation_prefix(generation) + f"node/decided/{step}"
+
+
 def snapshot_parts_key(generation: int, step: int) -> str:
     """Counter: training ranks of the generation whose shard and parity chunk of the
     snapshot of ``step`` are in their node's keeper."""
@@ -334,9 +354,25 @@ class Heartbeat(Message):
     seq: int
     sent_at: float
     generation: Optional[int] = None
-    """The plan generation a worker runs; None before its first plan and for the controller."""
+    """The plan generation a worker runs; None before its first plan."""
     watching: Optional[int] = None
     """The plan generation a worker enters or runs (its launcher relays that generation's abort)."""
+
+
+@dataclass(frozen=True)
+class ControllerHeartbeat(Message):
+    """The controller's beat under ``CONTROLLER_HEARTBEAT``, carrying what a launcher must
+    act on, so its one read per interval is all it asks the controller's store: the
+    generations lately aborted (relayed to the node's workers), and per node how many kill
+    orders were ever queued for it (a launcher reads its queue only when that grows)."""
+
+    KIND = "controller_heartbeat"
+    seq: int
+    sent_at: float
+    aborted: tuple[int, ...]
+    """The last few generations the controller aborted (``abort_key`` holds them all)."""
+    kill_orders: dict[str, int]
+    """Node -> ``KillOrder``s queued under its ``kill_orders_key`` since the run began."""
 
 
 @dataclass(frozen=True)
@@ -782,7 +818,10 @@ class WorkerLaunch:
     store_port: int
     node_store_port: int
     """The node's store, served by its launcher on the loopback address: the worker's
-    heartbeats go there (``NodeHeartbeat``), and the launcher's ``NodeView`` comes back."""
+    heartbeats go there (``NodeHeartbeat``), the launcher's ``NodeView`` comes back, and the
+    node's ranks commit their steps together there (``runtime.rank.node_ledger``)."""
+    node_ranks: tuple[int, ...]
+    """Every rank its launcher runs (this one among them)."""
     launcher_pid: int
     timeouts: Timeouts
     keeper: tuple[tuple[str, ...], ...] = ()

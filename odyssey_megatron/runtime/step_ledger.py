@@ -53,6 +53,7 @@ class Outcome(bytes, Enum):
 
 class StepStore(Protocol):
     def add(self, key: str, amount: int) -> int: ...
+    def append(self, key: str, value: str | bytes) -> None: ...
     def set(self, key: str, value: str | bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
     def check(self, keys: list[str]) -> bool: ...
@@ -67,11 +68,11 @@ class StepLedger:
 
     # -- the rank side ------------------------------------------------------------------
 
-    def count_in(self, step: int) -> Optional[Outcome]:
-        """Count this rank into ``step``: its outcome if this add decided it (COMMITTED or
-        LAST) or it was frozen already (FROZEN), None if others are still to come
-        (``wait_decided``)."""
-        count = self.store.add(applied_key(self.generation, step), 1)
+    def count_in(self, step: int, *, amount: int = 1) -> Optional[Outcome]:
+        """Count ``amount`` ranks (this one, or a node's: ``runtime.rank.node_ledger``) into
+        ``step``: its outcome if this add decided it (COMMITTED or LAST) or it was frozen
+        already (FROZEN), None if others are still to come (``wait_decided``)."""
+        count = self.store.add(applied_key(self.generation, step), amount)
         if count == self.training_ranks:
             outcome = Outcome.LAST if self.store.check([handover_key(self.generation)]) else Outcome.COMMITTED
             self.store.set(decided_key(self.generation, step), outcome.value)

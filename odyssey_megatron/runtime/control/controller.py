@@ -34,8 +34,9 @@ from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
     INBOX,
     PUBLISHED_GENERATION,
+    ABORTED,
     CollectiveStalled,
-    Heartbeat,
+    ControllerHeartbeat,
     KillOrder,
     Message,
     NodeHeartbeat,
@@ -49,6 +50,7 @@ from odyssey_megatron.runtime.protocol import (
     StaleGenerationError,
     StopRequested,
     abort_key,
+    all_arrived_key,
     kill_orders_key,
     parse_inbox,
     plan_key,
@@ -60,6 +62,10 @@ from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.timeouts import Timeouts
 
 __all__ = ["Controller"]
+
+RECENT_ABORTS = 4
+"""Aborted generations the controller's heartbeat carries: a launcher reads it every
+interval, and an abort is of the newest generation."""
 
 log = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -90,6 +96,11 @@ class Controller:
         self._server = StoreServer(host, port, timeout=timeouts.recovery_timeout)
         self.host, self.port, self.store = host, self._server.port, self._server.store
         self._seq = 0
+        self._beating = threading.Lock()
+        """The polling thread and the owner (an abort) both beat."""
+        self._aborted: tuple[int, ...] = ()
+        self._kill_orders: dict[int, int] = {}
+        """Node -> kill orders queued for it so far (``ControllerHeartbeat.kill_orders``)."""
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
                                  controller_process=(socket.gethostname(), os.getpid()))
@@ -163,9 +174,20 @@ class Controller:
 
     # -- the polling thread ----------------------------------------------------------------
 
+    def abort(self, generation: int) -> None:
+        """End ``generation``: its abort key, its arriving ranks woken, and the launchers
+        told with the next heartbeat (they relay it to their workers)."""
+        self.store.set(abort_key(generation), "1")
+        self.store.set(all_arrived_key(generation), ABORTED)
+        self._aborted = (*self._aborted, generation)[-RECENT_ABORTS:]
+        self._beat(self.store)
+
     def _beat(self, store: dist.Store) -> None:
-        store.set(CONTROLLER_HEARTBEAT, Heartbeat(self._seq, time.time()).to_json())
-        self._seq += 1
+        with self._beating:
+            beat = ControllerHeartbeat(self._seq, time.time(), self._aborted,
+                                       {str(n): count for n, count in self._kill_orders.items()})
+            store.set(CONTROLLER_HEARTBEAT, beat.to_json())
+            self._seq += 1
 
     def _poll_loop(self) -> None:
         store = self.store.clone()
@@ -252,5 +274,7 @@ class Controller:
             for rank in failure.ranks:
                 pid = self.detector.pid_of(rank)
                 if pid is not None:  # one that never registered is killed with its fenced launcher
-                    store.queue_push(kill_orders_key(self.detector.node_of(rank)), KillOrder(rank, pid).to_json())
+                    node = self.detector.node_of(rank)
+                    store.queue_push(kill_orders_key(node), KillOrder(rank, pid).to_json())
+                    self._kill_orders[node] = self._kill_orders.get(node, 0) + 1
         self._failures.put(failure)

@@ -15,10 +15,11 @@ workers beat, and a thread talks to the controller's store for the whole node on
 heartbeat interval, so that store's load grows with nodes, not ranks: it writes the
 node's heartbeat carrying each worker's last beat (``NodeHeartbeat``: the node's silence
 is how the controller learns the node is lost, a worker's stale entry that the worker
-hangs), reads the controller's heartbeat and the node's launcher key, checks the abort
-key of each generation its workers watch, takes the kill orders for its ranks (hung or
-failed: a failed worker never comes back into a collective), and relays to the workers
-what they need back (``NodeView``). When the controller's heartbeat stops, or its store is
+hangs), and reads the controller's heartbeat with the node's launcher key in one request;
+that heartbeat names the generations lately aborted and counts the node's kill orders, so
+only a new order costs a further read (its ranks, hung or failed: a failed worker never
+comes back into a collective). It relays to the workers what they need back
+(``NodeView``). When the controller's heartbeat stops, or its store is
 gone, the launcher tells its workers, gives them the collective timeout to save what
 they hold and exit (``runtime.rank.controller_link``), kills those left and exits. Its
 workers die with it when it is killed (see ``runtime.rank.controller_link``), so a lost
@@ -59,6 +60,7 @@ from odyssey_megatron.runtime.protocol import (
     NODE_VIEW,
     RUN_DONE,
     RUN_STOP,
+    ControllerHeartbeat,
     Heartbeat,
     HeartbeatWatch,
     KillOrder,
@@ -70,7 +72,6 @@ from odyssey_megatron.runtime.protocol import (
     RankExit,
     StopRequested,
     WorkerLaunch,
-    abort_key,
     kill_orders_key,
     launcher_key,
     missed_beat,
@@ -126,8 +127,10 @@ class NodeLauncher:
         self._launching: Optional[str] = None
         """Who the node's launcher key names now."""
         self._kill_orders: collections.deque[KillOrder] = collections.deque()
+        self._kill_orders_seen = 0
+        """Kill orders for the node the controller's heartbeat counted when the queue was last read."""
         self._aborted: set[int] = set()
-        """Generations the controller aborted that a worker of this node watched."""
+        """Generations the controller aborted, as its heartbeats named them."""
         self._stop_signal: str | None = None
         """A stop signal this node's main process received, until sent to the controller."""
         self._keeper = NodeKeeper(len(config.ranks))
@@ -184,7 +187,7 @@ class NodeLauncher:
         launch = WorkerLaunch(rank=rank, local_rank=local_rank, node=self.config.node_rank,
                               world_size=self.config.world_size, store_host=self.config.master_addr,
                               store_port=self.config.master_port, node_store_port=self._node_store.port,
-                              launcher_pid=os.getpid(),
+                              node_ranks=tuple(self.config.ranks), launcher_pid=os.getpid(),
                               timeouts=self.timeouts, keeper=self._keeper_paths, joining=joining)
         process = self._context.Process(target=self.target, args=(launch,), name=f"odyssey-rank{rank}")
         process.start()
@@ -294,16 +297,18 @@ class NodeLauncher:
             generations={str(r): b.generation for r, b in workers.items() if b.generation is not None}).to_json())
         self._seq += 1
         controller, launching = store.multi_get([CONTROLLER_HEARTBEAT, launcher_key(node)])
-        controller = Heartbeat.from_json(controller)
+        controller = ControllerHeartbeat.from_json(controller)
         self._controller.see(controller, time.monotonic())
         self._launching = launching.decode()
-        for generation in {b.watching for b in workers.values()} - self._aborted - {None}:
-            if store.check([abort_key(generation)]):
-                self._aborted.add(generation)
-        orders = kill_orders_key(node)
-        for _ in range(store.queue_len(orders)):
-            self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
-        node_store.set(NODE_VIEW, NodeView(controller.seq, controller.sent_at, tuple(sorted(self._aborted))).to_json())
+        self._aborted.update(controller.aborted)
+        queued = controller.kill_orders.get(str(node), 0)
+        if queued > self._kill_orders_seen:  # new orders: take the whole queue
+            orders = kill_orders_key(node)
+            for _ in range(store.queue_len(orders)):
+                self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
+            self._kill_orders_seen = queued
+        view = NodeView(controller.seq, controller.sent_at, tuple(sorted(self._aborted)))
+        node_store.set(NODE_VIEW, view.to_json())
 
     def _worker_beats(self, node_store: dist.Store) -> dict[int, Heartbeat]:
         """Each of the node's workers' last beat in the node's store (those that beat yet)."""

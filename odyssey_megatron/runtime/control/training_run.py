@@ -69,9 +69,6 @@ from odyssey_megatron.runtime.protocol import (
     StopOrder,
     ProtocolError,
     StepReport,
-    ABORTED,
-    abort_key,
-    all_arrived_key,
     final_key,
     ready_key,
     snapshot_done_key,
@@ -425,8 +422,7 @@ class TrainingRun:
     def end_generation(self) -> None:
         """Stop the running generation: the abort key, and freeze its step counters (the
         steps every rank completed commit first, in order)."""
-        self.store.set(abort_key(self.plan.generation), "1")
-        self.store.set(all_arrived_key(self.plan.generation), ABORTED)  # wakes the ranks still arriving
+        self.controller.abort(self.plan.generation)
         if self.committed < self.iters:
             for step in self._ledger(self.plan).freeze(self.committed, self.iters - 1):
                 self._commit(self.plan.generation, step)

@@ -5,10 +5,10 @@ so what is timed is what trains.
 ``train_step`` runs the runner's forward and backward over the loaded micro-batches
 (recording which samples each held), then ``finish_step`` with ``commit``: once this
 rank's gradients are final (synced and clipped) and before its optimizer step is applied.
-``commit_step`` is that commit (``runtime.step_ledger``): the rank's ``StepReport`` (its
-losses, samples and op times since the last step, from the op timers) is appended to the
-store, the rank counts into the step, and, unless its count committed the step, waits for
-the decision key, and returns the step's outcome.
+``commit_step`` is that commit (``runtime.rank.node_ledger``): the rank's ``StepReport``
+(its losses, samples and op times since the last step, from the op timers) is reported
+and the rank counts into the step with its node's ranks, waits for the decision, and
+returns the step's outcome.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import datetime
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from odyssey_megatron.runtime.protocol import StepReport, step_report_key
+from odyssey_megatron.runtime.protocol import StepReport
 from odyssey_megatron.runtime.rank import op_timers as timed
 from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
-from odyssey_megatron.runtime.step_ledger import Outcome, StepLedger
+from odyssey_megatron.runtime.rank.node_ledger import NodeLedger
+from odyssey_megatron.runtime.step_ledger import Outcome
 
 __all__ = ["commit_step", "train_step"]
 
@@ -49,16 +49,15 @@ def train_step(runner: PlanRunner, *, step: int, load: Callable[[int, int], dict
     runner.finish_step(losses, commit=lambda: commit(step, losses, samples))
 
 
-def commit_step(*, store: dist.Store, ledger: StepLedger, rank: int, step: int, losses: dict[int, float],
+def commit_step(*, ledger: NodeLedger, rank: int, step: int, losses: dict[int, float],
                 samples: dict[int, list[int]], op_timers: OpTimers | None, timeout: datetime.timedelta) -> Outcome:
-    """Report ``step`` for launch rank ``rank`` into ``store`` (the controller's), count in
-    through ``ledger`` (on a store connection that waits at most ``timeout``) and return
-    the step's outcome, once it is decided."""
+    """Report ``step`` for launch rank ``rank`` and count in, with its node's ranks
+    (``ledger``, whose waits last at most ``timeout``); return the step's outcome, once it
+    is decided."""
     order = sorted(losses)
     times = op_timers.take() if op_timers is not None else dict.fromkeys(timed.TIMED, (0.0, 0))
     report = StepReport(rank, tuple(order), tuple(losses[m] for m in order),
                         tuple(i for m in order for i in samples[m]), *times[timed.FORWARD],
                         *times[timed.BACKWARD], *times[timed.WEIGHT_GRAD], times[timed.OPTIMIZER][0])
-    store.append(step_report_key(ledger.generation, step), report.to_json() + "\n")
-    outcome = ledger.count_in(step)
+    outcome = ledger.count_in(step, report.to_json() + "\n", timeout=timeout)
     return outcome if outcome is not None else ledger.wait_decided(step, timeout=timeout)

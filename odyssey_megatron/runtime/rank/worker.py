@@ -5,7 +5,8 @@ A generation is one plan: the worker joins a fresh process group among the plan'
 participants (on the generation's store prefix), moves the blocks the plan's transfers
 name, builds its stage on Megatron-Core from the per-block state it holds and trains
 from the plan's ``start_step``. A step counts once every rank of the generation has its
-final gradients (``runtime.step_ledger``); a rank applies its optimizer step only after
+final gradients (``runtime.step_ledger``, counted per node: ``runtime.rank.node_ledger``);
+a rank applies its optimizer step only after
 that, so a step that did not commit was applied nowhere and no step is ever undone.
 Until the first step of the run (or of a resumed run) commits, no trained state exists:
 a worker entering a generation then (``PlanPublished.fresh``) draws its stage from the
@@ -24,8 +25,9 @@ handover marks last (``step_ledger.Outcome.LAST``) is applied, then every rank l
 
 When a peer fails, the survivors' collectives end: gloo reports a closed connection as
 soon as a dead peer's sockets close, and where nothing closes (a frozen node, a dropped
-link) the controller names the failure from missed heartbeats and sets the generation's
-abort key, which the worker's heartbeat thread sees and turns into an abort of every wait
+link) the controller names the failure from missed heartbeats and aborts the generation,
+which the worker's heartbeat thread hears of (its launcher relays the controller's
+heartbeat) and turns into an abort of every wait
 on the generation's groups (``hooks.collective_guard``). Either way the wait raises
 ``PeerLost`` where the collective was called. The worker then leaves the generation: it
 keeps its blocks, lets go of its process groups (held until their operations have surely
@@ -92,6 +94,7 @@ from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.emulation import recipe_emulation
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
 from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
+from odyssey_megatron.runtime.rank.node_ledger import NodeLedger
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
 from odyssey_megatron.runtime.rank.snapshots import (
     SnapshotAbandoned,
@@ -219,7 +222,7 @@ class Worker:
         """The generation's in-memory snapshots on this rank, when it takes them."""
         self.training_ranks = 0
         """Ranks that train in the current generation: those that count its steps."""
-        self.ledger: Optional[StepLedger] = None
+        self.ledger: Optional[NodeLedger] = None
         """The current generation's step counters."""
         self.generation = -1
         self.step = 0
@@ -287,6 +290,11 @@ class Worker:
             return None
         return self.link.wait_plan(newer_than=self.generation)
 
+    def _node_store(self) -> dist.Store:
+        """A connection to the node's store (its launcher's), where the node's ranks commit together."""
+        return dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
+                             timeout=self.collective_timeout)
+
     def _store_for_steps(self) -> dist.Store:
         """A connection of its own that waits no longer than a collective may."""
         store = self.store.clone()
@@ -341,7 +349,10 @@ class Worker:
         self.start_step = published.start_step
         ranks = RankMap.of(published.participants(), self.tp)
         self.training_ranks = len(plan.workers) * self.tp
-        self.ledger = StepLedger(self.group_store, generation=plan.generation, training_ranks=self.training_ranks)
+        node_ranks = sum(1 for r in self.launch.node_ranks if r // self.tp in plan.workers)
+        self.ledger = NodeLedger(StepLedger(self.group_store, generation=plan.generation,
+                                            training_ranks=self.training_ranks),
+                                 self._node_store, node_ranks=node_ranks, check_s=self.timeouts.heartbeat_interval)
         self.injector.in_join, self.handed_over = bool(published.joined), False
         # A generation published before this process registered named an earlier one of this rank.
         named = self.worker_id in published.joined and plan.generation > self.link.published_at_start
@@ -476,8 +487,8 @@ class Worker:
     def _commit(self, step: int, losses: dict[int, float], samples: dict[int, list[int]]) -> None:
         """With this rank's gradients final: report the step, count in, and return once it
         committed (then the optimizer step is applied); GenerationEnded if it was frozen."""
-        outcome = commit_step(store=self.store, ledger=self.ledger, rank=self.launch.rank, step=step, losses=losses,
-                              samples=samples, op_timers=self.op_timers, timeout=self.collective_timeout)
+        outcome = commit_step(ledger=self.ledger, rank=self.launch.rank, step=step, losses=losses, samples=samples,
+                              op_timers=self.op_timers, timeout=self.collective_timeout)
         if not outcome.committed:
             raise GenerationEnded(f"step {step} did not commit")
         self.handed_over = outcome is Outcome.LAST
