@@ -32,17 +32,19 @@ Measured, per row:
   ranks' own beats go to their node's store, which is not the controller's) and per step
   the node's commit (``runtime.rank.node_ledger``: the rank carrying the node's count
   appends the node's ``StepReport`` lines, adds the node's ranks to the step counter, waits
-  for and gets the decision key). The poll runs alone for half a window: the server's CPU per poll
+  for and gets the decision key). The poll runs alone for half a window: the server's CPU
+  per poll
   (this process's CPU time less the poll thread's own). Then the simulated nodes run
   alone, closed-loop (as fast as they are answered, not at their periods) for a window:
   the server's CPU per request (this process's CPU time over their requests).
-- A live recovery: the plan is written; simulated ranks (those of live workers) block in
-  ``wait`` on the successor key; it is set (``Controller.publish_plan``'s last write); each
-  rank gets it, the frame and its worker's op list, checks the abort key, counts into
-  ``arrived_key`` (the last one sets ``all_arrived_key``), waits on ``all_arrived_key`` and
-  gets it, then counts into ``ready_key`` while the owner polls it
-  (``TrainingRun._wait_ready``); heartbeats are left out of this run. ``time_to_plan_s``:
-  from the successor key's set until the last rank got its op list.
+- A live recovery: simulated ranks (those of live workers) block in a get of the
+  successor key (a get waits for its key); the plan is published (``write_plan``: the op
+  lists, then the frame under that key); each rank gets the frame and then its worker's
+  op list, checks the abort key, counts into ``arrived_key`` (the last one sets
+  ``all_arrived_key``), waits on ``all_arrived_key`` and gets it, then counts into
+  ``ready_key`` while the owner polls it (``TrainingRun._wait_ready``); heartbeats are
+  left out of this run. ``time_to_plan_s``: from the publication's start until the last
+  rank got its op list.
 
 Computed, not measured: ``steady_ops_per_s`` is the rate the protocol asks for at the
 row's size: its periods (``odyssey`` defaults: heartbeat 0.1 s, poll 0.05 s) and a stated
@@ -58,13 +60,14 @@ the polls per second the controller asks for, plus the rest of the rate times th
 server's CPU per request.
 
 Extrapolated (listed in the row's ``extrapolated``): where the machine holds fewer clients
-than the row has ranks (``--clients``, 1,024 by default), the recovery's times are the
-simulated ranks' times scaled by ranks / simulated ranks: the server answers the row's
-every rank as it answered the simulated ones, one after another. That is an upper bound
-while the server is not saturated (the clients and the server share this machine's 2
-cores), and ``recovery_ops_per_s`` follows from it.
+than the row has ranks (``--clients``, 1,024 by default), ``time_to_plan_s`` is every
+rank's ``PLAN_REQUESTS`` requests served at the server's measured CPU per request (its rate
+on this machine, as if nothing else asked of it), and the time until all arrived likewise
+for ``RECOVERY_REQUESTS``. The table adds the same time on what the steady rate leaves of
+the store's thread, and the simulated clients' own time scaled by ranks / clients (bound by
+the clients' CPU: clients and server share this machine's 2 cores).
 
-Run: PYTHONPATH=. nice .venv/bin/python benchmarks/control_plane.py [--quick]
+Run: PYTHONPATH=. nice .venv/bin/python benchmarks/control_plane.py [--quick] [--heartbeat-interval S]
 (about 4 minutes on the shared 2-core machine; ``--quick``: 1,024 and 4,096 ranks, 256
 clients, shorter windows).
 
@@ -84,6 +87,7 @@ beat into the controller's store, polling waits):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -368,13 +372,15 @@ def _closed_loop(nodes: list[SimNode], timeouts: Timeouts, beats_per_step: int, 
     return beats * len(nodes), commits * len(nodes)
 
 
-RECOVERY_REQUESTS = 10
+PLAN_REQUESTS = 2
+"""One rank's requests until it holds its plan: the successor key (the frame), its op list."""
+RECOVERY_REQUESTS = PLAN_REQUESTS + 6
 """One rank's requests to enter a generation (``_recover``): no request repeats while it waits."""
 
 
 def _recover(nodes: list[SimNode], readers: frozenset[int], timeouts: Timeouts) -> dict:
     """Enter the next generation as ``Worker`` does, for this thread's simulated ranks among
-    ``readers``: wait for the successor key, read the frame and the worker's own op list
+    ``readers``: get the successor key (waiting for it), the frame and the worker's own op list
     (``read_plan``'s requests), count in, wait until all arrived, count ready. The thread's
     ranks take each phase in turn (a wait blocks the thread; the counts never do)."""
     world = len(readers)
@@ -383,9 +389,7 @@ def _recover(nodes: list[SimNode], readers: frozenset[int], timeouts: Timeouts) 
         return {"read_at": 0.0, "requests": 0, "arrived_at": 0.0}
     generation = RUNNING + 1
     for rank, store in ranks:
-        store.wait([successor_key(RUNNING)], datetime.timedelta(seconds=120))
-        store.get(successor_key(RUNNING))
-        store.get(plan_key(generation))
+        store.get(successor_key(RUNNING))  # ControllerLink.next_after: the frame, once set (a get waits)
         store.get(plan_ops_key(generation, rank // TP))
     read_at = time.time()
     everyone = all_arrived_key(generation)
@@ -487,18 +491,17 @@ def server_cpu(poll: ControllerPoll, seconds: float, during=None) -> tuple[float
 
 def live_recovery(store: dist.TCPStore, pipes: list, published: PlanPublished, readers: frozenset[int],
                   timeouts: Timeouts) -> dict:
-    """Publish ``published`` (``write_plan``; not timed: the controller's side) to the
-    simulated ranks ``readers`` (those of live workers), blocked in ``wait`` on the successor key, set that key as
-    ``Controller.publish_plan`` does, and have them enter the generation, the owner polling
-    the ready counter: what it took from the successor key's set."""
-    write_plan(store, published)
+    """Publish ``published`` (``write_plan``, as ``Controller.publish_plan`` does: the op
+    lists, then the frame under the successor key) to the simulated ranks ``readers``
+    (those of live workers), blocked in a get of the successor key, and have them enter the
+    generation, the owner polling the ready counter: what it took from the publication's start."""
     recovered: list[dict] = []
     recovery = threading.Thread(target=lambda: recovered.extend(ask(pipes, "recover", readers)))
     recovery.start()
-    time.sleep(1.0)  # the workers block in wait on the successor key
+    time.sleep(1.0)  # the workers block in get of the successor key
     published_at = time.time()
+    write_plan(store, published)  # the op lists, then the frame under the successor key
     store.set(PUBLISHED_GENERATION, str(RUNNING + 1))
-    store.set(successor_key(RUNNING), plan_key(RUNNING + 1))
     while store.add(ready_key(RUNNING + 1), 0) < len(readers):  # TrainingRun._wait_ready
         time.sleep(timeouts.poll_interval)
     recovery.join()
@@ -524,7 +527,7 @@ def measure(ranks: int, args, timeouts: Timeouts) -> dict:
     ops = {w: len(slices.values[plan_ops_key(published.plan.generation, w)]) for w in published.plan.workers}
     widest = max(ops, key=ops.get)
     started = time.perf_counter()
-    read_plan(slices, rank=widest * TP, current_generation=RUNNING)
+    read_plan(slices, slices.get(plan_key(published.plan.generation)), rank=widest * TP, current_generation=RUNNING)
     parse_s = time.perf_counter() - started
     nodes = ranks // DEVICES_PER_NODE
     simulated = min(ranks, args.clients) // DEVICES_PER_NODE * DEVICES_PER_NODE
@@ -558,15 +561,16 @@ def measure(ranks: int, args, timeouts: Timeouts) -> dict:
     beats = nodes * beat_requests / timeouts.heartbeat_interval
     commits = nodes * commit_requests / args.step_s
     steady = beats + commits + controller_rate + 1 / args.step_s
-    if simulated == ranks:
-        time_to_plan, arrived, extrapolated = recovery["read_s"], recovery["arrived_s"], []
-    else:  # the server answers the row's every rank as it answered the simulated ones, one after another
-        scale = ranks / simulated
-        time_to_plan, arrived = recovery["read_s"] * scale, recovery["arrived_s"] * scale
-        extrapolated = ["time_to_plan_s", "recovery_ops_per_s"]
-    recovering = beats + controller_rate + ranks * RECOVERY_REQUESTS / arrived
     controller_share = controller_cpu / len(polls) / timeouts.poll_interval  # at its period, however long it took
     cpu_per_request = driven_cpu / driven
+    steady_busy = controller_share + (steady - controller_rate) * cpu_per_request
+    if simulated == ranks:
+        time_to_plan, arrived, extrapolated = recovery["read_s"], recovery["arrived_s"], []
+    else:  # the server's measured cost per request, for every rank's requests, on a store with nothing else to do
+        time_to_plan = ranks * PLAN_REQUESTS * cpu_per_request
+        arrived = ranks * RECOVERY_REQUESTS * cpu_per_request
+        extrapolated = ["time_to_plan_s", "recovery_ops_per_s"]
+    recovering = beats + controller_rate + ranks * RECOVERY_REQUESTS / arrived
     return {
         "row": {
             "ranks": ranks, "nodes": nodes, "plan_bytes": frame + sum(ops.values()),
@@ -576,40 +580,51 @@ def measure(ranks: int, args, timeouts: Timeouts) -> dict:
         },
         "chosen": chosen, "whole_bytes": len(text), "frame_bytes": frame, "median_share": statistics.median(shares),
         "write_s": write_s, "parse_s": parse_s, "simulated": simulated, "recovery": recovery, "arrived_s": arrived,
+        "scaled_time_to_plan_s": recovery["read_s"] * ranks / simulated,
         "beats_per_s": beats, "commits_per_s": commits,
         "poll_ms": 1e3 * statistics.median(polls), "driven_per_s": driven / args.window,
         "us_per_request": 1e6 * cpu_per_request,
-        "steady_busy": controller_share + (steady - controller_rate) * cpu_per_request,
+        "steady_busy": steady_busy, "heartbeat_interval": timeouts.heartbeat_interval,
+        "time_to_plan_beside_steady_s": time_to_plan / max(1e-9, 1 - steady_busy) if steady_busy < 1 else None,
     }
 
 
 def print_table(measured: list[dict], args) -> None:
+    interval = measured[0]["heartbeat_interval"]
     print(f"\nLlama-2 7B, {DEVICE} recipe widened: TP{TP} x PP{PP}, {args.micro_batches} micro-batches per "
           f"pipeline, {DEVICES_PER_NODE} ranks per node; plan after one rank failed; step {args.step_s} s; "
-          "heartbeat 0.1 s, poll 0.05 s.")
+          f"heartbeat {interval} s, poll {interval / 2} s.")
     print("| ranks | nodes | chosen | whole plan MB | published KB (frame B) | read per worker B | own share KB "
           "max / median | write s | read s | steady ops/s (beats + commits) | server busy | poll ms | µs/op | "
-          "clients (closed-loop ops/s) | time to plan s | all arrived s | recovery ops/s |")
-    print("|" + "---|" * 17)
+          "clients (closed-loop ops/s) | time to plan s | beside the steady load s | live clients' time, scaled s | "
+          "all arrived s | recovery ops/s |")
+    print("|" + "---|" * 19)
     for m in measured:
         row = m["row"]
         kind = "extrapolated" if row["extrapolated"] else "measured"
+        beside = m["time_to_plan_beside_steady_s"]
         print(f"| {row['ranks']:,} | {row['nodes']:,} | {m['chosen']} | {m['whole_bytes'] / 1e6:.2f} | "
               f"{row['plan_bytes'] / 1e3:,.0f} ({m['frame_bytes']:,}) | {row['bytes_read_per_worker']:,} | "
               f"{row['own_share_bytes'] / 1e3:.1f} / {m['median_share'] / 1e3:.1f} | {m['write_s']:.2f} | "
-              f"{m['parse_s']:.3f} | {row['steady_ops_per_s']:,} ({m['beats_per_s']:,.0f} + {m['commits_per_s']:,.0f}) | "
+              f"{m['parse_s']:.3f} | {row['steady_ops_per_s']:,} "
+              f"({m['beats_per_s']:,.0f} + {m['commits_per_s']:,.0f}) | "
               f"{100 * m['steady_busy']:.0f} % | {m['poll_ms']:.1f} | {m['us_per_request']:.1f} | "
               f"{m['simulated']:,} ({m['driven_per_s']:,.0f}) | {row['time_to_plan_s']:.3f} ({kind}) | "
+              f"{'saturated' if beside is None else f'{beside:.2f}'} | {m['scaled_time_to_plan_s']:.2f} | "
               f"{m['arrived_s']:.3f} | {row['recovery_ops_per_s']:,} |")
     print("whole plan: the JSON every worker read before (now in the run directory only); published: the frame "
           "every worker reads plus every worker's op list, zlib; read per worker: the frame and the largest op list; "
           "write s / read s: write_plan of the whole publication (the controller, before it wakes anyone) and "
           "read_plan of the largest slice (one worker), over a dict; "
           "server busy: share of one core the store's one libuv thread needs for the steady rate; "
-          "poll ms: one controller poll over every node's heartbeat, median (its period is 50 ms); "
+          "poll ms: one controller poll over every node's heartbeat, median (its period is the poll interval); "
           "µs/op: server CPU per simulated-node request; time to plan: from the successor key's set until the "
-          "last rank read its op list; all arrived: until the last rank's all-arrived wait returned; recovery "
-          f"ops/s: the periodic rate plus {RECOVERY_REQUESTS} requests per rank over the time until all arrived.")
+          "last rank read its op list, measured where every rank was simulated, else every rank's "
+          f"{PLAN_REQUESTS} requests at the server's µs/op (an idle store thread); beside the steady load: the same "
+          "on what the steady rate leaves of the thread; live clients' time, scaled: the simulated clients' time "
+          "times ranks / clients (bound by the clients' own CPU on this machine); all arrived: until the last "
+          f"rank's all-arrived wait returned (extrapolated as time to plan, for {RECOVERY_REQUESTS} requests); "
+          "recovery ops/s: the periodic rate plus every rank's requests over the time until all arrived.")
 
 
 def main() -> None:
@@ -620,11 +635,16 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=5.0, help="the training step time the commits come at")
     parser.add_argument("--clients", type=int, default=1024, help="simulated ranks this machine holds")
     parser.add_argument("--window", type=float, default=4.0, help="seconds of closed-loop traffic per row")
+    parser.add_argument("--heartbeat-interval", type=float, default=None,
+                        help="seconds (default: odyssey's); the heartbeat timeout becomes 10 intervals")
     args = parser.parse_args()
     if args.quick:
         args.clients, args.window = min(args.clients, 256), min(args.window, 2.0)
     ranks = args.ranks or (RANKS[:2] if args.quick else RANKS)
     timeouts = load_config(None, []).odyssey.timeouts
+    if args.heartbeat_interval is not None:
+        timeouts = dataclasses.replace(timeouts, heartbeat_interval=args.heartbeat_interval,
+                                       heartbeat_timeout=10 * args.heartbeat_interval)
     measured = []
     for r in ranks:
         started = time.perf_counter()

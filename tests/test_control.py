@@ -302,7 +302,8 @@ def test_a_plan_is_published_in_slices_and_each_rank_reads_the_frame_and_its_own
         plan_ops_key(plan.generation, w) for w in plan.workers)
     for rank in range(12):  # 6 workers of 2 TP ranks; worker 4 is failed
         worker, reader = rank // 2, Recording(master)
-        got = read_plan(reader, rank=rank, current_generation=plan.generation - 1)
+        got = read_plan(reader, reader.get(plan_key(plan.generation)), rank=rank,
+                        current_generation=plan.generation - 1)
         assert got.plan == plan and replace(got, program=program) == published
         assert (got.program.generation, got.program.staggered_optimizer) == (program.generation,
                                                                             program.staggered_optimizer)
@@ -327,10 +328,10 @@ def test_a_worker_refuses_an_op_list_its_plan_does_not_give_it():
     store.set(plan_ops_key(plan.generation, 1), zlib.compress(wrong))
     with pytest.raises(ProtocolError, match=r"gives Op\(kind='F', pipeline=0, stage=0, micro_batch=0\) to worker 1; "
                                             "the plan gives it to 0"):
-        read_plan(store, rank=3, current_generation=plan.generation - 1)
+        read_plan(store, store.get(plan_key(plan.generation)), rank=3, current_generation=plan.generation - 1)
     store.set(plan_ops_key(plan.generation, 1), zlib.compress(b'[["X", 0, 0, 0]]'))
     with pytest.raises(ProtocolError, match=r"op \['X', 0, 0, 0\] of worker 1 is not"):
-        read_plan(store, rank=2, current_generation=plan.generation - 1)
+        read_plan(store, store.get(plan_key(plan.generation)), rank=2, current_generation=plan.generation - 1)
 
 
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):
@@ -362,7 +363,8 @@ def test_the_successor_key_names_what_follows_each_generation_and_a_stop_is_not_
     carry out before the run is done."""
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     controller.publish_plan(*_published(0))
-    assert controller.store.get(successor_key(-1)).decode() == plan_key(0)
+    following = controller.store.get(successor_key(-1))  # the frame itself: one get between generations
+    assert PlanPublished.from_frame(following, current_generation=-1).plan == _plan(0)
     assert not controller.store.check([successor_key(0)])
     controller.end_run(RUN_STOP, StopOrder(3, "SIGTERM", {}).to_json())
     controller.end_run(RUN_DONE, "1")

@@ -135,9 +135,10 @@ def generation_prefix(generation: int) -> str:
 
 
 def plan_key(generation: int) -> str:
-    """The generation's plan frame (``PlanPublished.frame``): set after every op list, so a
-    worker that sees it finds its own."""
-    return generation_prefix(generation) + "plan"
+    """The generation's plan frame (``PlanPublished.frame``), set after every op list (a
+    worker that sees it finds its own): the successor of the generation before, so the
+    get a worker waits in between generations returns the frame itself."""
+    return successor_key(generation - 1)
 
 
 def plan_ops_key(generation: int, worker: int) -> str:
@@ -190,8 +191,8 @@ ABORTED = b"abort"
 
 def successor_key(generation: int) -> str:
     """What follows generation ``generation`` (-1: the first plan), set by the controller
-    once it is known: ``plan_key(generation + 1)``, ``RUN_STOP`` or ``RUN_DONE`` (the key
-    to read next). A worker between generations waits on it, without polling."""
+    once it is known: the next generation's plan frame (``plan_key``), or the name of
+    ``RUN_STOP`` or ``RUN_DONE``. A worker between generations waits on it, without polling."""
     return generation_prefix(generation) + "successor"
 
 
@@ -635,13 +636,12 @@ def write_plan(store: Any, published: PlanPublished, *, batch_bytes: int = STORE
     store.set(plan_key(published.plan.generation), published.frame())
 
 
-def read_plan(store: Any, *, rank: int, current_generation: int) -> PlanPublished:
-    """Plan generation ``current_generation + 1`` as rank ``rank`` needs it (its frame is
-    set): the frame, and the op list of the rank's worker where the plan has it live;
-    a frame carrying a generation not newer than ``current_generation`` is refused
+def read_plan(store: Any, frame: bytes, *, rank: int, current_generation: int) -> PlanPublished:
+    """Plan generation ``current_generation + 1`` from its ``frame`` as rank ``rank`` needs
+    it: with the op list of the rank's worker, read from ``store``, where the plan has it
+    live; a frame carrying a generation not newer than ``current_generation`` is refused
     (StaleGenerationError)."""
-    published = PlanPublished.from_frame(store.get(plan_key(current_generation + 1)),
-                                         current_generation=current_generation)
+    published = PlanPublished.from_frame(frame, current_generation=current_generation)
     worker = rank // published.plan.tensor_parallel_size
     if worker not in published.plan.workers:
         return published

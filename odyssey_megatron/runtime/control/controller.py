@@ -53,7 +53,6 @@ from odyssey_megatron.runtime.protocol import (
     all_arrived_key,
     kill_orders_key,
     parse_inbox,
-    plan_key,
     successor_key,
     write_plan,
 )
@@ -158,7 +157,6 @@ class Controller:
         self.record.plan(plan, program)
         write_plan(self.store, published)  # checks that the program is the plan's first
         self.store.set(PUBLISHED_GENERATION, str(plan.generation))
-        self.store.set(successor_key(plan.generation - 1), plan_key(plan.generation))
         self.published_generation = plan.generation
         self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers),
                           start_step=start_step, estimated_step_s=estimated_step_s,

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from odyssey_megatron.runtime.protocol import (
     EXIT_CONTROLLER_LOST,
     NODE_VIEW,
+    RUN_DONE,
+    RUN_STOP,
     CollectiveStalled,
     INBOX,
     PUBLISHED_GENERATION,
@@ -49,9 +51,9 @@ from odyssey_megatron.runtime.protocol import (
     RankRegistration,
     WorkerLaunch,
     missed_beat,
-    plan_key,
     rank_heartbeat_key,
     read_plan,
+    successor_key,
 )
 
 __all__ = ["ControllerLink"]
@@ -157,13 +159,22 @@ class ControllerLink:
         heartbeat thread last heard from the launcher: no request to the controller's store."""
         return generation in self._aborted
 
+    def next_after(self, generation: int) -> PlanPublished | str:
+        """What follows ``generation``, once the controller set it (waiting up to the
+        recovery timeout): the next plan with this worker's op list (``read_plan``: none
+        where the plan has the worker idle), or ``RUN_STOP`` or ``RUN_DONE``; a plan
+        carrying an older generation is refused (StaleGenerationError)."""
+        following = self.store.get(successor_key(generation))  # a get waits for its key
+        if following in (RUN_STOP.encode(), RUN_DONE.encode()):
+            return following.decode()
+        return read_plan(self.store, following, rank=self.launch.rank, current_generation=generation)
+
     def wait_plan(self, *, newer_than: int) -> PlanPublished:
-        """Wait (up to the recovery timeout) for plan generation ``newer_than + 1`` and
-        return it with this worker's op list (``read_plan``: none where the plan has the
-        worker idle); a message carrying an older generation is refused
-        (StaleGenerationError)."""
-        self.store.wait([plan_key(newer_than + 1)])
-        return read_plan(self.store, rank=self.launch.rank, current_generation=newer_than)
+        """``next_after(newer_than)``, which must be a plan."""
+        following = self.next_after(newer_than)
+        if isinstance(following, str):
+            raise ProtocolError(f"expected plan generation {newer_than + 1}; the run ended ({following})")
+        return following
 
     def _beat(self, store: dist.Store) -> None:
         beat = Heartbeat(self._seq, time.time(), self.generation, self.watching)

@@ -275,20 +275,18 @@ class Worker:
     def _next_plan(self) -> PlanPublished | StopOrder | None:
         """The next generation's plan, the order to stop, or None once the run is done;
         waits (on the successor key, without polling) up to the recovery timeout."""
-        key = successor_key(self.generation)
         try:
-            self.store.wait([key])
+            following = self.link.next_after(self.generation)
         except dist.DistStoreError as exc:
             if not missed_beat(exc):
                 raise
             raise TimeoutError(f"no plan generation {self.generation + 1} within the recovery timeout "
                                f"({self.timeouts.recovery_timeout} s)") from None
-        successor = self.store.get(key).decode()
-        if successor == RUN_STOP:
+        if following == RUN_STOP:
             return StopOrder.from_json(self.store.get(RUN_STOP))
-        if successor == RUN_DONE:
+        if following == RUN_DONE:
             return None
-        return self.link.wait_plan(newer_than=self.generation)
+        return following
 
     def _node_store(self) -> dist.Store:
         """A connection to the node's store (its launcher's), where the node's ranks commit together."""
@@ -549,7 +547,7 @@ class Worker:
         successor = successor_key(self.generation)
         while not self.link.aborted(self.generation):
             if self.store.check([successor]):
-                if self.store.get(successor).decode() == RUN_STOP:
+                if self.store.get(successor) == RUN_STOP.encode():
                     raise GenerationEnded("the run stops")
                 return
             if self.spare is not None and self._first_step_committed():
