@@ -43,8 +43,8 @@ Measured, per row:
   op list, checks the abort key, counts into ``arrived_key`` (the last one sets
   ``all_arrived_key``), waits on ``all_arrived_key`` and gets it, then counts into
   ``ready_key`` while the owner polls it (``TrainingRun._wait_ready``); heartbeats are
-  left out of this run. ``time_to_plan_s``: from the publication's start until the last
-  rank got its op list.
+  left out of this run. ``time_to_plan_s``: from the frame's set (the publication: the op
+  lists are written before it) until the last rank got its op list.
 
 Computed, not measured: ``steady_ops_per_s`` is the rate the protocol asks for at the
 row's size: its periods (``odyssey`` defaults: heartbeat 0.1 s, poll 0.05 s) and a stated
@@ -489,18 +489,34 @@ def server_cpu(poll: ControllerPoll, seconds: float, during=None) -> tuple[float
     return (time.process_time() - process) - (poll.cpu_s - polled), result
 
 
+class FrameStamp:
+    """The store ``write_plan`` writes to, noting when the frame's set began: the moment a
+    plan is published (its op lists are in the store by then)."""
+
+    def __init__(self, store: dist.TCPStore):
+        self.store, self.frame_at = store, None
+
+    def multi_set(self, keys, values):
+        self.store.multi_set(keys, values)
+
+    def set(self, key, value):
+        self.frame_at = time.time()
+        self.store.set(key, value)
+
+
 def live_recovery(store: dist.TCPStore, pipes: list, published: PlanPublished, readers: frozenset[int],
                   timeouts: Timeouts) -> dict:
     """Publish ``published`` (``write_plan``, as ``Controller.publish_plan`` does: the op
     lists, then the frame under the successor key) to the simulated ranks ``readers``
     (those of live workers), blocked in a get of the successor key, and have them enter the
-    generation, the owner polling the ready counter: what it took from the publication's start."""
+    generation, the owner polling the ready counter: what it took from the frame's set."""
     recovered: list[dict] = []
     recovery = threading.Thread(target=lambda: recovered.extend(ask(pipes, "recover", readers)))
     recovery.start()
     time.sleep(1.0)  # the workers block in get of the successor key
-    published_at = time.time()
-    write_plan(store, published)  # the op lists, then the frame under the successor key
+    stamped = FrameStamp(store)
+    write_plan(stamped, published)  # the op lists, then the frame under the successor key
+    published_at = stamped.frame_at
     store.set(PUBLISHED_GENERATION, str(RUNNING + 1))
     while store.add(ready_key(RUNNING + 1), 0) < len(readers):  # TrainingRun._wait_ready
         time.sleep(timeouts.poll_interval)
@@ -618,7 +634,7 @@ def print_table(measured: list[dict], args) -> None:
           "read_plan of the largest slice (one worker), over a dict; "
           "server busy: share of one core the store's one libuv thread needs for the steady rate; "
           "poll ms: one controller poll over every node's heartbeat, median (its period is the poll interval); "
-          "µs/op: server CPU per simulated-node request; time to plan: from the successor key's set until the "
+          "µs/op: server CPU per simulated-node request; time to plan: from the frame's set until the "
           "last rank read its op list, measured where every rank was simulated, else every rank's "
           f"{PLAN_REQUESTS} requests at the server's µs/op (an idle store thread); beside the steady load: the same "
           "on what the steady rate leaves of the thread; live clients' time, scaled: the simulated clients' time "
