@@ -237,7 +237,8 @@ class SimNode:
         kill-order counts in it) and the launcher key in one request. The ranks beat into
         their node's store, which the controller's never sees."""
         self.launcher.set(node_heartbeat_key(self.node), NodeHeartbeat(
-            seq, time.time(), {str(r): seq for r in self.ranks}, {str(r): RUNNING for r in self.ranks}).to_json())
+            seq, time.time(), {str(r): seq for r in self.ranks}, {str(r): RUNNING for r in self.ranks},
+            {str(r): 100_000 + r for r in self.ranks}).to_json())
         controller, _ = self.launcher.multi_get([CONTROLLER_HEARTBEAT, launcher_key(self.node)])
         ControllerHeartbeat.from_json(controller)
 
@@ -553,7 +554,8 @@ def measure(ranks: int, args, timeouts: Timeouts) -> dict:
     store = open_store()
     keys = [node_heartbeat_key(n) for n in range(nodes)]
     beat = NodeHeartbeat(0, time.time(), {str(r): 0 for r in range(DEVICES_PER_NODE)},
-                         {str(r): RUNNING for r in range(DEVICES_PER_NODE)}).to_json()
+                         {str(r): RUNNING for r in range(DEVICES_PER_NODE)},
+                         {str(r): 100_000 + r for r in range(DEVICES_PER_NODE)}).to_json()
     store.multi_set(keys, [beat] * len(keys))
     store.multi_set([launcher_key(n) for n in range(nodes)], [f"host{n}:1" for n in range(nodes)])
     store.multi_set([decided_key(RUNNING, s) for s in range(STEPS)], [Outcome.COMMITTED.value] * STEPS)

@@ -376,7 +376,7 @@ def test_the_controller_turns_inbox_messages_into_failures_records_and_kill_orde
     controller = Controller(host="127.0.0.1", port=0, timeouts=slow, run_dir=tmp_path)
     controller.start()
     client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    client.set(node_heartbeat_key(0), NodeHeartbeat(0, 1000.0, {"0": 0, "1": 0}, {}).to_json())
+    client.set(node_heartbeat_key(0), NodeHeartbeat(0, 1000.0, {"0": 0, "1": 0}, {}, {"0": 20, "1": 21}).to_json())
     for msg in (NodeRegistration(0, 10, "h", (0, 1)), RankRegistration(0, 20, "h", 0), RankRegistration(1, 21, "h", 0)):
         client.queue_push(INBOX, msg.to_json())
     client.queue_push(INBOX, b"\x80 not json")  # dropped with a warning; the controller goes on
@@ -416,10 +416,12 @@ T = TIMEOUTS.heartbeat_timeout
 
 
 def _node_beat(seq: int, ranks: dict[int, int], generations: dict[int, int] | None = None,
-               node: int = 0) -> dict[str, NodeHeartbeat]:
-    """Node ``node``'s beat ``seq`` carrying rank -> its last beat's seq (and generation)."""
+               node: int = 0, pids: dict[int, int] | None = None) -> dict[str, NodeHeartbeat]:
+    """Node ``node``'s beat ``seq`` carrying rank -> its last beat's seq (and generation,
+    and the process that wrote it: by default the one ``_detector_with_node`` registered)."""
     beat = NodeHeartbeat(seq, 1000.0 + seq, {str(r): s for r, s in ranks.items()},
-                         {str(r): g for r, g in (generations or {}).items()})
+                         {str(r): g for r, g in (generations or {}).items()},
+                         {str(r): (pids or {}).get(r, 20 + r) for r in ranks})
     return {node_heartbeat_key(node): beat}
 
 
@@ -503,6 +505,22 @@ def test_a_stalled_collective_takes_its_rank_out_once():
     assert detector.rank_stalled(CollectiveStalled(1, 3, "again", 7.0), wall=7.0) is None
 
 
+def test_a_restarted_workers_start_up_grace_holds_whatever_its_predecessors_last_beat_said():
+    """The launcher may forward the dead process's last beat (its generation, its seq) after
+    the new one registered: it is not the newcomer's, which keeps the initial timeout."""
+    detector = Detector(T, initial_heartbeat_timeout=10 * T)
+    detector.node_joined(NodeRegistration(0, 10, "h", (0, 1)), now=0.0, wall=1000.0)
+    for rank in (0, 1):
+        detector.rank_joined(RankRegistration(rank, 20 + rank, "h", 0), now=0.0)
+    detector.rank_exited(RankExit(1, 0, -9, 1000.5), wall=1000.5)
+    detector.rank_joined(RankRegistration(1, 99, "h", 0), now=1.0)  # restarted, starting up
+    detector.observe(_node_beat(2, {0: 2, 1: 7}, {0: 3, 1: 3}), now=1.0)  # rank 1's entry: still pid 21's
+    for tick in range(3, 8):  # the newcomer starts up silent for 5 timeouts; rank 0 and the launcher beat on
+        detector.observe(_node_beat(tick, {0: tick, 1: 7}, {0: 3, 1: 3}), now=tick * T)
+        assert detector.check(now=tick * T, wall=2000.0) == []
+    assert detector.workers()[1]["generation"] is None
+
+
 def test_heartbeats_carry_the_generation_each_worker_runs():
     detector = _detector_with_node()
     assert detector.observe(_node_beat(1, {0: 1}), now=0.1) is False  # still no plan
@@ -517,11 +535,11 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
     for msg in (RankRegistration(3, 99, "h", 1), NodeRegistration(1, 98, "h", (2, 3)), RankExit(3, 1, -9, 1.5),
                 RankFailureReport(3, None, "boom", 2.0), CollectiveStalled(3, 2, "timed out", 2.5), NodeLeft(1, 3.0)):
         assert parse_inbox(msg.to_json()) == msg
-    beat = Heartbeat(4, 1004.0, generation=2, watching=3)
+    beat = Heartbeat(4, 1004.0, generation=2, watching=3, pid=1234)
     assert Heartbeat.from_json(beat.to_json()) == beat
     [node_beat] = _node_beat(5, {3: 4, 4: 1}, {3: 2}).values()
     assert NodeHeartbeat.from_json(node_beat.to_json()) == node_beat
-    assert node_beat.rank_beats() == {3: Heartbeat(4, 1005.0, 2), 4: Heartbeat(1, 1005.0, None)}
+    assert node_beat.rank_beats() == {3: Heartbeat(4, 1005.0, 2, pid=23), 4: Heartbeat(1, 1005.0, None, pid=24)}
     view = NodeView(7, 1007.0, (2, 3), controller_lost="store unreachable")
     assert NodeView.from_json(view.to_json()) == view and view.controller_beat() == Heartbeat(7, 1007.0)
     with pytest.raises(ProtocolError, match="field 'seqs' must be dict"):

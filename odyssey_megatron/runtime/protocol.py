@@ -349,7 +349,7 @@ def _loads(text: str | bytes) -> Any:
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Written over the sender's heartbeat key every ``heartbeat_interval``."""
+    """A worker's beat, written over its heartbeat key every ``heartbeat_interval``."""
 
     KIND = "heartbeat"
     seq: int
@@ -358,6 +358,9 @@ class Heartbeat(Message):
     """The plan generation a worker runs; None before its first plan."""
     watching: Optional[int] = None
     """The plan generation a worker enters or runs (its launcher relays that generation's abort)."""
+    pid: Optional[int] = None
+    """The worker's process: a restarted worker's first beats must not be read as its
+    predecessor's, nor the predecessor's last one as the newcomer's."""
 
 
 @dataclass(frozen=True)
@@ -390,10 +393,12 @@ class NodeHeartbeat(Message):
     """Rank -> the sequence number of its last beat (ranks that have beaten at all)."""
     generations: dict[str, int]
     """Rank -> the plan generation it runs, for ranks that have entered one."""
+    pids: dict[str, int]
+    """Rank -> the process that wrote its last beat."""
 
     def rank_beats(self) -> dict[int, Heartbeat]:
         """Each rank's last beat as the launcher saw it, stamped with the node's clock."""
-        return {int(rank): Heartbeat(seq, self.sent_at, self.generations.get(rank))
+        return {int(rank): Heartbeat(seq, self.sent_at, self.generations.get(rank), pid=self.pids.get(rank))
                 for rank, seq in self.seqs.items()}
 
 

@@ -203,8 +203,8 @@ class Detector:
             node.watch.see(beat, now)
             for r, rank_beat in beat.rank_beats().items():
                 rank = self.ranks.get(r)
-                if rank is None or rank.node != n or rank.watch is None:
-                    continue
+                if rank is None or rank.node != n or rank.watch is None or rank_beat.pid != rank.pid:
+                    continue  # not registered, or a beat of the process it replaced
                 rank.watch.see(rank_beat, now)
                 if rank_beat.generation is not None:  # started: the start-up grace is over
                     rank.watch.timeout = self.heartbeat_timeout

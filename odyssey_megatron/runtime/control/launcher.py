@@ -294,7 +294,8 @@ class NodeLauncher:
         workers = self._worker_beats(node_store)
         store.set(node_heartbeat_key(node), NodeHeartbeat(
             self._seq, time.time(), seqs={str(r): b.seq for r, b in workers.items()},
-            generations={str(r): b.generation for r, b in workers.items() if b.generation is not None}).to_json())
+            generations={str(r): b.generation for r, b in workers.items() if b.generation is not None},
+            pids={str(r): b.pid for r, b in workers.items() if b.pid is not None}).to_json())
         self._seq += 1
         controller, launching = store.multi_get([CONTROLLER_HEARTBEAT, launcher_key(node)])
         controller = ControllerHeartbeat.from_json(controller)

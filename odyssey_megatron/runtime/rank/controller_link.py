@@ -177,7 +177,7 @@ class ControllerLink:
         return following
 
     def _beat(self, store: dist.Store) -> None:
-        beat = Heartbeat(self._seq, time.time(), self.generation, self.watching)
+        beat = Heartbeat(self._seq, time.time(), self.generation, self.watching, os.getpid())
         store.set(rank_heartbeat_key(self.launch.rank), beat.to_json())
         self._seq += 1
 
