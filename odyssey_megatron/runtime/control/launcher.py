@@ -162,7 +162,7 @@ class NodeLauncher:
             why = str(exc).splitlines()[0]
             log.error("node %d: lost the controller (%s); its workers save what they hold, then exit", node, why)
             self._stop_beating()
-            self._tell_workers_lost(why)
+            self._relay(self._node_store.store, controller_lost=why)  # at once: they save what they hold
             self._let_workers_exit(within=self.timeouts.collective_timeout)
             return EXIT_CONTROLLER_LOST
         finally:
@@ -308,8 +308,7 @@ class NodeLauncher:
             for _ in range(store.queue_len(orders)):
                 self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
             self._kill_orders_seen = queued
-        view = NodeView(controller.seq, controller.sent_at, tuple(sorted(self._aborted)))
-        node_store.set(NODE_VIEW, view.to_json())
+        self._relay(node_store)
 
     def _worker_beats(self, node_store: dist.Store) -> dict[int, Heartbeat]:
         """Each of the node's workers' last beat in the node's store (those that beat yet)."""
@@ -323,8 +322,8 @@ class NodeLauncher:
                 log.warning("node %d: malformed heartbeat of rank %d: %s", self.config.node_rank, rank, exc)
         return beats
 
-    def _tell_workers_lost(self, why: str) -> None:
-        """Relay the controller's loss to the workers at once: they save what they hold."""
+    def _relay(self, node_store: dist.Store, *, controller_lost: Optional[str] = None) -> None:
+        """Tell the node's workers what the controller's store said last (``NodeView``)."""
         beat = self._controller.last or Heartbeat(-1, 0.0)
-        view = NodeView(beat.seq, beat.sent_at, tuple(sorted(self._aborted)), controller_lost=why)
-        self._node_store.store.set(NODE_VIEW, view.to_json())
+        view = NodeView(beat.seq, beat.sent_at, tuple(sorted(self._aborted)), controller_lost=controller_lost)
+        node_store.set(NODE_VIEW, view.to_json())

@@ -203,9 +203,8 @@ class Worker:
                                                             generation=generation)
         self.group_store = self._store_for_steps()
         """The step ledger's connection: waits no longer than a collective may."""
-        self.snapshot_store = self.store.clone()
+        self.snapshot_store = self._store_for_steps()
         """The snapshot thread's connection: it counts in while the training thread may wait on the ledger."""
-        self.snapshot_store.set_timeout(self.collective_timeout)
         self.rendezvous = RendezvousStore(self.store.clone(), guard=self.guard)
         """Where the process groups meet: an abort ends a setup that waits for a dead member."""
         self.state: Optional[TrainingState] = TrainingState() if launch.joining else None
