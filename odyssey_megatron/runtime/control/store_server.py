@@ -35,8 +35,16 @@ class StoreServer:
     port: int
 
     def __init__(self, host: str, port: int, *, timeout: float):
-        self._socket = _listening_socket(host, port)
-        self.host, self.port = host, self._socket.getsockname()[1]
-        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False, use_libuv=True,
-                                   master_listen_fd=self._socket.fileno(),
-                                   timeout=datetime.timedelta(seconds=timeout))
+        sock = _listening_socket(host, port)
+        self.host, self.port = host, sock.getsockname()[1]
+        try:
+            self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False, use_libuv=True,
+                                       master_listen_fd=sock.fileno(),
+                                       timeout=datetime.timedelta(seconds=timeout))
+        except BaseException:
+            sock.close()
+            raise
+        # The server owns the descriptor now and closes it when it stops (from its own
+        # thread, whenever that is): a Python owner closing it too could close a file
+        # opened meanwhile under the same number.
+        sock.detach()
