@@ -354,6 +354,11 @@ def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_
     controller.store.set(plan_key(2), PlanPublished(*_published(1), time.time()).frame())
     with pytest.raises(StaleGenerationError, match="plan generation 1 is stale: generation 1 is already running"):
         link.wait_plan(newer_than=1)
+    # A program that is not its plan's is refused before anything is written.
+    plan, program = _published(2)
+    with pytest.raises(ValueError, match=r"op lists for workers \[\], the plan's live workers are \[0\]"):
+        controller.publish_plan(plan, replace(program, ops={}))
+    assert controller.published_generation == 1 and not controller.store.check([plan_ops_key(2, 0)])
     assert sorted(p.name for p in tmp_path.glob("plan-*.json")) == ["plan-0.json", "plan-1.json"]
     assert read_published(json.loads((tmp_path / "plan-1.json").read_text())) == _published(1)
 

@@ -154,10 +154,12 @@ class Controller:
                                        f"{self.published_generation} was published last")
         published = PlanPublished(plan, program, time.time(), start_step, fresh, snapshot_interval, snapshot,
                                   restore, joined)
-        self.record.plan(plan, program)
         write_plan(self.store, published)  # checks that the program is the plan's first
         self.store.set(PUBLISHED_GENERATION, str(plan.generation))
         self.published_generation = plan.generation
+        # Kept for people once the workers have it: at 16,384 ranks the whole plan's JSON
+        # takes seconds to write.
+        self.record.plan(plan, program)
         self.record.event("plan", generation=plan.generation, policy=plan.policy, workers=list(plan.workers),
                           start_step=start_step, estimated_step_s=estimated_step_s,
                           rollback_to=restore.step if restore is not None else None, joined=list(joined))

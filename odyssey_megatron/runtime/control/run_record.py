@@ -45,6 +45,7 @@ class RunRecord:
             write_json(self.workers_path, {str(rank): row for rank, row in table.items()})
 
     def plan(self, plan: ExecutionPlan, program: StepProgram) -> None:
-        """The plan as published: with its step program (``schedules.program.read_published`` reads it)."""
+        """The plan as published, with its step program (``schedules.program.read_published``
+        reads it): ``write_plan`` checked the pair before it published it."""
         with self._lock:
-            write_json(self.directory / f"plan-{plan.generation}.json", publish(plan, program))
+            write_json(self.directory / f"plan-{plan.generation}.json", publish(plan, program, checked=True))
