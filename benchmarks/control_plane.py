@@ -24,12 +24,13 @@ Measured, per row:
 - The server's cost: a real TCPStore server (libuv, as the Controller opens it) in this
   process, a real controller poll on a thread beside it (``Controller._poll``'s requests:
   its heartbeat, the inbox length, ``check`` and ``multi_get`` of every node's heartbeat
-  key, each parsed; plus ``TrainingRun``'s commit check) over the row's keys every
+  key, each new one parsed; plus ``TrainingRun``'s commit check) over the row's keys every
   ``poll_interval``, and simulated nodes in driver processes, each rank and launcher on a
   store connection of its own, speaking the protocol with its key functions and messages:
   each launcher's beat thread (``NodeLauncher._beat``: the node's heartbeat with its
-  ranks' beats, then the controller's heartbeat and the launcher key in one request; the
-  ranks' own beats go to their node's store, which is not the controller's) and per step
+  ranks' beats, one ``compare_set``, and every heartbeat timeout the controller's heartbeat
+  and the launcher key in one request; the ranks' own beats go to their node's store, which
+  is not the controller's) and per step
   the node's commit (``runtime.rank.node_ledger``: the rank carrying the node's count
   appends the node's ``StepReport`` lines, adds the node's ranks to the step counter, waits
   for and gets the decision key). The poll runs alone for half a window: the server's CPU
@@ -231,16 +232,22 @@ class SimNode:
     """A ``StepReport`` line as a last-stage rank appends it, appended by every simulated rank
     (the other stages' carry no micro-batches: more bytes than the real, the same requests)."""
 
+    last_beat: bytes = b""
+
     def beat(self, seq: int, timeouts: Timeouts) -> None:
         """One heartbeat interval of the launcher's beat thread (``NodeLauncher._beat``): the
-        node's heartbeat with its ranks' last beats, then the controller's beat (aborts and
-        kill-order counts in it) and the launcher key in one request. The ranks beat into
-        their node's store, which the controller's never sees."""
-        self.launcher.set(node_heartbeat_key(self.node), NodeHeartbeat(
-            seq, time.time(), {str(r): seq for r in self.ranks}, {str(r): RUNNING for r in self.ranks},
-            {str(r): 100_000 + r for r in self.ranks}).to_json())
-        controller, _ = self.launcher.multi_get([CONTROLLER_HEARTBEAT, launcher_key(self.node)])
-        ControllerHeartbeat.from_json(controller)
+        node's heartbeat with its ranks' last beats, a ``compare_set`` over the previous one
+        (nobody rings in steady training); every ``reads_every`` beats (the heartbeat
+        timeout), also the controller's beat and the launcher key in one request. The ranks
+        beat into their node's store, which the controller's never sees."""
+        beat = NodeHeartbeat(seq, time.time(), {str(r): seq for r in self.ranks}, {str(r): RUNNING for r in self.ranks},
+                             {str(r): 100_000 + r for r in self.ranks}).to_json().encode()
+        if self.launcher.compare_set(node_heartbeat_key(self.node), self.last_beat, beat) != beat:
+            self.launcher.set(node_heartbeat_key(self.node), beat)  # the first beat finds the row's seeded one
+        self.last_beat = beat
+        if seq % reads_every(timeouts) == 0:
+            controller, _ = self.launcher.multi_get([CONTROLLER_HEARTBEAT, launcher_key(self.node)])
+            ControllerHeartbeat.from_json(controller)
 
     def commit(self, step: int) -> None:
         """The node's commit (``runtime.rank.node_ledger``) as the controller's store sees it:
@@ -281,6 +288,12 @@ class CountingStore:
         self._count()
         self.values[key] = value.encode() if isinstance(value, str) else value
 
+    def compare_set(self, key, expected, desired):
+        self._count()
+        if self.values.get(key, b"") == expected:
+            self.values[key] = desired
+        return self.values.get(key, expected)
+
     def get(self, key):
         self._count()
         return self.values.get(key, Outcome.COMMITTED.value)
@@ -308,13 +321,22 @@ class CountingStore:
         self._count()
 
 
-def requests_per_period(timeouts: Timeouts) -> tuple[int, int]:
-    """(requests of one node's heartbeat interval, of one node's step commit)."""
+def reads_every(timeouts: Timeouts) -> int:
+    """Beats between an unrung launcher's reads of the controller's heartbeat."""
+    return max(1, round(timeouts.heartbeat_timeout / timeouts.heartbeat_interval))
+
+
+def requests_per_period(timeouts: Timeouts) -> tuple[float, int]:
+    """(requests of one node's heartbeat interval, on average; of one node's step commit)."""
     beat, commit = CountingStore(), CountingStore()
     ranks = list(range(DEVICES_PER_NODE))
-    SimNode(0, ranks, beat, [], "").beat(0, timeouts)
+    node = SimNode(0, ranks, beat, [], "")
+    node.beat(0, timeouts)  # the first beat overwrites what was there
+    beat.requests = 0
+    for seq in range(1, reads_every(timeouts) + 1):
+        node.beat(seq, timeouts)
     SimNode(0, ranks, commit, [commit], "").commit(0)
-    return beat.requests, commit.requests
+    return beat.requests / reads_every(timeouts), commit.requests
 
 
 CONTROLLER_POLL_REQUESTS = 5
@@ -464,14 +486,21 @@ class ControllerPoll:
 
     def _loop(self) -> None:
         seq, next_poll = 0, time.monotonic()
+        seen: dict[str, bytes] = {}
+        """Beats parsed: as ``Controller._poll``, only a new one is (every node beats once per
+        two polls, so every other poll here takes each beat as new)."""
         while not self._stop.wait(max(0.0, next_poll - time.monotonic())):
             next_poll = max(next_poll + self.period, time.monotonic())
             started, cpu = time.perf_counter(), time.thread_time()
             self.store.set(CONTROLLER_HEARTBEAT, controller_beat(seq))
             self.store.queue_len(INBOX)
             self.store.check(self.keys)
-            for raw in self.store.multi_get(self.keys):
-                NodeHeartbeat.from_json(raw)
+            if seq % 2 == 0:
+                seen.clear()
+            for key, raw in zip(self.keys, self.store.multi_get(self.keys)):
+                if raw != seen.get(key):  # a beat since the last poll (polls come twice per beat)
+                    seen[key] = raw
+                    NodeHeartbeat.from_json(raw)
             self.store.add(applied_key(RUNNING, 0), 0)
             self.cpu_s += time.thread_time() - cpu
             self.durations.append(time.perf_counter() - started)

@@ -35,12 +35,14 @@ from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Detector
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig, first_host
+from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.protocol import (
     EXIT_CONTROLLER_LOST,
     CollectiveStalled,
     INBOX,
     EXIT_REPLACED,
     Heartbeat,
+    NODE_VIEW,
     NodeHeartbeat,
     NodeView,
     KillOrder,
@@ -57,6 +59,7 @@ from odyssey_megatron.runtime.protocol import (
     StopOrder,
     WorkerLaunch,
     kill_orders_key,
+    launcher_key,
     node_heartbeat_key,
     successor_key,
     rank_heartbeat_key,
@@ -142,7 +145,8 @@ def test_a_worker_reporting_an_error_and_a_stopped_one_are_failed_and_killed_by_
 @pytest.mark.timeout(300)
 def test_an_abort_reaches_every_worker_through_its_launcher_within_two_beats(tmp_path):
     """Workers never read the controller's store to learn of an abort: the controller's
-    next heartbeat names it, each launcher reads that once per interval and relays it."""
+    heartbeat names it and it rings every launcher, which reads that at its next beat and
+    relays it."""
     aborts = tmp_path / "aborts"
     aborts.mkdir()
     with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=TIMEOUTS, aborts=aborts) as cluster:
@@ -400,6 +404,76 @@ def test_the_controller_turns_inbox_messages_into_failures_records_and_kill_orde
                                              "failure", "rank_exit", "failure"]
     workers = json.loads((tmp_path / "workers.json").read_text())
     assert {rank: row["state"] for rank, row in workers.items()} == {"0": "exited", "1": "failed"}
+
+
+class Counting:
+    """A store that passes every call through and names each request it made."""
+
+    def __init__(self, store):
+        self.store = store
+        self.requests: list[str] = []
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.requests.append(name)
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _no_worker(launch: WorkerLaunch) -> None:
+    raise AssertionError("this launcher starts no worker")
+
+
+def test_a_launcher_asks_one_request_a_beat_and_reads_the_controllers_heartbeat_when_rung(tmp_path, caplog):
+    """A launcher's beat is one ``compare_set``; the controller rings it (``DOORBELL`` over its
+    node's heartbeat) for an abort or a kill order, and its next beat reads the controller's
+    heartbeat (and then the kill queue); unrung, it reads only every heartbeat timeout."""
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
+    controller.start()
+    launcher = NodeLauncher(LaunchConfig(master_port=controller.port, nproc_per_node=2), timeouts=TIMEOUTS,
+                            target=_no_worker)
+    try:
+        store = Counting(dist.TCPStore("127.0.0.1", controller.port, is_master=False,
+                                       timeout=datetime.timedelta(seconds=10)))
+        node_store = launcher._node_store.store
+        store.store.set(launcher_key(0), launcher._name)
+        launcher._beat(store, node_store)
+        assert store.requests == ["compare_set", "multi_get"], "the first beat reads the controller's"
+        store.requests.clear()
+        started = time.monotonic()
+        for _ in range(3):
+            launcher._beat(store, node_store)
+        assert time.monotonic() - started < TIMEOUTS.heartbeat_timeout
+        assert store.requests == ["compare_set"] * 3
+        # A node beside the controller is never found silent: the test beats when it likes.
+        for msg in (NodeRegistration(0, os.getpid(), socket.gethostname(), (0, 1)),
+                    RankRegistration(1, 4242, "h", 0)):
+            store.store.queue_push(INBOX, msg.to_json())
+        wait_for(lambda: controller.detector.live_nodes() == [0] or None, timeout=10, what="node 0 registered")
+
+        controller.abort(5)
+        store.requests.clear()
+        launcher._beat(store, node_store)
+        assert store.requests == ["compare_set", "set", "multi_get"], "rung: beat over the bell, then read"
+        assert NodeView.from_json(node_store.get(NODE_VIEW)).aborted == (5,)
+        assert NodeHeartbeat.from_json(store.store.get(node_heartbeat_key(0))).seq == 4, "its fifth beat"
+
+        store.store.queue_push(INBOX, RankFailureReport(1, None, "boom", 5.0).to_json())
+        assert controller.next_failure(timeout=10).ranks == (1,)  # its kill order queued, node 0 rung
+        store.requests.clear()
+        launcher._beat(store, node_store)
+        assert store.requests == ["compare_set", "set", "multi_get", "queue_len", "queue_pop"]
+        assert list(launcher._kill_orders) == [KillOrder(1, 4242)]
+        store.requests.clear()
+        launcher._beat(store, node_store)
+        assert store.requests == ["compare_set"]
+    finally:
+        controller.stop()
+        launcher._keeper.close()
+    assert "malformed heartbeat" not in caplog.text, "the controller's poll passes over a bell"
 
 
 def test_the_store_listens_on_the_configured_address_only(tmp_path):

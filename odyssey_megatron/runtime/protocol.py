@@ -33,6 +33,7 @@ from odyssey_megatron.timeouts import Timeouts
 __all__ = [
     "CONTROLLER_HEARTBEAT",
     "CollectiveStalled",
+    "DOORBELL",
     "ControllerHeartbeat",
     "EXIT_CONTROLLER_LOST",
     "EXIT_REPLACED",
@@ -107,8 +108,18 @@ def rank_heartbeat_key(rank: int) -> str:
 
 
 def node_heartbeat_key(node: int) -> str:
-    """The node's ``NodeHeartbeat``: its launcher's beat with each of its workers' last one."""
+    """The node's ``NodeHeartbeat``: its launcher's beat with each of its workers' last one;
+    or ``DOORBELL``, until the launcher's next beat."""
     return f"heartbeat/node/{node}"
+
+
+DOORBELL = b"doorbell"
+"""What the controller writes over a node's heartbeat key when the node's launcher must
+read the controller's heartbeat at once (an abort, a kill order for it). A launcher writes
+each beat with ``compare_set`` against its previous one, so one request per interval both
+beats and finds whether anyone wrote there since (the doorbell, or another launcher of the
+node: a replacement); otherwise it reads the controller's heartbeat only every
+``heartbeat_timeout``, to see it live."""
 
 
 NODE_VIEW = "node/view"
@@ -366,9 +377,9 @@ class Heartbeat(Message):
 @dataclass(frozen=True)
 class ControllerHeartbeat(Message):
     """The controller's beat under ``CONTROLLER_HEARTBEAT``, carrying what a launcher must
-    act on, so its one read per interval is all it asks the controller's store: the
-    generations lately aborted (relayed to the node's workers), and per node how many kill
-    orders were ever queued for it (a launcher reads its queue only when that grows)."""
+    act on, so one read is all a launcher asks when rung (``DOORBELL``): the generations
+    lately aborted (relayed to the node's workers), and per node how many kill orders were
+    ever queued for it (a launcher reads its queue only when that grows)."""
 
     KIND = "controller_heartbeat"
     seq: int

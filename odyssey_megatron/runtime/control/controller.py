@@ -7,7 +7,9 @@ orphans), drains the inbox, reads every live node's heartbeat (which carries its
 beats, ``NodeHeartbeat``) in one round trip, and turns the
 detector's verdicts into ``events.jsonl`` records, kill orders for the failed ranks'
 launchers, and ``Failure`` items for the owner (the training orchestrator) to act on with
-``next_failure``. The thread never waits on the owner, so a long decision delays neither
+``next_failure``. Launchers read the controller's heartbeat only when it rings them
+(``DOORBELL``: an abort, a kill order) or every heartbeat timeout, so the store's load
+is one request per node per interval. The thread never waits on the owner, so a long decision delays neither
 heartbeats nor detection.
 """
 
@@ -32,6 +34,7 @@ from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.control.store_server import StoreServer
 from odyssey_megatron.runtime.protocol import (
     CONTROLLER_HEARTBEAT,
+    DOORBELL,
     INBOX,
     PUBLISHED_GENERATION,
     ABORTED,
@@ -52,6 +55,7 @@ from odyssey_megatron.runtime.protocol import (
     abort_key,
     all_arrived_key,
     kill_orders_key,
+    node_heartbeat_key,
     parse_inbox,
     successor_key,
     write_plan,
@@ -63,8 +67,8 @@ from odyssey_megatron.timeouts import Timeouts
 __all__ = ["Controller"]
 
 RECENT_ABORTS = 4
-"""Aborted generations the controller's heartbeat carries: a launcher reads it every
-interval, and an abort is of the newest generation."""
+"""Aborted generations the controller's heartbeat carries: a launcher rung for an abort
+reads it at its next beat, and an abort is of the newest generation."""
 
 log = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -100,6 +104,8 @@ class Controller:
         self._aborted: tuple[int, ...] = ()
         self._kill_orders: dict[int, int] = {}
         """Node -> kill orders queued for it so far (``ControllerHeartbeat.kill_orders``)."""
+        self._beats_seen: dict[str, bytes] = {}
+        """Heartbeat key -> the node heartbeat last parsed under it (the polling thread's)."""
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
                                  controller_process=(socket.gethostname(), os.getpid()))
@@ -175,12 +181,20 @@ class Controller:
     # -- the polling thread ----------------------------------------------------------------
 
     def abort(self, generation: int) -> None:
-        """End ``generation``: its abort key, its arriving ranks woken, and the launchers
-        told with the next heartbeat (they relay it to their workers)."""
+        """End ``generation``: its abort key, its arriving ranks woken, and every launcher
+        rung, to read it in the controller's heartbeat at its next beat (they relay it to
+        their workers)."""
         self.store.set(abort_key(generation), "1")
         self.store.set(all_arrived_key(generation), ABORTED)
         self._aborted = (*self._aborted, generation)[-RECENT_ABORTS:]
-        self._beat(self.store)
+        self._ring(self.store, self.detector.live_nodes())
+
+    def _ring(self, store: dist.Store, nodes: list[int]) -> None:
+        """Beat, then ring the launchers of ``nodes`` (``DOORBELL``): each reads that beat
+        or a later one at its next beat."""
+        self._beat(store)
+        if nodes:
+            store.multi_set([node_heartbeat_key(n) for n in nodes], [DOORBELL] * len(nodes))
 
     def _beat(self, store: dist.Store) -> None:
         with self._beating:
@@ -215,6 +229,9 @@ class Controller:
             keys = [key for key in keys if store.check([key])]
         beats = {}
         for key, raw in zip(keys, store.multi_get(keys) if keys else []):
+            if raw == DOORBELL or raw == self._beats_seen.get(key):
+                continue  # no beat since the last poll (it polls twice per interval), or rung since
+            self._beats_seen[key] = raw
             try:
                 beats[key] = NodeHeartbeat.from_json(raw)
             except ProtocolError as exc:
@@ -271,10 +288,13 @@ class Controller:
         console.warning(failure_line(failure))
         if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
+            ordered = set()
             for rank in failure.ranks:
                 pid = self.detector.pid_of(rank)
                 if pid is not None:  # one that never registered is killed with its fenced launcher
                     node = self.detector.node_of(rank)
                     store.queue_push(kill_orders_key(node), KillOrder(rank, pid).to_json())
                     self._kill_orders[node] = self._kill_orders.get(node, 0) + 1
+                    ordered.add(node)
+            self._ring(store, sorted(ordered))
         self._failures.put(failure)

@@ -190,7 +190,11 @@ class Detector:
 
     def heartbeat_keys(self) -> list[str]:
         """Keys of every watched heartbeat: live nodes' (each carries its ranks' beats)."""
-        return [node_heartbeat_key(n) for n, node in self.nodes.items() if node.state == _State.ALIVE]
+        return [node_heartbeat_key(n) for n in self.live_nodes()]
+
+    def live_nodes(self) -> list[int]:
+        """Nodes whose launcher is watched (registered, neither lost nor left)."""
+        return [n for n, node in list(self.nodes.items()) if node.state == _State.ALIVE]
 
     def observe(self, beats: dict[str, NodeHeartbeat], now: float) -> bool:
         """Take in node heartbeats read under ``heartbeat_keys``; True when a rank's plan

@@ -11,15 +11,17 @@ frozen node that came back): it kills its workers and exits, so no rank runs twi
 
 It waits on the workers' process sentinels, so an exit is seen at once and reported to the
 controller's inbox. It serves its node's own store on the loopback address, where its
-workers beat, and a thread talks to the controller's store for the whole node once per
-heartbeat interval, so that store's load grows with nodes, not ranks: it writes the
-node's heartbeat carrying each worker's last beat (``NodeHeartbeat``: the node's silence
-is how the controller learns the node is lost, a worker's stale entry that the worker
-hangs), and reads the controller's heartbeat with the node's launcher key in one request;
-that heartbeat names the generations lately aborted and counts the node's kill orders, so
-only a new order costs a further read (its ranks, hung or failed: a failed worker never
-comes back into a collective). It relays to the workers what they need back
-(``NodeView``). When the controller's heartbeat stops, or its store is
+workers beat, and a thread talks to the controller's store for the whole node, one
+request per heartbeat interval, so that store's load grows with nodes, not ranks: it
+writes the node's heartbeat carrying each worker's last beat (``NodeHeartbeat``: the
+node's silence is how the controller learns the node is lost, a worker's stale entry that
+the worker hangs) with ``compare_set`` against its previous one, which tells it whether
+anyone wrote there since: the controller's ``DOORBELL``, or a launcher that replaced this
+one. Then, or every heartbeat timeout, it reads the controller's heartbeat with the node's
+launcher key in one request; that heartbeat names the generations lately aborted and
+counts the node's kill orders, so only a new order costs a further read (its ranks, hung
+or failed: a failed worker never comes back into a collective). It relays to the workers
+what they need back (``NodeView``). When the controller's heartbeat stops, or its store is
 gone, the launcher tells its workers, gives them the collective timeout to save what
 they hold and exit (``runtime.rank.controller_link``), kills those left and exits. Its
 workers die with it when it is killed (see ``runtime.rank.controller_link``), so a lost
@@ -38,6 +40,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -118,6 +121,10 @@ class NodeLauncher:
         self._node_store = StoreServer("127.0.0.1", 0, timeout=timeouts.heartbeat_timeout)
         """The node's store, where its workers beat and read the ``NodeView``."""
         self._seq = 0
+        self._last_beat = b""
+        """The node heartbeat this launcher wrote last (``compare_set`` expects it there)."""
+        self._next_read = -math.inf
+        """Monotonic time by which the controller's heartbeat is read again, unless rung first."""
         self._beating = threading.Event()
         """Set when the node's heartbeat thread must stop."""
         self._beater: threading.Thread | None = None
@@ -288,15 +295,29 @@ class NodeLauncher:
             self._beater.join()
 
     def _beat(self, store: dist.Store, node_store: dist.Store) -> None:
-        """One heartbeat interval's round trip with the controller's store, for the whole
-        node: forward the workers' beats, read what concerns the node, relay it back."""
+        """One heartbeat interval with the controller's store, for the whole node: forward
+        the workers' beats; if rung (or due), read what concerns the node; relay it back."""
         node = self.config.node_rank
         workers = self._worker_beats(node_store)
-        store.set(node_heartbeat_key(node), NodeHeartbeat(
+        beat = NodeHeartbeat(
             self._seq, time.time(), seqs={str(r): b.seq for r, b in workers.items()},
             generations={str(r): b.generation for r, b in workers.items() if b.generation is not None},
-            pids={str(r): b.pid for r, b in workers.items() if b.pid is not None}).to_json())
+            pids={str(r): b.pid for r, b in workers.items() if b.pid is not None}).to_json().encode()
         self._seq += 1
+        rung = store.compare_set(node_heartbeat_key(node), self._last_beat, beat) != beat
+        if rung:  # the doorbell (or another launcher's beat) is there: beat over it before reading
+            store.set(node_heartbeat_key(node), beat)
+        self._last_beat = beat
+        now = time.monotonic()
+        if rung or now >= self._next_read:
+            self._next_read = now + self.timeouts.heartbeat_timeout
+            self._read_controller(store)
+        self._relay(node_store)
+
+    def _read_controller(self, store: dist.Store) -> None:
+        """Read the controller's heartbeat and the node's launcher key; take the node's kill
+        orders if the heartbeat counts new ones."""
+        node = self.config.node_rank
         controller, launching = store.multi_get([CONTROLLER_HEARTBEAT, launcher_key(node)])
         controller = ControllerHeartbeat.from_json(controller)
         self._controller.see(controller, time.monotonic())
@@ -308,7 +329,6 @@ class NodeLauncher:
             for _ in range(store.queue_len(orders)):
                 self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
             self._kill_orders_seen = queued
-        self._relay(node_store)
 
     def _worker_beats(self, node_store: dist.Store) -> dict[int, Heartbeat]:
         """Each of the node's workers' last beat in the node's store (those that beat yet)."""
