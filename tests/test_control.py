@@ -476,6 +476,23 @@ def test_a_launcher_asks_one_request_a_beat_and_reads_the_controllers_heartbeat_
     assert "malformed heartbeat" not in caplog.text, "the controller's poll passes over a bell"
 
 
+def test_the_controller_reads_node_beats_every_other_poll_and_checks_a_key_only_until_it_read_it(tmp_path):
+    """A node beats once per interval and the controller polls twice per interval: one
+    ``multi_get`` every other poll sees every beat, and a key it read is never missing."""
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)  # polled here
+    store = Counting(controller.store.clone())
+    store.store.set(node_heartbeat_key(0), NodeHeartbeat(0, 1.0, {"0": 0}, {}, {"0": 20}).to_json())
+    store.store.queue_push(INBOX, NodeRegistration(0, 10, "h", (0,)).to_json())
+    polls = []
+    for _ in range(4):
+        store.requests.clear()
+        controller._poll(store)
+        polls.append(store.requests[:])
+    assert polls == [["set", "queue_len", "queue_pop"], ["set", "queue_len", "check", "multi_get"],
+                     ["set", "queue_len"], ["set", "queue_len", "multi_get"]]
+    assert controller.detector.nodes[0].watch.last.seq == 0
+
+
 def test_the_store_listens_on_the_configured_address_only(tmp_path):
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     socket.create_connection(("127.0.0.1", controller.port), timeout=5).close()

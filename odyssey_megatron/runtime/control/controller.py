@@ -4,7 +4,7 @@ TCPStore, runs the fault detector, records the run and publishes plans.
 A daemon thread polls twice per heartbeat interval: it writes the controller's own
 heartbeat (workers and launchers exit when it stops, so a lost controller leaves no
 orphans), drains the inbox, reads every live node's heartbeat (which carries its workers'
-beats, ``NodeHeartbeat``) in one round trip, and turns the
+beats, ``NodeHeartbeat``) in one round trip every other poll, and turns the
 detector's verdicts into ``events.jsonl`` records, kill orders for the failed ranks'
 launchers, and ``Failure`` items for the owner (the training orchestrator) to act on with
 ``next_failure``. Launchers read the controller's heartbeat only when it rings them
@@ -106,6 +106,7 @@ class Controller:
         """Node -> kill orders queued for it so far (``ControllerHeartbeat.kill_orders``)."""
         self._beats_seen: dict[str, bytes] = {}
         """Heartbeat key -> the node heartbeat last parsed under it (the polling thread's)."""
+        self._polls = 0
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
                                  controller_process=(socket.gethostname(), os.getpid()))
@@ -224,19 +225,9 @@ class Controller:
                 workers_changed |= self._take(store, parse_inbox(raw))
             except ProtocolError as exc:
                 log.warning("controller: dropped a malformed inbox message: %s", exc)
-        keys = self.detector.heartbeat_keys()
-        if keys and not store.check(keys):  # a sender that broke protocol: multi_get would wait on it
-            keys = [key for key in keys if store.check([key])]
-        beats = {}
-        for key, raw in zip(keys, store.multi_get(keys) if keys else []):
-            if raw == DOORBELL or raw == self._beats_seen.get(key):
-                continue  # no beat since the last poll (it polls twice per interval), or rung since
-            self._beats_seen[key] = raw
-            try:
-                beats[key] = NodeHeartbeat.from_json(raw)
-            except ProtocolError as exc:
-                log.warning("controller: malformed heartbeat under %s: %s", key, exc)
-        workers_changed |= self.detector.observe(beats, time.monotonic())
+        self._polls += 1
+        if self._polls % 2 == 0:  # a node beats once per interval: every other poll reads them
+            workers_changed |= self.detector.observe(self._node_beats(store), time.monotonic())
         for failure in self.detector.check(time.monotonic(), time.time()):
             self._report(store, failure)
             workers_changed = True
@@ -281,6 +272,23 @@ class Controller:
             self.record.event("node_left", node=msg.node, left_at=msg.left_at)
             return False
         return True
+
+    def _node_beats(self, store: dist.Store) -> dict[str, NodeHeartbeat]:
+        """Every live node's heartbeat that is new since the last read, in one request."""
+        keys = self.detector.heartbeat_keys()
+        unseen = [key for key in keys if key not in self._beats_seen]
+        if unseen and not store.check(unseen):  # a sender that broke protocol: multi_get would wait on it
+            keys = [key for key in keys if key in self._beats_seen or store.check([key])]
+        beats = {}
+        for key, raw in zip(keys, store.multi_get(keys) if keys else []):
+            if raw == DOORBELL or raw == self._beats_seen.get(key):
+                continue  # rung since its last beat, or no beat since the last read
+            self._beats_seen[key] = raw
+            try:
+                beats[key] = NodeHeartbeat.from_json(raw)
+            except ProtocolError as exc:
+                log.warning("controller: malformed heartbeat under %s: %s", key, exc)
+        return beats
 
     def _report(self, store: dist.Store, failure: Failure) -> None:
         """Record a failure, order the kill of failed ranks that may still run, and queue it."""
