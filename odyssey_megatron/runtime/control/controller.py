@@ -9,8 +9,8 @@ detector's verdicts into ``events.jsonl`` records, kill orders for the failed ra
 launchers, and ``Failure`` items for the owner (the training orchestrator) to act on with
 ``next_failure``. Launchers read the controller's heartbeat only when it rings them
 (``DOORBELL``: an abort, a kill order) or every heartbeat timeout, so the store's load
-is one request per node per interval. The thread never waits on the owner, so a long decision delays neither
-heartbeats nor detection.
+is one request per node per interval. The thread never waits on the owner, so a long
+decision delays neither heartbeats nor detection.
 """
 
 from __future__ import annotations
@@ -304,5 +304,6 @@ class Controller:
                     store.queue_push(kill_orders_key(node), KillOrder(rank, pid).to_json())
                     self._kill_orders[node] = self._kill_orders.get(node, 0) + 1
                     ordered.add(node)
-            self._ring(store, sorted(ordered))
+            if ordered:
+                self._ring(store, sorted(ordered))
         self._failures.put(failure)
