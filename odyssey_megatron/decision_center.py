@@ -37,7 +37,7 @@ from odyssey_megatron.profile import ModelProfile, block_sort_key
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.settings import DecisionSettings
-from odyssey_megatron.snapshot.restore import Restore, SnapshotLost, SnapshotSource
+from odyssey_megatron.snapshot.restore import SnapshotLost, SnapshotSource
 from odyssey_megatron.units import MIB, SECONDS_PER_HOUR
 
 PREPARED_BYTES_PER_RANK = 1200
@@ -61,10 +61,20 @@ class DecisionCenter:
         profile: ModelProfile,
         settings: DecisionSettings,
         search_time_s: float | None = None,
+        settles_at_once: bool = True,
     ):
         """A job running ``plan`` on ``cluster``. ``search_time_s`` replaces the measured
-        search time in every transition (the simulator needs determinism)."""
+        search time in every transition (the simulator needs determinism).
+        ``settles_at_once``: each decision's plan is taken as carried out when it is
+        committed (the simulator, ``odyssey plan``); False: the caller says when a plan
+        settles (``settle``): the live run, where a recovery can fail before its first step."""
         self.plan = plan
+        """The plan committed last: what the job runs, or is about to."""
+        self.settled = plan
+        """The plan whose blocks the ranks hold (``settle``): a decision starts from it."""
+        self.settles_at_once = settles_at_once
+        self._rolling_back = False
+        """The plan committed last rolls back to a snapshot and has not settled."""
         self.cluster = cluster
         self.profile = profile
         self.settings = settings
@@ -89,9 +99,11 @@ class DecisionCenter:
         warm_up()  # the replay engine is compiled before the first failure, not during it
 
     @classmethod
-    def from_recipe(cls, config: RecipeConfig, *, profile: ModelProfile | None = None) -> "DecisionCenter":
+    def from_recipe(cls, config: RecipeConfig, *, profile: ModelProfile | None = None,
+                    settles_at_once: bool = True) -> "DecisionCenter":
         """The recipe's job before any failure: its profile (``recipe_profile``, or ``profile``), the
-        whole cluster and Megatron's symmetric DP x PP plan."""
+        whole cluster and Megatron's symmetric DP x PP plan; ``settles_at_once`` as in the
+        constructor."""
         profile = profile if profile is not None else recipe_profile(config)
         par = config.parallel
         plan = initial_plan(
@@ -107,19 +119,23 @@ class DecisionCenter:
             tensor_parallel_size=par.tensor_model_parallel_size,
             devices_per_node=config.cluster.devices_per_node,
         )
-        return cls(plan=plan, cluster=cluster, profile=profile, settings=config.odyssey.decisions)
+        return cls(plan=plan, cluster=cluster, profile=profile, settings=config.odyssey.decisions,
+                   settles_at_once=settles_at_once)
 
     def on_failure(
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
         at_s: float | None = None, interval_s: float | None = None, in_memory: bool = False,
-        from_plan: ExecutionPlan | None = None, snapshot: SnapshotSource | None = None, roll_back: bool = False,
+        snapshot: SnapshotSource | None = None,
     ) -> Decision:
         """Mark ``ranks`` and every rank of ``workers`` and ``nodes`` failed, decide, and
         commit the chosen plan.
 
-        ``from_plan``: what the survivors run, where it is not the plan committed last (a
-        recovery that failed before its first step leaves them holding the blocks of the
-        plan before it); the decision starts from it, and so do the ones after.
+        The decision starts from what the ranks hold: the settled plan (``settle``). Where
+        the plan committed last has not settled (a recovery that failed before its first
+        step), they still hold the settled plan's blocks, and the decision starts from that
+        layout under the unsettled plan's generation number (it was published); where that
+        plan was a rollback, the decision rolls back again, whatever the survivors hold
+        (they hold the snapshot's blocks).
 
         ``at_s`` is the job's clock at the failure (seconds since start); given, the failure
         and the device-hours since the previous event feed the learned failure rate.
@@ -130,17 +146,15 @@ class DecisionCenter:
         restores them: it says where each candidate plan gets every block back from as of
         the last in-memory snapshot (``snapshot.restore.SnapshotSource``), Eq. 8 weighs each
         with that move and the steps trained again, and the decision rolls back to it
-        (``Decision.rollback``); ``roll_back``: it does so
-        whatever the survivors hold (they hold the snapshot's blocks: a rollback failed
-        before its first step). Raises
-        UnrecoverableFailure when no candidate exists either. The plan chosen is always a new
-        generation, the current layout too where it goes on (a failure that touched none of
-        its workers; its transfers were made when it started): the runtime ended the
-        generation that ran.
+        (``Decision.rollback``). Raises UnrecoverableFailure when no candidate exists
+        either. The plan chosen is always a new generation, the current layout too where it
+        goes on (a failure that touched none of its workers; its transfers were made when it
+        started): the runtime ended the generation that ran.
         """
         self._observe(failures=1, at_s=at_s)
-        if from_plan is not None:
-            self.plan = from_plan
+        roll_back = self._rolling_back
+        if self.plan is not self.settled:
+            self.plan = replace(self.settled, generation=self.plan.generation, transfers=())
         before = self.cluster
         self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
         decision = self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory,
@@ -148,22 +162,24 @@ class DecisionCenter:
         if decision.chosen.plan is decision.replaced:  # what runs goes on, with nothing left to move
             plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
             decision = replace(decision, chosen=replace(decision.chosen, plan=plan))
-            self.plan = plan
+            self._commit(decision)
         return decision
 
-    def on_idle_failure(self, *, ranks: Iterable[int], running: ExecutionPlan, at_s: float | None = None) -> None:
-        """Mark ``ranks`` failed where ``running`` (the plan that trains) does not use them (an
-        idle worker, a joiner not taken back yet): it goes on, no decision is needed, and
-        the failure counts for the failure rate. A decision committed after ``running`` and
-        not carried out (a join still waiting for its step boundary) is dropped."""
+    def on_idle_failure(self, *, ranks: Iterable[int], at_s: float | None = None) -> None:
+        """Mark ``ranks`` failed where the running plan does not use them (an idle worker, a
+        joiner not taken back yet): it goes on, no decision is needed, and the failure
+        counts for the failure rate."""
         self._observe(failures=1, at_s=at_s)
-        self.plan = running
         self.cluster = self.cluster.fail_ranks(ranks)
 
-    def withdraw(self, running: ExecutionPlan) -> None:
-        """Go back to ``running``: the decision committed after it is not carried out (the
-        run ended before a join's step boundary came)."""
-        self.plan = running
+    def settle(self, plan: ExecutionPlan) -> None:
+        """The job runs ``plan`` and its ranks hold its blocks: the first step of its
+        generation committed, or it is the plan a decision committed after it falls back to
+        (a join dropped before its step boundary), or the one a restart from a checkpoint
+        goes onto. The one way to set the running plan from outside: decisions start from
+        it."""
+        self.plan = self.settled = plan
+        self._rolling_back = False
 
     def on_join(self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), at_s: float | None = None,
                 interval_s: float | None = None) -> Decision:
@@ -178,11 +194,6 @@ class DecisionCenter:
 
     def _ranks_of(self, workers: Iterable[int]) -> list[int]:
         return [rank for worker in workers for rank in self.cluster.worker_ranks(worker)]
-
-    def restart_on(self, plan: ExecutionPlan) -> None:
-        """The job restarted from a checkpoint onto ``plan`` (no in-memory recovery existed):
-        the simulator's checkpoint-restart fallback."""
-        self.plan = plan
 
     def use_profile(self, profile: ModelProfile) -> None:
         """Price from now on with ``profile`` (the online profile's measured times): the
@@ -367,7 +378,6 @@ class DecisionCenter:
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},
                       key=block_sort_key) if in_memory else []
-        restores: dict[int, Restore] = {}
         if lost or (roll_back and snapshot is not None):
             why = (f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
                    f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them") if lost else \
@@ -375,29 +385,32 @@ class DecisionCenter:
             if snapshot is None:
                 raise UnrecoverableFailure(why)
             try:
-                drafts = self._rolled_back(drafts, snapshot, restores)
+                drafts = self._rolled_back(drafts, snapshot)
             except SnapshotLost as exc:
                 raise UnrecoverableFailure(f"{why}, and {exc}") from None
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
                            source=source, replaced=self.plan)
-        if restores:
-            decision = replace(decision, rollback=restores[id(decision.chosen.plan)])
-        self.plan = decision.chosen.plan
+        self._commit(decision)
         return decision
 
-    def _rolled_back(self, drafts: Drafts, snapshot: SnapshotSource, restores: dict[int, Restore]) -> Drafts:
+    def _commit(self, decision: Decision) -> None:
+        """``decision``'s plan is what the job runs next (settled at once, or once told)."""
+        self.plan = decision.chosen.plan
+        self._rolling_back = decision.rollback is not None
+        if self.settles_at_once:
+            self.settle(self.plan)
+
+    def _rolled_back(self, drafts: Drafts, snapshot: SnapshotSource) -> Drafts:
         """``drafts`` as rollbacks to the snapshot: each plan's transfers move every block from
-        where the snapshot is read or rebuilt, and its transition (Eq. 8) is that move, the
-        rebuilds and the steps trained again at the plan's step time. ``restores`` gets each
-        new plan's restore, by ``id``."""
+        where the snapshot is read or rebuilt (the draft's ``restore``), and its transition
+        (Eq. 8) is that move, the rebuilds and the steps trained again at the plan's step
+        time."""
         rolled = []
         for draft in drafts.drafts:
             restore, transfers = snapshot.restore(draft.plan, self.cluster)
-            plan = replace(draft.plan, transfers=transfers)
-            restores[id(plan)] = restore
             moving_s = restore_time(restore, transfers, profile=self.profile, cluster=self.cluster)
-            rolled.append(replace(draft, plan=plan,
+            rolled.append(replace(draft, plan=replace(draft.plan, transfers=transfers), restore=restore,
                                   moving_s=moving_s + snapshot.replayed_steps * draft.estimate.step_time_s))
         return replace(drafts, drafts=tuple(rolled), unchanged=False)
 

@@ -352,12 +352,16 @@ def test_a_failure_during_a_recovery_is_decided_from_the_plan_the_survivors_hold
     profile = uniform_profile(num_layers=4)
     plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
     center = DecisionCenter(plan=plan, cluster=ClusterState(world_size=4, devices_per_node=8), profile=profile,
-                            settings=_settings().decisions)
+                            settings=_settings().decisions, settles_at_once=False)
     first = center.on_failure(ranks=[3], in_memory=True)
-    held = replace(plan, generation=first.chosen.plan.generation)
-    second = center.on_failure(ranks=[1], in_memory=True, from_plan=held)
-    assert second.replaced is held and second.chosen.plan.generation == held.generation + 1
+    assert center.plan is first.chosen.plan and center.settled is plan
+    second = center.on_failure(ranks=[1], in_memory=True)
+    assert second.replaced == replace(plan, generation=first.chosen.plan.generation, transfers=())
+    assert second.chosen.plan.generation == first.chosen.plan.generation + 1
     assert center.plan is second.chosen.plan and not second.chosen.plan.blocks_from_nowhere
+    center.settle(second.chosen.plan)
+    third = center.on_failure(ranks=[2], in_memory=True)
+    assert third.replaced is second.chosen.plan  # settled: decided from what it moved
 
 def test_unrecoverable_when_nothing_fits():
     profile = replace(uniform_profile(num_layers=4, layer_state_bytes=10), memory_budget_bytes=25)
@@ -475,14 +479,16 @@ def test_a_failure_the_plan_does_not_feel_is_a_new_generation_of_the_same_layout
     """The runtime ended the generation that ran: what goes on must be a new one. A rank
     the running plan does not use (idle after a reparallelization) counted without a
     decision leaves the plan as it is."""
-    center = DecisionCenter.from_recipe(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
+    center = DecisionCenter.from_recipe(load_config("recipes/llama2_7b/ascend_910b_32.yaml"), settles_at_once=False)
     center.on_failure(ranks=[5])
     running = center.plan
+    center.settle(running)
     grown = center.on_join(ranks=[5])  # decided, then overtaken before its step boundary
     assert grown.chosen.plan is center.plan and center.plan.transfers
-    center.on_idle_failure(ranks=[5], running=running, at_s=10.0)
+    center.settle(running)  # the join is dropped: what runs goes on
+    center.on_idle_failure(ranks=[5], at_s=10.0)
     assert center.plan is running and 5 in center.cluster.failed_ranks
-    kept = center.on_failure(ranks=[5], from_plan=running)
+    kept = center.on_failure(ranks=[5])
     assert kept.chosen.plan.generation == running.generation + 1 and kept.chosen.plan.transfers == ()
     assert kept.chosen.plan.pipelines == running.pipelines and center.plan is kept.chosen.plan
 

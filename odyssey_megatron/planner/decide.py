@@ -41,6 +41,8 @@ class Candidate:
     score: float
     """Eq. 8: samples/s times the effective-time ratio."""
     layout: str
+    restore: Optional[Restore] = None
+    """A rollback's: where every block comes back from (``Draft.restore``)."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,13 @@ class Decision:
     replaced: Optional[ExecutionPlan] = None
     """The plan the job ran before it (``DecisionCenter`` fills it in): what the chosen
     plan's transfers move weights from."""
-    rollback: Optional[Restore] = None
-    """Where no survivor holds some block: the snapshot every block comes back from, the
-    job rolling back to its step (the chosen plan's transfers move them from where it is
-    read)."""
+
+    @property
+    def rollback(self) -> Optional[Restore]:
+        """Where no survivor holds some block: the snapshot every block comes back from, the
+        job rolling back to its step (the chosen plan's transfers move them from where it is
+        read)."""
+        return self.chosen.restore
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class Draft:
     """Workers that alone hold some block of the plan (``policy.sole_holders``)."""
     layout: str
     """The plan's layout in words (``describe_layout``)."""
+    restore: Optional[Restore] = None
+    """Where the plan is a rollback (``DecisionCenter``): the snapshot its transfers move
+    every block from."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +328,8 @@ def choose(drafts: Drafts, *, settings: SearchSettings, interval_s: float,
         risk = fatal_share(draft.sole_holders, alive) * settings.checkpoint_restart_penalty_s
         score = policy_score(samples_per_s=draft.estimate.samples_per_s, transition_s=transition,
                              interval_s=interval_s, risk_s=risk)
-        candidates.append(Candidate(draft.policy, plan, draft.estimate, transition, score, draft.layout))
+        candidates.append(Candidate(draft.policy, plan, draft.estimate, transition, score, draft.layout,
+                                    draft.restore))
     candidates.sort(key=lambda c: (-c.score, c.plan is not current, c.policy != "reroute"))
     chosen, *others = candidates
     return Decision(chosen, tuple(others), drafts.considered, search_time_s, interval_s, "; ".join(drafts.notes))

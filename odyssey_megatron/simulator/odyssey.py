@@ -69,7 +69,7 @@ class OdysseySystem:
     def _restart(self, cluster: ClusterState, now_s: float, note: str) -> Outcome:
         outcome, plan, step_s = restart_onto_symmetric(self.context, cluster, now_s, note)
         if plan is not None:
-            self.center.restart_on(plan)
+            self.center.settle(plan)
             self.step_s = step_s
         return outcome
 
