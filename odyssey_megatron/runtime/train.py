@@ -93,7 +93,7 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
     if launch.master_port == 0:
         launch = replace(launch, master_port=controller.port)
-    center = DecisionCenter.from_recipe(config)
+    center = DecisionCenter.from_recipe(config, settles_at_once=False)
     trace = WandbTrace(run_dir, config)
     controller.record.subscribe(trace)
     trace.start()

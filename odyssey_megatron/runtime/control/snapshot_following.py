@@ -1,0 +1,97 @@
+"""Following the in-memory snapshots the ranks take: which one is the last complete one,
+which nodes' keepers (and the shards in them) are gone, and what a decision needs to roll
+back to it.
+
+When no survivor holds some block, the decision rolls back to the last complete snapshot
+(``snapshot.restore``): ``samples.jsonl`` forgets the steps after it, and they are trained
+again on the same global batches. Two losses in one parity group leave nothing to roll
+back to: the run fails, for ``--resume`` from the disk checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from odyssey_megatron.runtime.control.detector import Cause, Failure
+from odyssey_megatron.runtime.control.run_state import SAMPLES, RunState, forget_steps_from
+from odyssey_megatron.runtime.protocol import snapshot_done_key
+from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, SnapshotSource
+from odyssey_megatron.snapshot.shards import snapshot_groups
+
+__all__ = ["SnapshotFollowing"]
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotFollowing:
+    def __init__(self, run: RunState):
+        self.run = run
+        self.interval = self._interval()
+        """Steps between in-memory snapshots (``odyssey.snapshot_interval``; 0: none)."""
+        self.last: Optional[SnapshotRecord] = None
+        """The last complete snapshot."""
+        self.lost_nodes: set[int] = set()
+        """Nodes lost so far: their keepers, and the snapshot shards in them, are gone."""
+
+    def _interval(self) -> int:
+        """``odyssey.snapshot_interval``, or Young's interval for the starting plan."""
+        odyssey = self.run.config.odyssey
+        if odyssey.snapshot_interval is not None:
+            return odyssey.snapshot_interval
+        return self.run.center.snapshot_interval(nodes_per_group=odyssey.snapshot_parity_nodes)
+
+    @property
+    def kept(self) -> Optional[tuple[int, int]]:
+        """(step, generation) of the last complete snapshot, as a plan is published with it."""
+        return (self.last.step, self.last.generation) if self.last is not None else None
+
+    def failed(self, failure: Failure) -> None:
+        """A lost node takes its keeper along."""
+        if failure.cause is Cause.NODE:
+            self.lost_nodes.add(failure.node)
+
+    def collect(self) -> None:
+        """Take in the newest snapshot of the running generation whose every part is in.
+        It is one of the last three due: ranks are in step ``committed`` at most, start a
+        snapshot only once the one before it is done, and have each written their part of
+        one before that step's successor commits. A rank starts no snapshot once the
+        generation is aborted, so after the abort this finds the one whose buffers the
+        ranks keep."""
+        run = self.run
+        interval, generation = self.interval, run.plan.generation
+        if not interval or not run.settled:
+            return
+        newest = run.committed - run.committed % interval
+        for step in (newest, newest - interval, newest - 2 * interval):
+            if step <= run.start_steps[generation]:
+                return
+            if self.last is not None and (self.last.generation, self.last.step) >= (generation, step):
+                return
+            if run.store.check([snapshot_done_key(generation, step)]):
+                odyssey = run.config.odyssey
+                groups = snapshot_groups(run.plan, devices_per_node=run.config.cluster.devices_per_node,
+                                         nodes_per_group=odyssey.snapshot_parity_nodes)
+                self.last = SnapshotRecord(step, generation, run.plan, groups)
+                run.controller.record.event("snapshot", step=step, generation=generation)
+                return
+
+    def source(self, committed_before: int) -> Optional[SnapshotSource]:
+        """The last snapshot as the decision center sees it (``DecisionCenter.on_failure``),
+        rolling back from ``committed_before`` steps; None where there is none, or where no
+        step committed yet (every block is drawn again from the seed or checkpoint)."""
+        if self.last is None or self.run.fresh:
+            return None
+        return SnapshotSource(self.last, frozenset(self.lost_nodes), self.run.config.model,
+                              replayed_steps=committed_before - self.last.step)
+
+    def roll_back(self, restore: Restore) -> None:
+        """The run goes back to the snapshot's step: the steps since are trained again."""
+        run = self.run
+        replayed = run.committed - restore.step
+        forget_steps_from(run.run_dir / SAMPLES, restore.step)
+        run.controller.record.event("rollback", step=restore.step, generation=restore.generation, replayed=replayed)
+        log.info("run: rolled back to the snapshot of step %d (%d committed steps to train again)", restore.step,
+                 replayed)
+        run.committed = restore.step
+        run.progress.rolled_back()
