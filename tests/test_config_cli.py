@@ -113,3 +113,8 @@ def test_plan_json_round_trips_through_execution_plan(capsys):
     again = ExecutionPlan.from_json(center.plan.to_json())
     assert again == center.plan
     validate_plan(again, num_micro_batches=64)
+    for plan in (center.plan, center.on_failure(ranks=[3, 17]).chosen.plan):  # reroutes, then reparallelized
+        columns = json.loads(json.dumps(plan.to_columns()))  # the wire form, as JSON carries it
+        assert ExecutionPlan.from_columns(columns) == plan
+    with pytest.raises(ValueError, match="cannot be cut"):
+        ExecutionPlan.from_columns({**center.plan.to_columns(), "stage_counts": [1]})

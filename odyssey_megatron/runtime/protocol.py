@@ -23,9 +23,9 @@ import json
 import math
 import zlib
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, ClassVar, Iterable, Optional
+from typing import Any, ClassVar, Optional
 
-from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, Reroute, StagePlan, SyncUnit, Transfer
+from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.schedules.program import StepProgram, check_own_ops, check_program, ops_from_json, ops_to_json
 from odyssey_megatron.snapshot.restore import Restore, participants
 from odyssey_megatron.timeouts import Timeouts
@@ -575,13 +575,13 @@ class PlanPublished:
         return participants(self.plan, self.restore)
 
     def frame(self) -> bytes:
-        """What every worker reads under ``plan_key``: the fields, the plan (``_plan_columns``)
+        """What every worker reads under ``plan_key``: the fields, the plan (``ExecutionPlan.to_columns``)
         and the step program's flags, without any op list."""
         return _pack({"kind": "plan", "published_at": self.published_at, "start_step": self.start_step,
                       "fresh": self.fresh, "snapshot_interval": self.snapshot_interval,
                       "snapshot": list(self.snapshot) if self.snapshot else None,
                       "restore": self.restore.to_dict() if self.restore else None, "joined": list(self.joined),
-                      "plan": _plan_columns(self.plan),
+                      "plan": self.plan.to_columns(),
                       "program": {"staggered_optimizer": self.program.staggered_optimizer,
                                   "split_backward": self.program.split_backward}})
 
@@ -604,7 +604,7 @@ class PlanPublished:
             raise ProtocolError(f"expected a 'plan' frame with published_at, start_step, fresh, snapshot_interval "
                                 f"and joined; got {str(message)[:200]}")
         try:
-            plan = _plan_of_columns(message["plan"])
+            plan = ExecutionPlan.from_columns(message["plan"])
             header = message["program"]
             if not (_conforms(header["staggered_optimizer"], "bool") and _conforms(header["split_backward"], "bool")):
                 raise ValueError(f"step program flags must be booleans; got {header!r}")
@@ -673,82 +673,6 @@ def _unpack(data: bytes) -> Any:
         return _loads(zlib.decompress(data))
     except zlib.error as exc:
         raise ProtocolError(f"not a compressed JSON message: {exc}") from None
-
-
-def _deltas(values: Iterable[Optional[int]]) -> list[Optional[int]]:
-    """Each value less the last value before it (None stays None): runs of worker ids,
-    micro-batches and layer bounds become runs of one number, which zlib folds away."""
-    out, last = [], 0
-    for value in values:
-        out.append(None if value is None else value - last)
-        last = last if value is None else value
-    return out
-
-
-def _sums(deltas: Any, *, optional: bool = False) -> list[Optional[int]]:
-    """The values ``_deltas`` was given."""
-    out, last = [], 0
-    for delta in deltas:
-        if not _conforms(delta, "Optional[int]" if optional else "int"):
-            raise ValueError(f"{delta!r} in a plan column is not an integer")
-        last = last if delta is None else last + delta
-        out.append(None if delta is None else last)
-    return out
-
-
-def _plan_columns(plan: ExecutionPlan) -> dict[str, Any]:
-    """The plan as columns (stage workers, layer bounds and micro-batches of every pipeline
-    each in one list, as ``_deltas``): ``ExecutionPlan.to_dict`` repeats field names per
-    stage and writes id after id, 1.2 MB at 16,384 ranks."""
-    stages = [stage for pipeline in plan.pipelines for stage in pipeline.stages]
-    return {
-        "generation": plan.generation, "policy": plan.policy, "num_layers": plan.num_layers,
-        "tensor_parallel_size": plan.tensor_parallel_size,
-        "stage_counts": [pipeline.num_stages for pipeline in plan.pipelines],
-        "workers": _deltas(stage.worker for stage in stages),
-        "layers": _deltas(bound for stage in stages for bound in stage.layers),
-        "micro_batch_counts": [len(pipeline.micro_batches) for pipeline in plan.pipelines],
-        "micro_batches": _deltas(m for pipeline in plan.pipelines for m in pipeline.micro_batches),
-        "reroutes": [[r.pipeline, r.stage, r.worker, list(r.micro_batches)] for r in plan.reroutes],
-        "sync_units": [[list(unit.blocks), _deltas(unit.workers)] for unit in plan.sync_units],
-        "comm_rounds": [list(r) for r in plan.comm_rounds],
-        "transfers": [[t.layer, t.src, t.dst, t.bytes] for t in plan.transfers],
-    }
-
-
-def _cut(values: list, counts: Any) -> list[list]:
-    """``values`` cut into consecutive pieces of ``counts``, which must cover it exactly."""
-    if not (isinstance(counts, list) and all(_conforms(c, "int") and c >= 0 for c in counts)
-            and sum(counts) == len(values)):
-        raise ValueError(f"{len(values)} plan values cannot be cut into pieces of {str(counts)[:100]}")
-    pieces, at = [], 0
-    for count in counts:
-        pieces.append(values[at:at + count])
-        at += count
-    return pieces
-
-
-def _plan_of_columns(data: dict[str, Any]) -> ExecutionPlan:
-    """The plan ``_plan_columns`` wrote."""
-    if not all(_conforms(data[name], "int") for name in ("generation", "num_layers", "tensor_parallel_size")):
-        raise ValueError("a plan's generation, num_layers and tensor_parallel_size must be integers")
-    stage_counts = data["stage_counts"]
-    workers = _cut(_sums(data["workers"], optional=True), stage_counts)
-    layers = _cut(_sums(data["layers"]), [2 * n for n in stage_counts])
-    micro_batches = _cut(_sums(data["micro_batches"]), data["micro_batch_counts"])
-    if len(micro_batches) != len(workers):
-        raise ValueError(f"{len(workers)} pipelines' stages, {len(micro_batches)} pipelines' micro-batches")
-    pipelines = tuple(
-        PipelinePlan(tuple(StagePlan(w, (bounds[2 * i], bounds[2 * i + 1])) for i, w in enumerate(ws)), tuple(mbs))
-        for ws, bounds, mbs in zip(workers, layers, micro_batches))
-    return ExecutionPlan(
-        generation=data["generation"], policy=data["policy"], num_layers=data["num_layers"],
-        tensor_parallel_size=data["tensor_parallel_size"], pipelines=pipelines,
-        reroutes=tuple(Reroute(p, s, w, tuple(mbs)) for p, s, w, mbs in data["reroutes"]),
-        sync_units=tuple(SyncUnit(tuple(blocks), tuple(_sums(ws))) for blocks, ws in data["sync_units"]),
-        comm_rounds=tuple(tuple(r) for r in data["comm_rounds"]),
-        transfers=tuple(Transfer(layer, src, dst, size) for layer, src, dst, size in data["transfers"]),
-    )
 
 
 # -- liveness ------------------------------------------------------------------------
