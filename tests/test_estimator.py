@@ -345,7 +345,7 @@ def test_staggered_steps_run_the_op_lists_a_staggered_start_orders():
     (0.5, False, 29.0, True), (20.0, False, 29.0, True), (35.0, False, 30.0, False),
     (0.5, True, 29.0, True), (2.5, True, 29.5, True), (3.0, True, 30.0, False),
 ])
-def test_a_retake_snapshot_hides_behind_the_step_unless_it_runs_in_line(copy_s, in_line, period, staggered):
+def test_a_retake_copy_hides_behind_the_step_unless_it_runs_in_line(copy_s, in_line, period, staggered):
     """The Fig. 3 case with split op lists (30 slots a step, 29 staggered for free), now
     with each stage's optimizer state copied to host memory for a staggered step's
     retake. Copied beside compute from the step's start, the copy is free while it is

@@ -50,7 +50,7 @@ def sync_groups(plan: ExecutionPlan, profile: ModelProfile, workers: AbstractSet
     return sorted({frozenset(group) for group in holders.values()}, key=sorted)
 
 
-def retake_snapshot_s(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
+def retake_copy_s(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
     """Seconds each stage owner spends copying its optimizer state (master weights, Adam
     moments) to host memory for a staggered step's retake."""
     holdings = {worker: tuple(blocks) for worker, blocks in plan.holdings(profile).items()}
@@ -71,11 +71,11 @@ def staggered_period(
     graph: OpGraph | None = None,
 ) -> float:
     """Steady-state seconds per step of ``schedule`` (each worker's op list, F, B and W,
-    as ``step_schedule`` returns it) under staggered optimizer steps, retake snapshots
+    as ``step_schedule`` returns it) under staggered optimizer steps, retake copies
     included; raises ScheduleDeadlock. ``graph``: the plan's ``op_graph``, if the caller
     has it."""
     playing = {worker for worker in schedule if len(op_kinds(schedule, worker))}
     ends = replay(graph or op_graph(plan, profile, cluster), schedule, iterations=iterations,
                   optimizer_groups=sync_groups(plan, profile, playing), speculative=True,
-                  snapshot_s=retake_snapshot_s(plan, profile), snapshot_in_line=not profile.host_copy_async).step_end_s
+                  snapshot_s=retake_copy_s(plan, profile), snapshot_in_line=not profile.host_copy_async).step_end_s
     return ends[0] if iterations == 1 else (ends[-1] - ends[0]) / (iterations - 1)

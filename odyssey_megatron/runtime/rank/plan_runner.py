@@ -36,7 +36,7 @@ from odyssey_megatron.runtime.rank.emulation import DeviceEmulation
 from odyssey_megatron.runtime.rank.executor import StepExecutor
 from odyssey_megatron.runtime.rank.megatron_1f1b import MegatronPipelineSchedule
 from odyssey_megatron.runtime.rank.op_timers import OpTimers
-from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot, SnapshotPool
+from odyssey_megatron.runtime.rank.retake_copy import RetakeCopy, RetakeCopyPool
 from odyssey_megatron.runtime.rank.staggered_step import StaggeredStep
 from odyssey_megatron.schedules.ops import BACKWARD, WEIGHT_GRAD
 from odyssey_megatron.schedules.program import StepProgram
@@ -178,9 +178,9 @@ class PlanRunner:
             overlap=settings.overlap_grad_sync, clock=self.clock,
         )
         self.staggered_optimizer = program.staggered_optimizer
-        self._snapshots = (SnapshotPool(settings.device)
+        self._retake_copies = (RetakeCopyPool(settings.device)
                            if self.staggered_optimizer and settings.optimizer.clip_grad > 0 else None)
-        self._snapshot: RetakeSnapshot | None = None
+        self._retake_copy: RetakeCopy | None = None
         """The host copy a staggered step of the forward-backward in progress will retake from."""
         self.executor: StepExecutor | MegatronPipelineSchedule
         if runs_megatron:
@@ -221,7 +221,7 @@ class PlanRunner:
         its gradients, which a retake steps with, are this step's buffers until then."""
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad()  # fp32 masters of a bf16 model
-        self._take_snapshot()
+        self._take_retake_copy()
         on_device = lambda m: {k: v.to(self.device) for k, v in batches(m).items()}  # noqa: E731
         if self._speculative is not None:
             return self.executor.run(batches=on_device, settle=self._settle_at_settle_point)
@@ -231,20 +231,20 @@ class PlanRunner:
     def _start_gradients(self) -> None:
         self.grad_sync.start_step(backward_passes=sum(op.kind == BACKWARD for op in self.ops))
 
-    def _take_snapshot(self) -> None:
+    def _take_retake_copy(self) -> None:
         """Start copying what a staggered step of this forward-backward would retake from."""
-        if self._snapshots is None:
+        if self._retake_copies is None:
             return
-        if self._snapshot is not None:  # unused: the step was not applied, or a retake changed the weights
-            self._snapshot.release()
-        self._snapshot = self._snapshots.take(self.optimizer.adam)
+        if self._retake_copy is not None:  # unused: the step was not applied, or a retake changed the weights
+            self._retake_copy.release()
+        self._retake_copy = self._retake_copies.take(self.optimizer.adam)
 
     def _settle_at_settle_point(self) -> bool:
         """The executor's settle hook: True when the step in flight was retaken (then this
-        step's snapshot, taken from the speculative weights, is taken again)."""
+        step's retake copy, taken from the speculative weights, is taken again)."""
         retaken = self._settle()[1]
         if retaken:
-            self._take_snapshot()
+            self._take_retake_copy()
         self._start_gradients()
         return retaken
 
@@ -264,8 +264,8 @@ class PlanRunner:
             with self.clock.optimizer_step(None):
                 self.optimizer.grads_to_masters()
                 self._speculative = StaggeredStep(self.optimizer, group=self.groups.norm_group,
-                                                  snapshot=self._snapshot)
-            self._snapshot = None
+                                                  retake_copy=self._retake_copy)
+            self._retake_copy = None
             return StepResult(losses=losses, grad_norm=None)
         with self.clock.optimizer_step(self.groups.norm_group):
             self.optimizer.grads_to_masters()
@@ -303,7 +303,7 @@ class PlanRunner:
         return state
 
     def _settle(self) -> tuple[float, bool]:
-        norm, retaken = self._speculative.settle(pending=self._snapshot)
+        norm, retaken = self._speculative.settle(pending=self._retake_copy)
         self._speculative = None
         self.retaken_steps += retaken
         return norm, retaken

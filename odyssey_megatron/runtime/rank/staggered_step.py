@@ -22,7 +22,7 @@ checks overflow only, and rolls back by reversing AdamW's arithmetic.
 What a retake starts from costs no device memory: the gradients stay where the step
 left them, since nothing writes a gradient before the settle point, and the weights and
 optimizer state are a host copy taken while the step's forward and backward ran
-(``runtime.rank.retake_snapshot``).
+(``runtime.rank.retake_copy``).
 """
 
 from __future__ import annotations
@@ -32,32 +32,32 @@ import torch.distributed as dist
 
 from odyssey_megatron.hooks.grad_sync import clip_scale
 from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
-from odyssey_megatron.runtime.rank.retake_snapshot import RetakeSnapshot
+from odyssey_megatron.runtime.rank.retake_copy import RetakeCopy
 
 
 class StaggeredStep:
     """One speculative optimizer step whose global norm is still in flight."""
 
     def __init__(self, optimizer: StageOptimizer, *, group: dist.ProcessGroup | None,
-                 snapshot: RetakeSnapshot | None):
+                 retake_copy: RetakeCopy | None):
         """Starts the all-reduce of this rank's share of the squared norm over ``group``,
-        keeps the gradients, waits for ``snapshot`` (the weights and optimizer state
+        keeps the gradients, waits for ``retake_copy`` (the weights and optimizer state
         before this step; None with clipping off, when no step is ever retaken) and steps
         with the gradients unclipped."""
-        self.optimizer, self.snapshot = optimizer, snapshot
+        self.optimizer, self.retake_copy = optimizer, retake_copy
         self.max_norm = optimizer.megatron.config.clip_grad
         self.square = optimizer.local_norm_square()
         self.work = dist.all_reduce(self.square, op=dist.ReduceOp.SUM, group=group, async_op=True)
         self.grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        if snapshot is not None:
+        if retake_copy is not None:
             self.grads = [(p, p.grad) for group in optimizer.adam.param_groups for p in group["params"]]
-            snapshot.wait()
+            retake_copy.wait()
         optimizer.step()
 
-    def settle(self, pending: RetakeSnapshot | None = None) -> tuple[float, bool]:
+    def settle(self, pending: RetakeCopy | None = None) -> tuple[float, bool]:
         """Wait for the global norm: (norm, whether the step had to be retaken clipped).
         A retake leaves ``param.grad`` as it found it (the next step's gradients, if it
-        has begun). ``pending``: the next step's snapshot, whose copy of the weights a
+        has begun). ``pending``: the next step's retake copy, whose copy of the weights a
         retake must not overwrite before it is done."""
         self.work.wait()
         norm = self.square.item() ** 0.5  # as Megatron's get_grad_norm_fp32
@@ -65,7 +65,7 @@ class StaggeredStep:
         if scale is not None:
             if pending is not None:
                 pending.wait()
-            self.snapshot.restore(self.optimizer.adam)
+            self.retake_copy.restore(self.optimizer.adam)
             current = [param.grad for param, _ in self.grads]
             for param, grad in self.grads:
                 param.grad = grad
@@ -73,7 +73,7 @@ class StaggeredStep:
             self.optimizer.step()
             for (param, _), grad in zip(self.grads, current):
                 param.grad = grad
-        if self.snapshot is not None:
-            self.snapshot.release()
+        if self.retake_copy is not None:
+            self.retake_copy.release()
             self.grads = []
         return norm, scale is not None

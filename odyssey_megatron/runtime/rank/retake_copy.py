@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 
 
-class RetakeSnapshot:
+class RetakeCopy:
     """One step's copy: waited for before the step, restored if the step is retaken,
     released when it settles."""
 
-    def __init__(self, pool: SnapshotPool, buffers: dict, saved: list[tuple[torch.nn.Parameter, torch.Tensor, dict]],
+    def __init__(self, pool: RetakeCopyPool, buffers: dict, saved: list[tuple[torch.nn.Parameter, torch.Tensor, dict]],
                  done: object):
         self._pool, self._buffers, self._saved, self._done = pool, buffers, saved, done
 
@@ -46,7 +46,7 @@ class RetakeSnapshot:
         self._buffers, self._saved = {}, []
 
 
-class SnapshotPool:
+class RetakeCopyPool:
     """Reused host buffers for one rank's optimizer, and the side stream that fills them."""
 
     def __init__(self, device: torch.device):
@@ -59,7 +59,7 @@ class SnapshotPool:
     def current_stream(self):
         return self._module.current_stream(self._device)
 
-    def take(self, optimizer: torch.optim.Optimizer) -> RetakeSnapshot:
+    def take(self, optimizer: torch.optim.Optimizer) -> RetakeCopy:
         """Start copying every parameter of ``optimizer`` and its state to host memory."""
         buffers = self._free.pop() if self._free else {}
         saved = []
@@ -73,7 +73,7 @@ class SnapshotPool:
                 saved.append((param, weights, state))
             done = self._module.Event()
             done.record(self._side)
-        return RetakeSnapshot(self, buffers, saved, done)
+        return RetakeCopy(self, buffers, saved, done)
 
     def give_back(self, buffers: dict) -> None:
         self._free.append(buffers)
