@@ -60,7 +60,7 @@ from odyssey_megatron.run_dir import append_jsonl, read_jsonl, write_jsonl
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.console import CONSOLE, Progress, join_line, recovery_line
 from odyssey_megatron.runtime.control.controller import Controller
-from odyssey_megatron.runtime.control.detector import Cause, Failure
+from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
 from odyssey_megatron.runtime.final_model import merge_final_parts
 from odyssey_megatron.runtime.protocol import (
@@ -175,8 +175,8 @@ class TrainingRun:
         """The last complete snapshot."""
         self._restore: Optional[Restore] = None
         """The rollback the generation published last carries out, if it is one."""
-        self._lost_nodes: set[int] = set()
-        """Nodes lost so far: their keepers, and the snapshot shards in them, are gone."""
+        self._lost_keepers: set[int] = set()
+        """Ranks of the nodes lost so far: their keeper slots, and the snapshot shards in them, are gone."""
         self._join: Optional[_Join] = None
         """The join under way, until its generation's first step commits."""
         self._newcomers: set[int] = set()
@@ -308,7 +308,7 @@ class TrainingRun:
     def _snapshot_source(self, committed_before: int) -> SnapshotSource:
         """The last snapshot as the decision center sees it (``DecisionCenter.on_failure``),
         rolling back from ``committed_before`` steps."""
-        return SnapshotSource(self.snapshot, frozenset(self._lost_nodes), self.config.model,
+        return SnapshotSource(self.snapshot, frozenset(self._lost_keepers), self.config.model,
                               replayed_steps=committed_before - self.snapshot.step)
 
     def _roll_back(self, restore: Restore) -> None:
@@ -374,7 +374,7 @@ class TrainingRun:
             while (more := self.controller.next_failure(timeout=0)) is not None:
                 failures.append(more)
             seen += failures
-            self._lost_nodes |= {f.node for f in failures if f.cause is Cause.NODE}
+            self._lost_keepers.update(r for f in failures for r in f.node_ranks)
             self._newcomers -= {self.center.cluster.worker_of(r) for f in failures for r in f.ranks}
             self.end_generation()
             before = self.committed if before is None else before
@@ -402,8 +402,7 @@ class TrainingRun:
             return False
         self.center.on_idle_failure(ranks=failure.ranks, running=self.plan, at_s=time.monotonic() - self.started)
         self._newcomers -= {self.center.cluster.worker_of(r) for r in failure.ranks}
-        if failure.cause is Cause.NODE:
-            self._lost_nodes.add(failure.node)
+        self._lost_keepers.update(failure.node_ranks)
         log.info("run: ranks %s failed outside generation %d, which trains on", list(failure.ranks),
                  self.plan.generation)
         return True
