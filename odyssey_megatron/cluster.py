@@ -3,6 +3,16 @@
 Planning works on *workers*: a worker is one tensor-parallel group (TP consecutive
 ranks, as Megatron lays them out), because a TP group is only useful whole. A failed
 rank takes its worker down; a failed node takes every worker on it.
+
+``ClusterState`` owns the arithmetic between launch ranks, workers, TP ranks and nodes
+(``rank``, ``worker_of``, ``tp_rank``, ``node_of_rank``): rank ``w * TP + k`` is TP rank k
+of worker w, and node n holds ranks ``n * devices_per_node`` onwards. Its nodes are
+counted from the first node with workers, and only ever compared with each other ("on
+the same node as"). The launcher numbers nodes as launched, node 0 being the
+controller's, which under ``cluster.dedicated_controller`` runs no workers: there the two
+numberings are one apart. So no node number crosses from the runtime into the decision
+center: a lost node comes as the ranks it ran (``detector.Failure``), its keeper's too
+(``snapshot.restore``), and this module alone says which ranks share a node.
 """
 
 from __future__ import annotations
@@ -35,20 +45,37 @@ class ClusterState:
     def num_workers(self) -> int:
         return self.world_size // self.tensor_parallel_size
 
+    @property
+    def workers_per_node(self) -> int:
+        """Whole workers one node holds: 0 where a worker spans nodes (TP above devices_per_node)."""
+        return self.devices_per_node // self.tensor_parallel_size
+
+    def rank(self, worker: int, tp_rank: int = 0) -> int:
+        """The launch rank of ``worker``'s TP rank ``tp_rank``."""
+        return worker * self.tensor_parallel_size + tp_rank
+
     def worker_ranks(self, worker: int) -> tuple[int, ...]:
-        tp = self.tensor_parallel_size
-        return tuple(range(worker * tp, (worker + 1) * tp))
+        return tuple(self.rank(worker, k) for k in range(self.tensor_parallel_size))
 
     def worker_of(self, rank: int) -> int:
         return rank // self.tensor_parallel_size
 
+    def tp_rank(self, rank: int) -> int:
+        """Launch rank ``rank``'s place in its worker's TP group."""
+        return rank % self.tensor_parallel_size
+
+    def node_of_rank(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
     def node_of_worker(self, worker: int) -> int:
-        return worker * self.tensor_parallel_size // self.devices_per_node
+        """The node of ``worker``'s first rank (the only one, unless TP spans nodes)."""
+        return self.node_of_rank(self.rank(worker))
 
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of_worker(a) == self.node_of_worker(b)
 
     def node_ranks(self, node: int) -> tuple[int, ...]:
+        """Node ``node``'s launch ranks (the last node's may be fewer than devices_per_node)."""
         start = node * self.devices_per_node
         return tuple(range(start, min(start + self.devices_per_node, self.world_size)))
 

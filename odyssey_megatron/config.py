@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from odyssey_megatron import limits
 from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
+from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.settings import DecisionSettings, Pricing, SearchSettings
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
@@ -410,11 +411,12 @@ class FaultSpec:
         """Its target and step exist in the recipe's run, and a snapshot fault's step takes a
         snapshot (``snapshot_interval``, set). Nodes are numbered as launched: node 0 hosts
         the controller, beside its workers unless ``dedicated_controller``."""
+        cluster = ClusterState(world_size=num_ranks, devices_per_node=devices_per_node)
         if self.rank is not None:
             require(0 <= self.rank < num_ranks, f"{key}.rank",
                     f"must lie in 0..{num_ranks - 1} (the recipe's {num_ranks} ranks); got {self.rank}")
         else:
-            nodes = -(-num_ranks // devices_per_node)
+            nodes = cluster.num_nodes
             last = nodes if dedicated_controller else nodes - 1
             allowed = f"must lie in 1..{last}" if last >= 1 else "names no node that may fail: aim it at a rank"
             where = (f", nodes 1..{nodes}: node 0 is the dedicated controller's" if dedicated_controller
@@ -423,9 +425,9 @@ class FaultSpec:
                     f"{allowed} (the recipe's {num_ranks} ranks fill {nodes} node(s) of cluster.devices_per_node="
                     f"{devices_per_node}{where}, whose loss ends the run); got {self.node}")
         for peer in self.with_ranks:
-            first = self.rank // devices_per_node * devices_per_node
-            require(first <= peer < min(first + devices_per_node, num_ranks), f"{key}.with_ranks",
-                    f"must name ranks of rank {self.rank}'s node, {first}..{min(first + devices_per_node, num_ranks) - 1}"
+            node = cluster.node_ranks(cluster.node_of_rank(self.rank))
+            require(peer in node, f"{key}.with_ranks",
+                    f"must name ranks of rank {self.rank}'s node, {node[0]}..{node[-1]}"
                     f" (cluster.devices_per_node={devices_per_node}): it kills their pids; got {peer}")
         require(self.step is None or 0 <= self.step < train_iters, f"{key}.step",
                 f"must lie in 0..{train_iters - 1} (training.train_iters is {train_iters}); got {self.step}")

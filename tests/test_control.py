@@ -561,6 +561,16 @@ def test_a_silent_launcher_fails_its_node_with_every_live_rank_at_once():
     assert detector.heartbeat_keys() == [] and detector.check(now=10.0, wall=2001.0) == []
 
 
+def test_a_lost_node_names_every_rank_it_ran_since_their_keeper_slots_went_with_its_launcher():
+    """Rank 2 was killed before its node was lost: the node fails ranks 0 and 1 (2 failed
+    already), and the snapshot memory its launcher kept held all three ranks' slots."""
+    detector = _detector_with_node((0, 1, 2))
+    killed = detector.rank_exited(RankExit(2, 0, -9, 1000.5), wall=1000.5)
+    assert (killed.ranks, killed.node_ranks) == ((2,), ())
+    [failure] = detector.check(now=10 * T, wall=2000.0)
+    assert (failure.cause, failure.ranks, failure.node_ranks) == (Cause.NODE, (0, 1), (0, 1, 2))
+
+
 def test_exits_and_reports_fail_a_rank_once():
     detector = _detector_with_node((0, 1, 2, 3))
     assert detector.rank_exited(RankExit(0, 0, 0, 1.0), wall=2.0) is None  # status 0: finished

@@ -22,10 +22,12 @@ FLOORS: list[tuple[str, str]] = [
      "facts and files with no notion of a job: bounded reads, size limits, typed YAML with one-line errors, "
      "shipped specs, timeouts and settings views, Megatron-Bridge's layout, files written whole and trusted, the "
      "plotting backend, which checkpoints a run directory holds"),
+    ("cluster",
+     "which ranks live, and which workers and nodes hold them: the arithmetic every room asks"),
     ("config data",
      "the recipe, and the training data it names"),
-    ("cluster profile profile_file plan",
-     "the job as data: which ranks live, what each block costs (and the profile a recipe is priced with), the plan"),
+    ("profile profile_file plan",
+     "the job as data: what each block costs (and the profile a recipe is priced with), the plan"),
     ("schedules",
      "a plan compiled to op lists: data the estimator prices and the runtime runs as priced"),
     ("estimator restorer hooks snapshot runtime.protocol runtime.step_ledger",

@@ -553,3 +553,17 @@ def test_a_failure_with_no_fitting_layout_in_the_window_sweeps_every_pipeline_le
                       failure_model=FailureRateModel(device_mtbf_hours=10))
     assert "swept every pipeline length" in decision.note
     assert {c.policy for c in (decision.chosen, *decision.alternatives)} == {"reroute", "reparallelize"}
+
+
+@pytest.mark.parametrize("tp, per_node, nodes_of_workers", [
+    (1, 4, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]), (2, 4, [0, 0, 1, 1, 2, 2, 3, 3]), (4, 2, [0, 2, 4, 6])])
+def test_launch_ranks_workers_tp_ranks_and_nodes_are_one_arithmetic(tp, per_node, nodes_of_workers):
+    """Rank w * TP + k is TP rank k of worker w; node n holds ranks n * devices_per_node on;
+    a worker spanning nodes (TP 4 on nodes of 2) is on its first rank's node."""
+    cluster = ClusterState(world_size=16, tensor_parallel_size=tp, devices_per_node=per_node)
+    for rank in range(16):
+        worker, k = cluster.worker_of(rank), cluster.tp_rank(rank)
+        assert cluster.rank(worker, k) == rank and cluster.worker_ranks(worker)[k] == rank
+        assert rank in cluster.node_ranks(cluster.node_of_rank(rank))
+    assert [cluster.node_of_worker(w) for w in range(cluster.num_workers)] == nodes_of_workers
+    assert cluster.workers_per_node == per_node // tp

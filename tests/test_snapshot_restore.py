@@ -13,6 +13,8 @@ from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.hooks.training_state import worker_blocks
 from odyssey_megatron.planner import UnrecoverableFailure
+from odyssey_megatron.runtime.control.detector import Detector
+from odyssey_megatron.runtime.protocol import NodeHeartbeat, NodeRegistration, node_heartbeat_key
 from odyssey_megatron.snapshot.restore import (
     Restore,
     SnapshotLost,
@@ -30,6 +32,11 @@ TINY = Path(__file__).resolve().parents[1] / "recipes" / "llama2_7b" / "tiny_cpu
 def center(devices_per_node: int, *overrides: str) -> tuple[DecisionCenter, object]:
     config = load_config(TINY, [f"cluster.devices_per_node={devices_per_node}", *overrides])
     return DecisionCenter.from_recipe(config), config
+
+
+def keepers(center: DecisionCenter, *nodes: int) -> frozenset[int]:
+    """The keeper slots nodes ``nodes`` (the cluster's numbering) take along: their ranks."""
+    return frozenset(r for n in nodes for r in center.cluster.node_ranks(n))
 
 
 def record_of(center: DecisionCenter, config, *, step: int = 4) -> SnapshotRecord:
@@ -77,7 +84,7 @@ def test_a_lost_node_s_shards_are_rebuilt_from_parity_across_the_other_nodes():
     record = record_of(c, config)
     assert record.groups == ((0, 2, 4, 6), (1, 3, 5, 7))
     decision = c.on_failure(nodes=[1], in_memory=True,
-                            snapshot=SnapshotSource(record, frozenset({1}), config.model, replayed_steps=1))
+                            snapshot=SnapshotSource(record, keepers(c, 1), config.model, replayed_steps=1))
     restore = decision.rollback
     assert restore.rebuilds == (SnapshotRebuild(2, (0, 2, 4, 6), (0, 4, 6)),
                                 SnapshotRebuild(3, (1, 3, 5, 7), (1, 5, 7)))
@@ -85,11 +92,45 @@ def test_a_lost_node_s_shards_are_rebuilt_from_parity_across_the_other_nodes():
     _check_every_block_arrives(restore, decision.chosen.plan, config)
 
 
+def test_a_node_lost_beside_a_dedicated_controller_takes_its_own_keeper_along_not_its_neighbour_s():
+    """Under ``cluster.dedicated_controller`` the launcher's node 1 runs ranks 0..3, the
+    cluster's node 0 (nodes of 4). Its failure, as the detector reports it, leaves the
+    keeper of node 2 (ranks 4..7) to rebuild each of its shards from: rank i's protection
+    group is (i, i + 4), read on node 2 by rank i + 4 itself."""
+    c, config = center(4, "cluster.dedicated_controller=true")
+    record = record_of(c, config)
+    assert record.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    detector = Detector(1.0)
+    for node, ranks in ((1, (0, 1, 2, 3)), (2, (4, 5, 6, 7))):
+        detector.node_joined(NodeRegistration(node, 10 + node, f"h{node}", ranks), now=0.0, wall=1000.0)
+    detector.observe({node_heartbeat_key(2): NodeHeartbeat(1, 1001.5, {}, {}, {})}, now=1.5)
+    [failure] = detector.check(now=2.0, wall=1002.0)
+    assert (failure.node, failure.ranks) == (1, (0, 1, 2, 3))
+    decision = c.on_failure(ranks=failure.ranks, in_memory=True,
+                            snapshot=SnapshotSource(record, frozenset(failure.node_ranks), config.model,
+                                                    replayed_steps=1))
+    restore = decision.rollback
+    assert restore.rebuilds == tuple(SnapshotRebuild(i, (i, i + 4), (i + 4,)) for i in range(4))
+    assert all(read.reader == read.owner for read in restore.reads)  # node 2's ranks read their own slots
+    _check_every_block_arrives(restore, decision.chosen.plan, config)
+
+
+def test_a_lost_keeper_is_one_of_the_ranks_it_served_so_a_survivor_on_its_node_reads_nothing_there():
+    """Nodes of 4, the cluster's node 1 lost as the ranks it ran (4..7): none of its shards
+    is read from its keeper, even where the cluster still counts its workers alive (a
+    replacement node's, whose keeper holds nothing of the snapshot); each is rebuilt on node 0."""
+    c, config = center(4)
+    restore, _ = plan_restore(record_of(c, config), plan=c.plan, cluster=c.cluster, lost_keepers={4, 5, 6, 7},
+                              model=config.model)
+    assert [(r.lost, r.readers) for r in restore.rebuilds] == [(i + 4, (i,)) for i in range(4)]
+    assert {read.owner for read in restore.reads} == {0, 1, 2, 3}
+
+
 def test_a_node_with_no_live_worker_left_is_rebuilt_even_though_its_keeper_lives():
     c, config = center(2)
     record = record_of(c, config)
     restore, _ = plan_restore(record, plan=c.on_failure(ranks=[2, 3]).chosen.plan, cluster=c.cluster,
-                              lost_nodes=set(), model=config.model)
+                              lost_keepers=set(), model=config.model)
     assert [r.lost for r in restore.rebuilds] == [2, 3]
 
 
@@ -100,7 +141,7 @@ def test_two_losses_in_one_protection_group_name_the_ranks_and_leave_the_run_to_
                                                    r"shards of ranks \[2, 4\] are all lost, and their protection "
                                                    r"group \(ranks \[0, 2, 4, 6\]\) rebuilds one at most"):
         c.on_failure(nodes=[1, 2], in_memory=True,
-                     snapshot=SnapshotSource(record, frozenset({1, 2}), config.model, replayed_steps=1))
+                     snapshot=SnapshotSource(record, keepers(c, 1, 2), config.model, replayed_steps=1))
 
 
 def test_a_shard_with_no_other_node_for_parity_is_lost_with_its_node():
@@ -108,7 +149,8 @@ def test_a_shard_with_no_other_node_for_parity_is_lost_with_its_node():
     record = record_of(c, config)
     assert record.groups == tuple((r,) for r in range(8))
     with pytest.raises(SnapshotLost, match="no parity protects it"):
-        plan_restore(record, plan=c.plan, cluster=c.cluster.fail_ranks([2, 3]), lost_nodes={0}, model=config.model)
+        plan_restore(record, plan=c.plan, cluster=c.cluster.fail_ranks([2, 3]),
+                     lost_keepers=set(keepers(c, 0)), model=config.model)
 
 
 def test_eq_8_weighs_each_candidate_with_its_restore_and_the_steps_it_trains_again():
@@ -140,7 +182,7 @@ def test_with_tensor_parallelism_each_tp_rank_reads_and_rebuilds_its_own_shard()
     record = record_of(c, config)
     assert record.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     decision = c.on_failure(nodes=[1], in_memory=True,
-                            snapshot=SnapshotSource(record, frozenset({1}), config.model, replayed_steps=1))
+                            snapshot=SnapshotSource(record, keepers(c, 1), config.model, replayed_steps=1))
     restore = decision.rollback
     assert [(r.lost, r.readers) for r in restore.rebuilds] == [(4, (0,)), (5, (1,)), (6, (2,)), (7, (3,))]
     assert all(read.reader % 2 == read.owner % 2 for read in restore.reads)
@@ -151,7 +193,7 @@ def test_with_tensor_parallelism_each_tp_rank_reads_and_rebuilds_its_own_shard()
 def test_a_restore_survives_its_json_round_trip():
     c, config = center(2)
     restore, _ = plan_restore(record_of(c, config), plan=c.on_failure(nodes=[1]).chosen.plan, cluster=c.cluster,
-                              lost_nodes={1}, model=config.model)
+                              lost_keepers=set(keepers(c, 1)), model=config.model)
     assert Restore.from_dict(restore.to_dict()) == restore
     assert restore.workers(1) == {0, 1, 4, 5, 6, 7}
 
@@ -177,7 +219,8 @@ def test_random_failures_bring_every_block_of_the_new_plan_back_from_where_it_wa
         return
     plan = decision.chosen.plan
     try:
-        restore, transfers = plan_restore(record, plan=plan, cluster=c.cluster, lost_nodes=lost, model=config.model)
+        restore, transfers = plan_restore(record, plan=plan, cluster=c.cluster, lost_keepers=set(keepers(c, *lost)),
+                                          model=config.model)
     except SnapshotLost:
         assert nodes == 1  # with parity across nodes, one lost node is always rebuilt
         return

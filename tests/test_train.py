@@ -602,6 +602,31 @@ def test_a_lost_node_holding_every_replica_of_a_stage_is_rebuilt_from_parity_acr
     assert_same_training(run_dir, reference)
 
 
+def test_a_lost_node_beside_a_dedicated_controller_rolls_back_to_its_snapshot_rebuilt_from_parity(
+        tmp_path, data_cache, reference):
+    """Node 0 runs only the controller (``cluster.dedicated_controller``); nodes 1 and 2 run
+    4 ranks each, so DP 2 x PP 4 puts stages 0 and 1 on node 1 and stages 2 and 3 on node 2.
+    Node 1 dies whole as step 4 starts: no survivor holds stages 0 and 1, and their
+    snapshot shards went with node 1's keeper. Each is rebuilt by XOR from its protection
+    group's other member on node 2 (rank i with rank i + 4), the run rolls back to step 2's
+    snapshot and ends with the failure-free model. Node 1 is the launcher's node 1 but the
+    first node with workers: taking one numbering for the other would mark node 2's keeper
+    lost, leaving nothing to rebuild from."""
+    run_dir = tmp_path / "run"
+    status, _, err = train_nodes(run_dir, data_cache, 3, "cluster.devices_per_node=4",
+                                 "cluster.dedicated_controller=true", "odyssey.snapshot_interval=2",
+                                 "odyssey.online_profile=false", "--nnodes", "3", "--master-port", str(_free_port()),
+                                 faults("{node: 1, step: 4, phase: snapshot, action: kill}"))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    (recovery,) = recoveries(run_dir)
+    assert recovery["cause"] == "node" and recovery["failed_ranks"] == [0, 1, 2, 3], recovery
+    assert recovery["snapshot_step"] == 2 and recovery["rebuilt_shards"] == 4 and recovery["replayed_steps"] == 2
+    logs = "".join(p.read_text() for p in run_dir.glob("logs/rank-*.log"))
+    for rank in range(4):
+        assert f"rebuilt rank {rank}'s snapshot shard of step 2 from parity (group [{rank}, {rank + 4}])" in logs
+    assert_same_training(run_dir, reference)
+
+
 def test_two_lost_nodes_of_one_protection_group_fall_back_to_the_disk_checkpoint_and_resume_from_it(
         tmp_path, data_cache, reference):
     """4 nodes of 2 ranks, snapshots every 2 steps and a disk checkpoint every 2: nodes 1

@@ -78,7 +78,7 @@ def restore_time(restore: Restore, transfers: Sequence[Transfer], *, profile: Mo
     for block, worker in restore.owners:
         owned[worker] = owned.get(worker, 0) + _share_bytes(profile, block)
     tp = cluster.tensor_parallel_size
-    rebuild_s = max((owned.get(r.lost // tp, 0) / tp * len(r.readers) / profile.inter_node_bandwidth
+    rebuild_s = max((owned.get(cluster.worker_of(r.lost), 0) / tp * len(r.readers) / profile.inter_node_bandwidth
                      for r in restore.rebuilds), default=0.0)
     return rebuild_s + transfer_time(transfers, profile=profile, cluster=cluster, storage_bandwidth=float("inf"))
 

@@ -140,15 +140,15 @@ def symmetry(plan: ExecutionPlan, cluster: ClusterState) -> Optional[Symmetry]:
     pp, rest = divmod(cluster.num_workers, dp)
     if rest or not pp:
         return None
-    tp, per_node = cluster.tensor_parallel_size, cluster.devices_per_node
+    tp, per_node, per = cluster.tensor_parallel_size, cluster.devices_per_node, cluster.workers_per_node
     if tp % per_node == 0:
         group, per = 1, 1
     elif per_node % tp:
         return None  # a worker straddles two nodes it shares with others
-    elif dp % (per_node // tp) == 0:
-        group = per = per_node // tp
-    elif (per_node // tp) % dp == 0:
-        group, per = dp, per_node // tp
+    elif dp % per == 0:
+        group = per
+    elif per % dp == 0:
+        group = dp
     else:
         return None
     named = Counter(s.worker for p in plan.pipelines for s in p.stages)  # a worker named twice is not free

@@ -119,22 +119,25 @@ class SnapshotSource:
     back from (``restore``) and how many committed steps a rollback to it trains again."""
 
     record: SnapshotRecord
-    lost_nodes: frozenset[int]
-    """Nodes lost so far: their keepers are gone."""
+    lost_keepers: frozenset[int]
+    """Launch ranks whose keeper slots are gone: every rank a lost node ran. Ranks, not
+    node numbers: the launcher counts nodes from the controller's, the cluster from the
+    first with workers (``cluster``)."""
     model: ModelConfig
     replayed_steps: int
 
     def restore(self, plan: ExecutionPlan, cluster: ClusterState) -> tuple[Restore, tuple[Transfer, ...]]:
-        return plan_restore(self.record, plan=plan, cluster=cluster, lost_nodes=set(self.lost_nodes),
+        return plan_restore(self.record, plan=plan, cluster=cluster, lost_keepers=set(self.lost_keepers),
                             model=self.model)
 
 
-def plan_restore(record: SnapshotRecord, *, plan: ExecutionPlan, cluster: ClusterState, lost_nodes: set[int],
+def plan_restore(record: SnapshotRecord, *, plan: ExecutionPlan, cluster: ClusterState, lost_keepers: set[int],
                  model: ModelConfig) -> tuple[Restore, tuple[Transfer, ...]]:
     """How ``plan`` (the new generation's) gets every block back as of ``record``'s step on
-    the survivors of ``cluster``, whose ``lost_nodes`` took their keepers along: the
-    restore the workers carry out and the plan's transfers (every block from where it is
-    read or rebuilt to each worker that trains it). Raises SnapshotLost."""
+    the survivors of ``cluster``, where the keeper slots of ``lost_keepers`` (launch ranks)
+    are gone with their node: the restore the workers carry out and the plan's transfers
+    (every block from where it is read or rebuilt to each worker that trains it). Raises
+    SnapshotLost."""
     from odyssey_megatron.hooks.training_state import worker_blocks  # torch: not for the protocol's readers
     from odyssey_megatron.snapshot.shards import block_bytes, owners, shard_blocks
 
@@ -142,36 +145,36 @@ def plan_restore(record: SnapshotRecord, *, plan: ExecutionPlan, cluster: Cluste
     written = owners(record.plan, model)
     needs = {w: set(worker_blocks(model, plan, w)) for w in plan.workers}
     alive = set(cluster.alive_workers)
+    lost = {cluster.worker_of(rank) for rank in lost_keepers}
 
-    def readers_on(node: int) -> list[int]:
-        return [] if node in lost_nodes else sorted(w for w in alive if cluster.node_of_worker(w) == node)
+    def readers_of(worker: int) -> list[int]:
+        """Live workers that can read ``worker``'s shards: those on its node, while its keeper lives."""
+        return [] if worker in lost else sorted(w for w in alive if cluster.same_node(w, worker))
 
     source: dict[tuple[Block, int], int] = {}
     """(block, TP rank) -> the launch rank that holds it once read or rebuilt."""
     reads, rebuilds = [], []
     for owner in sorted(set(written.values())):
         blocks = shard_blocks(written, owner)
-        on_node = readers_on(cluster.node_of_worker(owner))
+        on_node = readers_of(owner)
         if on_node:  # its keeper lives: read there, by a worker that trains most of it next
             reader = max(on_node, key=lambda w: (len(needs.get(w, set()) & set(blocks)), w == owner, -w))
             for k in range(tp):
-                reads.append(SnapshotRead(reader * tp + k, owner * tp + k))
-                source.update({(block, k): reader * tp + k for block in blocks})
+                reads.append(SnapshotRead(cluster.rank(reader, k), cluster.rank(owner, k)))
+                source.update({(block, k): cluster.rank(reader, k) for block in blocks})
             continue
         for k in range(tp):
-            lost = owner * tp + k
-            rebuild = _rebuild(lost, record.groups, readers_on=readers_on, cluster=cluster, tp=tp)
+            rebuild = _rebuild(cluster.rank(owner, k), record.groups, readers_of=readers_of, cluster=cluster)
             rebuilds.append(rebuild)
             source.update({(block, k): rebuild.readers[0] for block in blocks})
-    transfers = tuple(Transfer(block, source[(block, k)], worker * tp + k, block_bytes(model, block, tp))
+    transfers = tuple(Transfer(block, source[(block, k)], cluster.rank(worker, k), block_bytes(model, block, tp))
                       for worker in plan.workers for block in sorted(needs[worker], key=str)
-                      for k in range(tp) if source[(block, k)] != worker * tp + k)
+                      for k in range(tp) if source[(block, k)] != cluster.rank(worker, k))
     restore = Restore(record.step, record.generation, tuple(written.items()), tuple(reads), tuple(rebuilds))
     return restore, transfers
 
 
-def _rebuild(lost: int, groups: tuple[tuple[int, ...], ...], *, readers_on, cluster: ClusterState,
-             tp: int) -> SnapshotRebuild:
+def _rebuild(lost: int, groups: tuple[tuple[int, ...], ...], *, readers_of, cluster: ClusterState) -> SnapshotRebuild:
     """Rank ``lost``'s shard from the rest of its protection group, each member read by a
     live worker of the member's node (the member itself where it lives)."""
     group = next((g for g in groups if lost in g), (lost,))
@@ -179,13 +182,14 @@ def _rebuild(lost: int, groups: tuple[tuple[int, ...], ...], *, readers_on, clus
     for member in group:
         if member == lost:
             continue
-        on_node = readers_on(cluster.node_of_worker(member // tp))
+        owner = cluster.worker_of(member)
+        on_node = readers_of(owner)
         if not on_node:
-            gone = [m for m in group if not readers_on(cluster.node_of_worker(m // tp))]
+            gone = [m for m in group if not readers_of(cluster.worker_of(m))]
             raise SnapshotLost(f"the snapshot shards of ranks {gone} are all lost, and their protection group "
                                f"(ranks {list(group)}) rebuilds one at most")
-        worker = member // tp if member // tp in on_node else on_node[0]
-        readers.append(worker * tp + member % tp)
+        reader = owner if owner in on_node else on_node[0]
+        readers.append(cluster.rank(reader, cluster.tp_rank(member)))
     if not readers:
         raise SnapshotLost(f"rank {lost}'s snapshot shard is lost and no parity protects it (its protection group "
                            "has no other node)")

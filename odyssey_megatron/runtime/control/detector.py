@@ -71,12 +71,17 @@ class Failure:
     cause: Cause
     ranks: tuple[int, ...]
     node: Optional[int]
-    """The lost node (cause ``node``), else None."""
+    """The lost node (cause ``node``) as launched (``--node-rank``: for records and the
+    console), else None. The decision center takes ranks, never this number: its nodes
+    are counted from the first with workers (``cluster``)."""
     failed_at: float
     """Best estimate of the failure: the exit as its launcher saw it, the report, or the
     last heartbeat sent (the sender's clock)."""
     detected_at: float
     detail: str
+    node_ranks: tuple[int, ...] = ()
+    """Cause ``node``: every rank the node ran, ``ranks`` and those that failed or exited
+    before it; their snapshot keeper slots went with its launcher. Else empty."""
 
     def to_record(self) -> dict:
         return {"cause": self.cause.value, "ranks": list(self.ranks), "node": self.node, "failed_at": self.failed_at,
@@ -240,7 +245,7 @@ class Detector:
         for r in lost:
             self.ranks[r].state = _State.FAILED
         last = node.watch.last.sent_at if node.watch.last else node.registered_at
-        return Failure(Cause.NODE, lost, n, last, wall, detail)
+        return Failure(Cause.NODE, lost, n, last, wall, detail, node_ranks=node.ranks)
 
     def _hung(self, rank: _Rank, now: float) -> bool:
         if not rank.watch.stale(now):

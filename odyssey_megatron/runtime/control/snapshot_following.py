@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from odyssey_megatron.runtime.control.detector import Cause, Failure
+from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunState, forget_steps_from
 from odyssey_megatron.runtime.protocol import snapshot_done_key
 from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, SnapshotSource
@@ -31,8 +31,8 @@ class SnapshotFollowing:
         """Steps between in-memory snapshots (``odyssey.snapshot_interval``; 0: none)."""
         self.last: Optional[SnapshotRecord] = None
         """The last complete snapshot."""
-        self.lost_nodes: set[int] = set()
-        """Nodes lost so far: their keepers, and the snapshot shards in them, are gone."""
+        self.lost_keepers: set[int] = set()
+        """Ranks of the nodes lost so far: their keeper slots, and the snapshot shards in them, are gone."""
 
     def _interval(self) -> int:
         """``odyssey.snapshot_interval``, or Young's interval for the starting plan."""
@@ -47,9 +47,8 @@ class SnapshotFollowing:
         return (self.last.step, self.last.generation) if self.last is not None else None
 
     def failed(self, failure: Failure) -> None:
-        """A lost node takes its keeper along."""
-        if failure.cause is Cause.NODE:
-            self.lost_nodes.add(failure.node)
+        """A lost node takes its keeper along: the slots of every rank it ran."""
+        self.lost_keepers.update(failure.node_ranks)
 
     def collect(self) -> None:
         """Take in the newest snapshot of the running generation whose every part is in.
@@ -82,7 +81,7 @@ class SnapshotFollowing:
         step committed yet (every block is drawn again from the seed or checkpoint)."""
         if self.last is None or self.run.fresh:
             return None
-        return SnapshotSource(self.last, frozenset(self.lost_nodes), self.run.config.model,
+        return SnapshotSource(self.last, frozenset(self.lost_keepers), self.run.config.model,
                               replayed_steps=committed_before - self.last.step)
 
     def roll_back(self, restore: Restore) -> None:
