@@ -1,5 +1,5 @@
 """Following the in-memory snapshots the ranks take: which one is the last complete one,
-which nodes' keepers (and the shards in them) are gone, and what a decision needs to roll
+which ranks' keeper slots (and the shards in them) are gone, and what a decision needs to roll
 back to it.
 
 When no survivor holds some block, the decision rolls back to the last complete snapshot
