@@ -24,8 +24,9 @@ FLOORS: list[tuple[str, str]] = [
      "plotting backend, which checkpoints a run directory holds"),
     ("config data",
      "the recipe, and the training data it names"),
-    ("cluster profile profile_file plan",
-     "the job as data: which ranks live, what each block costs (and the profile a recipe is priced with), the plan"),
+    ("blocks cluster profile profile_file plan",
+     "the job as data: which blocks a stage holds and what each weighs, which ranks live, what each block costs "
+     "(and the profile a recipe is priced with), the plan"),
     ("schedules",
      "a plan compiled to op lists: data the estimator prices and the runtime runs as priced"),
     ("estimator restorer hooks snapshot runtime.protocol runtime.step_ledger",
