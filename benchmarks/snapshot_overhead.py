@@ -299,7 +299,7 @@ def _section_one_memory(recipe, plan: ExecutionPlan) -> tuple[int, dict[int, int
     parameter, a quarter more for the rest), its keeper slot (two data and two parity
     buffers) and the thread's stripes (members x chunk) while it encodes; and each rank's
     share and parity chunk in bytes."""
-    from odyssey_megatron.hooks.model import StageSpec, stage_parameter_shapes
+    from odyssey_megatron.blocks import StageSpec, stage_parameter_shapes
     from odyssey_megatron.snapshot.parity import StripeLayout
     from odyssey_megatron.snapshot.shards import owners, shard_bytes, snapshot_groups
 
@@ -516,7 +516,7 @@ def recipe_figures() -> dict:
         config = load_config(str(Path(__file__).resolve().parents[1] / f"recipes/llama2_7b/{name}.yaml"))
         center = DecisionCenter.from_recipe(config)
         groups = config.odyssey.snapshot_parity_nodes
-        snapshot_s = snapshot_time_s(center.plan, center.profile, nodes_per_group=groups,
+        snapshot_s = snapshot_time_s(center.plan, center.profile, model=config.model, nodes_per_group=groups,
                                      nodes=center.cluster.num_nodes)
         step_s = center.estimate.step_time_s
         mtbf_s = center.failure_model.expected_interval_s(center.cluster.alive_devices)
@@ -524,11 +524,11 @@ def recipe_figures() -> dict:
         tp = center.plan.tensor_parallel_size
         payload = max(shard_bytes(config.model, owned, w, tp_size=tp) for w in set(center.plan.workers))
         figures[name] = {
-            "largest_share_gb": round(max(snapshot_shares(center.plan, center.profile).values()) / GB, 3),
+            "largest_share_gb": round(max(snapshot_shares(center.plan, config.model).values()) / GB, 3),
             "largest_payload_gb": round(payload / GB, 3),
             "snapshot_s": round(snapshot_s, 4),
             "host_gb_per_rank": round(snapshot_host_bytes(
-                center.plan, center.profile, nodes_per_group=config.odyssey.snapshot_parity_nodes,
+                center.plan, config.model, nodes_per_group=config.odyssey.snapshot_parity_nodes,
                 nodes=center.cluster.num_nodes) / GB, 3),
             "young_interval_steps": center.snapshot_interval(nodes_per_group=groups),
             "step_s": round(step_s, 3), "mtbf_s": round(mtbf_s, 1),

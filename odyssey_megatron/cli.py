@@ -272,7 +272,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     configured = config.odyssey.snapshot_interval
     nodes_per_group = config.odyssey.snapshot_parity_nodes
     interval = configured if configured is not None else center.snapshot_interval(nodes_per_group=nodes_per_group)
-    host = snapshot_host_bytes(center.plan, center.profile, nodes_per_group=nodes_per_group,
+    host = snapshot_host_bytes(center.plan, config.model, nodes_per_group=nodes_per_group,
                                nodes=center.cluster.num_nodes)
     snapshots = (f"every {interval} steps{'' if configured is not None else ' (Young)'}, {host / GIB:.2f} GiB of host "
                  "memory per rank (its share and parity chunk, twice)" if interval else "none")

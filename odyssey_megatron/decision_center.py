@@ -14,8 +14,9 @@ import time
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from odyssey_megatron.blocks import block_sort_key
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import RecipeConfig
+from odyssey_megatron.config import ModelConfig, RecipeConfig
 from odyssey_megatron.estimator import PlanEstimate, estimate_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.snapshot import restore_time, snapshot_time_s, young_interval_steps
@@ -33,7 +34,7 @@ from odyssey_megatron.planner import (
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
 from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
-from odyssey_megatron.profile import ModelProfile, block_sort_key
+from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profile_file import recipe_profile
 from odyssey_megatron.schedules.program import StepProgram, publish
 from odyssey_megatron.settings import DecisionSettings
@@ -62,12 +63,15 @@ class DecisionCenter:
         settings: DecisionSettings,
         search_time_s: float | None = None,
         settles_at_once: bool = True,
+        model: ModelConfig | None = None,
     ):
         """A job running ``plan`` on ``cluster``. ``search_time_s`` replaces the measured
         search time in every transition (the simulator needs determinism).
         ``settles_at_once``: each decision's plan is taken as carried out when it is
         committed (the simulator, ``odyssey plan``); False: the caller says when a plan
-        settles (``settle``): the live run, where a recovery can fail before its first step."""
+        settles (``settle``): the live run, where a recovery can fail before its first step.
+        ``model``: the job's model, whose blocks its in-memory snapshots share out
+        (``snapshot_interval``); a recipe's center has it."""
         self.plan = plan
         """The plan committed last: what the job runs, or is about to."""
         self.settled = plan
@@ -78,6 +82,7 @@ class DecisionCenter:
         self.cluster = cluster
         self.profile = profile
         self.settings = settings
+        self.model = model
         self.search_time_s = search_time_s
         self.failure_model = FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
                                               learn=settings.learn_failure_rate)
@@ -120,7 +125,7 @@ class DecisionCenter:
             devices_per_node=config.cluster.devices_per_node,
         )
         return cls(plan=plan, cluster=cluster, profile=profile, settings=config.odyssey.decisions,
-                   settles_at_once=settles_at_once)
+                   settles_at_once=settles_at_once, model=config.model)
 
     def on_failure(
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
@@ -334,8 +339,11 @@ class DecisionCenter:
     def snapshot_interval(self, *, nodes_per_group: int) -> int:
         """Steps between in-memory snapshots by Young's rule for the current plan, cluster
         and failure rate (``estimator.snapshot``), with parity groups of ``nodes_per_group``:
-        the default of ``odyssey.snapshot_interval``."""
-        seconds = snapshot_time_s(self.plan, self.profile, nodes_per_group=nodes_per_group,
+        the default of ``odyssey.snapshot_interval``. ValueError for a center built without
+        a model."""
+        if self.model is None:
+            raise ValueError("snapshot_interval: this center has no model to share snapshots by (build it with model=)")
+        seconds = snapshot_time_s(self.plan, self.profile, model=self.model, nodes_per_group=nodes_per_group,
                                   nodes=self.cluster.num_nodes)
         return young_interval_steps(copy_s=seconds,
                                     step_s=self.estimate.step_time_s,
@@ -409,7 +417,8 @@ class DecisionCenter:
         rolled = []
         for draft in drafts.drafts:
             restore, transfers = snapshot.restore(draft.plan, self.cluster)
-            moving_s = restore_time(restore, transfers, profile=self.profile, cluster=self.cluster)
+            moving_s = restore_time(restore, transfers, model=snapshot.model, profile=self.profile,
+                                    cluster=self.cluster)
             rolled.append(replace(draft, plan=replace(draft.plan, transfers=transfers), restore=restore,
                                   moving_s=moving_s + snapshot.replayed_steps * draft.estimate.step_time_s))
         return replace(drafts, drafts=tuple(rolled), unchanged=False)

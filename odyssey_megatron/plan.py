@@ -26,7 +26,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from odyssey_megatron.profile import Block, ModelProfile, block_sort_key
+from odyssey_megatron.blocks import Block, block_sort_key
+from odyssey_megatron.profile import ModelProfile
 
 POLICIES = ("initial", "reroute", "reparallelize")
 PLAN_FORMAT_VERSION = 2

@@ -1,22 +1,19 @@
 """Model profile: what each block of the model costs in time and memory on one rank.
 
-A *block* is a unit of parameters that moves and syncs as a whole: transformer layer
-``i`` (an int), the input ``"embedding"`` and the ``"output"`` head (final norm, output
-projection and loss). Profiles come from measurement (the profiler) or from model
-dimensions and a device spec (``analytic_profile``). Everything is per rank: with TP > 1
-a block's bytes and time are one tensor-parallel shard's.
+A block (``blocks.Block``) is a unit of parameters that moves and syncs as a whole:
+transformer layer ``i`` (an int), the input ``"embedding"`` and the ``"output"`` head
+(final norm, output projection and loss); which blocks a stage holds is ``blocks``'
+geometry. Profiles come from measurement (the profiler) or from model dimensions and a
+device spec (``analytic_profile``). Everything is per rank: with TP > 1 a block's bytes
+and time are one tensor-parallel shard's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Union
 
+from odyssey_megatron.blocks import EMBEDDING, OUTPUT, Block, StageSpec, stage_blocks
 from odyssey_megatron.specs.devices import DeviceSpec
-
-Block = Union[int, str]
-EMBEDDING = "embedding"
-OUTPUT = "output"
 
 # Megatron mixed precision with a distributed-optimizer-free Adam: fp32 main grads,
 # fp32 master weights plus two fp32 moments.
@@ -28,15 +25,6 @@ weight and two moments and writes the weight and moments back; memory-bound ever
 WEIGHT_GRAD_SHARE = 0.5
 """Share of a block's backward spent on weight gradients where the profile did not
 measure it: one of the two GEMMs of each linear layer."""
-
-
-def block_sort_key(block: Block) -> tuple[int, int]:
-    """Model order: embedding, layers 0..L-1, output."""
-    if block == EMBEDDING:
-        return (0, 0)
-    if block == OUTPUT:
-        return (2, 0)
-    return (1, int(block))
 
 
 @dataclass(frozen=True)
@@ -132,22 +120,12 @@ class ModelProfile:
 
     def stage_blocks(self, start: int, end: int, *, first: bool, last: bool) -> list[Block]:
         """Blocks held by a stage owning layers [start, end) at the given pipeline position."""
-        blocks: list[Block] = []
-        if first or (last and self.tie_embeddings):
-            blocks.append(EMBEDDING)
-        blocks.extend(range(start, end))
-        if last:
-            blocks.append(OUTPUT)
-        return blocks
+        return stage_blocks(StageSpec((start, end), first=first, last=last), tied=self.tie_embeddings)
 
     def compute_blocks(self, start: int, end: int, *, first: bool, last: bool) -> list[Block]:
         """Blocks a stage runs per micro-batch: a tied copy of the embedding on the last
-        stage is held, not run (the output block uses it)."""
-        blocks: list[Block] = [EMBEDDING] if first else []
-        blocks.extend(range(start, end))
-        if last:
-            blocks.append(OUTPUT)
-        return blocks
+        stage is held, not run (the output block uses it): the blocks an untied stage holds."""
+        return stage_blocks(StageSpec((start, end), first=first, last=last), tied=False)
 
     def stage_times(self, start: int, end: int, *, first: bool, last: bool) -> StageTimes:
         """Seconds of one micro-batch's ops on a stage owning layers [start, end)."""

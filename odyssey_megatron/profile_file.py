@@ -298,7 +298,7 @@ def _value(hint: Any, value: Any, where: str, *, positive: bool) -> Any:
 def optimizer_bytes_per_rank(config: RecipeConfig) -> tuple[float, float]:
     """Bytes of optimizer state per rank: a full copy of its stage's (what the plugin keeps),
     and what Megatron's distributed optimizer would hold (sharded over the DP ranks)."""
-    from odyssey_megatron.profile import EMBEDDING, OUTPUT
+    from odyssey_megatron.blocks import EMBEDDING, OUTPUT
 
     profile = analytic_recipe_profile(config, device=config.cluster.device)
     blocks = [EMBEDDING, *range(profile.num_layers), OUTPUT]

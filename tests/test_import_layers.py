@@ -26,8 +26,9 @@ FLOORS: list[tuple[str, str]] = [
      "which ranks live, and which workers and nodes hold them: the arithmetic every room asks"),
     ("config data",
      "the recipe, and the training data it names"),
-    ("profile profile_file plan",
-     "the job as data: what each block costs (and the profile a recipe is priced with), the plan"),
+    ("blocks profile profile_file plan",
+     "the job as data: which blocks a stage holds and what each weighs, what each block costs (and the profile a "
+     "recipe is priced with), the plan"),
     ("schedules",
      "a plan compiled to op lists: data the estimator prices and the runtime runs as priced"),
     ("estimator restorer hooks snapshot runtime.protocol runtime.step_ledger",

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
+from odyssey_megatron.blocks import EMBEDDING, OUTPUT
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, Reroute, StagePlan, SyncUnit
-from odyssey_megatron.profile import EMBEDDING, OUTPUT, ModelProfile, uniform_profile
+from odyssey_megatron.profile import ModelProfile, uniform_profile
 from odyssey_megatron.restorer import (
     assignment_cost,
     color_rounds,

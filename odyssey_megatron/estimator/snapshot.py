@@ -3,14 +3,16 @@ memory, the host memory a node keeps, the interval that balances the two against
 failure rate, and what a rollback takes before training again (``restore_time``; the
 decision center adds the steps it trains again).
 
-A rank copies its share (``snapshot.shards.share_out``: whole blocks, fp32 masters and
-Adam moments) at ``host_bandwidth`` and computes its parity chunk across nodes while its
-next step computes, so only what outlasts that step would show on the step time; the
-interval follows Young's rule, sqrt(2 x snapshot time x mean time between failures), the
-snapshot's whole time standing for its cost (what it costs the step depends on how much
-of it the step hides). A node keeps two buffers per rank (the last complete
-snapshot and the one being written) of its share and of its parity chunk
-(1/(group nodes - 1) of the largest share of its group, RAID-5 style).
+A rank copies its share (the blocks ``snapshot.shards.owners`` gives it to write: the
+snapshots' own choice of writers, priced as written) at ``host_bandwidth`` and computes
+its parity chunk across nodes while its next step computes, so only what outlasts that
+step would show on the step time; the interval follows Young's rule, sqrt(2 x snapshot
+time x mean time between failures), the snapshot's whole time standing for its cost
+(what it costs the step depends on how much of it the step hides). A node keeps two
+buffers per rank (the last complete snapshot and the one being written) of its share and
+of its parity chunk (1/(group nodes - 1) of the largest share of its group, RAID-5 style).
+A share's bytes are its blocks' state as the snapshot holds it (``blocks.block_bytes``:
+fp32 masters, Adam moments and the step, one TP shard), not the profile's.
 """
 
 from __future__ import annotations
@@ -19,29 +21,23 @@ import math
 
 from collections.abc import Sequence
 
+from odyssey_megatron.blocks import block_bytes
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.snapshot.restore import Restore
-from odyssey_megatron.snapshot.shards import share_out
+from odyssey_megatron.snapshot.shards import owners
 
 __all__ = ["restore_time", "snapshot_time_s", "snapshot_host_bytes", "snapshot_shares", "young_interval_steps"]
 
 
-def _share_bytes(profile: ModelProfile, block) -> int:
-    """What a snapshot holds of a block: its fp32 masters and Adam moments (the optimizer
-    state, 12 bytes a parameter), not the low-precision weights they round to."""
-    return profile.block(block).optimizer_bytes
-
-
-def snapshot_shares(plan: ExecutionPlan, profile: ModelProfile) -> dict[int, int]:
+def snapshot_shares(plan: ExecutionPlan, model: ModelConfig) -> dict[int, int]:
     """Bytes of each worker's share of a snapshot of ``plan`` (one TP shard of it)."""
-    size = lambda block: _share_bytes(profile, block)  # noqa: E731
-    owned = share_out(plan.holdings(profile), size)
     shares = dict.fromkeys(plan.workers, 0)
-    for block, worker in owned.items():
-        shares[worker] += size(block)
+    for block, worker in owners(plan, model).items():
+        shares[worker] += block_bytes(model, block, plan.tensor_parallel_size)
     return shares
 
 
@@ -49,35 +45,36 @@ def _group_members(nodes_per_group: int, nodes: int) -> int:
     return min(nodes_per_group, nodes)
 
 
-def snapshot_time_s(plan: ExecutionPlan, profile: ModelProfile, *, nodes_per_group: int, nodes: int) -> float:
+def snapshot_time_s(plan: ExecutionPlan, profile: ModelProfile, *, model: ModelConfig, nodes_per_group: int,
+                    nodes: int) -> float:
     """Seconds the largest share takes to snapshot: its copy to host memory, then its parity
     (a reduce-scatter over the group: each member sends and receives ``members / (members -
     1)`` of a share across nodes; nothing on a single node)."""
-    largest = max(snapshot_shares(plan, profile).values(), default=0)
+    largest = max(snapshot_shares(plan, model).values(), default=0)
     members = _group_members(nodes_per_group, nodes)
     parity_s = largest * members / (members - 1) / profile.inter_node_bandwidth if members > 1 else 0.0
     return largest / profile.host_bandwidth + parity_s
 
 
-def snapshot_host_bytes(plan: ExecutionPlan, profile: ModelProfile, *, nodes_per_group: int, nodes: int) -> int:
+def snapshot_host_bytes(plan: ExecutionPlan, model: ModelConfig, *, nodes_per_group: int, nodes: int) -> int:
     """Host memory one rank's keeper slot holds at most: two buffers of its share and two
     of its parity chunk (the largest share over the group's members less one; none on a
     single node, where no group has a second node)."""
-    largest = max(snapshot_shares(plan, profile).values(), default=0)
+    largest = max(snapshot_shares(plan, model).values(), default=0)
     members = _group_members(nodes_per_group, nodes)
     return 2 * (largest + (math.ceil(largest / (members - 1)) if members > 1 else 0))
 
 
-def restore_time(restore: Restore, transfers: Sequence[Transfer], *, profile: ModelProfile,
+def restore_time(restore: Restore, transfers: Sequence[Transfer], *, model: ModelConfig, profile: ModelProfile,
                  cluster: ClusterState) -> float:
     """Seconds until a rollback's blocks are where the plan trains them: the slowest
     rebuild (each survivor's shard and parity chunk cross the inter-node link into one
     XOR reduce; reads from a keeper are host memory, counted with the rebuild's), then the
     transfers from where the blocks were read (``transfer_time``)."""
+    tp = cluster.tensor_parallel_size
     owned: dict[int, int] = {}
     for block, worker in restore.owners:
-        owned[worker] = owned.get(worker, 0) + _share_bytes(profile, block)
-    tp = cluster.tensor_parallel_size
+        owned[worker] = owned.get(worker, 0) + block_bytes(model, block, tp)
     rebuild_s = max((owned.get(cluster.worker_of(r.lost), 0) / tp * len(r.readers) / profile.inter_node_bandwidth
                      for r in restore.rebuilds), default=0.0)
     return rebuild_s + transfer_time(transfers, profile=profile, cluster=cluster, storage_bandwidth=float("inf"))

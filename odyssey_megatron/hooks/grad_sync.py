@@ -26,31 +26,22 @@ so members need not agree on the order across units.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from odyssey_megatron.hooks.model import EMBEDDING_WEIGHT, StageSpec, global_name, is_tied
+from odyssey_megatron.blocks import Block, block_of_parameter
+from odyssey_megatron.hooks.model import StageSpec, global_name, is_tied
 from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import EMBEDDING, OUTPUT, Block
-
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def block_of(name: str, stage: StageSpec, *, tied: bool = False) -> Block:
-    """The block a stage parameter belongs to (a tied output copy is the embedding)."""
-    match = _LOCAL_LAYER.match(name)
-    if match:
-        return stage.layers[0] + int(match.group(1))
-    if name.startswith("embedding.") or global_name(name, 0, tied=tied) == EMBEDDING_WEIGHT:
-        return EMBEDDING
-    if name.startswith("output_layer.") or name.startswith("decoder.final_layernorm."):
-        return OUTPUT
-    raise ValueError(f"parameter {name} belongs to no known block")
+    """The block a stage parameter belongs to, by its name on the stage (a tied output
+    copy is the embedding)."""
+    return block_of_parameter(global_name(name, stage.layers[0], tied=tied))
 
 
 def parameters_by_block(model: torch.nn.Module, stage: StageSpec) -> dict[Block, list[torch.nn.Parameter]]:

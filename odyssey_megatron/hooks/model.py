@@ -3,13 +3,16 @@
 A stage is a GPTModel holding its own layer range: ``pre_process`` on the first stage
 (embedding), ``post_process`` on the last (final norm and output head), and as many
 transformer layers as the plan gives it, so any uneven split works without Megatron's
-global pipeline state. Parameters are initialised from one source: every tensor of the
-*full* model is drawn from a generator seeded by the recipe seed and the tensor's
-global name, and each rank keeps its slice (its layers, its TP shard). The same layer is
-therefore identical on every pipeline and equal to a single-process model's. The source
-can also be a whole-model state dict in global names (an imported Hugging Face checkpoint,
-a run's final weights): ``stage_state_dict`` slices it for a stage and TP rank, and
-``merge_stage_state_dicts`` puts the stages' slices back together.
+global pipeline state. Which parameters a stage holds, their shapes and the dimension
+TP splits each along are ``blocks``' geometry; this module builds them on Megatron-Core
+(``tests/test_blocks.py`` checks the two agree). Parameters are initialised from one
+source: every tensor of the *full* model is drawn from a generator seeded by the recipe
+seed and the tensor's global name, and each rank keeps its slice (its layers, its TP
+shard). The same layer is therefore identical on every pipeline and equal to a
+single-process model's. The source can also be a whole-model state dict in global names
+(an imported Hugging Face checkpoint, a run's final weights): ``stage_state_dict`` slices
+it for a stage and TP rank, and ``merge_stage_state_dicts`` puts the stages' slices back
+together.
 
 Tied embeddings: a last stage that is not also the first keeps its own copy of the word
 embeddings as ``output_layer.weight``, drawn from the embedding's source; the copies
@@ -36,30 +39,13 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer import TransformerConfig
 
+from odyssey_megatron.blocks import EMBEDDING_WEIGHT, StageSpec, tensor_parallel_dim
+from odyssey_megatron.blocks import OUTPUT_WEIGHT as TIED_OUTPUT
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.plan import ExecutionPlan
 
 INIT_STD = 0.02
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """Which part of the model a rank builds."""
-
-    layers: tuple[int, int]
-    """[start, end) of the transformer layers."""
-    first: bool
-    last: bool
-
-    @classmethod
-    def of_worker(cls, plan: ExecutionPlan, worker: int) -> "StageSpec":
-        """The stage ``worker`` runs under ``plan``; ValueError if it runs none."""
-        for pi, si, stage in plan.stage_positions():
-            if stage.worker == worker:
-                return cls(stage.layers, first=si == 0, last=si == plan.pipelines[pi].num_stages - 1)
-        raise ValueError(f"worker {worker} owns no stage in plan generation {plan.generation}")
 
 
 def transformer_config(model: ModelConfig, *, num_layers: int, tensor_parallel_size: int) -> TransformerConfig:
@@ -150,22 +136,6 @@ def mark_tensor_parallel_weights(gpt: torch.nn.Module) -> None:
             set_tensor_model_parallel_attributes(module.weight, True, 1, 1)
 
 
-TIED_OUTPUT = "output_layer.weight"
-EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
-FINAL_NORM = "decoder.final_layernorm.weight"
-# The dimension Megatron's parallel layers split across TP ranks, by parameter name suffix:
-# ColumnParallelLinear and VocabParallelEmbedding split outputs (0), RowParallelLinear
-# inputs (1); norms are replicated.
-_TP_DIM = {
-    "word_embeddings.weight": 0,
-    "linear_qkv.weight": 0,
-    "linear_fc1.weight": 0,
-    "output_layer.weight": 0,
-    "linear_proj.weight": 1,
-    "linear_fc2.weight": 1,
-}
-
-
 def is_tied(gpt: torch.nn.Module) -> bool:
     return bool(getattr(gpt, "share_embeddings_and_output_weights", False))
 
@@ -176,11 +146,6 @@ def global_name(local_name: str, layer_offset: int, *, tied: bool = False) -> st
     if tied and local_name == TIED_OUTPUT:
         return EMBEDDING_WEIGHT
     return _LAYER_KEY.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
-
-
-def tensor_parallel_dim(name: str) -> Optional[int]:
-    """The dimension TP splits the parameter called ``name`` along; None if replicated."""
-    return next((dim for suffix, dim in _TP_DIM.items() if name.endswith(suffix)), None)
 
 
 def _full_shape(param: torch.nn.Parameter, tp_size: int) -> list[int]:
@@ -233,31 +198,6 @@ def init_stage_parameters(gpt: torch.nn.Module, *, stage: StageSpec, seed: int, 
             full_name = global_name(name, stage.layers[0], tied=is_tied(gpt))
             param.copy_(initial_shard(full_name, _full_shape(param, tp_size), seed=seed, tp_rank=tp_rank,
                                       tp_size=tp_size).to(param.dtype))
-
-
-def stage_parameter_shapes(model: ModelConfig, stage: StageSpec) -> dict[str, tuple[int, ...]]:
-    """Global name -> full (unsharded) shape of every parameter ``build_stage_model`` gives
-    ``stage`` (Llama on the local spec: RMSNorm weights, fused QKV, SwiGLU's [gate; up])."""
-    hidden, heads, groups = model.hidden_size, model.num_attention_heads, model.num_query_groups
-    head_dim = hidden // heads
-    layer = {
-        "input_layernorm.weight": (hidden,),
-        "self_attention.linear_qkv.weight": ((heads + 2 * groups) * head_dim, hidden),
-        "self_attention.linear_proj.weight": (hidden, heads * head_dim),
-        "pre_mlp_layernorm.weight": (hidden,),
-        "mlp.linear_fc1.weight": (2 * model.ffn_hidden_size, hidden),
-        "mlp.linear_fc2.weight": (hidden, model.ffn_hidden_size),
-    }
-    shapes = {}
-    if stage.first or (stage.last and model.tie_embeddings):
-        shapes[EMBEDDING_WEIGHT] = (model.vocab_size, hidden)
-    for index in range(*stage.layers):
-        shapes.update({f"decoder.layers.{index}.{name}": shape for name, shape in layer.items()})
-    if stage.last:
-        shapes[FINAL_NORM] = (hidden,)
-        if not model.tie_embeddings:
-            shapes["output_layer.weight"] = (model.vocab_size, hidden)
-    return shapes
 
 
 def _local_name(full_name: str, stage: StageSpec) -> Optional[str]:

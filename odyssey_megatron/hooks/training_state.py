@@ -1,6 +1,6 @@
 """One rank's training state, block by block, so that it outlives a plan generation.
 
-Recovery moves blocks (``profile.Block``: a transformer layer, "embedding" or "output"):
+Recovery moves blocks (``blocks.Block``: a transformer layer, "embedding" or "output"):
 a rank keeps the blocks its next stage still needs, drops the rest and receives the
 missing ones (the restorer's ``Transfer``: one block's weights and optimizer state, one
 TP shard). So the state is kept per block, in global parameter names (a layer's tensors
@@ -14,11 +14,11 @@ block exports to the flat dict of tensors a transfer sends or a checkpoint file 
 
 ``TrainingState.initial`` draws a stage's blocks from the seed once, exactly as
 ``hooks.model.init_stage_parameters`` does; after that the state, not the seed, is the
-source. ``stage_blocks`` and ``empty_block`` say what a stage holds and what one block's
-export looks like from the model config alone, so a receiver can allocate before a
-transfer arrives. ``hooks.stage_optimizer.StageOptimizer`` is Megatron-Core's optimizer
-over a stage model built around a state's tensors: it trains them in place and reads them
-back per block.
+source. What a stage holds and what one block's export looks like follow from the model
+config alone (``blocks``: ``stage_blocks``, ``state_entries``), so a receiver can allocate
+(``empty_block``) before a transfer arrives. ``hooks.stage_optimizer.StageOptimizer`` is
+Megatron-Core's optimizer over a stage model built around a state's tensors: it trains
+them in place and reads them back per block.
 
 There is no RNG state to carry: the Llama stages have no dropout (``transformer_config``
 sets both rates to 0) and a step draws no random number. Megatron forks its
@@ -35,23 +35,25 @@ from typing import Iterable, Mapping
 
 import torch
 
-from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.grad_sync import block_of
-from odyssey_megatron.hooks.model import (
+from odyssey_megatron import blocks as geometry
+from odyssey_megatron.blocks import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    PARAM,
+    STATE_KINDS,
+    STEP,
+    Block,
     StageSpec,
-    initial_shard,
+    block_of_parameter,
+    block_sort_key,
     stage_parameter_shapes,
-    tensor_parallel_dim,
+    state_entries,
 )
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.hooks.model import initial_shard
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import Block, block_sort_key
 
 __all__ = ["BlockState", "TrainingState", "empty_block", "stage_blocks", "worker_blocks"]
-
-PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param", "exp_avg", "exp_avg_sq", "step"
-_KINDS = (PARAM, EXP_AVG, EXP_AVG_SQ)
-_GLOBAL = StageSpec((0, 0), first=True, last=True)
-"""Global names are the local names of a stage at layer offset 0."""
 
 
 @dataclass
@@ -66,7 +68,7 @@ class BlockState:
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The flat dict a transfer sends: the tensors themselves, not copies."""
         tensors = {STEP: torch.tensor(self.step, dtype=torch.int64)}
-        for kind, named in zip(_KINDS, (self.params, self.exp_avg, self.exp_avg_sq)):
+        for kind, named in zip(STATE_KINDS, (self.params, self.exp_avg, self.exp_avg_sq)):
             tensors.update({f"{kind}/{name}": tensor for name, tensor in named.items()})
         return tensors
 
@@ -77,15 +79,15 @@ class BlockState:
         step = tensors.get(STEP)
         if step is None or step.dim() != 0 or step.is_floating_point() or step.is_complex() or int(step) < 0:
             raise ValueError(f"block {block!r}: {STEP}: need a non-negative integer scalar tensor")
-        named: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in _KINDS}
+        named: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in STATE_KINDS}
         for key, tensor in tensors.items():
             if key == STEP:
                 continue
             kind, _, name = key.partition("/")
             if kind not in named or not name:
-                raise ValueError(f"block {block!r}: {key}: keys are {STEP} or <{'|'.join(_KINDS)}>/<parameter name>")
+                raise ValueError(f"block {block!r}: {key}: keys are {STEP} or <{'|'.join(STATE_KINDS)}>/<parameter name>")
             try:
-                owner = block_of(name, _GLOBAL)
+                owner = block_of_parameter(name)
             except ValueError:
                 owner = None
             if owner != block:
@@ -103,44 +105,28 @@ class BlockState:
             if unmatched:
                 raise ValueError(f"block {block!r}: {kind}/{unmatched[0]}: no {PARAM}/{unmatched[0]} for it")
         for name in sorted(names):
-            shapes = {kind: tuple(named[kind][name].shape) for kind in _KINDS}
+            shapes = {kind: tuple(named[kind][name].shape) for kind in STATE_KINDS}
             if len(set(shapes.values())) > 1:
                 raise ValueError(f"block {block!r}: {name}: shapes differ across {shapes}")
         return cls(named[PARAM], named[EXP_AVG], named[EXP_AVG_SQ], int(step))
 
 
 def stage_blocks(model: ModelConfig, stage: StageSpec) -> list[Block]:
-    """The blocks a rank of ``stage`` holds, in model order (a tied last stage holds the embedding)."""
-    return sorted({block_of(name, _GLOBAL) for name in stage_parameter_shapes(model, stage)}, key=block_sort_key)
+    """The blocks a rank of ``stage`` holds, in model order (``blocks.stage_blocks``)."""
+    return geometry.stage_blocks(stage, tied=model.tie_embeddings)
 
 
 def worker_blocks(model: ModelConfig, plan: ExecutionPlan, worker: int) -> list[Block]:
-    """The blocks ``worker`` trains under ``plan``: its stage's, or none if it runs no stage."""
-    return stage_blocks(model, StageSpec.of_worker(plan, worker)) if worker in plan.workers else []
+    """The blocks ``worker`` trains under ``plan`` (``blocks.worker_blocks``)."""
+    return geometry.worker_blocks(plan, worker, tied=model.tie_embeddings)
 
 
 def empty_block(model: ModelConfig, block: Block, *, tp_size: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Uninitialised tensors keyed, shaped and typed as ``export(block)`` of one TP shard
-    (every TP rank's shard has the same shape), in one fixed order: kinds, then parameter
-    names, then the step. A receiver allocates them before a transfer; both sides order
-    the transfer's tensors by it."""
-    whole = StageSpec((0, model.num_layers), first=True, last=True)
-    shapes = {}
-    for name, full in sorted(stage_parameter_shapes(model, whole).items()):
-        if block_of(name, _GLOBAL) != block:
-            continue
-        shape, dim = list(full), tensor_parallel_dim(name)
-        if dim is not None:
-            if shape[dim] % tp_size:
-                raise ValueError(f"tp_size {tp_size}: does not divide dim {dim} ({shape[dim]}) of {name}")
-            shape[dim] //= tp_size
-        shapes[name] = tuple(shape)
-    if not shapes:
-        raise ValueError(f"block {block!r} is not a block of a {model.num_layers}-layer model")
-    tensors = {f"{kind}/{name}": torch.empty(shape, dtype=torch.float32, device=device)
-               for kind in _KINDS for name, shape in shapes.items()}
-    tensors[STEP] = torch.empty((), dtype=torch.int64, device=device)
-    return tensors
+    """Uninitialised tensors keyed, shaped and typed as ``export(block)`` of one TP shard,
+    in the order ``blocks.state_entries`` gives. A receiver allocates them before a
+    transfer; both sides order the transfer's tensors by it."""
+    return {key: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            for key, dtype, shape in state_entries(model, block, tp_size=tp_size)}
 
 
 class TrainingState:
@@ -159,7 +145,7 @@ class TrainingState:
         blocks: dict[Block, BlockState] = {}
         for name, shape in stage_parameter_shapes(model, stage).items():
             param = initial_shard(name, shape, seed=seed, tp_rank=tp_rank, tp_size=tp_size).to(device)
-            state = blocks.setdefault(block_of(name, _GLOBAL), BlockState({}, {}, {}, 0))
+            state = blocks.setdefault(block_of_parameter(name), BlockState({}, {}, {}, 0))
             state.params[name] = param
             state.exp_avg[name] = torch.zeros_like(param)
             state.exp_avg_sq[name] = torch.zeros_like(param)

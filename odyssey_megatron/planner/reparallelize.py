@@ -12,13 +12,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from odyssey_megatron.blocks import Block
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import allreduce_time
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep
-from odyssey_megatron.profile import Block, ModelProfile
+from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import color_rounds, plan_weight_transfer, sync_units, with_sync
 
 

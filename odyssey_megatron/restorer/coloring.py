@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional, Sequence
 
+from odyssey_megatron.blocks import Block, block_sort_key
 from odyssey_megatron.plan import ExecutionPlan, SyncUnit
-from odyssey_megatron.profile import Block, ModelProfile, block_sort_key
+from odyssey_megatron.profile import ModelProfile
 
 
 def sync_units(plan: ExecutionPlan, profile: ModelProfile) -> tuple[SyncUnit, ...]:

@@ -16,9 +16,10 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from odyssey_megatron.blocks import Block, block_sort_key
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan, Transfer
-from odyssey_megatron.profile import Block, ModelProfile, block_sort_key
+from odyssey_megatron.profile import ModelProfile
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Mapping, Sequence
 
+from odyssey_megatron.blocks import Block
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import Block, ModelProfile
+from odyssey_megatron.profile import ModelProfile
 
 
 class TransferError(ValueError):

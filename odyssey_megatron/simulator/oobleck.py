@@ -62,6 +62,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import AbstractSet, Iterator, Sequence
 
+from odyssey_megatron.blocks import Block, block_sort_key
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.communication import sync_time, unit_sync_time
@@ -69,7 +70,6 @@ from odyssey_megatron.estimator.optimizer import optimizer_time
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, SyncUnit
 from odyssey_megatron.planner.batch import assign_micro_batch_ids
 from odyssey_megatron.planner.layers import stage_ranges
-from odyssey_megatron.profile import Block, block_sort_key
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.simulator.restart import restart_from_checkpoint, split_search
 from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout

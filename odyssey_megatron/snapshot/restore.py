@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from odyssey_megatron.blocks import EMBEDDING, OUTPUT, Block, block_bytes, worker_blocks
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.plan import ExecutionPlan, Transfer
-from odyssey_megatron.profile import EMBEDDING, OUTPUT, Block
+from odyssey_megatron.snapshot.shards import owners, shard_blocks
 
 __all__ = ["Restore", "SnapshotLost", "SnapshotRead", "SnapshotRebuild", "SnapshotRecord", "SnapshotSource",
            "block_from_key", "participants", "plan_restore"]
@@ -138,12 +139,9 @@ def plan_restore(record: SnapshotRecord, *, plan: ExecutionPlan, cluster: Cluste
     are gone with their node: the restore the workers carry out and the plan's transfers
     (every block from where it is read or rebuilt to each worker that trains it). Raises
     SnapshotLost."""
-    from odyssey_megatron.hooks.training_state import worker_blocks  # torch: not for the protocol's readers
-    from odyssey_megatron.snapshot.shards import block_bytes, owners, shard_blocks
-
     tp = plan.tensor_parallel_size
     written = owners(record.plan, model)
-    needs = {w: set(worker_blocks(model, plan, w)) for w in plan.workers}
+    needs = {w: set(worker_blocks(plan, w, tied=model.tie_embeddings)) for w in plan.workers}
     alive = set(cluster.alive_workers)
     lost = {cluster.worker_of(rank) for rank in lost_keepers}
 

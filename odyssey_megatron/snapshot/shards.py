@@ -14,26 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from odyssey_megatron.blocks import Block, block_bytes, block_sort_key, state_entries, worker_blocks
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.profile import Block, block_sort_key
 
-__all__ = ["block_bytes", "owners", "share_out", "shard_blocks", "shard_bytes", "shard_entries", "snapshot_groups"]
-
-def _empty_block(model: ModelConfig, block: Block, tp_size: int) -> dict:
-    import torch  # here, not above: the estimator shares blocks out without torch
-
-    from odyssey_megatron.hooks.training_state import empty_block
-
-    return empty_block(model, block, tp_size=tp_size, device=torch.device("meta"))
+__all__ = ["shard_blocks", "shard_bytes", "shard_entries", "snapshot_groups"]
 
 
-def block_bytes(model: ModelConfig, block: Block, tp_size: int) -> int:
-    """Bytes of one TP shard of ``block`` as a snapshot (or a transfer) holds it."""
-    return sum(t.numel() * t.element_size() for t in _empty_block(model, block, tp_size).values())
-
-
-def share_out(holdings: Mapping[int, Sequence[Block]], size: Callable[[Block], int]) -> dict[Block, int]:
+def _share_out(holdings: Mapping[int, Sequence[Block]], size: Callable[[Block], int]) -> dict[Block, int]:
     """Block -> the worker that snapshots it, of the workers ``holdings`` says hold it:
     largest block first, to its holder with the fewest bytes so far (then the lowest id)."""
     holders: dict[Block, list[int]] = {}
@@ -51,10 +39,10 @@ def share_out(holdings: Mapping[int, Sequence[Block]], size: Callable[[Block], i
 
 
 def owners(plan: ExecutionPlan, model: ModelConfig) -> dict[Block, int]:
-    """Block -> the worker of ``plan`` that snapshots it (one of those that train it)."""
-    from odyssey_megatron.hooks.training_state import worker_blocks
-
-    return share_out({w: worker_blocks(model, plan, w) for w in set(plan.workers)},
+    """Block -> the worker of ``plan`` that snapshots it (one of those that train it): the
+    one choice of writers, which the snapshots write by, a rollback reads by and the
+    estimator prices (``estimator.snapshot``), balanced by ``blocks.block_bytes``."""
+    return _share_out({w: worker_blocks(plan, w, tied=model.tie_embeddings) for w in set(plan.workers)},
                      lambda block: block_bytes(model, block, plan.tensor_parallel_size))
 
 
@@ -64,12 +52,13 @@ def shard_blocks(owned: dict[Block, int], worker: int) -> list[Block]:
 
 
 def shard_entries(model: ModelConfig, blocks: Sequence[Block], *, tp_size: int) -> list[tuple]:
-    """(key, dtype, shape) of every tensor of ``blocks``' TP shard as a snapshot holds them,
-    in order: ``<block>/<export key>`` (``TrainingState.export``)."""
-    return [(f"{block}/{key}", tensor.dtype, tuple(tensor.shape))
-            for block in blocks
-            for key, tensor in _empty_block(model, block, tp_size).items()]
+    """(key, torch dtype, shape) of every tensor of ``blocks``' TP shard as a snapshot holds
+    them, in order: ``<block>/<export key>`` (``blocks.state_entries``), for ``keeper.payload_layout``."""
+    import torch  # here, not above: the decision center shares blocks out without torch
 
+    return [(f"{block}/{key}", getattr(torch, dtype), shape)
+            for block in blocks
+            for key, dtype, shape in state_entries(model, block, tp_size=tp_size)]
 
 
 def snapshot_groups(plan: ExecutionPlan, *, devices_per_node: int, nodes_per_group: int) -> tuple[tuple[int, ...], ...]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from odyssey_megatron.blocks import Block
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.training_state import (
@@ -39,7 +40,6 @@ from odyssey_megatron.hooks.training_state import (
     worker_blocks,
 )
 from odyssey_megatron.plan import ExecutionPlan, Transfer
-from odyssey_megatron.profile import Block
 
 __all__ = ["ShardMove", "TransferReport", "check_rank_part", "execute_transfers", "shard_moves"]
 
