@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from odyssey_megatron.hooks.model import StageSpec
-from odyssey_megatron.hooks.training_state import stage_blocks, worker_blocks
+from odyssey_megatron.blocks import StageSpec, stage_blocks, worker_blocks
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.run_state import RunState
 from odyssey_megatron.runtime.protocol import RUN_STOP, StopOrder, stopped_key
@@ -68,7 +67,7 @@ class StopWriter:
 
     def _all_blocks(self) -> list:
         model = self.run.config.model
-        return stage_blocks(model, StageSpec((0, model.num_layers), first=True, last=True))
+        return stage_blocks(StageSpec((0, model.num_layers), first=True, last=True), tied=model.tie_embeddings)
 
     def _writers(self) -> dict:
         """Block -> the first worker of the settled plan that holds it and is alive."""
@@ -78,6 +77,6 @@ class StopWriter:
         writers = {}
         for worker in settled.workers:
             if all(r in live for r in cluster.worker_ranks(worker)):
-                for block in worker_blocks(run.config.model, settled, worker):
+                for block in worker_blocks(settled, worker, tied=run.config.model.tie_embeddings):
                     writers.setdefault(block, worker)
         return writers
