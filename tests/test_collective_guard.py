@@ -114,13 +114,96 @@ def test_gloo_transport_errors_and_dist_errors_are_peer_loss_and_others_are_not(
     assert is_peer_loss(RuntimeError("[gloo/transport/tcp/pair.h:311] Connect timeout [none]"))
     refused = RuntimeError("[gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
                            "remote=[127.0.0.1]:37795$0")
-    assert is_peer_loss(refused) and not PeerLost.of(refused).timed_out  # the peer is gone: no stall to report
-    assert PeerLost.of(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv")
-                       ).timed_out
+    assert is_peer_loss(refused)
     assert is_peer_loss(dist.DistNetworkError("store gone"))
     assert is_peer_loss(PeerLost("x"))
     assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_loss(ValueError("Connection closed by peer"))
+
+
+def _lost_or_frozen(rank: int, port: int, case: str, results: mp.Queue) -> None:
+    """What ends a guarded operation, as gloo raises it for real: (type of the error the
+    ``PeerLost`` came from, its first line, timed out, seconds since the operation began).
+    Groups [0, 2] and [1, 2]; rank 2 dies or freezes. ``killed``: rank 0 waits in an
+    all-reduce of [0, 2] that rank 2 never joins, rank 1 all-reduces 32 MB after 32 MB
+    with it in [1, 2]; rank 0 stops rank 2 (data to it piles up unread) and kills it.
+    ``frozen`` (every timeout 1 s): rank 2 freezes; rank 0 all-reduces in [0, 2], rank 1
+    in a group with it made since, so never connected (rank 2 never publishes its address
+    there); each starts the operation 0.5 s before waiting on it, so that gloo's own
+    timeout, or the store's, ends it before the guard's clock does."""
+    try:
+        prepare_backend("gloo")
+        timeout = GROUP_TIMEOUT_S if case == "killed" else 1.0
+        store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", rank=rank, world_size=3, store=dist.PrefixStore("gen0", store),
+                                timeout=datetime.timedelta(seconds=timeout))
+        guard = CollectiveGuard(backend="gloo", timeout_s=timeout)
+        guard.install()
+        with_0, with_1 = (dist.new_group(members, timeout=datetime.timedelta(seconds=timeout))
+                          for members in ([0, 2], [1, 2]))
+        guard.track([dist.distributed_c10d._get_default_group(), *([with_0] if rank != 1 else []),
+                     *([with_1] if rank != 0 else [])])
+        store.set(f"pid {rank}", str(os.getpid()))
+        dist.all_reduce(torch.ones(1))
+        large = torch.ones(1 << 23)
+        if rank == 2:
+            if case == "frozen":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            while True:
+                dist.all_reduce(large, group=with_1)
+        if case == "frozen":
+            time.sleep(0.3)  # rank 2 is frozen by now
+            unconnected = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=timeout))
+        elif rank == 0:
+            peer = int(store.get("pid 2"))
+            threading.Timer(1.0, os.kill, args=(peer, signal.SIGSTOP)).start()
+            threading.Timer(1.5, os.kill, args=(peer, signal.SIGKILL)).start()
+        began = time.monotonic()
+        try:
+            if case == "frozen":
+                work = dist.all_reduce(torch.ones(1), group=with_0 if rank == 0 else unconnected, async_op=True)
+                time.sleep(0.5)
+                work.wait()
+            elif rank == 0:
+                dist.all_reduce(torch.ones(1), group=with_0)
+            else:
+                while True:
+                    dist.all_reduce(large, group=with_1)
+            results.put((rank, "error", "the operation with a lost peer returned"))
+        except PeerLost as exc:
+            cause = exc.__cause__
+            results.put((rank, "ok", (type(cause).__name__, str(cause).splitlines()[0] if cause else "",
+                                      exc.timed_out, time.monotonic() - began)))
+    except BaseException as exc:  # noqa: BLE001
+        results.put((rank, "error", repr(exc)))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # the guard's helper threads may still be inside abandoned operations
+
+
+def test_a_peer_killed_mid_collective_is_lost_by_what_gloo_says_of_a_closed_or_reset_connection():
+    """Pins the texts that alone classify gloo's untyped errors: a torch whose gloo words
+    them otherwise fails here, instead of its survivors leaving with an error of their own."""
+    got = run_three_ranks(_lost_or_frozen, "killed", answers=2)
+    (closed_type, closed, closed_timed_out, closed_s), (reset_type, reset, reset_timed_out, reset_s) = got[0], got[1]
+    assert closed_type == reset_type == "RuntimeError"  # no type of its own: the text is all there is
+    assert "Connection closed by peer" in closed, closed  # rank 2's pair with rank 0 had nothing in flight
+    assert "Read error" in reset and "Connection reset by peer" in reset, reset  # 32 MB unread in its socket
+    assert not closed_timed_out and not reset_timed_out  # a lost peer is no stall to report
+    assert closed_s < GROUP_TIMEOUT_S / 2 and reset_s < GROUP_TIMEOUT_S / 2
+
+
+def test_an_operation_that_ran_the_collective_timeout_is_timed_out_whatever_its_error_says():
+    """By the guard's clock, from the operation's start: gloo's own timeout (its text says
+    "Timed out", a pinned mark) and the store's wait for a peer's address that never comes
+    (a typed ``DistStoreError`` saying "wait timeout", which the text rule took for a lost peer)."""
+    got = run_three_ranks(_lost_or_frozen, "frozen", answers=2)
+    gloo_type, gloo_says, gloo_timed_out, gloo_s = got[0]
+    store_type, store_says, store_timed_out, store_s = got[1]
+    assert gloo_type == "RuntimeError" and "Timed out waiting" in gloo_says, gloo_says
+    assert store_type == "DistStoreError" and "imed out" not in store_says, store_says
+    assert gloo_timed_out and store_timed_out
+    assert 1.0 <= gloo_s < 1.4 and 1.0 <= store_s < 1.4  # their own timeouts ended them, not the guard's clock
 
 
 class _RecordingGroup:
