@@ -7,7 +7,7 @@ Layout: Llama-2 7B as ``benchmarks/plan_search.py`` widens it (Ascend 910B recip
 PP4, 8 devices per node, so every rank is one plan worker), with 16 micro-batches per
 pipeline (4 x PP: a 1F1B bubble of 16 %; ``--micro-batches``). The plan is the one a
 recovery publishes: ``DecisionCenter.from_recipe`` then ``on_failure`` of one rank in the
-middle, published with ``protocol.write_plan`` as ``Controller.publish_plan`` does.
+middle, published with ``plan_frame.write_plan`` as ``Controller.publish_plan`` does.
 
 Measured, per row:
 - ``plan_bytes``: what the publication writes (the frame and every worker's op list, as
@@ -102,15 +102,11 @@ import torch.distributed as dist
 
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
-from odyssey_megatron.runtime.protocol import (
+from odyssey_megatron.runtime.protocol.keys import (
     ALL_ARRIVED,
     CONTROLLER_HEARTBEAT,
     INBOX,
-    ControllerHeartbeat,
     PUBLISHED_GENERATION,
-    NodeHeartbeat,
-    PlanPublished,
-    StepReport,
     abort_key,
     all_arrived_key,
     applied_key,
@@ -120,12 +116,12 @@ from odyssey_megatron.runtime.protocol import (
     node_heartbeat_key,
     plan_key,
     plan_ops_key,
-    read_plan,
     ready_key,
     step_report_key,
     successor_key,
-    write_plan,
 )
+from odyssey_megatron.runtime.protocol.messages import ControllerHeartbeat, NodeHeartbeat, StepReport
+from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, read_plan, write_plan
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.runtime.step_ledger import Outcome
 from odyssey_megatron.timeouts import Timeouts

@@ -206,7 +206,7 @@ class SnapshottingStep(LiveWorkerStep):
     def __init__(self, *, slot, spans, **kwargs):
         import torch.distributed as dist
 
-        from odyssey_megatron.runtime.protocol import PlanPublished
+        from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished
 
         super().__init__(**kwargs)
         self.taker, self.take_s, self.wait_s = None, [], []

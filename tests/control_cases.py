@@ -23,7 +23,7 @@ from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
-from odyssey_megatron.runtime.protocol import WorkerLaunch
+from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.timeouts import Timeouts
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.schedules.program import publish, read_published

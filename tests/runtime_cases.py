@@ -214,7 +214,7 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
 
     import torch.distributed as dist
 
-    from odyssey_megatron.runtime.protocol import process_group_prefix
+    from odyssey_megatron.runtime.protocol.keys import process_group_prefix
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
     # Tensors over 128 KiB from mmap, whose free returns them to the kernel: glibc's

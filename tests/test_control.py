@@ -36,39 +36,37 @@ from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Detector
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig, first_host
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
-from odyssey_megatron.runtime.protocol import (
-    EXIT_CONTROLLER_LOST,
-    CollectiveStalled,
+from odyssey_megatron.runtime.protocol.keys import (
     INBOX,
-    EXIT_REPLACED,
-    Heartbeat,
     NODE_VIEW,
-    NodeHeartbeat,
-    NodeView,
-    KillOrder,
-    NodeLeft,
-    NodeRegistration,
-    PlanPublished,
-    ProtocolError,
-    RankExit,
-    RankFailureReport,
     RUN_DONE,
     RUN_STOP,
-    RankRegistration,
-    StaleGenerationError,
-    StopOrder,
-    WorkerLaunch,
     kill_orders_key,
     launcher_key,
     node_heartbeat_key,
-    successor_key,
-    rank_heartbeat_key,
-    parse_inbox,
     plan_key,
     plan_ops_key,
-    read_plan,
-    write_plan,
+    rank_heartbeat_key,
+    successor_key,
 )
+from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, EXIT_REPLACED, WorkerLaunch
+from odyssey_megatron.runtime.protocol.messages import (
+    CollectiveStalled,
+    Heartbeat,
+    KillOrder,
+    NodeHeartbeat,
+    NodeLeft,
+    NodeRegistration,
+    NodeView,
+    parse_inbox,
+    ProtocolError,
+    RankExit,
+    RankFailureReport,
+    RankRegistration,
+    StaleGenerationError,
+    StopOrder,
+)
+from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, read_plan, write_plan
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.schedules.ops import WEIGHT_GRAD, Op
 from odyssey_megatron.schedules.program import StepProgram, read_published

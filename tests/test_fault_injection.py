@@ -21,7 +21,7 @@ import pytest
 
 from odyssey_megatron.config import FaultSpec, config_yaml, load_config
 from odyssey_megatron.errors import ConfigError
-from odyssey_megatron.runtime.protocol import WorkerLaunch
+from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.timeouts import Timeouts
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector, InjectedFault, pid_key
 

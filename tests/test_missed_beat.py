@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from odyssey_megatron.runtime.protocol import missed_beat
+from odyssey_megatron.runtime.protocol.liveness import missed_beat
 
 pytestmark = pytest.mark.timeout(60)
 

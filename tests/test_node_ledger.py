@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from odyssey_megatron.runtime.protocol import node_applied_key, step_report_key
+from odyssey_megatron.runtime.protocol.keys import node_applied_key, step_report_key
 from odyssey_megatron.runtime.rank.node_ledger import NodeLedger
 from odyssey_megatron.runtime.step_ledger import Outcome, StepLedger
 

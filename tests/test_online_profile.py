@@ -13,7 +13,7 @@ from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.control.online_profile import SMOOTHING, OnlineProfile, Scales
-from odyssey_megatron.runtime.protocol import StepReport
+from odyssey_megatron.runtime.protocol.messages import StepReport
 from odyssey_megatron.runtime.rank.op_timers import BACKWARD, FORWARD, OPTIMIZER, WEIGHT_GRAD
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.settings import Pricing

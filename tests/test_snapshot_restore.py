@@ -14,7 +14,8 @@ from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.hooks.training_state import worker_blocks
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.runtime.control.detector import Detector
-from odyssey_megatron.runtime.protocol import NodeHeartbeat, NodeRegistration, node_heartbeat_key
+from odyssey_megatron.runtime.protocol.keys import node_heartbeat_key
+from odyssey_megatron.runtime.protocol.messages import NodeHeartbeat, NodeRegistration
 from odyssey_megatron.snapshot.restore import (
     Restore,
     SnapshotLost,

@@ -32,7 +32,7 @@ import datetime
 from enum import Enum
 from typing import Optional, Protocol
 
-from odyssey_megatron.runtime.protocol import FROZEN, applied_key, decided_key, handover_key
+from odyssey_megatron.runtime.protocol.keys import FROZEN, applied_key, decided_key, handover_key
 
 __all__ = ["Outcome", "StepLedger", "StepStore"]
 

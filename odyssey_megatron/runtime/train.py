@@ -31,7 +31,8 @@ from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.control.stop_signals import StopAtOnce, StopSignals
 from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, RunStopped, TrainingRun, forget_steps_from
 from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
-from odyssey_megatron.runtime.protocol import RUN_DONE, RUN_SPEC, RunSpec
+from odyssey_megatron.runtime.protocol.keys import RUN_DONE, RUN_SPEC
+from odyssey_megatron.runtime.protocol.messages import RunSpec
 from odyssey_megatron.timeouts import Timeouts
 
 __all__ = ["TrainOutcome", "train_node"]

@@ -32,12 +32,19 @@ from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.control.store_server import StoreServer
-from odyssey_megatron.runtime.protocol import (
+from odyssey_megatron.runtime.protocol.keys import (
+    ABORTED,
     CONTROLLER_HEARTBEAT,
     DOORBELL,
     INBOX,
     PUBLISHED_GENERATION,
-    ABORTED,
+    abort_key,
+    all_arrived_key,
+    kill_orders_key,
+    node_heartbeat_key,
+    successor_key,
+)
+from odyssey_megatron.runtime.protocol.messages import (
     CollectiveStalled,
     ControllerHeartbeat,
     KillOrder,
@@ -45,21 +52,15 @@ from odyssey_megatron.runtime.protocol import (
     NodeHeartbeat,
     NodeLeft,
     NodeRegistration,
-    PlanPublished,
+    parse_inbox,
     ProtocolError,
     RankExit,
     RankFailureReport,
     RankRegistration,
     StaleGenerationError,
     StopRequested,
-    abort_key,
-    all_arrived_key,
-    kill_orders_key,
-    node_heartbeat_key,
-    parse_inbox,
-    successor_key,
-    write_plan,
 )
+from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, write_plan
 from odyssey_megatron.schedules.program import StepProgram
 from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.timeouts import Timeouts

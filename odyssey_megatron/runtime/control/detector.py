@@ -41,16 +41,16 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from odyssey_megatron.runtime.protocol import (
+from odyssey_megatron.runtime.protocol.keys import node_heartbeat_key
+from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch
+from odyssey_megatron.runtime.protocol.messages import (
     CollectiveStalled,
-    HeartbeatWatch,
     NodeHeartbeat,
     NodeLeft,
     NodeRegistration,
     RankExit,
     RankFailureReport,
     RankRegistration,
-    node_heartbeat_key,
 )
 
 __all__ = ["Cause", "Detector", "Failure", "describe_exit"]

@@ -55,17 +55,22 @@ from odyssey_megatron.runtime.control.detector import describe_exit
 from odyssey_megatron.runtime.control.fork_server import start_fork_server
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.store_server import StoreServer
-from odyssey_megatron.runtime.protocol import (
+from odyssey_megatron.runtime.protocol.keys import (
     CONTROLLER_HEARTBEAT,
-    EXIT_CONTROLLER_LOST,
-    EXIT_REPLACED,
     INBOX,
     NODE_VIEW,
     RUN_DONE,
     RUN_STOP,
+    kill_orders_key,
+    launcher_key,
+    node_heartbeat_key,
+    rank_heartbeat_key,
+)
+from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, EXIT_REPLACED, WorkerLaunch
+from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch, missed_beat
+from odyssey_megatron.runtime.protocol.messages import (
     ControllerHeartbeat,
     Heartbeat,
-    HeartbeatWatch,
     KillOrder,
     NodeHeartbeat,
     NodeLeft,
@@ -74,12 +79,6 @@ from odyssey_megatron.runtime.protocol import (
     ProtocolError,
     RankExit,
     StopRequested,
-    WorkerLaunch,
-    kill_orders_key,
-    launcher_key,
-    missed_beat,
-    node_heartbeat_key,
-    rank_heartbeat_key,
 )
 from odyssey_megatron.snapshot.keeper import NodeKeeper
 from odyssey_megatron.timeouts import Timeouts

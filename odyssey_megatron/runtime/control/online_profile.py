@@ -23,7 +23,7 @@ from typing import Iterable
 
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.runtime.protocol import StepReport
+from odyssey_megatron.runtime.protocol.messages import StepReport
 
 __all__ = ["OnlineProfile", "Scales"]
 

@@ -31,7 +31,8 @@ from odyssey_megatron.run_dir import append_jsonl, read_jsonl, write_jsonl
 from odyssey_megatron.runtime.control.console import CONSOLE, Progress
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Failure
-from odyssey_megatron.runtime.protocol import ProtocolError, StepReport, ready_key, step_report_key
+from odyssey_megatron.runtime.protocol.keys import ready_key, step_report_key
+from odyssey_megatron.runtime.protocol.messages import ProtocolError, StepReport
 from odyssey_megatron.runtime.step_ledger import StepLedger
 from odyssey_megatron.snapshot.restore import Restore, participants
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunState, forget_steps_from
-from odyssey_megatron.runtime.protocol import snapshot_done_key
+from odyssey_megatron.runtime.protocol.keys import snapshot_done_key
 from odyssey_megatron.snapshot.restore import Restore, SnapshotRecord, SnapshotSource
 from odyssey_megatron.snapshot.shards import snapshot_groups
 

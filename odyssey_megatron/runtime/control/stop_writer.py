@@ -12,7 +12,8 @@ import time
 from odyssey_megatron.blocks import StageSpec, stage_blocks, worker_blocks
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.run_state import RunState
-from odyssey_megatron.runtime.protocol import RUN_STOP, StopOrder, stopped_key
+from odyssey_megatron.runtime.protocol.keys import RUN_STOP, stopped_key
+from odyssey_megatron.runtime.protocol.messages import StopOrder
 
 __all__ = ["RunStopped", "StopWriter"]
 

@@ -31,7 +31,8 @@ from odyssey_megatron.runtime.control.run_state import SAMPLES, RunFailed, RunSt
 from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 from odyssey_megatron.runtime.control.stop_writer import RunStopped, StopWriter
 from odyssey_megatron.runtime.final_model import merge_final_parts
-from odyssey_megatron.runtime.protocol import RUN_DONE, StepReport, final_key
+from odyssey_megatron.runtime.protocol.keys import RUN_DONE, final_key
+from odyssey_megatron.runtime.protocol.messages import StepReport
 
 __all__ = ["RunFailed", "RunStopped", "SAMPLES", "TrainingRun", "forget_steps_from"]
 

@@ -34,27 +34,26 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from odyssey_megatron.runtime.protocol import (
-    EXIT_CONTROLLER_LOST,
+from odyssey_megatron.runtime.protocol.keys import (
+    INBOX,
     NODE_VIEW,
+    PUBLISHED_GENERATION,
     RUN_DONE,
     RUN_STOP,
+    rank_heartbeat_key,
+    successor_key,
+)
+from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, WorkerLaunch
+from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch, missed_beat
+from odyssey_megatron.runtime.protocol.messages import (
     CollectiveStalled,
-    INBOX,
-    PUBLISHED_GENERATION,
     Heartbeat,
-    HeartbeatWatch,
     NodeView,
-    PlanPublished,
     ProtocolError,
     RankFailureReport,
     RankRegistration,
-    WorkerLaunch,
-    missed_beat,
-    rank_heartbeat_key,
-    read_plan,
-    successor_key,
 )
+from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, read_plan
 
 __all__ = ["ControllerLink"]
 

@@ -26,7 +26,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from odyssey_megatron.config import FaultPhase, FaultSpec
-from odyssey_megatron.runtime.protocol import WorkerLaunch, fault_fired_key
+from odyssey_megatron.runtime.protocol.keys import fault_fired_key
+from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 
 __all__ = ["FaultInjector", "InjectedFault", "pid_key"]
 

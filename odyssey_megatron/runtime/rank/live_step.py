@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from odyssey_megatron.runtime.protocol import StepReport
+from odyssey_megatron.runtime.protocol.messages import StepReport
 from odyssey_megatron.runtime.rank import op_timers as timed
 from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner

@@ -22,13 +22,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from odyssey_megatron.runtime.protocol import (
-    missed_beat,
-    node_applied_key,
-    node_decided_key,
-    node_report_key,
-    step_report_key,
-)
+from odyssey_megatron.runtime.protocol.keys import node_applied_key, node_decided_key, node_report_key, step_report_key
+from odyssey_megatron.runtime.protocol.liveness import missed_beat
 from odyssey_megatron.runtime.step_ledger import Outcome, StepLedger, StepStore
 
 __all__ = ["NodeLedger"]

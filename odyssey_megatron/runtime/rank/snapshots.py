@@ -39,7 +39,8 @@ from odyssey_megatron.blocks import Block
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.runtime.protocol import PlanPublished, snapshot_done_key, snapshot_parts_key
+from odyssey_megatron.runtime.protocol.keys import snapshot_done_key, snapshot_parts_key
+from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished
 from odyssey_megatron.snapshot.keeper import KeeperBuffer, pack, payload_layout, unpack
 from odyssey_megatron.snapshot.parity import StripeLayout, encode, rebuild
 from odyssey_megatron.snapshot.restore import Restore, block_from_key

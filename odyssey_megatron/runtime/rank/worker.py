@@ -68,26 +68,24 @@ from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.training_state import TrainingState, worker_blocks
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint, save_part
 from odyssey_megatron.runtime.final_model import write_final_part
-from odyssey_megatron.runtime.protocol import (
+from odyssey_megatron.runtime.protocol.keys import (
     ALL_ARRIVED,
-    EXIT_CONTROLLER_LOST,
     RUN_DONE,
     RUN_SPEC,
     RUN_STOP,
-    PlanPublished,
-    StopOrder,
-    RunSpec,
-    WorkerLaunch,
     abort_key,
     all_arrived_key,
     arrived_key,
     final_key,
-    missed_beat,
     process_group_prefix,
     ready_key,
     stopped_key,
     successor_key,
 )
+from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, WorkerLaunch
+from odyssey_megatron.runtime.protocol.liveness import missed_beat
+from odyssey_megatron.runtime.protocol.messages import RunSpec, StopOrder
+from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished
 from odyssey_megatron.runtime.rank import op_timers
 from odyssey_megatron.runtime.rank.block_transfer import execute_transfers
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
