@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from odyssey_megatron.blocks import EMBEDDING, OUTPUT, Block, StageSpec, stage_blocks
+from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.specs.devices import DeviceSpec
 
 # Megatron mixed precision with a distributed-optimizer-free Adam: fp32 main grads,
@@ -186,30 +187,24 @@ def _mixed_precision_block(params: int, dtype_bytes: int, *, forward_s: float, a
 
 
 def analytic_profile(
+    model: ModelConfig,
     *,
-    num_layers: int,
-    hidden_size: int,
-    ffn_hidden_size: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    vocab_size: int,
-    seq_length: int,
-    tie_embeddings: bool,
-    dtype_bytes: int,
     micro_batch_size: int,
     tensor_parallel_size: int,
     device: DeviceSpec,
     memory_budget_bytes: int | None = None,
 ) -> ModelProfile:
-    """Costs from model dimensions and a device spec (Llama: SwiGLU MLP, RMSNorm, no biases).
+    """Costs of ``model``'s dimensions on a device spec (Llama: SwiGLU MLP, RMSNorm, no biases).
 
     Compute is matmul FLOPs at the device's MFU (backward = 2x forward); a TP > 1 layer
     adds two activation all-reduces per pass. An optimizer step streams Adam's traffic
     through the device's memory; the fixed cost per op is taken as nil. Activation memory follows Korthikanti et al.
     (2022) with flash attention and no recomputation, adapted to the SwiGLU MLP.
     """
-    h, f, s, b, t = hidden_size, ffn_hidden_size, seq_length, micro_batch_size, tensor_parallel_size
-    kv = h // num_attention_heads * num_query_groups
+    h, f, s, b, t = model.hidden_size, model.ffn_hidden_size, model.seq_length, micro_batch_size, tensor_parallel_size
+    num_layers, vocab_size, tie_embeddings, dtype_bytes = (model.num_layers, model.vocab_size, model.tie_embeddings,
+                                                           model.dtype_bytes)
+    kv = h // model.num_attention_heads * model.num_query_groups
     flops_rate = device.peak_flops * device.mfu
     tokens = b * s
 

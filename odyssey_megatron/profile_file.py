@@ -174,21 +174,9 @@ def analytic_recipe_profile(config: RecipeConfig, *, device: str) -> ModelProfil
     """The analytic profile of the recipe's model on the shipped device spec ``device``."""
     model = config.model
     budget = config.odyssey.memory_budget_gib
-    return analytic_profile(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        vocab_size=model.vocab_size,
-        seq_length=model.seq_length,
-        tie_embeddings=model.tie_embeddings,
-        dtype_bytes=model.dtype_bytes,
-        micro_batch_size=config.training.micro_batch_size,
-        tensor_parallel_size=config.parallel.tensor_model_parallel_size,
-        device=device_spec(device),
-        memory_budget_bytes=None if budget is None else int(budget * GIB),
-    )
+    return analytic_profile(model, micro_batch_size=config.training.micro_batch_size,
+                            tensor_parallel_size=config.parallel.tensor_model_parallel_size,
+                            device=device_spec(device), memory_budget_bytes=None if budget is None else int(budget * GIB))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:

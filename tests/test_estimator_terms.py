@@ -12,6 +12,7 @@ import pytest
 
 from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator import estimate_plan
 from odyssey_megatron.estimator.communication import sync_time
 from odyssey_megatron.estimator.optimizer import norm_allreduce_time, optimizer_time
@@ -97,9 +98,9 @@ def test_a_measured_weight_gradient_share_moves_work_from_b_to_w():
 
 
 def test_the_analytic_optimizer_step_streams_adams_traffic_through_memory():
-    profile = analytic_profile(num_layers=2, hidden_size=64, ffn_hidden_size=172, num_attention_heads=4,
-                               num_query_groups=4, vocab_size=512, seq_length=64, tie_embeddings=False, dtype_bytes=2,
-                               micro_batch_size=1, tensor_parallel_size=1, device=device_spec("h100-80gb"))
+    model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=172, num_attention_heads=4, num_query_groups=4,
+                        vocab_size=512, seq_length=64, tie_embeddings=False, params_dtype="bf16")
+    profile = analytic_profile(model, micro_batch_size=1, tensor_parallel_size=1, device=device_spec("h100-80gb"))
     # 28 bytes of traffic per parameter, 2 bytes per bf16 parameter, 3350 GB/s
     assert profile.optimizer_s_per_param_byte == pytest.approx(14 / 3350e9)
     assert profile.op_overhead_s == 0.0

@@ -33,7 +33,7 @@ import torch
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.blocks import EMBEDDING_WEIGHT, FINAL_NORM
 from odyssey_megatron.hooks.model import TIED_OUTPUT
-from odyssey_megatron.specs.hf_config import read_model_fields
+from odyssey_megatron.specs.hf_config import HF_NAMES, read_model_fields
 
 __all__ = ["hf_state_dict", "llama_config", "load_hf_checkpoint", "megatron_state_dict", "save_hf_checkpoint"]
 
@@ -58,16 +58,8 @@ def llama_config(model: ModelConfig) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.ffn_hidden_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_query_groups,
-        max_position_embeddings=model.seq_length,
-        rms_norm_eps=model.norm_epsilon,
+        **{theirs: getattr(model, ours) for ours, theirs in HF_NAMES.items()},
         rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
-        tie_word_embeddings=model.tie_embeddings,
         hidden_act="silu",
         dtype=_DTYPE_NAMES[model.params_dtype],
         architectures=["LlamaForCausalLM"],

@@ -8,9 +8,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_FILE", "model_fields", "read_model_fields"]
+__all__ = ["CONFIG_FILE", "HF_NAMES", "model_fields", "read_model_fields"]
 
 CONFIG_FILE = "config.json"
+
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "seq_length": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+    "norm_epsilon": "rms_norm_eps",
+}
+"""``ModelConfig`` field -> the ``LlamaConfig`` attribute it is, both ways (RoPE's base sits
+in ``rope_parameters`` and the dtype has names of its own)."""
 
 
 def model_fields(config: Any) -> dict[str, Any]:
@@ -31,18 +45,10 @@ def model_fields(config: Any) -> dict[str, Any]:
         problems.append(f"head_dim {head_dim} * num_attention_heads != hidden_size {config.hidden_size}")
     if problems:
         raise ValueError("not a Llama the stage can build: " + "; ".join(problems))
-    return dict(
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads or config.num_attention_heads,
-        vocab_size=config.vocab_size,
-        seq_length=config.max_position_embeddings,
-        tie_embeddings=bool(config.tie_word_embeddings),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        norm_epsilon=float(config.rms_norm_eps),
-    )
+    fields = {ours: getattr(config, theirs) for ours, theirs in HF_NAMES.items()}
+    fields["num_query_groups"] = fields["num_query_groups"] or config.num_attention_heads
+    return {**fields, "tie_embeddings": bool(fields["tie_embeddings"]), "norm_epsilon": float(fields["norm_epsilon"]),
+            "rope_theta": float(rope.get("rope_theta", 10000.0))}
 
 
 def read_model_fields(path: str | Path) -> dict[str, Any]:
