@@ -165,3 +165,14 @@ def test_config_error_is_imported_from_its_one_home():
                     and any(alias.name == "ConfigError" for alias in node.names)):
                 elsewhere.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not elsewhere, "import ConfigError from odyssey_megatron.errors at " + ", ".join(elsewhere)
+
+
+def test_no_class_in_the_runtime_grows_past_300_lines():
+    """A class that long has taken jobs that belong in rooms of their own (``TrainingRun``
+    and ``Worker`` did: issue 41 split them by job)."""
+    long = []
+    for path in (PACKAGE / "runtime").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "split by job: " + ", ".join(long)
