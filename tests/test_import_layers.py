@@ -22,8 +22,8 @@ FLOORS: list[tuple[str, str]] = [
      "facts and files with no notion of a job: bounded reads, size limits, typed YAML with one-line errors, "
      "shipped specs, timeouts and settings views, Megatron-Bridge's layout, files written whole and trusted, the "
      "plotting backend, which checkpoints a run directory holds"),
-    ("config data",
-     "the recipe, and the training data it names"),
+    ("phases config data",
+     "the phases of a worker's step (which the recipe's faults name), the recipe, and the training data it names"),
     ("cluster profile profile_file plan",
      "the job as data: which ranks live, what each block costs (and the profile a recipe is priced with), the plan"),
     ("schedules",
