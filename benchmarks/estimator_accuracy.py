@@ -13,7 +13,7 @@ two cores fits inside the padded times. Plans, over one node of 8 devices:
   c. [4,3]-stage pipelines over 7 ranks, layers 2-2-2-2 and 3-3-2, 9 and 7 micro-batches
   d. the rerouted plan with split backwards and staggered optimizer steps
   d'. the rerouted plan with split backwards through the worker's own step
-      (``runtime.rank.live_step``, as ``Worker._train_step`` runs it): each step commits
+      (``runtime.rank.live_step``, as ``TrainingLoop._train_step`` runs it): each step commits
       through a ``NodeLedger`` on the TCPStore the parent hosts, its ``StepReport`` (from
       the op timers, ``odyssey.online_profile`` on) appended there, before its optimizer
       step is applied; every wait goes through the ``CollectiveGuard``. Not staggered:
@@ -202,7 +202,7 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
 
 
 class LiveSteps:
-    """The worker's step loop (``runtime.rank.live_step``, as ``Worker._train_step`` runs
+    """The worker's step loop (``runtime.rank.live_step``, as ``TrainingLoop._train_step`` runs
     it): each step commits through a ``NodeLedger`` on the TCPStore the parent hosts (as
     the controller hosts it), its ``StepReport`` appended there, before the optimizer step
     is applied; every wait goes through the ``CollectiveGuard``. Called with the step."""

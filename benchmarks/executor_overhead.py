@@ -72,6 +72,7 @@ from odyssey_megatron.config import ModelConfig, load_config
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.grad_sync import clip_scale
 from odyssey_megatron.hooks.process_groups import RankMap
+from odyssey_megatron.phases import Phase
 from odyssey_megatron.plan import ExecutionPlan, SyncUnit
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.step_schedule import step_schedule, step_time
@@ -327,7 +328,7 @@ class MegatronStep:
 
 
 class LiveWorkerStep:
-    """The plugin's step exactly as the worker (``runtime.rank.worker``) takes it, through
+    """The plugin's step exactly as the worker (``runtime.rank.training_loop``) takes it, through
     the same code (``runtime.rank.live_step``): ``PlanRunner.forward_backward`` and
     ``finish_step`` with the real commit, whose ``StepReport`` (from the op timers) goes to
     the TCPStore the parent hosts, as the controller hosts it, on a client connection of
@@ -349,7 +350,7 @@ class LiveWorkerStep:
         from odyssey_megatron.runtime.rank.node_ledger import NodeLedger
         from odyssey_megatron.runtime.step_ledger import StepLedger
 
-        self.rank, self.timers, self.phase, self.step = rank, timers, "recovery", 0
+        self.rank, self.timers, self.phase, self.step = rank, timers, Phase.recovery, 0
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         group_store = self.store.clone()
         group_store.set_timeout(COLLECTIVE_TIMEOUT)
@@ -379,14 +380,14 @@ class LiveWorkerStep:
         store.set_timeout(COLLECTIVE_TIMEOUT)
         return store
 
-    def _on_phase(self, phase: str) -> None:
+    def _on_phase(self, phase: Phase) -> None:
         self.phase = phase
         self.injector.fire(phase, self.step)
 
     def train_step(self, step: int) -> None:
         from odyssey_megatron.runtime.rank.live_step import train_step
 
-        self.step, self.phase = step, "forward"
+        self.step, self.phase = step, Phase.forward
         train_step(self.runner, step=step, load=self.data.micro_batch, commit=self._commit)
 
     def _commit(self, step: int, losses: dict[int, float], samples: dict[int, list[int]]) -> None:

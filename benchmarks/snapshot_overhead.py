@@ -8,7 +8,7 @@ copies into real keeper memory).
    the slowest rank's real op of an unpaced Megatron step, ``calibrated_seconds``) on DP2 x
    PP2 over 4 gloo ranks emulating 2 nodes of 2 devices (ranks 0-1 hold stage 0, 2-3 stage
    1), so each protection group, (0, 2) and (1, 3), spans both nodes. With snapshots: a
-   ``SnapshotTaker`` wired as ``runtime.rank.worker`` wires it (``take`` as the step
+   ``SnapshotTaker`` wired as ``runtime.rank.training_loop`` wires it (``take`` as the step
    starts, after the ``snapshot`` phase fires; ``wait_written`` in the commit, before the
    optimizer step), a snapshot EVERY step (interval 1, the worst case), written into the
    slots of two ``NodeKeeper``s (one per emulated node) that the parent creates and holds,
@@ -101,6 +101,7 @@ from executor_overhead import (  # noqa: E402 - benchmarks/ is no package: its p
     seven_b_recipe)
 
 from odyssey_megatron.estimator.program import step_program  # noqa: E402
+from odyssey_megatron.phases import Phase  # noqa: E402
 from odyssey_megatron.plan import ExecutionPlan  # noqa: E402
 from odyssey_megatron.profile import uniform_profile  # noqa: E402
 from odyssey_megatron.restorer import with_sync  # noqa: E402
@@ -201,7 +202,7 @@ class SnapshottingStep(LiveWorkerStep):
     """executor_overhead's ``LiveWorkerStep`` (the worker's whole step), with the worker's
     snapshots where ``slot`` is given: ``take`` as the step starts (the ``snapshot`` phase
     fired first), ``wait_written`` in the commit before the optimizer step, as
-    ``runtime.rank.worker`` wires them; a snapshot every step (interval 1)."""
+    ``runtime.rank.training_loop`` wires them; a snapshot every step (interval 1)."""
 
     def __init__(self, *, slot, spans, **kwargs):
         import torch.distributed as dist
@@ -232,7 +233,7 @@ class SnapshottingStep(LiveWorkerStep):
     def train_step(self, step: int) -> None:
         if self.taker is not None:  # every step (the worker skips a generation's first: a warm-up one here)
             self.step = step
-            self._on_phase("snapshot")
+            self._on_phase(Phase.snapshot)
             started = time.perf_counter()
             self.taker.take(step, self.runner.training_state())
             self.take_s.append(time.perf_counter() - started)

@@ -23,6 +23,7 @@ from odyssey_megatron import limits
 from odyssey_megatron.bridge_recipe import BridgeRecipe, is_bridge_recipe
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.phases import FaultPhase
 from odyssey_megatron.settings import DecisionSettings, Pricing, SearchSettings
 from odyssey_megatron.specs import CORPUS_SPECS, DEVICE_SPECS, MODEL_SPECS
 from odyssey_megatron.specs.hf_config import read_model_fields
@@ -45,7 +46,6 @@ __all__ = [
     "DType",
     "Device",
     "FaultAction",
-    "FaultPhase",
     "FaultSpec",
     "LengthSweep",
     "LoggerConfig",
@@ -77,32 +77,6 @@ class LengthSweep(Choice):
     joins = "joins"
     always = "always"
     never = "never"
-
-
-class FaultPhase(Choice):
-    """Where in a worker's step an injected fault strikes. In training: snapshot (as a step
-    that takes an in-memory snapshot starts, before this rank writes its part), forward and
-    backward (each micro-batch), grad_sync (before the DP all-reduces), optimizer (after the
-    global norm and the step's commit, before the step is applied: its replicas apply it). In the
-    recovery that resumes at the step, in the order a rank passes them: recovery (entering
-    the new plan, before its process group's rendezvous), transfer (the group formed, before
-    any block moves), mid_transfer (after this rank's first block moved, sent or received,
-    before it waits on its others; with one block, after it moved), group_setup (a training
-    rank, its blocks moved, about to build the plan's process groups while its peers build
-    them), mid_group_setup (a training rank that has made the first of the plan's groups
-    it shares with others, its address published to them, while its peers build them; in
-    the first generation too, at step 0)."""
-
-    snapshot = "snapshot"
-    forward = "forward"
-    backward = "backward"
-    grad_sync = "grad_sync"
-    optimizer = "optimizer"
-    transfer = "transfer"
-    recovery = "recovery"
-    mid_transfer = "mid_transfer"
-    group_setup = "group_setup"
-    mid_group_setup = "mid_group_setup"
 
 
 JOIN_PHASES = (FaultPhase.recovery, FaultPhase.transfer, FaultPhase.mid_transfer, FaultPhase.group_setup,

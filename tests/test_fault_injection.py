@@ -21,6 +21,7 @@ import pytest
 
 from odyssey_megatron.config import FaultSpec, config_yaml, load_config
 from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.phases import FaultPhase, Phase
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.timeouts import Timeouts
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector, InjectedFault, pid_key
@@ -146,8 +147,8 @@ def test_beside_a_dedicated_controller_every_node_of_ranks_may_fail():
 
 # -- the injector in this process ----------------------------------------------------
 
-PHASES = ("forward", "backward", "grad_sync", "optimizer", "transfer", "recovery", "mid_transfer", "group_setup",
-          "mid_group_setup")
+PHASES = (Phase.forward, Phase.backward, Phase.grad_sync, Phase.optimizer, Phase.transfer, Phase.recovery,
+          Phase.mid_transfer, Phase.group_setup, Phase.mid_group_setup)
 
 
 @pytest.fixture
@@ -164,13 +165,13 @@ def launcher():
 def test_raise_fires_at_its_point_once_and_logs_first(caplog, launcher):
     injector = FaultInjector([fault(rank=3, step=2, phase="backward", action="raise")],
                              rank=3, node=0, local_rank=3, launcher_pid=launcher.pid)
-    injector.fire("forward", 2)
-    injector.fire("backward", 1)
+    injector.fire(Phase.forward, 2)
+    injector.fire(Phase.backward, 1)
     with caplog.at_level(logging.WARNING), pytest.raises(InjectedFault) as info:
-        injector.fire("backward", 2)
+        injector.fire(Phase.backward, 2)
     assert str(info.value) == "odyssey.faults[0]: raise rank 3 at step 2, backward"
     assert "rank 3: injecting odyssey.faults[0]: raise rank 3 at step 2, backward" in caplog.text
-    injector.fire("backward", 2)  # the step replayed after recovery runs clean
+    injector.fire(Phase.backward, 2)  # the step replayed after recovery runs clean
 
 
 def test_a_fault_listed_twice_also_fails_the_replay(launcher):
@@ -178,8 +179,8 @@ def test_a_fault_listed_twice_also_fails_the_replay(launcher):
     injector = FaultInjector(twice, rank=0, node=0, local_rank=0, launcher_pid=launcher.pid)
     for key in ("odyssey.faults[0]", "odyssey.faults[1]"):
         with pytest.raises(InjectedFault, match=re.escape(key)):
-            injector.fire("optimizer", 4)
-    injector.fire("optimizer", 4)
+            injector.fire(Phase.optimizer, 4)
+    injector.fire(Phase.optimizer, 4)
 
 
 def test_rank_faults_aimed_elsewhere_never_fire(launcher):
@@ -208,11 +209,11 @@ def test_a_join_fault_strikes_in_the_first_generation_that_takes_workers_back_wh
     injector = FaultInjector([fault(rank=5, join=True, phase="mid_transfer", action="raise")],
                              rank=5, node=0, local_rank=5, launcher_pid=launcher.pid, store=MarkingStore())
     for step in range(4):
-        injector.fire("mid_transfer", step)  # generations that take nobody back
+        injector.fire(Phase.mid_transfer, step)  # generations that take nobody back
     injector.in_join = True
     with pytest.raises(InjectedFault, match=re.escape("raise rank 5 in the first join, mid_transfer")):
-        injector.fire("mid_transfer", 7)
-    injector.fire("mid_transfer", 9)  # the next join runs clean
+        injector.fire(Phase.mid_transfer, 7)
+    injector.fire(Phase.mid_transfer, 9)  # the next join runs clean
 
 
 def test_a_restarted_worker_does_not_fire_the_faults_its_predecessor_fired(launcher):
@@ -220,17 +221,24 @@ def test_a_restarted_worker_does_not_fire_the_faults_its_predecessor_fired(launc
     store = MarkingStore()
     first = FaultInjector(faults, rank=2, node=0, local_rank=2, launcher_pid=launcher.pid, store=store)
     with pytest.raises(InjectedFault, match=re.escape("odyssey.faults[0]")):
-        first.fire("forward", 1)
+        first.fire(Phase.forward, 1)
     restarted = FaultInjector(faults, rank=2, node=0, local_rank=2, launcher_pid=launcher.pid, store=store)
-    restarted.fire("forward", 1)  # a replay of step 1 on the restarted worker runs clean
+    restarted.fire(Phase.forward, 1)  # a replay of step 1 on the restarted worker runs clean
     with pytest.raises(InjectedFault, match=re.escape("odyssey.faults[1]")):
-        restarted.fire("forward", 3)  # the one that never fired still does
+        restarted.fire(Phase.forward, 3)  # the one that never fired still does
 
 
-def test_a_misspelt_phase_is_refused(launcher):
-    injector = FaultInjector([], rank=0, node=0, local_rank=0, launcher_pid=launcher.pid)
-    with pytest.raises(ValueError, match="backwards"):
-        injector.fire("backwards", 0)
+@pytest.mark.parametrize("phase", ["restore", "checkpoint"])
+def test_a_phase_of_the_worker_that_no_fault_strikes_in_is_refused_by_the_config(phase):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"odyssey.faults=[{{rank: 1, step: 2, phase: {phase}, action: kill}}]"])
+    assert info.value.key == "odyssey.faults[0].phase"
+    assert info.value.problem == ALLOWED_PHASES.replace("'backwards'", repr(phase))
+
+
+def test_a_fault_s_phase_matches_the_phase_the_worker_fires_and_only_restore_and_checkpoint_have_none():
+    matched = {phase for phase in Phase if any(fault == phase for fault in FaultPhase)}
+    assert matched == set(Phase) - {Phase.restore, Phase.checkpoint}
 
 
 # -- the injector in a child process -------------------------------------------------

@@ -24,8 +24,8 @@ FLOORS: list[tuple[str, str]] = [
      "plotting backend, which checkpoints a run directory holds"),
     ("cluster",
      "which ranks live, and which workers and nodes hold them: the arithmetic every room asks"),
-    ("config data",
-     "the recipe, and the training data it names"),
+    ("phases config data",
+     "the phases of a worker's step (which the recipe's faults name), the recipe, and the training data it names"),
     ("blocks profile profile_file plan",
      "the job as data: which blocks a stage holds and what each weighs, what each block costs (and the profile a "
      "recipe is priced with), the plan"),

@@ -1,8 +1,9 @@
 """Failures injected on purpose, as the recipe's ``odyssey.faults`` lists them (``FaultSpec``).
 
 A worker builds one ``FaultInjector`` and calls ``fire(phase, step)`` as each phase of a
-step begins; a fault aimed at it strikes there. A rank fault kills (SIGKILL), stops
-(SIGSTOP: a hung worker, which its launcher kills once its heartbeats go stale) or raises
+step begins (a ``phases.Phase``, which equals the spec's ``FaultPhase`` of its name); a
+fault aimed at it strikes there. A rank fault kills (SIGKILL), stops (SIGSTOP: a hung
+worker, which its launcher kills once its heartbeats go stale) or raises
 ``InjectedFault`` in the training loop. A node fault kills the node's launcher, and with it
 every worker of the node (each asked the kernel for SIGKILL when its launcher dies:
 ``controller_link``); the node's first worker (local rank 0) carries it out, so the node
@@ -25,7 +26,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from odyssey_megatron.config import FaultPhase, FaultSpec
+from odyssey_megatron.config import FaultSpec
+from odyssey_megatron.phases import Phase
 from odyssey_megatron.runtime.protocol.keys import fault_fired_key
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 
@@ -84,11 +86,10 @@ class FaultInjector:
         return cls(faults, rank=launch.rank, node=launch.node, local_rank=launch.local_rank,
                    launcher_pid=launch.launcher_pid, store=store)
 
-    def fire(self, phase: str, step: int) -> None:
+    def fire(self, phase: Phase, step: int) -> None:
         """Carry out the first pending fault for ``phase`` of ``step``, if any: kill or stop
         this process (or kill its node), or raise InjectedFault. Returns when none is
         pending there, or when a stopped worker is continued."""
-        phase = FaultPhase(phase)  # a misspelt phase would silently never fire
         key = next((key for key, spec in self._pending.items()
                     if spec.phase == phase and (self.in_join if spec.join else spec.step == step)), None)
         if key is None:

@@ -1,5 +1,5 @@
 """One training step as a live worker takes it, commit included: shared by the worker
-(``runtime.rank.worker``) and the benchmark that times it (``benchmarks/executor_overhead.py``),
+(``runtime.rank.training_loop``) and the benchmark that times it (``benchmarks/executor_overhead.py``),
 so what is timed is what trains.
 
 ``train_step`` runs the runner's forward and backward over the loaded micro-batches

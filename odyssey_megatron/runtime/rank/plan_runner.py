@@ -29,6 +29,7 @@ from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, me
 from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
+from odyssey_megatron.phases import Phase
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan
 from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.hooks.stage_step import MicroBatch
@@ -134,7 +135,7 @@ class PlanRunner:
         ranks: RankMap,
         state: TrainingState,
         settings: RunnerSettings,
-        on_phase: Callable[[str], None] | None = None,
+        on_phase: Callable[[Phase], None] | None = None,
     ):
         """``program`` is the plan's step program (published with it). ``state`` holds
         exactly this rank's stage's blocks; the runner trains its tensors in place.
@@ -154,17 +155,17 @@ class PlanRunner:
         self.retaken_steps = 0
         """Staggered steps retaken because clipping engaged (each cost the forwards before a settle point)."""
         self._on_phase = on_phase or (lambda phase: None)
-        self._on_phase("group_setup")
+        self._on_phase(Phase.group_setup)
         self.groups = build_plan_groups(plan, rank=rank, ranks=ranks, timeout=settings.collective_timeout,
-                                        on_shared=lambda: self._on_phase("mid_group_setup"))
+                                        on_shared=lambda: self._on_phase(Phase.mid_group_setup))
         self.stage = StageSpec.of_worker(plan, self.worker)
         self.device = settings.device
         self.model = build_stage_model(settings.model, self.stage, pg_collection=self.groups.pg_collection)
         self.model.to(settings.device)
         self.model.config.timers = settings.op_timers
         if on_phase is not None:
-            self.model.register_forward_pre_hook(lambda *_: on_phase("forward"))
-            next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase("backward"))
+            self.model.register_forward_pre_hook(lambda *_: on_phase(Phase.forward))
+            next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase(Phase.backward))
         self.optimizer = StageOptimizer(
             state, self.model, self.stage, config=replace(settings.optimizer, timers=settings.op_timers),
             counted_blocks={b for b, owner in block_owners(plan).items() if owner == self.worker},
@@ -254,13 +255,13 @@ class PlanRunner:
         step; staggered, the step is taken now and clipping is settled later. ``commit``
         (not with a staggered program) is called once the gradients are final, before the
         step is applied: the live run's commit, which raises if the step did not commit."""
-        self._on_phase("grad_sync")
+        self._on_phase(Phase.grad_sync)
         self.grad_sync.sync()
         if self.staggered_optimizer and apply:
             if commit is not None:
                 raise ValueError("a staggered optimizer step is taken before the global norm: it cannot wait "
                                  "for its commit")
-            self._on_phase("optimizer")
+            self._on_phase(Phase.optimizer)
             with self.clock.optimizer_step(None):
                 self.optimizer.grads_to_masters()
                 self._speculative = StaggeredStep(self.optimizer, group=self.groups.norm_group,
@@ -273,7 +274,7 @@ class PlanRunner:
             if apply:
                 if commit is not None:
                     commit()
-                self._on_phase("optimizer")
+                self._on_phase(Phase.optimizer)
                 self.optimizer.step()
         return StepResult(losses=losses, grad_norm=norm)
 
