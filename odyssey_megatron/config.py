@@ -342,7 +342,8 @@ class FaultSpec:
     step: Optional[int] = None
     """The training step it strikes in, 0 .. training.train_iters - 1 (required unless ``join``)."""
     phase: FaultPhase = MISSING
-    """forward, backward, grad_sync, optimizer, transfer or recovery."""
+    """A ``phases.FaultPhase``: recovery, transfer, mid_transfer, group_setup, mid_group_setup,
+    snapshot, forward, backward, grad_sync or optimizer."""
     action: FaultAction = MISSING
     """kill (SIGKILL), stop (SIGSTOP: a hung worker) or raise (an exception in the training
     loop); a node fault is always kill."""

@@ -7,7 +7,7 @@ committed steps (``Progress``), each failure in one line when the controller nam
 go through the ``odyssey_megatron.console`` logger. Everything else a node's processes
 log (the launcher, the controller, the run's owner, Megatron's dataset builder) goes to
 ``RUN_DIR/logs/node-<n>.log``, and each worker's own output, tracebacks and gloo's
-messages included, to ``RUN_DIR/logs/rank-<r>.log`` (``runtime.rank.worker``).
+messages included, to ``RUN_DIR/logs/rank-<r>.log`` (``runtime.rank.worker_process``).
 """
 
 from __future__ import annotations
