@@ -83,7 +83,7 @@ class Generation:
         process, plan, published = self.process, self.plan, self.published
         process.guard.reopen(plan.generation)
         training_ranks = len(plan.workers) * process.tp
-        node_ranks = sum(1 for r in process.launch.node_ranks if r // process.tp in plan.workers)
+        node_ranks = sum(1 for r in process.launch.node_ranks if process.cluster.worker_of(r) in plan.workers)
         self.ledger = NodeLedger(StepLedger(process.group_store, generation=plan.generation,
                                             training_ranks=training_ranks),
                                  process.node_store, node_ranks=node_ranks,

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig, recipe_from_yaml
 from odyssey_megatron.data import IndexedTokens, PreparedData
 from odyssey_megatron.hooks.accelerator import Accelerator, select_accelerator
@@ -101,8 +102,12 @@ class WorkerProcess:
         self.run_dir = Path(spec.run_dir)
         _write_output_to(self.run_dir / "logs" / f"rank-{launch.rank}.log")
         train = self.config.training
-        self.tp = self.config.parallel.tensor_model_parallel_size
-        self.worker_id, self.tp_rank = launch.rank // self.tp, launch.rank % self.tp
+        par = self.config.parallel
+        self.tp = par.tensor_model_parallel_size
+        self.cluster = ClusterState(world_size=par.num_ranks, tensor_parallel_size=self.tp,
+                                    devices_per_node=self.config.cluster.devices_per_node)
+        """The job's ranks as launched: which worker and TP place each has."""
+        self.worker_id, self.tp_rank = self.cluster.worker_of(launch.rank), self.cluster.tp_rank(launch.rank)
         self.accelerator = select_accelerator("auto")
         self.device = self.accelerator.device(launch.local_rank)
         if self.accelerator.device_type == "cpu":
