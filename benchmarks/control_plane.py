@@ -678,9 +678,13 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=4.0, help="seconds of closed-loop traffic per row")
     parser.add_argument("--heartbeat-interval", type=float, default=None,
                         help="seconds (default: odyssey's); the heartbeat timeout becomes 10 intervals")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's check that it runs: 32 ranks (4 nodes), every one simulated, half-second windows")
     args = parser.parse_args()
     if args.quick:
         args.clients, args.window = min(args.clients, 256), min(args.window, 2.0)
+    if args.smoke:
+        args.ranks, args.clients, args.window = [32], 32, 0.5
     ranks = args.ranks or (RANKS[:2] if args.quick else RANKS)
     timeouts = load_config(None, []).odyssey.timeouts
     if args.heartbeat_interval is not None:

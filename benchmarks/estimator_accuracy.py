@@ -110,9 +110,14 @@ RECIPE = str(Path(__file__).resolve().parents[1] / "recipes/llama2_7b/tiny_cpu.y
 OVERRIDES = ["model.hidden_size=128", "model.ffn_hidden_size=344", "model.seq_length=128",
              "training.global_batch_size=32"]
 """A small Llama: 8 layers of h128, 128 tokens, micro-batches of 2, 16 micro-batches a step."""
+SMOKE_OVERRIDES = ["model.hidden_size=32", "model.ffn_hidden_size=64", "model.vocab_size=128", "model.seq_length=16",
+                   "training.global_batch_size=8"]
+"""``--smoke``'s: the same 8 layers at the tests' tiny shape, 16 tokens, 4 micro-batches a step."""
 SLOWDOWN = 20.0
 """How much slower than this machine's one-thread profile the emulated device is: 8 ranks
 on 2 cores run their ops up to 4x slower than profiled, and padding must cover that."""
+SMOKE_SLOWDOWN = 2.0
+"""``--smoke``'s: padded ops overrun more often, which a check that the benchmark runs allows."""
 CLUSTER = ClusterState(world_size=8, devices_per_node=8)
 
 
@@ -248,13 +253,13 @@ class LiveSteps:
         self.guard.uninstall()
 
 
-def measure(case: Case, profile: ModelProfile, steps: int, *, emulate: bool) -> dict:
+def measure(case: Case, profile: ModelProfile, steps: int, overrides: list[str], *, emulate: bool) -> dict:
     """Predicted and measured step time (and peak memory) of ``case`` priced and run with ``profile``."""
     pricing = Pricing(decouple=case.decouple, staggered=case.staggered)
     estimate = estimate_plan(case.plan, profile, CLUSTER, pricing=pricing)
     program = step_program(case.plan, profile, CLUSTER, pricing=pricing)
     published = json.dumps(publish(case.plan, program))
-    per_rank = run_world(run_steps, case.world_size, published, OVERRIDES, profile if emulate else None, steps,
+    per_rank = run_world(run_steps, case.world_size, published, overrides, profile if emulate else None, steps,
                          case.live, timeout=900)
     ends = [max(r["ends"][i] for r in per_rank) for i in range(steps + 1)]
     measured = (ends[-1] - ends[0]) / steps
@@ -280,25 +285,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per plan and mode, after one warm-up step")
     parser.add_argument("--repeats", type=int, default=10, help="timed passes of the profiler")
     parser.add_argument("--only", choices=("emulated", "real"), help="run one mode only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's check that it runs: every plan and mode on a tiny model (SMOKE_OVERRIDES), one "
+                             "timed step")
     args = parser.parse_args()
+    overrides, slowdown = OVERRIDES, SLOWDOWN
+    if args.smoke:
+        # The profiler keeps its repeats: one pass is too noisy to fit a link's bandwidth.
+        overrides, slowdown, args.steps = SMOKE_OVERRIDES, SMOKE_SLOWDOWN, 1
 
-    config = load_config(RECIPE, OVERRIDES)
+    config = load_config(RECIPE, overrides)
     profile = measure_profile(config, repeats=args.repeats).profile
     num_micro_batches = config.training.global_batch_size // config.training.micro_batch_size
-    emulated_profile = slowed(profile, SLOWDOWN)
+    emulated_profile = slowed(profile, slowdown)
     rows = {"emulated": [], "real": []}
     for case in cases(profile, num_micro_batches):
         if args.only != "real":
-            rows["emulated"].append(measure(case, emulated_profile, args.steps, emulate=True))
+            rows["emulated"].append(measure(case, emulated_profile, args.steps, overrides, emulate=True))
         if args.only != "emulated":
-            rows["real"].append(measure(case, profile, args.steps, emulate=False))
+            rows["real"].append(measure(case, profile, args.steps, overrides, emulate=False))
 
     m = config.model
     print(f"Llama-like model: {m.num_layers} layers, h{m.hidden_size}, {m.seq_length} tokens, micro-batch "
           f"{config.training.micro_batch_size}, {num_micro_batches} micro-batches a step; profile measured here, "
-          f"emulated {SLOWDOWN:g}x slower; {args.steps} steps per plan and mode")
+          f"emulated {slowdown:g}x slower; {args.steps} steps per plan and mode")
     if rows["emulated"]:
-        print(f"EMULATED ({SLOWDOWN:g}x slower device)  {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
+        print(f"EMULATED ({slowdown:g}x slower device)  {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
               f"{'overruns':>8}")
     for r in rows["emulated"]:
         print(f"  {r['plan']:32} {r['predicted_s'] * 1e3:12.1f} {r['measured_s'] * 1e3:11.1f} "

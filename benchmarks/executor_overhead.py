@@ -86,6 +86,9 @@ from odyssey_megatron.testing.plans import pipelines_plan
 
 MODEL = ModelConfig(num_layers=8, hidden_size=256, ffn_hidden_size=688, num_attention_heads=8, num_query_groups=8,
                     vocab_size=1024, seq_length=128, params_dtype="fp32")
+SMOKE_MODEL = replace(MODEL, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                      vocab_size=128, seq_length=16)
+"""``--smoke``'s model for sections 1-3: MODEL's layers at the tests' tiny shape."""
 MICRO_BATCH_SIZE = 2
 CLIP_GRAD = 1.0
 
@@ -101,7 +104,7 @@ def one_layer_at_a_time(plan: ExecutionPlan) -> ExecutionPlan:
     return replace(plan, sync_units=units, comm_rounds=rounds)
 
 
-def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
+def _runner(plan, rank, world, model, schedule="auto", overlap=False, staggered=False):
     """A rank of ``plan`` running the step program the decision center would publish
     (split backwards where they pay; never for Megatron's 1F1B), from the seed's state."""
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
@@ -110,38 +113,40 @@ def _runner(plan, rank, world, schedule="auto", overlap=False, staggered=False):
     program = step_program(plan, uniform_profile(num_layers=MODEL.num_layers), pricing=pricing)
     ranks = RankMap.identity(world, 1)
     return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks,
-                      state=initial_state(plan=plan, rank=rank, ranks=ranks, model=MODEL, seed=1),
-                      settings=RunnerSettings(model=MODEL, micro_batch_size=MICRO_BATCH_SIZE,
+                      state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
+                      settings=RunnerSettings(model=model, micro_batch_size=MICRO_BATCH_SIZE,
                                               optimizer=OptimizerConfig(lr=1e-4), schedule=schedule,
                                               overlap_grad_sync=overlap))
 
 
-def executor_vs_megatron(rank: int, world: int, plan_json: str, steps: int) -> dict[str, list[float]]:
+def executor_vs_megatron(rank: int, world: int, plan_json: str, steps: int,
+                         model: ModelConfig) -> dict[str, list[float]]:
     plan = ExecutionPlan.from_json(plan_json)
     runners = {
-        "megatron": _runner(plan, rank, world, "megatron"),
-        "odyssey": _runner(plan, rank, world, "odyssey"),
-        "megatron+overlap": _runner(plan, rank, world, "megatron", overlap=True),
+        "megatron": _runner(plan, rank, world, model, "megatron"),
+        "odyssey": _runner(plan, rank, world, model, "odyssey"),
+        "megatron+overlap": _runner(plan, rank, world, model, "megatron", overlap=True),
     }
-    return _alternate(runners, steps)
+    return _alternate(runners, steps, model)
 
 
-def staggered_vs_synchronous(rank: int, world: int, plan_json: str, steps: int) -> dict[str, list[float]]:
+def staggered_vs_synchronous(rank: int, world: int, plan_json: str, steps: int,
+                             model: ModelConfig) -> dict[str, list[float]]:
     plan = ExecutionPlan.from_json(plan_json)
     runners = {
-        "synchronous": _runner(plan, rank, world, "odyssey"),
-        "staggered": _runner(plan, rank, world, "odyssey", staggered=True),
+        "synchronous": _runner(plan, rank, world, model, "odyssey"),
+        "staggered": _runner(plan, rank, world, model, "odyssey", staggered=True),
     }
-    times = _alternate(runners, steps)
+    times = _alternate(runners, steps, model)
     runners["staggered"].settle()
     return times
 
 
-def _alternate(runners: dict, steps: int) -> dict[str, list[float]]:
+def _alternate(runners: dict, steps: int, model: ModelConfig) -> dict[str, list[float]]:
     """Seconds per step of each runner, their steps alternated."""
     import torch.distributed as dist
 
-    data = SyntheticTokens(MODEL.vocab_size, MODEL.seq_length, MICRO_BATCH_SIZE)
+    data = SyntheticTokens(model.vocab_size, model.seq_length, MICRO_BATCH_SIZE)
     times: dict[str, list[float]] = {name: [] for name in runners}
     for step in range(steps + 1):
         for name, runner in runners.items():
@@ -154,14 +159,14 @@ def _alternate(runners: dict, steps: int) -> dict[str, list[float]]:
     return times
 
 
-def sync_rounds(rank: int, world: int, plan_json: str, repeats: int) -> dict[str, list[float]]:
+def sync_rounds(rank: int, world: int, plan_json: str, repeats: int, model: ModelConfig) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     plan = ExecutionPlan.from_json(plan_json)
     variants = {"coloured": plan, "per-layer": one_layer_at_a_time(plan)}
-    data = SyntheticTokens(MODEL.vocab_size, MODEL.seq_length, MICRO_BATCH_SIZE)
+    data = SyntheticTokens(model.vocab_size, model.seq_length, MICRO_BATCH_SIZE)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    runners = {name: _runner(p, rank, world, "odyssey") for name, p in variants.items()}
+    runners = {name: _runner(p, rank, world, model, "odyssey") for name, p in variants.items()}
     for runner in runners.values():
         runner.train_step(lambda m: data.micro_batch(0, m), apply=False)
     for _ in range(repeats):
@@ -242,6 +247,19 @@ SEVEN_B_PACE = 1.5
 """The emulated device's forward and backward against the slowest rank's mean real op
 measured here at the start (``calibrated_seconds``): the margin for the machine's noise."""
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def layer_overrides(hidden: int) -> list[str]:
+    """``SEVEN_B_OVERRIDES`` with a Llama-2 layer of ``hidden`` (7B's is 4096): FFN 2.6875 x
+    hidden (7B's 11008) and heads of 128 (7B's 32)."""
+    shape = {"model.hidden_size": hidden, "model.ffn_hidden_size": hidden * 43 // 16,
+             "model.num_attention_heads": hidden // 128, "model.num_query_groups": hidden // 128}
+    return [f"{key}={shape[key]}" if key in shape else f"{key}={value}"
+            for key, value in (item.split("=", 1) for item in SEVEN_B_OVERRIDES)]
+
+
+SMOKE_HIDDEN = 128
+"""``--smoke``'s layer for section 4 (and snapshot_overhead's): one head of 128."""
 
 
 def seven_b_recipe(overrides: list[str] = SEVEN_B_OVERRIDES):
@@ -553,14 +571,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="section 4's rounds (each builds both sides)")
     parser.add_argument("--steps-per-round", type=int, default=3, help="section 4's timed steps per side and round")
     parser.add_argument("--only-overhead", action="store_true", help="run section 4 only")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"CI's check that it runs: sections 1-3 on h{SMOKE_MODEL.hidden_size} layers, section 4 "
+                             f"on an h{SMOKE_HIDDEN} one, one step or repeat each, one round")
     args = parser.parse_args()
+    model, overrides = MODEL, SEVEN_B_OVERRIDES
+    if args.smoke:
+        model, overrides = SMOKE_MODEL, layer_overrides(SMOKE_HIDDEN)
+        args.steps, args.repeats, args.rounds, args.steps_per_round = 1, 1, 1, 1
     if args.only_overhead:
-        print_overhead(args.rounds, args.steps_per_round)
+        print_overhead(args.rounds, args.steps_per_round, overrides)
         return
 
     symmetric = _plan([(4, 4)] * 2, [8, 8], workers_of=lambda d, s: s * 2 + d)
-    step = _medians(run_world(executor_vs_megatron, 4, symmetric.to_json(), args.steps, timeout=900))
-    print(f"DP2xPP2, 8 layers h{MODEL.hidden_size}, 16 micro-batches, {args.steps} steps (median of slowest rank):")
+    step = _medians(run_world(executor_vs_megatron, 4, symmetric.to_json(), args.steps, model, timeout=900))
+    print(f"DP2xPP2, 8 layers h{model.hidden_size}, 16 micro-batches, {args.steps} steps (median of slowest rank):")
     print(f"  Megatron 1F1B   {step['megatron'] * 1e3:8.1f} ms/step")
     print(f"  Odyssey ops     {step['odyssey'] * 1e3:8.1f} ms/step")
     print(f"  overhead        {(step['odyssey'] / step['megatron'] - 1) * 100:+8.2f} %")
@@ -571,7 +596,7 @@ def main() -> None:
     rerouted = with_sync(reroute_plan(symmetric, failed_workers={3}, profile=profile), profile)
     timing = step_schedule(rerouted, profile, pricing=Pricing(decouple=True, staggered=True))
     predicted = step_time(rerouted, profile, None, timing, staggered=True) / timing.makespan_s - 1
-    stagger = _medians(run_world(staggered_vs_synchronous, 3, rerouted.to_json(), args.steps, timeout=900))
+    stagger = _medians(run_world(staggered_vs_synchronous, 3, rerouted.to_json(), args.steps, model, timeout=900))
     print("The same plan, its last stage of pipeline 1 failed and rerouted, 3 ranks, split backwards:")
     print(f"  synchronous steps {stagger['synchronous'] * 1e3:8.1f} ms/step")
     print(f"  staggered steps   {stagger['staggered'] * 1e3:8.1f} ms/step "
@@ -580,14 +605,14 @@ def main() -> None:
 
     asymmetric = _plan([(4, 4), (3, 3, 2)], [6, 4])
     per_layer = one_layer_at_a_time(asymmetric)
-    sync = _medians(run_world(sync_rounds, 5, asymmetric.to_json(), args.repeats, timeout=900))
+    sync = _medians(run_world(sync_rounds, 5, asymmetric.to_json(), args.repeats, model, timeout=900))
     print(f"[4,4] + [3,3,2] over 5 ranks, DP gradient sync ({args.repeats} repeats):")
     print(f"  coloured rounds {sync['coloured'] * 1e3:8.1f} ms  ({len(asymmetric.comm_rounds)} rounds, "
           f"{sum(len(u.workers) > 1 for u in asymmetric.sync_units)} all-reduces)")
     print(f"  per layer       {sync['per-layer'] * 1e3:8.1f} ms  ({len(per_layer.comm_rounds)} all-reduces in a row)")
     print(f"  speed-up        {sync['per-layer'] / sync['coloured']:8.2f} x")
 
-    print_overhead(args.rounds, args.steps_per_round)
+    print_overhead(args.rounds, args.steps_per_round, overrides)
 
 
 if __name__ == "__main__":

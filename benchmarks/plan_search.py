@@ -286,7 +286,11 @@ def main() -> None:
     parser.add_argument("--cascade-only", action="store_true", help="with --renamed: skip time_renamed")
     parser.add_argument("--give-way", action="store_true",
                         help="only how long a stopped prepare keeps a failure waiting, at 4,096 ranks (time_give_way)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's check that it runs: the table at its smallest size (32 ranks, one repeat)")
     args = parser.parse_args()
+    if args.smoke:
+        args.max_ranks, args.repeats = RANKS[0], 1
     if args.give_way:
         for model in MODELS:
             for into_s in (2.0, 4.5, 6.5):

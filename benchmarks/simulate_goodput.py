@@ -78,10 +78,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="cells simulated in parallel processes")
     parser.add_argument("--out", type=Path, default=Path("runs/goodput"), help="where table.md and goodput.png go")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's check that it runs: one cell per model at 128 devices (70B's DP 2), paper 001's "
+                             "rate, device failures, no repairs, at most one failure")
     args = parser.parse_args()
     started = time.perf_counter()
-    cells = list(itertools.product(MODELS, (1024, 16384), (LLAMA3_RATE, PAPER_RATE), ("device", "node"),
-                                   (False, True)))
+    if args.smoke:
+        args.max_failures = 1.0
+        cells = list(itertools.product(MODELS, (128,), (PAPER_RATE,), ("device",), (False,)))
+    else:
+        cells = list(itertools.product(MODELS, (1024, 16384), (LLAMA3_RATE, PAPER_RATE), ("device", "node"),
+                                       (False, True)))
     same_as = distinct_cells(cells, max_failures=args.max_failures, seed=args.seed)
     distinct = sorted(dict.fromkeys(same_as.values()), key=lambda c: -c[1])  # the long 16,384-device cells first
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:

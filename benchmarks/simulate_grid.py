@@ -42,7 +42,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="cells simulated in parallel processes")
     parser.add_argument("--sizes", type=int, nargs="+", help="cluster sizes (default: 8-1024, or 8-128 with --quick)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's check that it runs: --quick's rates at 8 devices, at most one failure a cell")
     args = parser.parse_args()
+    if args.smoke:
+        args.quick, args.sizes, args.max_failures = True, [8], 1.0
     sizes = args.sizes or ([8, 32, 128] if args.quick else [8, 32, 128, 512, 1024])
     rates = [0.01, 0.2] if args.quick else [0.01, 0.05, 0.1, 0.2]
     cells = [(devices, rate, repairs) for devices in sizes for rate in rates for repairs in (False, True)]

@@ -97,8 +97,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from executor_overhead import (  # noqa: E402 - benchmarks/ is no package: its path first
-    COLLECTIVE_TIMEOUT, SEVEN_B_OVERRIDES, SEVEN_B_PACE, LiveWorkerStep, PacedTimers, _quartiles, calibrated_seconds,
-    seven_b_recipe)
+    COLLECTIVE_TIMEOUT, SEVEN_B_PACE, SMOKE_HIDDEN, LiveWorkerStep, PacedTimers, _quartiles, calibrated_seconds,
+    layer_overrides, seven_b_recipe)
 
 from odyssey_megatron.estimator.program import step_program  # noqa: E402
 from odyssey_megatron.phases import Phase  # noqa: E402
@@ -125,15 +125,6 @@ REBUILD_WORLD = 4
 """Section 2: one rank per emulated node, one protection group of 4 nodes."""
 REBUILD_REPEATS = 3
 RECIPES = ("gpu_h100_8", "ascend_910b_32", "gpu_a100_32")
-
-
-def layer_overrides(hidden: int) -> list[str]:
-    """``SEVEN_B_OVERRIDES`` with a Llama-2 layer of ``hidden`` (7B's is 4096): FFN 2.6875 x
-    hidden (7B's 11008) and heads of 128 (7B's 32)."""
-    shape = {"model.hidden_size": hidden, "model.ffn_hidden_size": hidden * 43 // 16,
-             "model.num_attention_heads": hidden // 128, "model.num_query_groups": hidden // 128}
-    return [f"{key}={shape[key]}" if key in shape else f"{key}={value}"
-            for key, value in (item.split("=", 1) for item in SEVEN_B_OVERRIDES)]
 
 
 def benchmark_plan(num_layers: int) -> ExecutionPlan:
@@ -595,7 +586,12 @@ def main() -> None:
                         help="the layer's hidden size (Llama-2 7B's: 4096, more memory than this machine has "
                              "with the snapshot buffers; FFN and heads scale with it)")
     parser.add_argument("--small", action="store_true", help="a quick check: --hidden 1024")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"CI's check that it runs: --hidden {SMOKE_HIDDEN} (one head), one round of one timed "
+                             "step")
     args = parser.parse_args()
+    if args.smoke:
+        args.hidden, args.rounds, args.steps_per_round = SMOKE_HIDDEN, 1, 1
     overrides = layer_overrides(1024 if args.small else args.hidden)
     headline: dict = {}
     if not args.only_rebuild:

@@ -494,7 +494,8 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
     saying how to resume. The resumed run is stopped by SIGTERM to its whole process group
     (as SLURM signals every process of a job step: the fork server too, which once left the
     launcher reading every worker as dead), exits 143, and a second resume trains to the
-    end: the failure-free model, and every step committed exactly once over the three runs."""
+    end: the failure-free model, and every step committed exactly once over the three runs
+    (the last one at full speed: no signal needs to land in it)."""
     run_dir, slow = tmp_path / "run", slow_device(tmp_path, forward_s=0.1)  # about 4 s a step
     stops = []
     for stop, command in ((signal.SIGINT, None), (signal.SIGTERM, ["--resume", str(run_dir)])):
@@ -511,7 +512,8 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
         assert f"saved as checkpoint/step-{stops[-1]}" in outcome["message"], outcome["message"] + run_logs(run_dir)
         assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == list(range(stops[-1]))
     assert 1 <= stops[0] < stops[1] <= STEPS
-    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir)]
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
+               "cluster.emulate_device=null"]
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_same_training(run_dir, reference)
@@ -547,7 +549,7 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     saved = sorted(run_dir.glob("checkpoint/step-*/rank-*.json"))
     assert {p.name for p in saved} == {f"rank-{r}.json" for r in range(4, 8)}  # node 1's four workers
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
-               "cluster.devices_per_node=8"]
+               "cluster.devices_per_node=8", "cluster.emulate_device=null"]  # nothing to land in it: full speed
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_same_training(run_dir, reference)

@@ -1,0 +1,46 @@
+"""Every benchmark in ``benchmarks/`` still runs (issue 41): its ``--smoke`` mode, the real
+code path at its smallest size, as a subprocess that must exit 0 and print its figure line.
+The benchmarks are run by hand for their figures, not by CI; without this they drift off
+the package's API unnoticed (two once crashed on it in one stop)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+SMOKE_TIMEOUT_S = 300
+"""A smoke run takes seconds to about half a minute alone; the margin is for a loaded machine."""
+
+FIGURE_LINES = {
+    "control_plane.py": r'^\{"rows": \[\{"ranks": 32, "nodes": 4, "plan_bytes": \d+',
+    "estimator_accuracy.py": r'^\{"emulated": \[\{"plan": "a DP2xPP4", "predicted_s": ',
+    "executor_overhead.py": r"^  overhead +[+-]\d+\.\d\d % \(median of 1 paired ratios",
+    "plan_search.py": r"^7B +32 +1x4x8 +two +\d+ ms",
+    "recovery.py": r"^reparallelize +\d+\.\d{3}s +\d+\.\d{3}s +\d+\.\d{3}s",
+    "simulate_goodput.py": r"^\| 70B \| 128 \| paper \| device \| no \| [\d.]+ \| \d+ \| [\d,]+ \|",
+    "simulate_grid.py": r"^ +8 +0\.2 +(False|True) +[\d.]+ +[\d. ]+ [\d.]+ +\w+ +[\d.]+",
+    "snapshot_overhead.py": r'^\{"snapshot_overhead_pct": -?[\d.]+, .*"rebuild_s": [\d.]+',
+}
+"""Per benchmark, a line its smoke run prints: the figure it exists for, or its JSON summary."""
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(FIGURE_LINES)
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name", sorted(FIGURE_LINES))
+def test_each_benchmark_runs_at_its_smallest_size_and_prints_its_figure(name, tmp_path):
+    extra = ["--out", str(tmp_path)] if name == "simulate_goodput.py" else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), "--smoke", *extra], capture_output=True,
+                          text=True, timeout=SMOKE_TIMEOUT_S, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert re.search(FIGURE_LINES[name], done.stdout, re.M), done.stdout[-4000:]
