@@ -43,7 +43,7 @@ Measured, per row:
   lists, then the frame under that key); each rank gets the frame and then its worker's
   op list, checks the abort key, counts into ``arrived_key`` (the last one sets
   ``all_arrived_key``), waits on ``all_arrived_key`` and gets it, then counts into
-  ``ready_key`` while the owner polls it (``TrainingRun._wait_ready``); heartbeats are
+  ``ready_key`` while the owner polls it (``RunState.wait_ready``); heartbeats are
   left out of this run. ``time_to_plan_s``: from the frame's set (the publication: the op
   lists are written before it) until the last rank got its op list.
 
@@ -338,7 +338,7 @@ def requests_per_period(timeouts: Timeouts) -> tuple[float, int]:
 CONTROLLER_POLL_REQUESTS = 3.5
 """``Controller._poll``, on average: its beat, the inbox length, every other poll a
 ``multi_get`` of every node's heartbeat key (``check`` only of keys it never read); and
-``TrainingRun._collect_commits``' add on the running step's counter."""
+``RunState.collect_commits``' add on the running step's counter."""
 
 
 # -- the drivers (separate processes) ---------------------------------------------------------
@@ -541,7 +541,7 @@ def live_recovery(store: dist.TCPStore, pipes: list, published: PlanPublished, r
     write_plan(stamped, published)  # the op lists, then the frame under the successor key
     published_at = stamped.frame_at
     store.set(PUBLISHED_GENERATION, str(RUNNING + 1))
-    while store.add(ready_key(RUNNING + 1), 0) < len(readers):  # TrainingRun._wait_ready
+    while store.add(ready_key(RUNNING + 1), 0) < len(readers):  # RunState.wait_ready
         time.sleep(timeouts.poll_interval)
     recovery.join()
     read_s = max(r["read_at"] for r in recovered) - published_at
