@@ -30,7 +30,6 @@ from odyssey_megatron.runtime.control.recovery import Recovery
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunFailed, RunState, forget_steps_from
 from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 from odyssey_megatron.runtime.control.stop_writer import RunStopped, StopWriter
-from odyssey_megatron.runtime.final_model import merge_final_parts
 from odyssey_megatron.runtime.protocol.keys import RUN_DONE, final_key
 from odyssey_megatron.runtime.protocol.messages import StepReport
 
@@ -82,6 +81,9 @@ class TrainingRun(RunState):
                 self.joins.hand_over(self._on_failure)
             elif self.joins.join is None and self.recovery.underway is None:
                 self.joins.take_back()
+        # Megatron-Core comes in with it, seconds of CPU: only node 0's owner needs it, at the end.
+        from odyssey_megatron.runtime.final_model import merge_final_parts
+
         return merge_final_parts(self.run_dir, ranks=self.training_ranks(self.plan),
                                  tied=self.config.model.tie_embeddings)
 
