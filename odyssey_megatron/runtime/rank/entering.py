@@ -85,7 +85,7 @@ def _wait_all_arrived(generation: Generation, world_size: int) -> None:
         process.store.compare_set(everyone, "", ALL_ARRIVED)
     try:
         process.group_store.wait([everyone])  # it waits up to the collective timeout
-    except dist.DistStoreError as exc:
+    except dist.DistError as exc:  # missed_beat alone tells a late answer from a lost store
         if not missed_beat(exc):
             raise
         process.group_store = process.store_for_steps()  # its late answer must not be read as the next one's

@@ -72,7 +72,7 @@ class NodeLedger:
             try:
                 self._waiter.wait([key], datetime.timedelta(seconds=self.check_s))
                 return Outcome(self._waiter.get(key))
-            except dist.DistStoreError as exc:
+            except dist.DistError as exc:  # missed_beat alone tells a late answer from a lost store
                 if not missed_beat(exc):
                     raise
                 self._waiter = self.connect()

@@ -149,7 +149,7 @@ class Worker:
         waits (on the successor key, without polling) up to the recovery timeout."""
         try:
             following = self.process.link.next_after(self.generation)
-        except dist.DistStoreError as exc:
+        except dist.DistError as exc:  # missed_beat alone tells a late answer from a lost store
             if not missed_beat(exc):
                 raise
             raise TimeoutError(f"no plan generation {self.generation + 1} within the recovery timeout "
