@@ -100,6 +100,7 @@ from executor_overhead import (  # noqa: E402 - benchmarks/ is no package: its p
     COLLECTIVE_TIMEOUT, SEVEN_B_PACE, SMOKE_HIDDEN, LiveWorkerStep, PacedTimers, _quartiles, calibrated_seconds,
     layer_overrides, seven_b_recipe)
 
+from odyssey_megatron.cluster import ClusterState  # noqa: E402
 from odyssey_megatron.estimator.program import step_program  # noqa: E402
 from odyssey_megatron.phases import Phase  # noqa: E402
 from odyssey_megatron.plan import ExecutionPlan  # noqa: E402
@@ -208,10 +209,12 @@ class SnapshottingStep(LiveWorkerStep):
                                   snapshot_interval=1)
         store = self.store.clone()  # the worker's group store: a clone with the collective timeout
         store.set_timeout(COLLECTIVE_TIMEOUT)
-        protection = protection_group(kwargs["plan"], rank=self.rank, devices_per_node=DEVICES_PER_NODE,
+        cluster = ClusterState(world_size=kwargs["world"], devices_per_node=DEVICES_PER_NODE)
+        protection = protection_group(kwargs["plan"], rank=self.rank, cluster=cluster,
                                       nodes_per_group=NODES_PER_GROUP, rank_in_generation=lambda r: r,
                                       timeout=COLLECTIVE_TIMEOUT)
-        self.taker = _TimedTaker(slot=slot, rank=self.rank, model=kwargs["recipe"].model, published=published,
+        self.taker = _TimedTaker(slot=slot, rank=self.rank, cluster=cluster, model=kwargs["recipe"].model,
+                                 published=published,
                                  protection=protection, store=_TimedStore(store, spans), ended=lambda: False,
                                  poll_s=POLL_S)
         self.taker.spans = spans
@@ -299,7 +302,8 @@ def _section_one_memory(recipe, plan: ExecutionPlan) -> tuple[int, dict[int, int
     owned = owners(plan, model)
     shares = {rank: shard_bytes(model, owned, rank, tp_size=1) for rank in plan.workers}
     chunks = {}
-    for group in snapshot_groups(plan, devices_per_node=DEVICES_PER_NODE, nodes_per_group=NODES_PER_GROUP):
+    cluster = ClusterState(world_size=max(plan.workers) + 1, devices_per_node=DEVICES_PER_NODE)
+    for group in snapshot_groups(plan, cluster=cluster, nodes_per_group=NODES_PER_GROUP):
         layout = StripeLayout(tuple(shares[m] for m in group))
         chunks.update(dict.fromkeys(group, layout.chunk_bytes))
     training = sum(sum(torch.Size(shape).numel() for shape in stage_parameter_shapes(
@@ -460,7 +464,8 @@ def rebuild_world(rank: int, world: int, overrides: list[str], slots: list[list[
         dist.barrier()
         started = time.perf_counter()
         state = restore_snapshot(restore, rank=rank, node_first_rank=rank, slots=[slots[rank]], model=model,
-                                 tp_size=1, rank_in_generation=lambda r: r, timeout=COLLECTIVE_TIMEOUT,
+                                 cluster=ClusterState(world_size=world, devices_per_node=1),
+                                 rank_in_generation=lambda r: r, timeout=COLLECTIVE_TIMEOUT,
                                  track=lambda groups: None)
         out["restore_s"].append(time.perf_counter() - started)
         if expected is not None:  # the first survivor holds the lost member's layer, bit for bit

@@ -41,8 +41,7 @@ def keepers(center: DecisionCenter, *nodes: int) -> frozenset[int]:
 
 
 def record_of(center: DecisionCenter, config, *, step: int = 4) -> SnapshotRecord:
-    groups = snapshot_groups(center.plan, devices_per_node=config.cluster.devices_per_node,
-                             nodes_per_group=config.odyssey.snapshot_parity_nodes)
+    groups = snapshot_groups(center.plan, cluster=center.cluster, nodes_per_group=config.odyssey.snapshot_parity_nodes)
     return SnapshotRecord(step, center.plan.generation, center.plan, groups)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from odyssey_megatron.blocks import Block, block_bytes, block_sort_key, state_entries, worker_blocks
+from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.plan import ExecutionPlan
 
@@ -61,16 +62,16 @@ def shard_entries(model: ModelConfig, blocks: Sequence[Block], *, tp_size: int) 
             for key, dtype, shape in state_entries(model, block, tp_size=tp_size)]
 
 
-def snapshot_groups(plan: ExecutionPlan, *, devices_per_node: int, nodes_per_group: int) -> tuple[tuple[int, ...], ...]:
-    """The parity protection groups of ``plan``'s training ranks (launch ranks; rank r on
-    node r // devices_per_node), each on distinct nodes (``parity.protection_groups``)."""
+def snapshot_groups(plan: ExecutionPlan, *, cluster: ClusterState,
+                    nodes_per_group: int) -> tuple[tuple[int, ...], ...]:
+    """The parity protection groups of ``plan``'s training ranks (launch ranks, on the nodes
+    ``cluster`` puts them), each on distinct nodes (``parity.protection_groups``)."""
     from odyssey_megatron.snapshot.parity import protection_groups
 
-    tp = plan.tensor_parallel_size
     by_node: dict[int, list[int]] = {}
     for worker in plan.workers:
-        for rank in range(worker * tp, (worker + 1) * tp):
-            by_node.setdefault(rank // devices_per_node, []).append(rank)
+        for rank in cluster.worker_ranks(worker):
+            by_node.setdefault(cluster.node_of_rank(rank), []).append(rank)
     return tuple(protection_groups(by_node, nodes_per_group))
 
 

@@ -69,7 +69,7 @@ class SnapshotFollowing:
                 return
             if run.store.check([snapshot_done_key(generation, step)]):
                 odyssey = run.config.odyssey
-                groups = snapshot_groups(run.plan, devices_per_node=run.config.cluster.devices_per_node,
+                groups = snapshot_groups(run.plan, cluster=run.center.cluster,
                                          nodes_per_group=odyssey.snapshot_parity_nodes)
                 self.last = SnapshotRecord(step, generation, run.plan, groups)
                 run.controller.record.event("snapshot", step=step, generation=generation)

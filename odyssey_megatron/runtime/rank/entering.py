@@ -58,7 +58,7 @@ def enter(generation: Generation, role: Role) -> None:
         process.state = restore_snapshot(
             published.restore, rank=process.launch.rank,
             node_first_rank=process.launch.rank - process.launch.local_rank, slots=process.launch.keeper,
-            model=process.config.model, tp_size=process.tp, rank_in_generation=ranks.of_launch_rank,
+            model=process.config.model, cluster=process.cluster, rank_in_generation=ranks.of_launch_rank,
             timeout=process.collective_timeout, track=process.guard.track)
     elif process.state is None:
         process.state = _first_state(generation) if role is Role.train else TrainingState()

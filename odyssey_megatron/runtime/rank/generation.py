@@ -126,8 +126,7 @@ class Generation:
         if not self.published.snapshot_interval:
             return None
         process = self.process
-        found = protection_group(self.plan, rank=process.launch.rank,
-                                 devices_per_node=process.config.cluster.devices_per_node,
+        found = protection_group(self.plan, rank=process.launch.rank, cluster=process.cluster,
                                  nodes_per_group=process.config.odyssey.snapshot_parity_nodes,
                                  rank_in_generation=self.ranks.of_launch_rank,
                                  timeout=process.collective_timeout)

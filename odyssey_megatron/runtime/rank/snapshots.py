@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.blocks import Block
+from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
@@ -84,7 +85,7 @@ class _Slot:
             buffer.close()
 
 
-def protection_group(plan: ExecutionPlan, *, rank: int, devices_per_node: int, nodes_per_group: int,
+def protection_group(plan: ExecutionPlan, *, rank: int, cluster: ClusterState, nodes_per_group: int,
                      rank_in_generation: Callable[[int], int],
                      timeout: datetime.timedelta) -> Optional[tuple[tuple[int, ...], dist.ProcessGroup]]:
     """This rank's protection group (its members in launch ranks, and its gloo group), or
@@ -94,7 +95,7 @@ def protection_group(plan: ExecutionPlan, *, rank: int, devices_per_node: int, n
     built by their members alone come out under different names where the members hold
     different numbers of groups)."""
     mine = None
-    for members in snapshot_groups(plan, devices_per_node=devices_per_node, nodes_per_group=nodes_per_group):
+    for members in snapshot_groups(plan, cluster=cluster, nodes_per_group=nodes_per_group):
         if len(members) < 2:
             continue
         group = dist.new_group([rank_in_generation(m) for m in members], timeout=timeout, backend="gloo")
@@ -106,9 +107,9 @@ def protection_group(plan: ExecutionPlan, *, rank: int, devices_per_node: int, n
 class SnapshotTaker:
     """One generation's snapshots on this rank (``PlanPublished.snapshot_interval``)."""
 
-    def __init__(self, *, slot: Sequence[str], rank: int, model: ModelConfig, published: PlanPublished,
-                 protection: Optional[tuple[tuple[int, ...], dist.ProcessGroup]], store: dist.Store,
-                 ended: Callable[[], bool], poll_s: float):
+    def __init__(self, *, slot: Sequence[str], rank: int, cluster: ClusterState, model: ModelConfig,
+                 published: PlanPublished, protection: Optional[tuple[tuple[int, ...], dist.ProcessGroup]],
+                 store: dist.Store, ended: Callable[[], bool], poll_s: float):
         """``protection``: this rank's protection group (``protection_group``), if any."""
         plan = published.plan
         self.rank, self.store = rank, store
@@ -118,16 +119,17 @@ class SnapshotTaker:
         self.training_ranks = len(plan.workers) * plan.tensor_parallel_size
         self.kept = published.snapshot
         """(step, generation) of the last complete snapshot, which no write may touch."""
-        tp = plan.tensor_parallel_size
-        self.tp = tp
+        tp = cluster.tensor_parallel_size
+        self.worker = cluster.worker_of(rank)
         self.owned = owners(plan, model)
-        self.entries, self.total = _shard_layout(model, self.owned, rank // tp, tp)
+        self.entries, self.total = _shard_layout(model, self.owned, self.worker, tp)
         self.group: Optional[dist.ProcessGroup] = None
         self.member, self.stripes = 0, None
         if protection is not None:
             members, self.group = protection
             self.member = members.index(rank)
-            self.stripes = StripeLayout(tuple(_shard_layout(model, self.owned, m // tp, tp)[1] for m in members))
+            self.stripes = StripeLayout(tuple(_shard_layout(model, self.owned, cluster.worker_of(m), tp)[1]
+                                              for m in members))
         self.slot = _Slot(slot)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
@@ -146,7 +148,7 @@ class SnapshotTaker:
             raise SnapshotAbandoned(f"the generation ended before the snapshot of step {step} started")
         found = self.slot.holding(*self.kept) if self.kept else None
         index = 0 if found is None else 1 - found
-        tensors = {f"{block}/{key}": tensor for block in shard_blocks(self.owned, self.rank // self.tp)
+        tensors = {f"{block}/{key}": tensor for block in shard_blocks(self.owned, self.worker)
                    for key, tensor in state.export(block).items()}
         self._pending = step
         self._thread = threading.Thread(target=self._write, args=(step, index, tensors), daemon=True,
@@ -201,7 +203,7 @@ class SnapshotTaker:
 
 
 def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots: Sequence[Sequence[str]],
-                     model: ModelConfig, tp_size: int, rank_in_generation: Callable[[int], int],
+                     model: ModelConfig, cluster: ClusterState, rank_in_generation: Callable[[int], int],
                      timeout: datetime.timedelta, track: Callable[[list], None]) -> TrainingState:
     """This rank's blocks as of ``restore.step``: the shards it reads from its node's keeper
     and the ones it rebuilds. Collective: every rank of the generation builds every
@@ -214,7 +216,7 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         return _Slot(slots[owner_rank - node_first_rank])
 
     def receive(payload: torch.Tensor, owner_rank: int) -> None:
-        entries, _ = _shard_layout(model, owned, owner_rank // tp_size, tp_size)
+        entries, _ = _shard_layout(model, owned, cluster.worker_of(owner_rank), cluster.tensor_parallel_size)
         by_block: dict[Block, dict[str, torch.Tensor]] = {}
         for key, tensor in unpack(payload, entries).items():
             by_block.setdefault(block_from_key(key), {})[key.partition("/")[2]] = tensor
@@ -250,7 +252,8 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         track([group])
         member = members[rebuilt.readers.index(rank)]
         payload, chunk = snapshot_of(member, parity=True)
-        stripes = StripeLayout(tuple(_shard_layout(model, owned, m // tp_size, tp_size)[1] for m in rebuilt.group))
+        stripes = StripeLayout(tuple(_shard_layout(model, owned, cluster.worker_of(m), cluster.tensor_parallel_size)[1]
+                                     for m in rebuilt.group))
         lost = rebuild(lost=rebuilt.group.index(rebuilt.lost), member=rebuilt.group.index(member), payload=payload,
                        parity=chunk, layout=stripes, group=group, dst=0)
         if lost is not None:

@@ -58,7 +58,7 @@ class TrainingLoop:
         if published.snapshot_interval:
             generation.snapshots = SnapshotTaker(
                 slot=process.launch.keeper[process.launch.local_rank], rank=process.launch.rank,
-                model=process.config.model, published=published, protection=protection,
+                cluster=process.cluster, model=process.config.model, published=published, protection=protection,
                 store=process.snapshot_store, ended=lambda: process.store.check([abort_key(plan.generation)]),
                 poll_s=process.timeouts.poll_interval / 10)
         generation.entered()
