@@ -292,7 +292,8 @@ class MegatronStep:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from odyssey_megatron.hooks.model import StageSpec, build_stage_model
+        from odyssey_megatron.blocks import StageSpec
+        from odyssey_megatron.hooks.model import build_stage_model
 
         optimizer = optimizer or OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=CLIP_GRAD)
         self.model_config, self.micro_batch_size, self.clip_grad = model, micro_batch_size, optimizer.clip_grad

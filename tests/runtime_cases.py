@@ -10,7 +10,8 @@ from megatron.core.optimizer import OptimizerConfig
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.data import SyntheticTokens
-from odyssey_megatron.hooks.model import StageSpec, build_stage_model, global_name
+from odyssey_megatron.blocks import StageSpec
+from odyssey_megatron.hooks.model import build_stage_model, global_name
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.schedules.program import read_published
 

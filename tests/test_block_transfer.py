@@ -19,7 +19,7 @@ from runtime_cases import SEED, tiny_model
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.model import StageSpec
+from odyssey_megatron.blocks import StageSpec
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan, Transfer

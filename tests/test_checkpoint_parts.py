@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.model import StageSpec
-from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
+from odyssey_megatron.blocks import StageSpec, stage_blocks
+from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.run_dir import private_directory
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_part
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint, mark_latest
@@ -31,7 +31,7 @@ def trained(step: int) -> TrainingState:
 def test_parts_that_hold_every_block_are_the_latest_and_load_under_another_split(tmp_path):
     run_dir = tmp_path / "run"
     private_directory(run_dir)
-    state, blocks = trained(3), stage_blocks(MODEL, WHOLE)
+    state, blocks = trained(3), stage_blocks(WHOLE, tied=MODEL.tie_embeddings)
     save_part(run_dir, state, blocks[:3], step=3, rank=0, tp_rank=0, tp_size=1, model=MODEL)
     assert latest_checkpoint(run_dir) is None  # half the blocks: not a checkpoint
     save_part(run_dir, state, blocks[2:], step=3, rank=5, tp_rank=0, tp_size=1, model=MODEL)
@@ -39,7 +39,7 @@ def test_parts_that_hold_every_block_are_the_latest_and_load_under_another_split
     assert (step, directory.name) == (3, "step-3")
     second = StageSpec((2, 4), first=False, last=True)
     loaded = load_checkpoint(directory, model=MODEL, stage=second, tp_rank=0, tp_size=1)
-    assert loaded.held() == stage_blocks(MODEL, second)
+    assert loaded.held() == stage_blocks(second, tied=MODEL.tie_embeddings)
     for block in loaded.held():
         want, got = state.export(block), loaded.export(block)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -48,7 +48,7 @@ def test_parts_that_hold_every_block_are_the_latest_and_load_under_another_split
 def test_the_newest_complete_checkpoint_wins_whether_marked_or_not(tmp_path):
     run_dir = tmp_path / "run"
     private_directory(run_dir)
-    blocks = stage_blocks(MODEL, WHOLE)
+    blocks = stage_blocks(WHOLE, tied=MODEL.tie_embeddings)
     save_part(run_dir, trained(2), blocks, step=2, rank=1, tp_rank=0, tp_size=1, model=MODEL)
     mark_latest(run_dir, 2)
     save_part(run_dir, trained(4), blocks[:-1], step=4, rank=1, tp_rank=0, tp_size=1, model=MODEL)

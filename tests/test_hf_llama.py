@@ -26,7 +26,8 @@ from odyssey_megatron.hooks.hf_llama import (
     megatron_state_dict,
     save_hf_checkpoint,
 )
-from odyssey_megatron.hooks.model import StageShard, StageSpec, merge_stage_state_dicts, stage_state_dict
+from odyssey_megatron.blocks import StageSpec
+from odyssey_megatron.hooks.model import StageShard, merge_stage_state_dicts, stage_state_dict
 from odyssey_megatron.testing.local_world import run_world
 from odyssey_megatron.specs import MODEL_SPECS
 
@@ -76,7 +77,8 @@ def _megatron_logits(rank: int, world_size: int, fields: dict, numpy_weights: di
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from odyssey_megatron.hooks.model import build_stage_model, tensor_parallel_dim
+    from odyssey_megatron.blocks import tensor_parallel_dim
+    from odyssey_megatron.hooks.model import build_stage_model
 
     def groups(tp):
         own = singles[rank]

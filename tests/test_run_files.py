@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.errors import ConfigError
-from odyssey_megatron.hooks.model import StageSpec
-from odyssey_megatron.hooks.training_state import TrainingState, empty_block, stage_blocks
+from odyssey_megatron.blocks import StageSpec, stage_blocks
+from odyssey_megatron.hooks.training_state import TrainingState, empty_block
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl
 from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
@@ -105,7 +105,7 @@ def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_pat
                         vocab_size=16, seq_length=4, params_dtype="fp32")
     stage = StageSpec((0, 1), first=True, last=True)
     state = TrainingState()
-    for block in stage_blocks(model, stage):
+    for block in stage_blocks(stage, tied=model.tie_embeddings):
         tensors = empty_block(model, block, tp_size=1, device=torch.device("cpu"))
         state.receive(block, {key: torch.rand(t.shape) if t.is_floating_point() else torch.tensor(2)
                               for key, t in tensors.items()})

@@ -11,7 +11,7 @@ import pytest
 
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
-from odyssey_megatron.hooks.training_state import worker_blocks
+from odyssey_megatron.blocks import worker_blocks
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.runtime.control.detector import Detector
 from odyssey_megatron.runtime.protocol.keys import node_heartbeat_key
@@ -48,10 +48,10 @@ def record_of(center: DecisionCenter, config, *, step: int = 4) -> SnapshotRecor
 def test_every_block_is_snapshotted_once_by_a_worker_that_trains_it_and_replicas_share_stages():
     c, config = center(8)
     written = owners(c.plan, config.model)
-    every = {b for w in c.plan.workers for b in worker_blocks(config.model, c.plan, w)}
+    every = {b for w in c.plan.workers for b in worker_blocks(c.plan, w, tied=config.model.tie_embeddings)}
     assert set(written) == every
     for block, worker in written.items():
-        assert block in worker_blocks(config.model, c.plan, worker)
+        assert block in worker_blocks(c.plan, worker, tied=config.model.tie_embeddings)
     # DP 2 x PP 4: stage k is workers 2k (pipeline 0) and 2k+1; its two layers (594 kB each)
     # go one to each replica, then the embedding and output blocks (394 kB) to the first of
     # two replicas that hold as much.
@@ -241,4 +241,4 @@ def _check_every_block_arrives(restore: Restore, plan, config) -> None:
         assert transfer.src is not None and transfer.layer in held.get(transfer.src, set()), transfer
     for worker in plan.workers:
         arriving = {t.layer for t in plan.transfers if t.dst == worker}
-        assert set(worker_blocks(config.model, plan, worker)) <= held.get(worker, set()) | arriving
+        assert set(worker_blocks(plan, worker, tied=config.model.tie_embeddings)) <= held.get(worker, set()) | arriving

@@ -32,8 +32,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from odyssey_megatron.blocks import Block, block_of_parameter
-from odyssey_megatron.hooks.model import StageSpec, global_name, is_tied
+from odyssey_megatron.blocks import Block, StageSpec, block_of_parameter
+from odyssey_megatron.hooks.model import global_name, is_tied
 from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.plan import ExecutionPlan
 

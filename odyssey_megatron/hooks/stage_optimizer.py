@@ -30,10 +30,10 @@ from megatron.core.optimizer.clip_grads import l2_norm_impl, multi_tensor_applie
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
 
-from odyssey_megatron.blocks import Block, block_sort_key
+from odyssey_megatron.blocks import Block, StageSpec, block_sort_key
 from odyssey_megatron.config import DType, TrainingConfig
 from odyssey_megatron.hooks.grad_sync import block_of, clip_scale
-from odyssey_megatron.hooks.model import StageSpec, global_name, is_tied
+from odyssey_megatron.hooks.model import global_name, is_tied
 from odyssey_megatron.hooks.training_state import BlockState, TrainingState
 
 __all__ = ["StageOptimizer", "optimizer_config"]

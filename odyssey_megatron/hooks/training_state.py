@@ -35,7 +35,6 @@ from typing import Iterable, Mapping
 
 import torch
 
-from odyssey_megatron import blocks as geometry
 from odyssey_megatron.blocks import (
     EXP_AVG,
     EXP_AVG_SQ,
@@ -51,9 +50,8 @@ from odyssey_megatron.blocks import (
 )
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.model import initial_shard
-from odyssey_megatron.plan import ExecutionPlan
 
-__all__ = ["BlockState", "TrainingState", "empty_block", "stage_blocks", "worker_blocks"]
+__all__ = ["BlockState", "TrainingState", "empty_block"]
 
 
 @dataclass
@@ -109,16 +107,6 @@ class BlockState:
             if len(set(shapes.values())) > 1:
                 raise ValueError(f"block {block!r}: {name}: shapes differ across {shapes}")
         return cls(named[PARAM], named[EXP_AVG], named[EXP_AVG_SQ], int(step))
-
-
-def stage_blocks(model: ModelConfig, stage: StageSpec) -> list[Block]:
-    """The blocks a rank of ``stage`` holds, in model order (``blocks.stage_blocks``)."""
-    return geometry.stage_blocks(stage, tied=model.tie_embeddings)
-
-
-def worker_blocks(model: ModelConfig, plan: ExecutionPlan, worker: int) -> list[Block]:
-    """The blocks ``worker`` trains under ``plan`` (``blocks.worker_blocks``)."""
-    return geometry.worker_blocks(plan, worker, tied=model.tie_embeddings)
 
 
 def empty_block(model: ModelConfig, block: Block, *, tp_size: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -28,12 +28,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from odyssey_megatron.blocks import EMBEDDING, OUTPUT
+from odyssey_megatron.blocks import EMBEDDING, OUTPUT, StageSpec
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.hooks.accelerator import Accelerator, select_accelerator
 from odyssey_megatron.hooks.cpu_shim import CpuShim
-from odyssey_megatron.hooks.model import StageSpec
 from odyssey_megatron.profile import BlockCost
 from odyssey_megatron.profile_file import ProfileFile, analytic_recipe_profile, recipe_measured_for
 from odyssey_megatron.profiler.links import measure_links

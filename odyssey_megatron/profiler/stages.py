@@ -25,12 +25,12 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from odyssey_megatron.blocks import Block
+from odyssey_megatron.blocks import Block, StageSpec
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.accelerator import Accelerator
 from odyssey_megatron.hooks.grad_sync import parameters_by_block
-from odyssey_megatron.hooks.model import StageSpec, build_stage_model
+from odyssey_megatron.hooks.model import build_stage_model
 from odyssey_megatron.hooks.stage_step import stage_forward
 from odyssey_megatron.hooks.weight_grad import WeightGradStore, split_linear_backward
 

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.model import StageSpec, tensor_parallel_dim
-from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_block, stage_blocks
+from odyssey_megatron.blocks import StageSpec, stage_blocks, tensor_parallel_dim
+from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_block
 from odyssey_megatron.run_dir import fsync_directory, write_json
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, checkpoint_parts, mark_latest
 
@@ -75,7 +75,7 @@ def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, r
     part = directory / f"rank-{rank}"
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(part, sync_files=True), no_dist=True)
     fsync_directory(part)
-    everything = stage_blocks(model, StageSpec((0, model.num_layers), first=True, last=True))
+    everything = stage_blocks(StageSpec((0, model.num_layers), first=True, last=True), tied=model.tie_embeddings)
     write_json(directory / f"rank-{rank}.json", {"step": step, "blocks": [str(b) for b in blocks],
                                                   "tp_rank": tp_rank, "tp_size": tp_size,
                                                   "model_blocks": [str(b) for b in everything]})
@@ -89,7 +89,7 @@ def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp
     import torch.distributed.checkpoint as dcp
 
     wanted = {block: empty_block(model, block, tp_size=tp_size, device=torch.device("cpu"))
-              for block in stage_blocks(model, stage)}
+              for block in stage_blocks(stage, tied=model.tie_embeddings)}
     tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor
                for block, held in wanted.items() for key, tensor in held.items()}
     sources = {directory: list(wanted)}

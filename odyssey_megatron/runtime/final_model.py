@@ -17,8 +17,9 @@ from typing import Iterable
 import torch
 
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.model import StageShard, StageSpec, merge_stage_state_dicts
-from odyssey_megatron.hooks.training_state import TrainingState, stage_blocks
+from odyssey_megatron.blocks import StageSpec, stage_blocks
+from odyssey_megatron.hooks.model import StageShard, merge_stage_state_dicts
+from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.run_dir import write_atomically
 
@@ -41,7 +42,7 @@ def write_final_part(run_dir: Path, *, plan: ExecutionPlan, model: ModelConfig, 
     for other in plan.workers:
         if other == worker:
             break
-        earlier.update(stage_blocks(model, StageSpec.of_worker(plan, other)))
+        earlier.update(stage_blocks(StageSpec.of_worker(plan, other), tied=model.tie_embeddings))
     params = {name: tensor.detach().cpu() for block, held in state.blocks.items() if block not in earlier
               for name, tensor in held.params.items()}
     path = _part_path(run_dir, rank)

@@ -31,14 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from odyssey_megatron.blocks import Block
+from odyssey_megatron.blocks import Block, worker_blocks
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.process_groups import RankMap
-from odyssey_megatron.hooks.training_state import (
-    TrainingState,
-    empty_block,
-    worker_blocks,
-)
+from odyssey_megatron.hooks.training_state import TrainingState, empty_block
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 
 __all__ = ["ShardMove", "TransferReport", "check_rank_part", "execute_transfers", "shard_moves"]
@@ -143,7 +139,7 @@ def execute_transfers(
         raise ValueError(f"model.num_layers {model.num_layers}, the plan has {plan.num_layers} layers")
     tp = plan.tensor_parallel_size
     moves = shard_moves(plan, ranks)
-    keep = worker_blocks(model, plan, ranks.worker(rank))
+    keep = worker_blocks(plan, ranks.worker(rank), tied=model.tie_embeddings)
     try:
         check_rank_part(moves, rank=rank, state=state, keep=keep, model=model, tp_size=tp)
         refusal = None

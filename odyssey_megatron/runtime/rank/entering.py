@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from odyssey_megatron.hooks.model import StageSpec
+from odyssey_megatron.blocks import StageSpec, worker_blocks
 from odyssey_megatron.hooks.process_groups import RankMap
-from odyssey_megatron.hooks.training_state import TrainingState, worker_blocks
+from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.phases import Phase
 from odyssey_megatron.runtime.checkpoint import load_checkpoint
 from odyssey_megatron.runtime.protocol.keys import (
@@ -64,7 +64,7 @@ def enter(generation: Generation, role: Role) -> None:
         process.state = _first_state(generation) if role is Role.train else TrainingState()
     _check_steps(generation, published.start_step)
     generation.phase = Phase.transfer
-    needed = worker_blocks(process.config.model, plan, process.worker_id)
+    needed = worker_blocks(plan, process.worker_id, tied=process.config.model.tie_embeddings)
     held = dict(process.state.blocks)
     if plan.transfers and not published.fresh:
         process.injector.fire(Phase.transfer, generation.step)

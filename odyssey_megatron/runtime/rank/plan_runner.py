@@ -24,7 +24,8 @@ from megatron.core.optimizer import OptimizerConfig
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, block_owners, parameters_by_block
-from odyssey_megatron.hooks.model import StageSpec, build_stage_model
+from odyssey_megatron.blocks import StageSpec
+from odyssey_megatron.hooks.model import build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, megatron_pipeline
 from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
 from odyssey_megatron.hooks.training_state import TrainingState
