@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.errors import ConfigError
@@ -89,15 +88,6 @@ def test_a_new_run_directory_is_private_and_an_existing_one_made_so(tmp_path):
     (tmp_path / "shared").mkdir(mode=0o775)
     private_directory(tmp_path / "shared")
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o700
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_path, monkeypatch, one_rank_group):

@@ -18,7 +18,8 @@ A run that stops on purpose (a signal, a failed owner) saves what is committed w
 collective, since its groups may be gone: each worker writes the blocks the controller
 assigned it (``save_part``) into ``step-<n>/rank-<r>/`` with a ``rank-<r>.json`` beside it
 naming them, and the controller marks the step the latest once the parts hold every block
-(``parts_complete``). ``load_checkpoint`` reads either layout. Which checkpoints exist
+(``parts_complete``). ``load_checkpoint`` reads either layout; where a step has both (a stop
+or a lost controller right after a save), the collective save, which holds every block. Which checkpoints exist
 and which is complete is ``runtime.checkpoint_index``'s business (no torch needed).
 """
 
@@ -34,7 +35,12 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.blocks import StageSpec, stage_blocks, tensor_parallel_dim
 from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_block
 from odyssey_megatron.run_dir import fsync_directory, write_json
-from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, checkpoint_parts, mark_latest
+from odyssey_megatron.runtime.checkpoint_index import (
+    checkpoint_directory,
+    checkpoint_parts,
+    holds_collective_save,
+    mark_latest,
+)
 
 __all__ = ["load_checkpoint", "save_checkpoint", "save_part"]
 
@@ -93,7 +99,7 @@ def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp
     tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor
                for block, held in wanted.items() for key, tensor in held.items()}
     sources = {directory: list(wanted)}
-    parts = checkpoint_parts(directory)
+    parts = [] if holds_collective_save(directory) else checkpoint_parts(directory)
     if parts:  # a stopped run's parts: each block from the first part that holds it
         sources = {}
         for block in wanted:
