@@ -99,7 +99,7 @@ def _first_state(generation: Generation) -> TrainingState:
     """The blocks a run starts from: the resumed checkpoint's, else drawn from the seed."""
     process = generation.process
     if process.spec.resume is not None:
-        return load_checkpoint(Path(process.spec.resume), model=process.config.model,
+        return load_checkpoint(Path(process.spec.resume), run_dir=process.run_dir, model=process.config.model,
                                stage=StageSpec.of_worker(generation.plan, process.worker_id), tp_rank=process.tp_rank,
                                tp_size=process.tp)
     return initial_state(plan=generation.plan, rank=generation.rank, ranks=generation.ranks,
