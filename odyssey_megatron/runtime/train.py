@@ -2,9 +2,10 @@
 its launcher; every other node runs its launcher alone. This is where the two sides of
 the runtime meet: the control side's launcher starts the rank side's worker.
 
-Node 0 first prepares the data (tokenized, indexed and cached once, before any worker
-starts), writes the resolved recipe to the run directory and publishes the ``RunSpec``
-every worker reads. The launcher runs in the main thread (it starts the workers, whose
+Node 0 first locks the run directory (``run_lock``: one controller per run), then
+prepares the data (tokenized, indexed and cached once, before any worker starts), writes
+the resolved recipe to the run directory and publishes the ``RunSpec`` every worker
+reads. The launcher runs in the main thread (it starts the workers, whose
 parent-death signal follows that thread); the controller's polling and the run's owner
 (``TrainingRun``: commits, decisions, plans) run in threads beside it.
 """
@@ -23,6 +24,7 @@ from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_text
+from odyssey_megatron.run_lock import RunDirLock
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.console import log_node_to
 from odyssey_megatron.runtime.control.controller import Controller
@@ -58,10 +60,10 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
                resume: Optional[tuple[int, Path]] = None) -> TrainOutcome:
     """Run this node's part of the training run; on node 0, the whole run's outcome.
     ``resume``: (committed steps, checkpoint directory) to continue from."""
-    from odyssey_megatron.runtime.rank.worker import train_worker
-
-    timeouts = config.odyssey.timeouts
     if launch.node_rank != 0:
+        from odyssey_megatron.runtime.rank.worker import train_worker
+
+        timeouts = config.odyssey.timeouts
         _log_to_run_dir_of(launch, timeouts)
         launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
                                 restart_workers=config.odyssey.restart_workers)
@@ -75,6 +77,17 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
             signals.restore()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
     private_directory(run_dir)
+    with RunDirLock.take(run_dir):  # before anything is written there: one controller per run
+        return _control_run(config, launch, run_dir=run_dir, resume=resume)
+
+
+def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
+                 resume: Optional[tuple[int, Path]]) -> TrainOutcome:
+    """Node 0's part, the run directory locked: the controller, the run's owner and the
+    node's launcher, to the run's outcome."""
+    from odyssey_megatron.runtime.rank.worker import train_worker
+
+    timeouts = config.odyssey.timeouts
     log_node_to(run_dir, 0)
     if config.odyssey.staggered_optimizer:
         # A staggered rank steps before the global norm, so before its step commits: the
