@@ -64,9 +64,9 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         from odyssey_megatron.runtime.rank.worker import train_worker
 
         timeouts = config.odyssey.timeouts
-        _log_to_run_dir_of(launch, timeouts)
         launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
-                                restart_workers=config.odyssey.restart_workers)
+                                restart_workers=config.odyssey.restart_workers,
+                                on_run_spec=lambda spec: _log_to_run_dir_of(spec, launch.node_rank))
         signals = StopSignals(lambda name, status: launcher.request_stop(name))
         signals.install()
         try:
@@ -101,19 +101,25 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         forget_steps_from(run_dir / SAMPLES, start_step)
     else:
         write_text(run_dir / "config.yaml", config_yaml(config))
-    prepared = _prepare_data(config)
-    if resume is not None:
-        _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
+    # The store opens, and the controller beats, before the data is prepared (minutes for a
+    # real corpus): the other nodes' launchers connect and wait for the run's spec meanwhile.
     controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
     if launch.master_port == 0:
         launch = replace(launch, master_port=controller.port)
-    center = DecisionCenter.from_recipe(config, settles_at_once=False)
     trace = WandbTrace(run_dir, config)
     controller.record.subscribe(trace)
     trace.start()
+    controller.start()
+    try:
+        prepared = _prepare_data(config)
+    except BaseException:
+        controller.stop()
+        raise
+    if resume is not None:
+        _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
+    center = DecisionCenter.from_recipe(config, settles_at_once=False)
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
                                            None if resume is None else str(resume[1])).to_json())
-    controller.start()
     run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir, start_step=start_step)
     outcome: list[TrainOutcome] = []
     owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)
@@ -213,22 +219,11 @@ def _wait_other_nodes(controller: Controller, timeouts: Timeouts) -> None:
         time.sleep(timeouts.poll_interval)
 
 
-def _log_to_run_dir_of(launch: LaunchConfig, timeouts: Timeouts) -> None:
+def _log_to_run_dir_of(spec: bytes, node: int) -> None:
     """A node other than 0 logs to ``logs/node-<n>.log`` in the run directory node 0's
     ``RunSpec`` names (its own ``--run-dir`` may differ, and writing there before node 0
-    has made it would make node 0 refuse it); without the controller, to the terminal only
-    (the launcher then says it lost the controller)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore(launch.master_addr, launch.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeouts.recovery_timeout))
-        log_node_to(Path(RunSpec.from_json(store.get(RUN_SPEC)).run_dir), launch.node_rank)
-    except dist.DistError as exc:
-        log.warning("node %d: no run spec from the controller (%s); logging to the terminal only",
-                    launch.node_rank, str(exc).splitlines()[0])
+    has made it would make node 0 refuse it); until node 0 published it, to the terminal only."""
+    log_node_to(Path(RunSpec.from_json(spec).run_dir), node)
 
 
 def _prepare_data(config: RecipeConfig):
