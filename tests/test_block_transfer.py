@@ -74,11 +74,18 @@ def old_state(model: ModelConfig, plan: ExecutionPlan, worker: int, tp_rank: int
     return state
 
 
+COMMITTED = 7
+"""The steps committed when the plan with a stale block (``tp1_world``) is entered."""
+STALE_BLOCK, STALE_SOURCE = 0, 1
+"""The block whose copy on the worker that sends it is a step behind."""
+
+
 def _enter(rank: int, world_size: int, old_json: str, new_json: str, tied: bool, refused_json: str | None,
-           own_group: bool) -> dict:
+           own_group: bool, stale_json: str | None = None) -> dict:
     """Hold what the old plan gave this rank, enter the new plan (over a group of its own
     with a short timeout if ``own_group``, as a recovery bounds its waits); then, if given,
-    try a plan whose transfers some rank cannot do, from the state entered."""
+    try a plan whose transfers some rank cannot do, from the state entered; then, if given,
+    with every block at ``COMMITTED`` steps but the stale one, a plan that sends it."""
     old, new = ExecutionPlan.from_json(old_json), ExecutionPlan.from_json(new_json)
     tp = new.tensor_parallel_size
     ranks = RankMap.of(SURVIVORS, tp)
@@ -99,6 +106,16 @@ def _enter(rank: int, world_size: int, old_json: str, new_json: str, tied: bool,
         result["refusal_s"] = time.perf_counter() - start
         result["held_after_refusal"] = {f"{block}:{key}": t for block in state.held()
                                         for key, t in state.export(block).items()}
+    if stale_json is not None:
+        for block, held in state.blocks.items():
+            held.step = COMMITTED - (block == STALE_BLOCK and ranks.worker(rank) == STALE_SOURCE)
+        try:
+            execute_transfers(plan=ExecutionPlan.from_json(stale_json), state=state, rank=rank, ranks=ranks,
+                              model=model, committed=COMMITTED)
+            result["stale"] = None
+        except RuntimeError as error:
+            result["stale"] = str(error)
+        result["steps_after_stale"] = {str(block): held.step for block, held in state.blocks.items()}
     return result
 
 
@@ -139,11 +156,14 @@ def tp1_world():
     worker 2 dies. New: pipelines of 3+1 and 4 layers, worker 3 on the first stage (keeps
     2, receives embedding, 0, 1), worker 0 on the second (receives 3 and output, which only
     worker 3 holds now), worker 1 the whole model (keeps embedding, 0, 1, receives 2, 3,
-    output). Then the same stages with a transfer of layer 3 from worker 3, which dropped it."""
+    output). Then the same stages with a transfer of layer 3 from worker 3, which dropped it;
+    then with one of layer 0 from worker 1, whose copy is a step behind, to worker 3."""
     old = _old_plan(tp=1)
     new = _new_plan(old, [(3, 1), (4,)], [3, 1], {(0, 0): 3, (0, 1): 0, (1, 0): 1}, tied=False)
     refused = replace(new, generation=2, transfers=(Transfer(3, 3, 1, 100),))
-    return old, new, run_world(_enter, 3, old.to_json(), new.to_json(), False, refused.to_json(), False)
+    stale = replace(new, generation=3, transfers=(Transfer(STALE_BLOCK, STALE_SOURCE, 3, 100),))
+    return old, new, run_world(_enter, 3, old.to_json(), new.to_json(), False, refused.to_json(), False,
+                               stale.to_json())
 
 
 def test_survivors_take_their_new_stages_over_p2p(tp1_world):
@@ -168,6 +188,16 @@ def test_a_rank_that_cannot_send_stops_every_rank_before_anything_moves(tp1_worl
         assert r["held_after_refusal"].keys() == r["held"].keys(), f"rank {rank}"
         for key, value in r["held"].items():
             assert (r["held_after_refusal"][key] == value).all(), f"rank {rank} {key}"
+
+
+def test_a_block_received_at_another_step_than_the_committed_one_fails_its_receiver(tp1_world):
+    """A received block's Adam step count is checked as a kept block's is: the receiver
+    fails, the way a rank holding a stale block fails entering, and keeps its own copy."""
+    _, _, results = tp1_world
+    assert results[2]["stale"] == (f"blocks received at steps {{{STALE_BLOCK}: {COMMITTED - 1}}}; "
+                                   f"generation 3 starts after {COMMITTED} committed steps")
+    assert results[2]["steps_after_stale"][str(STALE_BLOCK)] == COMMITTED, "the stale copy is not held"
+    assert [r["stale"] for r in results[:2]] == [None, None], "the sender and a bystander go on"
 
 
 def test_tp2_shards_move_rank_by_rank_and_an_idle_worker_keeps_nothing():

@@ -1,6 +1,7 @@
 """Checkpoint parts: written by workers without a collective (a stop, or a lost
 controller), found complete by ``latest_checkpoint`` only when they hold every block, and
-read back under another stage split exactly as written."""
+read back under another stage split exactly as written; beside a collective save of the
+same step, never in its way."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.blocks import StageSpec, stage_blocks
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.run_dir import private_directory
-from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_part
+from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint, save_part
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint, mark_latest
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -38,7 +39,7 @@ def test_parts_that_hold_every_block_are_the_latest_and_load_under_another_split
     step, directory = latest_checkpoint(run_dir)
     assert (step, directory.name) == (3, "step-3")
     second = StageSpec((2, 4), first=False, last=True)
-    loaded = load_checkpoint(directory, model=MODEL, stage=second, tp_rank=0, tp_size=1)
+    loaded = load_checkpoint(directory, run_dir=run_dir, model=MODEL, stage=second, tp_rank=0, tp_size=1)
     assert loaded.held() == stage_blocks(second, tied=MODEL.tie_embeddings)
     for block in loaded.held():
         want, got = state.export(block), loaded.export(block)
@@ -55,3 +56,22 @@ def test_the_newest_complete_checkpoint_wins_whether_marked_or_not(tmp_path):
     assert latest_checkpoint(run_dir)[0] == 2  # step 4 lacks the output block
     save_part(run_dir, trained(4), blocks[-1:], step=4, rank=2, tp_rank=0, tp_size=1, model=MODEL)
     assert latest_checkpoint(run_dir)[0] == 4
+
+
+def test_a_part_cut_short_beside_a_collective_save_of_the_same_step_leaves_the_save_found_and_read(
+        tmp_path, one_rank_group):
+    """A stop (or a lost controller) right after a checkpoint writes parts into the same
+    step's directory; one cut short (its writer died) must not hide the collective save
+    there, which holds every block: the step is found, and loads from the save."""
+    run_dir = tmp_path / "run"
+    private_directory(run_dir)
+    saved, blocks = trained(6), stage_blocks(WHOLE, tied=MODEL.tie_embeddings)
+    save_checkpoint(run_dir, saved, step=6, tp_rank=0, tp_size=1, group=one_rank_group)
+    save_part(run_dir, trained(6), blocks[:1], step=6, rank=3, tp_rank=0, tp_size=1, model=MODEL)
+    step, directory = latest_checkpoint(run_dir)
+    assert (step, directory.name) == (6, "step-6")
+    loaded = load_checkpoint(directory, run_dir=run_dir, model=MODEL, stage=WHOLE, tp_rank=0, tp_size=1)
+    assert loaded.held() == blocks
+    for block in blocks:
+        want, got = saved.export(block), loaded.export(block)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

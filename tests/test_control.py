@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 import zlib
 from dataclasses import replace
@@ -40,6 +41,7 @@ from odyssey_megatron.runtime.protocol.keys import (
     INBOX,
     NODE_VIEW,
     RUN_DONE,
+    RUN_SPEC,
     RUN_STOP,
     kill_orders_key,
     launcher_key,
@@ -472,6 +474,49 @@ def test_a_launcher_asks_one_request_a_beat_and_reads_the_controllers_heartbeat_
         controller.stop()
         launcher._keeper.close()
     assert "malformed heartbeat" not in caplog.text, "the controller's poll passes over a bell"
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_waits_for_the_run_spec_past_the_recovery_timeout_while_the_controller_beats(tmp_path):
+    """Node 0 opens the store, then prepares the data (minutes for a real corpus): another
+    node's launcher registers, beats and waits for the run's spec however long that takes
+    while the controller beats, and is handed it before any worker starts (here it stops
+    there: the hand-over raises)."""
+    timeouts = Timeouts(heartbeat_interval=0.1, heartbeat_timeout=1.0, collective_timeout=2.0, recovery_timeout=3.0)
+    controller = Controller(host="127.0.0.1", port=0, timeouts=timeouts, run_dir=tmp_path)
+    controller.start()
+
+    class Handed(Exception):
+        pass
+
+    handed: list[bytes] = []
+
+    def on_run_spec(spec: bytes) -> None:
+        handed.append(spec)
+        raise Handed
+
+    launcher = NodeLauncher(LaunchConfig(nnodes=2, node_rank=1, master_port=controller.port), timeouts=timeouts,
+                            target=_no_worker, on_run_spec=on_run_spec)
+    ended: list[str] = []
+
+    def run() -> None:
+        try:
+            launcher.run()
+        except Handed:
+            ended.append("handed the spec")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: controller.detector.live_nodes() == [1] or None, timeout=10, what="node 1 registered")
+        time.sleep(timeouts.recovery_timeout + 1)
+        assert thread.is_alive() and handed == [], "still waiting, past the recovery timeout"
+        assert controller.next_failure(timeout=0) is None and controller.detector.live_nodes() == [1]
+        controller.store.set(RUN_SPEC, "the run's spec")
+        thread.join(timeout=10)
+        assert handed == [b"the run's spec"] and ended == ["handed the spec"]
+    finally:
+        controller.stop()
 
 
 def test_the_controller_reads_node_beats_every_other_poll_and_checks_a_key_only_until_it_read_it(tmp_path):

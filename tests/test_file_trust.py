@@ -13,6 +13,7 @@ import pytest
 from odyssey_megatron.cli import main
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.file_trust import check_private
+from odyssey_megatron.runtime.checkpoint import load_checkpoint
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,3 +65,19 @@ def test_a_checkpoint_outside_its_run_directory_is_refused(tmp_path):
     (run / "checkpoint" / "latest.json").write_text(json.dumps({"step": 2, "path": "../../elsewhere"}))
     with pytest.raises(ConfigError, match=f"lies outside {run}"):
         latest_checkpoint(run)
+
+
+def test_a_worker_loading_a_checkpoint_others_made_writable_since_the_controller_looked_refuses_it(tmp_path):
+    """A worker reads ``RunSpec.resume`` itself, later and maybe on another node: it checks
+    the checkpoint as the controller did, before DCP unpickles anything of it."""
+    from odyssey_megatron.blocks import StageSpec
+    from odyssey_megatron.config import ModelConfig
+
+    run, step_dir = checkpoint_run(tmp_path)
+    assert latest_checkpoint(run) == (2, step_dir)
+    (step_dir / ".metadata").chmod(0o666)
+    model = ModelConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
+                        vocab_size=16, seq_length=4, params_dtype="fp32")
+    with pytest.raises(ConfigError, match=f"^{step_dir / '.metadata'}: is writable by group or others"):
+        load_checkpoint(step_dir, run_dir=run, model=model, stage=StageSpec((0, 1), first=True, last=True),
+                        tp_rank=0, tp_size=1)

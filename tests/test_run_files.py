@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.errors import ConfigError
@@ -91,15 +90,6 @@ def test_a_new_run_directory_is_private_and_an_existing_one_made_so(tmp_path):
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o700
 
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_path, monkeypatch, one_rank_group):
     model = ModelConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
                         vocab_size=16, seq_length=4, params_dtype="fp32")
@@ -124,6 +114,6 @@ def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_pat
     assert len(latest) == 1 and max(directories) < latest[0] < synced.index(checkpoints, latest[0])
     # the files are durable before latest.json names them, and its rename after it
     assert latest_checkpoint(tmp_path) == (2, step_dir)
-    loaded = load_checkpoint(step_dir, model=model, stage=stage, tp_rank=0, tp_size=1)
+    loaded = load_checkpoint(step_dir, run_dir=tmp_path, model=model, stage=stage, tp_rank=0, tp_size=1)
     for block in state.held():
         assert all(torch.equal(a, b) for a, b in zip(state.export(block).values(), loaded.export(block).values()))

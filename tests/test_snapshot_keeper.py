@@ -203,6 +203,28 @@ def test_a_meta_too_big_for_the_header_is_refused_naming_the_limit_and_a_corrupt
     buffer.close()
 
 
+def test_a_payload_changed_after_its_seal_reads_as_none_though_its_header_is_intact(keeper):
+    """The header's CRC covers the payload too: one flipped byte anywhere in it (here in the
+    middle of a weight, and in the padding between two tensors) and ``read`` finds no
+    snapshot, as for a torn or corrupt header; ``sealed_meta`` reads the header alone."""
+    path = keeper.paths[0].data[1]
+    buffer = KeeperBuffer(path)
+    entries, nbytes = layout(snapshot(4))
+    padding = next(entry.offset + entry.nbytes for entry in entries if (entry.offset + entry.nbytes) % ALIGNMENT)
+    for at in (entries[0].offset + entries[0].nbytes // 2, padding):
+        write(buffer, 4)
+        assert_holds(buffer, 4)
+        fd = os.open(path, os.O_RDWR)
+        byte = os.pread(fd, 1, HEADER_BYTES + at)
+        os.pwrite(fd, bytes([byte[0] ^ 0x10]), HEADER_BYTES + at)
+        os.close(fd)
+        assert buffer.read() is None, f"a byte flipped at {at} of {nbytes}"
+        assert buffer.sealed_meta() == {"step": 4, "generation": 3}
+    buffer.begin(0)
+    assert buffer.sealed_meta() is None
+    buffer.close()
+
+
 def test_begin_grows_and_shrinks_the_buffer_but_never_under_a_view_still_held(keeper):
     path = keeper.paths[1].parity[0]
     buffer = KeeperBuffer(path)

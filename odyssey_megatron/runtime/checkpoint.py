@@ -12,13 +12,15 @@ the save's coordinator once the step's files are complete and durable (DCP fsync
 file it writes; the coordinator fsyncs the directories that list them), names the
 checkpoint to resume from, so a save cut short by a failure or a power cut is never read.
 DCP unpickles a checkpoint's metadata, so ``latest_checkpoint`` hands out only one that
-no other user could have written (``file_trust``).
+no other user could have written (``file_trust``), and ``load_checkpoint``, in every
+worker, checks it again before reading it.
 
 A run that stops on purpose (a signal, a failed owner) saves what is committed without a
 collective, since its groups may be gone: each worker writes the blocks the controller
 assigned it (``save_part``) into ``step-<n>/rank-<r>/`` with a ``rank-<r>.json`` beside it
 naming them, and the controller marks the step the latest once the parts hold every block
-(``parts_complete``). ``load_checkpoint`` reads either layout. Which checkpoints exist
+(``parts_complete``). ``load_checkpoint`` reads either layout; where a step has both (a stop
+or a lost controller right after a save), the collective save, which holds every block. Which checkpoints exist
 and which is complete is ``runtime.checkpoint_index``'s business (no torch needed).
 """
 
@@ -31,10 +33,16 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.file_trust import check_private
 from odyssey_megatron.blocks import StageSpec, stage_blocks, tensor_parallel_dim
 from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_block
 from odyssey_megatron.run_dir import fsync_directory, write_json
-from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, checkpoint_parts, mark_latest
+from odyssey_megatron.runtime.checkpoint_index import (
+    checkpoint_directory,
+    checkpoint_parts,
+    holds_collective_save,
+    mark_latest,
+)
 
 __all__ = ["load_checkpoint", "save_checkpoint", "save_part"]
 
@@ -81,11 +89,14 @@ def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, r
                                                   "model_blocks": [str(b) for b in everything]})
 
 
-def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp_rank: int,
+def load_checkpoint(directory: Path, *, run_dir: Path, model: ModelConfig, stage: StageSpec, tp_rank: int,
                     tp_size: int) -> TrainingState:
     """This rank's blocks of ``stage`` from a checkpoint ``save_checkpoint`` wrote, under
-    any stage split (``directory`` as ``latest_checkpoint`` checked it); ValueError naming
-    the block if the checkpoint lacks one or holds it in other shapes (another model)."""
+    any stage split; ValueError naming the block if the checkpoint lacks one or holds it in
+    other shapes (another model). ``directory`` is checked first, up to ``run_dir``, as
+    ``latest_checkpoint`` checks it (ConfigError from ``file_trust.check_private``): DCP
+    unpickles what it reads, and the files may have changed since the controller looked."""
+    check_private(directory, root=run_dir)
     import torch.distributed.checkpoint as dcp
 
     wanted = {block: empty_block(model, block, tp_size=tp_size, device=torch.device("cpu"))
@@ -93,7 +104,7 @@ def load_checkpoint(directory: Path, *, model: ModelConfig, stage: StageSpec, tp
     tensors = {_key(key, block, tp_rank=tp_rank, tp_size=tp_size): tensor
                for block, held in wanted.items() for key, tensor in held.items()}
     sources = {directory: list(wanted)}
-    parts = checkpoint_parts(directory)
+    parts = [] if holds_collective_save(directory) else checkpoint_parts(directory)
     if parts:  # a stopped run's parts: each block from the first part that holds it
         sources = {}
         for block in wanted:

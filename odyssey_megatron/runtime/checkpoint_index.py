@@ -12,10 +12,15 @@ from typing import Optional
 from odyssey_megatron.file_trust import check_private
 from odyssey_megatron.run_dir import fsync_directory, write_json
 
-__all__ = ["CHECKPOINTS", "checkpoint_directory", "latest_checkpoint", "mark_latest", "checkpoint_parts", "parts_complete"]
+__all__ = [
+    "CHECKPOINTS", "checkpoint_directory", "checkpoint_parts", "holds_collective_save", "latest_checkpoint",
+    "mark_latest", "parts_complete",
+]
 
 CHECKPOINTS = "checkpoint"
 _LATEST = "latest.json"
+_DCP_METADATA = ".metadata"
+"""What ``torch.distributed.checkpoint`` writes last, once every rank's files are written."""
 
 
 def checkpoint_directory(run_dir: Path, step: int) -> Path:
@@ -28,6 +33,13 @@ def mark_latest(run_dir: Path, step: int) -> None:
     for entries in (directory, directory.parent, Path(run_dir)):
         fsync_directory(entries)
     write_json(directory.parent / _LATEST, {"step": step, "path": directory.name})
+
+
+def holds_collective_save(directory: Path) -> bool:
+    """Whether a checkpoint ``directory`` holds a whole collective save (``save_checkpoint``):
+    then it is read, whatever parts a stop or a lost controller wrote beside it (they may be
+    cut short; the save holds every block)."""
+    return (Path(directory) / _DCP_METADATA).is_file()
 
 
 def checkpoint_parts(directory: Path) -> list[tuple[Path, dict]]:

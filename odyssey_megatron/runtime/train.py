@@ -2,9 +2,10 @@
 its launcher; every other node runs its launcher alone. This is where the two sides of
 the runtime meet: the control side's launcher starts the rank side's worker.
 
-Node 0 first prepares the data (tokenized, indexed and cached once, before any worker
-starts), writes the resolved recipe to the run directory and publishes the ``RunSpec``
-every worker reads. The launcher runs in the main thread (it starts the workers, whose
+Node 0 first locks the run directory (``run_lock``: one controller per run), then
+prepares the data (tokenized, indexed and cached once, before any worker starts), writes
+the resolved recipe to the run directory and publishes the ``RunSpec`` every worker
+reads. The launcher runs in the main thread (it starts the workers, whose
 parent-death signal follows that thread); the controller's polling and the run's owner
 (``TrainingRun``: commits, decisions, plans) run in threads beside it.
 """
@@ -23,6 +24,7 @@ from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_text
+from odyssey_megatron.run_lock import RunDirLock
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.console import log_node_to
 from odyssey_megatron.runtime.control.controller import Controller
@@ -58,13 +60,13 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
                resume: Optional[tuple[int, Path]] = None) -> TrainOutcome:
     """Run this node's part of the training run; on node 0, the whole run's outcome.
     ``resume``: (committed steps, checkpoint directory) to continue from."""
-    from odyssey_megatron.runtime.rank.worker import train_worker
-
-    timeouts = config.odyssey.timeouts
     if launch.node_rank != 0:
-        _log_to_run_dir_of(launch, timeouts)
+        from odyssey_megatron.runtime.rank.worker import train_worker
+
+        timeouts = config.odyssey.timeouts
         launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
-                                restart_workers=config.odyssey.restart_workers)
+                                restart_workers=config.odyssey.restart_workers,
+                                on_run_spec=lambda spec: _log_to_run_dir_of(spec, launch.node_rank))
         signals = StopSignals(lambda name, status: launcher.request_stop(name))
         signals.install()
         try:
@@ -75,6 +77,17 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
             signals.restore()
         return TrainOutcome(status, f"node {launch.node_rank}: launcher exited with status {status}")
     private_directory(run_dir)
+    with RunDirLock.take(run_dir):  # before anything is written there: one controller per run
+        return _control_run(config, launch, run_dir=run_dir, resume=resume)
+
+
+def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
+                 resume: Optional[tuple[int, Path]]) -> TrainOutcome:
+    """Node 0's part, the run directory locked: the controller, the run's owner and the
+    node's launcher, to the run's outcome."""
+    from odyssey_megatron.runtime.rank.worker import train_worker
+
+    timeouts = config.odyssey.timeouts
     log_node_to(run_dir, 0)
     if config.odyssey.staggered_optimizer:
         # A staggered rank steps before the global norm, so before its step commits: the
@@ -88,19 +101,25 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         forget_steps_from(run_dir / SAMPLES, start_step)
     else:
         write_text(run_dir / "config.yaml", config_yaml(config))
-    prepared = _prepare_data(config)
-    if resume is not None:
-        _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
+    # The store opens, and the controller beats, before the data is prepared (minutes for a
+    # real corpus): the other nodes' launchers connect and wait for the run's spec meanwhile.
     controller = Controller(host=launch.master_addr, port=launch.master_port, timeouts=timeouts, run_dir=run_dir)
     if launch.master_port == 0:
         launch = replace(launch, master_port=controller.port)
-    center = DecisionCenter.from_recipe(config, settles_at_once=False)
     trace = WandbTrace(run_dir, config)
     controller.record.subscribe(trace)
     trace.start()
+    controller.start()
+    try:
+        prepared = _prepare_data(config)
+    except BaseException:
+        controller.stop()
+        raise
+    if resume is not None:
+        _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
+    center = DecisionCenter.from_recipe(config, settles_at_once=False)
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
                                            None if resume is None else str(resume[1])).to_json())
-    controller.start()
     run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir, start_step=start_step)
     outcome: list[TrainOutcome] = []
     owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)
@@ -200,22 +219,11 @@ def _wait_other_nodes(controller: Controller, timeouts: Timeouts) -> None:
         time.sleep(timeouts.poll_interval)
 
 
-def _log_to_run_dir_of(launch: LaunchConfig, timeouts: Timeouts) -> None:
+def _log_to_run_dir_of(spec: bytes, node: int) -> None:
     """A node other than 0 logs to ``logs/node-<n>.log`` in the run directory node 0's
     ``RunSpec`` names (its own ``--run-dir`` may differ, and writing there before node 0
-    has made it would make node 0 refuse it); without the controller, to the terminal only
-    (the launcher then says it lost the controller)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore(launch.master_addr, launch.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeouts.recovery_timeout))
-        log_node_to(Path(RunSpec.from_json(store.get(RUN_SPEC)).run_dir), launch.node_rank)
-    except dist.DistError as exc:
-        log.warning("node %d: no run spec from the controller (%s); logging to the terminal only",
-                    launch.node_rank, str(exc).splitlines()[0])
+    has made it would make node 0 refuse it); until node 0 published it, to the terminal only."""
+    log_node_to(Path(RunSpec.from_json(spec).run_dir), node)
 
 
 def _prepare_data(config: RecipeConfig):

@@ -19,7 +19,12 @@ payload page-aligned) and the payload after it. A snapshot is written payload fi
 header last: ``begin`` clears the header's magic before anything else, ``seal`` writes
 the header's JSON and checksum, then the magic. The writer is one process and a reader
 reads after it died or finished, so writes in that order suffice: a writer killed before
-``seal`` returned leaves ``read()`` returning None, never a torn snapshot.
+``seal`` returned leaves ``read()`` returning None, never a torn snapshot. The header
+holds the payload's CRC-32 too (``seal`` computes it, one pass over the payload: zlib's
+CRC is compute-bound, so fusing it into the copy that fills the payload saves nothing),
+and ``read()`` checks it: a payload changed after its seal (a stray write, a flipped bit)
+reads as none, as a corrupt header does. ``sealed_meta()`` reads the header alone, for a
+writer choosing which buffer to overwrite without a pass over both payloads.
 
 The payload is mapped and handed out as a uint8 tensor (``torch.frombuffer`` over the
 map), so packing writes straight into the shared memory. Such a tensor holds a reference
@@ -58,9 +63,10 @@ HEADER_BYTES = 64 * 1024
 ALIGNMENT = 64
 """Every tensor of a payload starts at a multiple of this many bytes."""
 
-_MAGIC = b"ODYSNAP1"
+_MAGIC = b"ODYSNAP2"
 _FIXED = struct.Struct("<8sII")
-"""Magic, CRC-32 of everything after it (length and JSON), length of the JSON that follows."""
+"""Magic, CRC-32 of everything after it (length and JSON), length of the JSON that follows. The JSON
+holds the meta, the payload's size and the payload's CRC-32."""
 _JSON_LIMIT = HEADER_BYTES - _FIXED.size
 
 
@@ -134,7 +140,8 @@ class KeeperBuffer:
         payload's size), the magic last; ``read`` returns it from now on."""
         if self._pending is None:
             raise RuntimeError("seal() needs a begin() first")
-        body = json.dumps({"meta": meta, "nbytes": self._pending}).encode()
+        payload_crc = zlib.crc32(self._payload(self._pending).numpy())
+        body = json.dumps({"meta": meta, "nbytes": self._pending, "crc": payload_crc}).encode()
         if len(body) > _JSON_LIMIT:
             raise ValueError(f"a snapshot's meta takes {len(body)} bytes of JSON; the header holds at most "
                              f"{_JSON_LIMIT} (HEADER_BYTES={HEADER_BYTES} less {_FIXED.size})")
@@ -145,7 +152,24 @@ class KeeperBuffer:
 
     def read(self) -> tuple[dict, torch.Tensor] | None:
         """The sealed snapshot's meta and a uint8 view of its payload; None if there is none (never written,
-        begun again, or the header corrupt)."""
+        begun again, the header corrupt, or the payload not the one sealed)."""
+        header = self._header()
+        if header is None:
+            return None
+        payload = self._payload(header["nbytes"])
+        if zlib.crc32(payload.numpy()) != header["crc"]:
+            return None
+        return header["meta"], payload
+
+    def sealed_meta(self) -> dict | None:
+        """The sealed snapshot's meta from its header alone, its payload unchecked; None where ``read``
+        finds no header."""
+        header = self._header()
+        return None if header is None else header["meta"]
+
+    def _header(self) -> dict | None:
+        """The sealed header's JSON (meta, payload size and CRC), or None where none is sealed or it is
+        corrupt, or the file is shorter than its payload."""
         header = os.pread(self._fd, HEADER_BYTES, 0)
         if len(header) < _FIXED.size:
             return None
@@ -154,10 +178,9 @@ class KeeperBuffer:
         if magic != _MAGIC or length > _JSON_LIMIT or len(tail) != 4 + length or zlib.crc32(tail) != crc:
             return None
         doc = json.loads(tail[4:])
-        nbytes = doc["nbytes"]
-        if HEADER_BYTES + nbytes > os.fstat(self._fd).st_size:
+        if HEADER_BYTES + doc["nbytes"] > os.fstat(self._fd).st_size:
             return None
-        return doc["meta"], self._payload(nbytes)
+        return doc
 
     def close(self) -> None:
         """Let go of the file; views handed out keep their memory until they go (idempotent)."""

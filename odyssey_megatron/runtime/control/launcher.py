@@ -9,6 +9,10 @@ or a replacement host) finds the node's launcher key set: its workers join too. 
 its own name there, and a launcher that finds another's name in it has been replaced (a
 frozen node that came back): it kills its workers and exits, so no rank runs twice.
 
+A launcher of ``odyssey train`` starts its workers once node 0 has published the run's spec
+(``on_run_spec``): node 0 opens the store before it prepares the data, and the launcher
+waits, registered and beating, for as long as the controller beats.
+
 It waits on the workers' process sentinels, so an exit is seen at once and reported to the
 controller's inbox. It serves its node's own store on the loopback address, where its
 workers beat, and a thread talks to the controller's store for the whole node, one
@@ -60,6 +64,7 @@ from odyssey_megatron.runtime.protocol.keys import (
     INBOX,
     NODE_VIEW,
     RUN_DONE,
+    RUN_SPEC,
     RUN_STOP,
     kill_orders_key,
     launcher_key,
@@ -106,8 +111,13 @@ class NodeLauncher:
     """The worker's main function, importable by name (spawn pickles it by reference)."""
 
     def __init__(self, config: LaunchConfig, *, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
-                 restart_workers: int = 0):
+                 restart_workers: int = 0, on_run_spec: Optional[Callable[[bytes], None]] = None):
         self.config, self.timeouts, self.target = config, timeouts, target
+        self.on_run_spec = on_run_spec
+        """Given the run's spec (``RUN_SPEC``) before the workers, which read it, start: the
+        launcher waits for it, registered and beating, for as long as the controller beats
+        (node 0 opens the store before it prepares the data, which may take minutes). None:
+        the workers start at once."""
         self.restart_workers = restart_workers
         """Times each rank's worker may be started again after it died (``odyssey.restart_workers``)."""
         self._restarts: dict[int, int] = {}
@@ -159,6 +169,8 @@ class NodeLauncher:
             self._start_beating(beats, node_store)
             store.queue_push(INBOX, NodeRegistration(node, os.getpid(), socket.gethostname(),
                                                      tuple(self.config.ranks)).to_json())
+            if self.on_run_spec is not None:
+                self.on_run_spec(self._wait_for_run_spec(store))
             self._start_workers()
             self._watch(store)
         except _Replaced as exc:
@@ -214,10 +226,7 @@ class NodeLauncher:
             if now < next_poll:
                 continue
             next_poll = max(next_poll + self.timeouts.poll_interval, now)
-            if self._controller_lost is not None:
-                raise _ControllerLost(self._controller_lost)
-            if self._controller.stale(now):
-                raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
+            self._check_controller(now)
             if self._launching not in (None, self._name):
                 raise _Replaced(f"replaced by launcher {self._launching}")
             if self._stop_signal is not None:
@@ -225,6 +234,21 @@ class NodeLauncher:
                 self._stop_signal = None
             while self._kill_orders:
                 self._kill(self._kill_orders.popleft())
+
+    def _check_controller(self, now: float) -> None:
+        """_ControllerLost if the heartbeat thread found the controller gone or silent."""
+        if self._controller_lost is not None:
+            raise _ControllerLost(self._controller_lost)
+        if self._controller.stale(now):
+            raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
+
+    def _wait_for_run_spec(self, store: dist.Store) -> bytes:
+        """The run's spec, once node 0 has published it; however long that takes while the
+        controller beats."""
+        while not store.check([RUN_SPEC]):
+            self._check_controller(time.monotonic())
+            time.sleep(self.timeouts.poll_interval)
+        return store.get(RUN_SPEC)
 
     def _reap(self, store: dist.Store, rank: int) -> None:
         process = self._workers.pop(rank)

@@ -20,6 +20,9 @@ raises on a dead peer, and a hung one fails when the timeout fires.
 A rank that cannot do its part (it is to send a block it does not hold, or would end
 without a block of its stage) says so before anything moves: the ranks agree in one small
 all-reduce, so every rank raises at once instead of waiting on a send that never comes.
+A block received must have taken the generation's committed steps, as the blocks a rank
+kept have (``runtime.rank.entering`` checks those before the transfer): its Adam step
+count comes with it, and a rank holding a block at another step would train it on.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from odyssey_megatron.blocks import Block, worker_blocks
+from odyssey_megatron.blocks import STEP, Block, worker_blocks
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.training_state import TrainingState, empty_block
@@ -123,6 +126,7 @@ def execute_transfers(
     device: torch.device = torch.device("cpu"),
     group: dist.ProcessGroup | None = None,
     on_moved: Callable[[], None] | None = None,
+    committed: int | None = None,
 ) -> TransferReport:
     """Run ``plan.transfers`` and leave ``state`` holding exactly this rank's new stage.
 
@@ -133,7 +137,9 @@ def execute_transfers(
     (``shard_moves``) or a rank cannot do its part (``check_rank_part``). ``on_moved`` is
     called once this rank's first block has moved (its sends or receives waited on),
     before it waits on the others (where the backend coalesces them into one work: after
-    all): where a fault injector acts."""
+    all): where a fault injector acts. ``committed``: the steps every block received must
+    have taken (the generation's start step), RuntimeError naming those that have not,
+    before they are held; None: not checked."""
     start = time.perf_counter()
     if model.num_layers != plan.num_layers:
         raise ValueError(f"model.num_layers {model.num_layers}, the plan has {plan.num_layers} layers")
@@ -182,12 +188,24 @@ def execute_transfers(
             on_moved()
         for work in works[first:]:
             work.wait()
+    if committed is not None:
+        _check_received_steps(incoming, committed=committed, generation=plan.generation)
     for block, buffers in incoming:
         state.receive(block, buffers)
     state.keep(keep)
     return TransferReport(sent=tuple(sent), received=tuple(received), bytes_sent=bytes_sent,
                           bytes_received=bytes_received, held=tuple(state.held()),
                           seconds=time.perf_counter() - start)
+
+
+def _check_received_steps(incoming: Sequence[tuple[Block, dict[str, torch.Tensor]]], *, committed: int,
+                          generation: int) -> None:
+    """RuntimeError, as ``entering`` fails for a block held at another step, unless every
+    block received has taken exactly ``committed`` steps."""
+    stale = {block: int(buffers[STEP]) for block, buffers in incoming if int(buffers[STEP]) != committed}
+    if stale:
+        raise RuntimeError(f"blocks received at steps {stale}; generation {generation} starts after "
+                           f"{committed} committed steps")
 
 
 def _layout_mismatch(held: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor]) -> str | None:

@@ -3,7 +3,7 @@
 The rank counts in and waits for every participant, joins a fresh process group among
 them (on the generation's store prefix), takes the state it starts from, checks that
 every block it holds has taken exactly the committed steps, and moves the blocks the
-plan's transfers name. Until the first step of the run (or of a resumed run) commits, no
+plan's transfers name, checking that those it receives have too. Until the first step of the run (or of a resumed run) commits, no
 trained state exists: a worker entering a generation then (``PlanPublished.fresh``) draws
 its stage from the seed or the checkpoint, and no block moves. Where a failure left some
 block with no live copy, the generation is a rollback (``PlanPublished.restore``): the
@@ -69,7 +69,7 @@ def enter(generation: Generation, role: Role) -> None:
     if plan.transfers and not published.fresh:
         process.injector.fire(Phase.transfer, generation.step)
         execute_transfers(plan=plan, state=process.state, rank=rank, ranks=ranks, model=process.config.model,
-                          device=process.device,
+                          device=process.device, committed=published.start_step,
                           on_moved=lambda: process.injector.fire(Phase.mid_transfer, generation.step))
     process.state.keep(needed)
     generation.set_aside(needed, held=held)
@@ -99,7 +99,7 @@ def _first_state(generation: Generation) -> TrainingState:
     """The blocks a run starts from: the resumed checkpoint's, else drawn from the seed."""
     process = generation.process
     if process.spec.resume is not None:
-        return load_checkpoint(Path(process.spec.resume), model=process.config.model,
+        return load_checkpoint(Path(process.spec.resume), run_dir=process.run_dir, model=process.config.model,
                                stage=StageSpec.of_worker(generation.plan, process.worker_id), tp_rank=process.tp_rank,
                                tp_size=process.tp)
     return initial_state(plan=generation.plan, rank=generation.rank, ranks=generation.ranks,

@@ -61,11 +61,15 @@ def _shard_layout(model: ModelConfig, owned: dict[Block, int], worker: int, tp_s
 
 
 def _sealed(buffer: KeeperBuffer, step: int, generation: int) -> Optional[torch.Tensor]:
-    """The payload ``buffer`` holds of the snapshot of ``step`` written in ``generation``, if it holds that one."""
+    """The payload ``buffer`` holds of the snapshot of ``step`` written in ``generation``, if it holds that
+    one as sealed (its CRC checked)."""
     found = buffer.read()
-    if found is None or (found[0].get("step"), found[0].get("generation")) != (step, generation):
-        return None
-    return found[1]
+    return found[1] if found is not None and _is_of(found[0], step, generation) else None
+
+
+def _is_of(meta: Optional[dict], step: int, generation: int) -> bool:
+    """Whether a sealed snapshot's ``meta`` is that of ``step`` written in ``generation``."""
+    return meta is not None and (meta.get("step"), meta.get("generation")) == (step, generation)
 
 
 class _Slot:
@@ -77,8 +81,10 @@ class _Slot:
         self.parity = (KeeperBuffer(parity0), KeeperBuffer(parity1))
 
     def holding(self, step: int, generation: int) -> Optional[int]:
-        """The buffer pair (by its data buffer) that holds the snapshot of ``step`` written in ``generation``."""
-        return next((index for index in (0, 1) if _sealed(self.data[index], step, generation) is not None), None)
+        """The buffer pair (by its data buffer) sealed with the snapshot of ``step`` written in
+        ``generation``, by its header (the payload's CRC is checked where it is read)."""
+        return next((index for index in (0, 1)
+                     if _is_of(self.data[index].sealed_meta(), step, generation)), None)
 
     def close(self) -> None:
         for buffer in (*self.data, *self.parity):
@@ -229,12 +235,17 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         if index is None:
             raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no snapshot of step {restore.step} "
                                f"(generation {restore.generation})")
-        payload = _sealed(slot.data[index], restore.step, restore.generation).clone()
+        payload = _sealed(slot.data[index], restore.step, restore.generation)
+        if payload is None:
+            raise RuntimeError(f"rank {owner_rank}'s keeper slot holds the snapshot of step {restore.step} "
+                               f"(generation {restore.generation}) with a payload not the one sealed (its CRC differs)")
+        payload = payload.clone()
         chunk = None
         if parity:
             chunk = _sealed(slot.parity[index], restore.step, restore.generation)
             if chunk is None:
-                raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no parity of step {restore.step}")
+                raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no parity of step {restore.step} "
+                                   "(none sealed, or not the one sealed)")
             chunk = chunk.clone()
         slot.close()
         return payload, chunk
