@@ -13,6 +13,7 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+
 @pytest.fixture
 def one_rank_group():
     """A world of this test process alone (gloo), for what a collective save needs."""
@@ -39,8 +40,6 @@ them load the machine at once; the other worker runs the rest, which only comput
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup``: the serial files form one group, every other file a
     group of its own (its module fixtures are built once)."""
-    import pytest
-
     for item in items:
         group = "serial" if item.path.name in SERIAL_FILES else item.path.stem
         item.add_marker(pytest.mark.xdist_group(group))
