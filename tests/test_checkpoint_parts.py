@@ -55,3 +55,53 @@ def test_the_newest_complete_checkpoint_wins_whether_marked_or_not(tmp_path):
     assert latest_checkpoint(run_dir)[0] == 2  # step 4 lacks the output block
     save_part(run_dir, trained(4), blocks[-1:], step=4, rank=2, tp_rank=0, tp_size=1, model=MODEL)
     assert latest_checkpoint(run_dir)[0] == 4
+
+
+DEEP = ModelConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                   vocab_size=128, seq_length=16, params_dtype="fp32")
+
+
+def test_each_block_has_one_writer_and_the_replicas_of_a_stage_share_its_bytes():
+    """DP 4 x PP 2: every block written once, by a replica that holds it, and no replica
+    writes more than a quarter of its stage plus one block (today's writers: the first
+    holder wrote the whole stage)."""
+    from helpers import symmetric_plan
+    from odyssey_megatron.blocks import block_bytes, worker_blocks
+    from odyssey_megatron.runtime.checkpoint_writers import checkpoint_writers
+
+    plan = symmetric_plan(dp=4, pp=2, num_layers=8, micro_batches_per_pipeline=2)
+    writers = checkpoint_writers(plan, model=DEEP)
+    assert sorted(writers, key=str) == sorted(stage_blocks(StageSpec((0, 8), first=True, last=True),
+                                                           tied=DEEP.tie_embeddings), key=str)
+    for worker in plan.workers:
+        stage = worker_blocks(plan, worker, tied=DEEP.tie_embeddings)
+        mine = [b for b, w in writers.items() if w == worker]
+        assert set(mine) <= set(stage) and mine
+        share = sum(block_bytes(DEEP, b, 1) for b in stage) / 4
+        assert sum(block_bytes(DEEP, b, 1) for b in mine) <= share + max(block_bytes(DEEP, b, 1) for b in stage)
+    assert checkpoint_writers(plan, model=DEEP) == writers  # the same choice on every rank
+
+
+def test_writers_that_are_not_alive_leave_their_blocks_to_the_other_replicas_and_parts_hold_every_block(tmp_path):
+    """With workers 0 and 4 dead (one replica of each stage), the live replicas write all
+    of it; the parts they write are a complete checkpoint. A block no live worker holds is
+    left out (the save then lacks it)."""
+    from helpers import symmetric_plan
+    from odyssey_megatron.blocks import worker_blocks
+    from odyssey_megatron.runtime.checkpoint_writers import checkpoint_writers
+
+    plan = symmetric_plan(dp=4, pp=2, num_layers=8, micro_batches_per_pipeline=2)
+    alive = [w for w in plan.workers if w not in (0, 4)]
+    writers = checkpoint_writers(plan, model=DEEP, alive=alive)
+    assert set(writers.values()) <= set(alive) and len(writers) == 10
+    run_dir = tmp_path / "run"
+    private_directory(run_dir)
+    state = TrainingState.initial(DEEP, StageSpec((0, 8), first=True, last=True), seed=5, tp_rank=0, tp_size=1)
+    for block in state.blocks.values():
+        block.step = 3
+    for worker in set(writers.values()):
+        save_part(run_dir, state, [b for b, w in writers.items() if w == worker], step=3, rank=worker, tp_rank=0,
+                  tp_size=1, model=DEEP)
+    assert latest_checkpoint(run_dir)[0] == 3
+    stage_0 = [w for w in plan.workers if 0 in worker_blocks(plan, w, tied=False)]
+    assert 0 not in checkpoint_writers(plan, model=DEEP, alive=[w for w in plan.workers if w not in stage_0])

@@ -4,9 +4,12 @@ A worker ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches every process o
 group; SLURM signals every process of the job): its launcher passes the request on, and
 the controller stops the run with a ``StopOrder``, which the worker carries out between
 generations: it writes the blocks the order assigns it, as of the last committed step. A
-worker that lost the controller has nobody to assign writers: it writes every block it
-holds. Either way each block is a part of the checkpoint of the steps it has taken (all
-committed: a rank applies committed steps only).
+worker that lost the controller has nobody to assign writers: it picks them as the
+controller would (``runtime.checkpoint_writers``) from the last plan it saw settle,
+taking every worker of it as alive, and writes its share of what it holds; a block that
+plan does not give it a copy of elsewhere it writes too. Either way each block is a part
+of the checkpoint of the steps it has taken (all committed: a rank applies committed
+steps only).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 
 from odyssey_megatron.runtime.checkpoint import save_part
+from odyssey_megatron.runtime.checkpoint_writers import checkpoint_writers
 from odyssey_megatron.runtime.protocol.keys import stopped_key
 from odyssey_megatron.runtime.protocol.messages import StopOrder
 from odyssey_megatron.runtime.rank.worker_process import WorkerProcess
@@ -30,9 +34,14 @@ def _save(process: WorkerProcess, blocks: list, *, step: int) -> None:
 
 
 def save_held(process: WorkerProcess) -> None:
-    """With the controller gone: write every block held, each as of the steps it has taken.
-    ``--resume`` takes the newest step whose parts hold every block."""
+    """With the controller gone: write this worker's share of the blocks held (every one
+    held, where it saw no plan settle), each as of the steps it has taken. ``--resume``
+    takes the newest step whose parts hold every block; what happens when a chosen writer
+    died with the controller is ``runtime.checkpoint_writers``'s to say."""
     held = process.state.held() if process.state is not None else []
+    if process.settled is not None:
+        writers = checkpoint_writers(process.settled, model=process.config.model)
+        held = [block for block in held if writers.get(block, process.worker_id) == process.worker_id]
     by_step: dict[int, list] = {}
     for block in held:
         by_step.setdefault(process.state.blocks[block].step, []).append(block)
