@@ -578,6 +578,28 @@ def test_every_replica_of_a_stage_killed_at_once_rolls_back_to_the_snapshot_in_t
     assert_same_training(run_dir, reference)
 
 
+def test_every_replica_of_a_stage_killed_before_the_first_snapshot_rolls_back_to_the_run_s_start(
+        tmp_path, data_cache, reference):
+    """Both replicas of stage 2 (ranks 4 and 5) die in one instant in step 3: no survivor
+    holds layers 4 and 5, no in-memory snapshot was taken yet (Young's interval is 26 steps
+    on the tiny recipe) and there is no disk checkpoint (once: exit 3, nothing to resume).
+    The run rolls back to its start: the survivors draw their new stages from the seed,
+    train steps 0 to 2 again and end with the failure-free model, each step's samples
+    recorded once."""
+    run_dir = tmp_path / "run"
+    status, _, err = finish(train(run_dir, data_cache, faults(
+        "{rank: 4, with_ranks: [5], step: 3, phase: forward, action: kill}")))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    (recovery,) = recoveries(run_dir)
+    assert recovery["failed_ranks"] == [4, 5] and recovery["rolled_back_to_start"], recovery
+    assert recovery["start_step"] == 0 and recovery["replayed_steps"] == 3 and recovery["snapshot_step"] is None
+    assert [(e["step"], e["replayed"]) for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "rollback"] == [
+        (0, 3)]
+    assert "rolled back to the run's start (3 steps to train again)" in err
+    assert not (run_dir / "checkpoint").exists()
+    assert_same_training(run_dir, reference)
+
+
 def test_a_lost_node_holding_every_replica_of_a_stage_is_rebuilt_from_parity_across_the_other_nodes(
         tmp_path, data_cache, reference):
     """4 nodes of 2 ranks: DP 2 x PP 4 puts both replicas of stage k on node k. Node 1 dies

@@ -161,6 +161,8 @@ def recovery_line(record: dict) -> str:
         rebuilt = f", {record['rebuilt_shards']} shards rebuilt from parity" if record["rebuilt_shards"] else ""
         rollback = (f" rolled back to the in-memory snapshot of step {record['snapshot_step']} "
                     f"({record['replayed_steps']} steps to train again{rebuilt}),")
+    elif record.get("rolled_back_to_start"):
+        rollback = f" rolled back to the run's start ({record['replayed_steps']} steps to train again),"
     return (f"recovery: {_ranks(record['failed_ranks'])} ({record['cause']}) -> {record['policy']} to "
             f"{chosen['layout']} ({record['decision_source']} decision, best of {len(record['alternatives']) + 1} "
             f"plans{restarts}),{rollback} {record['transfers']} transfers {moved:.2f} MiB, from step "
