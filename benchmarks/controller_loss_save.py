@@ -1,7 +1,7 @@
 """What each rank writes when the controller is lost (issue 42): before, every rank wrote
 every block it held; now each (block, TP rank) is written by one replica, spread over the
-data-parallel replicas by bytes (``runtime.checkpoint_writers``, the rule
-``runtime.rank.stopping.save_held`` follows).
+data-parallel replicas by bytes as the in-memory snapshots are (``snapshot.shards.owners``,
+the rule ``runtime.rank.stopping.save_held`` follows).
 
 1. Llama-2 7B at PP2 (``recipes/llama2_7b/gpu_h100_8.yaml``: DP4 x PP2 x TP1, its starting
    plan as ``DecisionCenter.from_recipe`` builds it): per rank, the bytes of the blocks it
@@ -38,7 +38,7 @@ from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.run_dir import private_directory
 from odyssey_megatron.runtime.checkpoint import save_part
-from odyssey_megatron.runtime.checkpoint_writers import checkpoint_writers
+from odyssey_megatron.snapshot.shards import owners
 
 ROOT = Path(__file__).resolve().parents[1]
 SEVEN_B = ROOT / "recipes/llama2_7b/gpu_h100_8.yaml"
@@ -52,7 +52,7 @@ def starting_plan(config):
 
 def choices(plan, model) -> dict[int, tuple[list, list]]:
     """Worker -> (every block it holds, the blocks it writes now)."""
-    writers = checkpoint_writers(plan, model=model)
+    writers = owners(plan, model)
     return {w: (worker_blocks(plan, w, tied=model.tie_embeddings),
                 [b for b, writer in writers.items() if writer == w]) for w in plan.workers}
 

@@ -61,38 +61,19 @@ DEEP = ModelConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attenti
                    vocab_size=128, seq_length=16, params_dtype="fp32")
 
 
-def test_each_block_has_one_writer_and_the_replicas_of_a_stage_share_its_bytes():
-    """DP 4 x PP 2: every block written once, by a replica that holds it, and no replica
-    writes more than a quarter of its stage plus one block (today's writers: the first
-    holder wrote the whole stage)."""
-    from helpers import symmetric_plan
-    from odyssey_megatron.blocks import block_bytes, worker_blocks
-    from odyssey_megatron.runtime.checkpoint_writers import checkpoint_writers
-
-    plan = symmetric_plan(dp=4, pp=2, num_layers=8, micro_batches_per_pipeline=2)
-    writers = checkpoint_writers(plan, model=DEEP)
-    assert sorted(writers, key=str) == sorted(stage_blocks(StageSpec((0, 8), first=True, last=True),
-                                                           tied=DEEP.tie_embeddings), key=str)
-    for worker in plan.workers:
-        stage = worker_blocks(plan, worker, tied=DEEP.tie_embeddings)
-        mine = [b for b, w in writers.items() if w == worker]
-        assert set(mine) <= set(stage) and mine
-        share = sum(block_bytes(DEEP, b, 1) for b in stage) / 4
-        assert sum(block_bytes(DEEP, b, 1) for b in mine) <= share + max(block_bytes(DEEP, b, 1) for b in stage)
-    assert checkpoint_writers(plan, model=DEEP) == writers  # the same choice on every rank
-
-
 def test_writers_that_are_not_alive_leave_their_blocks_to_the_other_replicas_and_parts_hold_every_block(tmp_path):
-    """With workers 0 and 4 dead (one replica of each stage), the live replicas write all
-    of it; the parts they write are a complete checkpoint. A block no live worker holds is
-    left out (the save then lacks it)."""
+    """The save without a collective shares blocks out as the snapshots do
+    (``shards.owners``), among the live workers: with workers 0 and 4 dead (one replica of
+    each stage of DP 4 x PP 2), the live replicas write all of it, each block once, and the
+    parts they write are a complete checkpoint. A block no live worker holds is left out
+    (the save then lacks it)."""
     from helpers import symmetric_plan
     from odyssey_megatron.blocks import worker_blocks
-    from odyssey_megatron.runtime.checkpoint_writers import checkpoint_writers
+    from odyssey_megatron.snapshot.shards import owners
 
     plan = symmetric_plan(dp=4, pp=2, num_layers=8, micro_batches_per_pipeline=2)
     alive = [w for w in plan.workers if w not in (0, 4)]
-    writers = checkpoint_writers(plan, model=DEEP, alive=alive)
+    writers = owners(plan, DEEP, workers=alive)
     assert set(writers.values()) <= set(alive) and len(writers) == 10
     run_dir = tmp_path / "run"
     private_directory(run_dir)
@@ -104,4 +85,4 @@ def test_writers_that_are_not_alive_leave_their_blocks_to_the_other_replicas_and
                   tp_size=1, model=DEEP)
     assert latest_checkpoint(run_dir)[0] == 3
     stage_0 = [w for w in plan.workers if 0 in worker_blocks(plan, w, tied=False)]
-    assert 0 not in checkpoint_writers(plan, model=DEEP, alive=[w for w in plan.workers if w not in stage_0])
+    assert 0 not in owners(plan, DEEP, workers=[w for w in plan.workers if w not in stage_0])

@@ -31,10 +31,9 @@ FLOORS: list[tuple[str, str]] = [
      "recipe is priced with), the plan"),
     ("schedules",
      "a plan compiled to op lists: data the estimator prices and the runtime runs as priced"),
-    ("estimator restorer hooks snapshot runtime.protocol runtime.step_ledger runtime.checkpoint_writers",
+    ("estimator restorer hooks snapshot runtime.protocol runtime.step_ledger",
      "what a plan costs and what it moves (pure), the Megatron-Core glue, the in-memory snapshots' shares, "
-     "keeper memory and parity, and the runtime's one contract with the commit rules and the checkpoint writers "
-     "both of its sides follow"),
+     "keeper memory and parity, and the runtime's one contract with the commit rules both of its sides follow"),
     ("planner profiler runtime.checkpoint runtime.final_model",
      "drafting plans on the pricing below; measuring a profile and saving weights on the hooks"),
     ("decision_center testing",

@@ -527,8 +527,8 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     which hosts the controller, are killed in one instant in step 1: node 0's launcher has
     no worker left, and the controller trains on with node 1's. Once step 2 committed,
     node 0's process is killed (SIGKILL): the controller is gone. Node 1's workers find it
-    gone, write what they hold (every block, as of the steps they applied, all committed)
-    and exit 75. ``--resume`` on one node continues from the newest step those parts hold
+    gone, write their share of what they hold (each block once, shared out over the four
+    replicas as the snapshots are, as of the steps they applied, all committed) and exit 75. ``--resume`` on one node continues from the newest step those parts hold
     whole, and the run ends with the failure-free model, every step's samples recorded
     once (a step the controller did not live to record is filled in; one a rank could not
     learn had committed is trained again)."""
@@ -548,6 +548,8 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[0, 1, 2, 3]]
     saved = sorted(run_dir.glob("checkpoint/step-*/rank-*.json"))
     assert {p.name for p in saved} == {f"rank-{r}.json" for r in range(4, 8)}  # node 1's four workers
+    written = [block for p in saved for block in json.loads(p.read_text())["blocks"]]
+    assert sorted(written) == sorted(set(written)) and len(written) == 10  # each block once, shared out
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
                "cluster.devices_per_node=8", "cluster.emulate_device=null"]  # nothing to land in it: full speed
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)

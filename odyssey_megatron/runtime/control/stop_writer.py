@@ -2,8 +2,8 @@
 (``Controller.request_stop``: a signal, or a node's launcher told to stop), and an owner
 that failed (``save_committed``, from ``runtime.train``). The owner ends the generation as
 on a failure, then orders the workers to write the blocks of the settled plan as of the
-last committed step, each (block, TP rank) once, spread over the live replicas that hold
-it (``runtime.checkpoint_writers``), and marks that checkpoint the one to resume from once
+last committed step, each (block, TP rank) once, shared out over the live replicas that
+hold it as the in-memory snapshots are (``snapshot.shards.owners``), and marks that checkpoint the one to resume from once
 its parts hold every block (``RunStopped``)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 
 from odyssey_megatron.blocks import StageSpec, stage_blocks
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
-from odyssey_megatron.runtime.checkpoint_writers import checkpoint_writers
 from odyssey_megatron.runtime.control.run_state import RunState
 from odyssey_megatron.runtime.protocol.keys import RUN_STOP, stopped_key
 from odyssey_megatron.runtime.protocol.messages import StopOrder
+from odyssey_megatron.snapshot.shards import owners
 
 __all__ = ["RunStopped", "StopWriter"]
 
@@ -88,4 +88,4 @@ class StopWriter:
         live = set(run.controller.detector.live_ranks())
         settled, cluster = run.center.settled, run.center.cluster
         alive = [w for w in settled.workers if all(r in live for r in cluster.worker_ranks(w))]
-        return checkpoint_writers(settled, model=run.config.model, alive=alive)
+        return owners(settled, run.config.model, workers=alive)

@@ -231,7 +231,7 @@ class KillOrder(Message):
 class StopOrder(Message):
     """Under ``RUN_STOP``: save what is committed and exit. ``writers`` maps each block
     (``str(block)``) to the worker that writes it (each of its TP ranks its shard): one
-    live holder in the last settled plan (``runtime.checkpoint_writers``), so every block
+    live holder in the last settled plan (``snapshot.shards.owners``), so every block
     is written once."""
 
     KIND = "stop"
