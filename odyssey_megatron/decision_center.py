@@ -130,7 +130,7 @@ class DecisionCenter:
     def on_failure(
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
         at_s: float | None = None, interval_s: float | None = None, in_memory: bool = False,
-        snapshot: SnapshotSource | None = None,
+        snapshot: SnapshotSource | None = None, start_replay_steps: int | None = None,
     ) -> Decision:
         """Mark ``ranks`` and every rank of ``workers`` and ``nodes`` failed, decide, and
         commit the chosen plan.
@@ -151,8 +151,10 @@ class DecisionCenter:
         restores them: it says where each candidate plan gets every block back from as of
         the last in-memory snapshot (``snapshot.restore.SnapshotSource``), Eq. 8 weighs each
         with that move and the steps trained again, and the decision rolls back to it
-        (``Decision.rollback``). Raises UnrecoverableFailure when no candidate exists
-        either. The plan chosen is always a new generation, the current layout too where it
+        (``Decision.rollback``). Without a snapshot, ``start_replay_steps`` (the steps
+        committed since the job's start) lets it go back to the start instead: every block
+        drawn again, those steps trained again, priced in Eq. 8 (``Decision.from_start``).
+        Raises UnrecoverableFailure when no candidate exists either. The plan chosen is always a new generation, the current layout too where it
         goes on (a failure that touched none of its workers; its transfers were made when it
         started): the runtime ended the generation that ran.
         """
@@ -163,7 +165,7 @@ class DecisionCenter:
         before = self.cluster
         self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
         decision = self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory,
-                                snapshot=snapshot, roll_back=roll_back)
+                                snapshot=snapshot, roll_back=roll_back, start_replay_steps=start_replay_steps)
         if decision.chosen.plan is decision.replaced:  # what runs goes on, with nothing left to move
             plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
             decision = replace(decision, chosen=replace(decision.chosen, plan=plan))
@@ -374,9 +376,10 @@ class DecisionCenter:
 
     def _decide(self, interval_s: float | None, *,
                 prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None, in_memory: bool = False,
-                snapshot: SnapshotSource | None = None, roll_back: bool = False) -> Decision:
+                snapshot: SnapshotSource | None = None, roll_back: bool = False,
+                start_replay_steps: int | None = None) -> Decision:
         """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8;
-        ``in_memory`` and ``snapshot`` as in ``on_failure``."""
+        ``in_memory``, ``snapshot`` and ``start_replay_steps`` as in ``on_failure``."""
         started = time.perf_counter()
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
                                                          profile=self.profile, settings=self.settings.search,
@@ -386,19 +389,23 @@ class DecisionCenter:
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},
                       key=block_sort_key) if in_memory else []
+        from_start = False
         if lost or (roll_back and snapshot is not None):
             why = (f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
                    f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them") if lost else \
                 "the rollback in progress was interrupted"
-            if snapshot is None:
+            if snapshot is not None:
+                try:
+                    drafts = self._rolled_back(drafts, snapshot)
+                except SnapshotLost as exc:
+                    raise UnrecoverableFailure(f"{why}, and {exc}") from None
+            elif start_replay_steps is not None:
+                drafts, from_start = self._from_start(drafts, start_replay_steps), True
+            else:
                 raise UnrecoverableFailure(why)
-            try:
-                drafts = self._rolled_back(drafts, snapshot)
-            except SnapshotLost as exc:
-                raise UnrecoverableFailure(f"{why}, and {exc}") from None
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
-                           source=source, replaced=self.plan)
+                           source=source, replaced=self.plan, from_start=from_start)
         self._commit(decision)
         return decision
 
@@ -422,6 +429,16 @@ class DecisionCenter:
             rolled.append(replace(draft, plan=replace(draft.plan, transfers=transfers), restore=restore,
                                   moving_s=moving_s + snapshot.replayed_steps * draft.estimate.step_time_s))
         return replace(drafts, drafts=tuple(rolled), unchanged=False)
+
+    @staticmethod
+    def _from_start(drafts: Drafts, replayed_steps: int) -> Drafts:
+        """``drafts`` as restarts from the job's start: no plan moves a block (each is
+        drawn again where it is trained), and each transition is the steps trained again
+        at the plan's step time."""
+        restarted = tuple(replace(draft, plan=replace(draft.plan, transfers=()),
+                                  moving_s=replayed_steps * draft.estimate.step_time_s) for draft in drafts.drafts)
+        return replace(drafts, drafts=restarted, unchanged=False)
+
 
 def _every_case(plan: ExecutionPlan, cluster: ClusterState) -> list[frozenset[int]]:
     """Each live worker of ``plan`` alone, then each node that holds one (its live workers)."""

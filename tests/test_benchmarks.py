@@ -20,6 +20,7 @@ SMOKE_TIMEOUT_S = 300
 
 FIGURE_LINES = {
     "control_plane.py": r'^\{"rows": \[\{"ranks": 32, "nodes": 4, "plan_bytes": \d+',
+    "controller_loss_save.py": r'^\{"controller_loss_save": \{"model": "llama2-7b", "dp": 4, "pp": 2, ',
     "estimator_accuracy.py": r'^\{"emulated": \[\{"plan": "a DP2xPP4", "predicted_s": ',
     "executor_overhead.py": r"^  overhead +[+-]\d+\.\d\d % \(median of 1 paired ratios",
     "plan_search.py": r"^7B +32 +1x4x8 +two +\d+ ms",

@@ -75,3 +75,34 @@ def test_a_part_cut_short_beside_a_collective_save_of_the_same_step_leaves_the_s
     for block in blocks:
         want, got = saved.export(block), loaded.export(block)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+DEEP = ModelConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                   vocab_size=128, seq_length=16, params_dtype="fp32")
+
+
+def test_writers_that_are_not_alive_leave_their_blocks_to_the_other_replicas_and_parts_hold_every_block(tmp_path):
+    """The save without a collective shares blocks out as the snapshots do
+    (``shards.owners``), among the live workers: with workers 0 and 4 dead (one replica of
+    each stage of DP 4 x PP 2), the live replicas write all of it, each block once, and the
+    parts they write are a complete checkpoint. A block no live worker holds is left out
+    (the save then lacks it)."""
+    from helpers import symmetric_plan
+    from odyssey_megatron.blocks import worker_blocks
+    from odyssey_megatron.snapshot.shards import owners
+
+    plan = symmetric_plan(dp=4, pp=2, num_layers=8, micro_batches_per_pipeline=2)
+    alive = [w for w in plan.workers if w not in (0, 4)]
+    writers = owners(plan, DEEP, workers=alive)
+    assert set(writers.values()) <= set(alive) and len(writers) == 10
+    run_dir = tmp_path / "run"
+    private_directory(run_dir)
+    state = TrainingState.initial(DEEP, StageSpec((0, 8), first=True, last=True), seed=5, tp_rank=0, tp_size=1)
+    for block in state.blocks.values():
+        block.step = 3
+    for worker in set(writers.values()):
+        save_part(run_dir, state, [b for b, w in writers.items() if w == worker], step=3, rank=worker, tp_rank=0,
+                  tp_size=1, model=DEEP)
+    assert latest_checkpoint(run_dir)[0] == 3
+    stage_0 = [w for w in plan.workers if 0 in worker_blocks(plan, w, tied=False)]
+    assert 0 not in owners(plan, DEEP, workers=[w for w in plan.workers if w not in stage_0])

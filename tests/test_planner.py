@@ -344,6 +344,19 @@ def test_in_memory_recovery_refuses_a_plan_that_needs_a_block_no_survivor_holds_
     assert decision.chosen.plan.blocks_from_nowhere == ["embedding", 0, 1] and center.plan is decision.chosen.plan
 
 
+def test_a_block_lost_before_any_snapshot_sends_the_job_back_to_its_start_priced_with_the_steps_again():
+    """No survivor holds stage 0 and there is no snapshot: given the steps since the start,
+    the decision goes back to it (every block drawn again: nothing moves) instead of
+    failing, and Eq. 8 charges the steps trained again at the chosen plan's step time."""
+    profile = uniform_profile(num_layers=4)
+    plan = with_sync(symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4), profile)
+    center = DecisionCenter(plan=plan, cluster=ClusterState(world_size=4, devices_per_node=8), profile=profile,
+                            settings=_settings().decisions, settles_at_once=False)
+    decision = center.on_failure(ranks=[0, 1], in_memory=True, start_replay_steps=3)
+    assert decision.from_start and decision.rollback is None
+    assert decision.chosen.plan.transfers == () and center.plan is decision.chosen.plan
+    assert decision.chosen.transition_s >= 3 * decision.chosen.estimate.step_time_s
+
 
 def test_a_failure_during_a_recovery_is_decided_from_the_plan_the_survivors_hold():
     """The runtime's recovery to plan A failed before A's first step: the survivors still

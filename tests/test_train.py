@@ -527,8 +527,8 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     which hosts the controller, are killed in one instant in step 1: node 0's launcher has
     no worker left, and the controller trains on with node 1's. Once step 2 committed,
     node 0's process is killed (SIGKILL): the controller is gone. Node 1's workers find it
-    gone, write what they hold (every block, as of the steps they applied, all committed)
-    and exit 75. ``--resume`` on one node continues from the newest step those parts hold
+    gone, write their share of what they hold (each block once, shared out over the four
+    replicas as the snapshots are, as of the steps they applied, all committed) and exit 75. ``--resume`` on one node continues from the newest step those parts hold
     whole, and the run ends with the failure-free model, every step's samples recorded
     once (a step the controller did not live to record is filled in; one a rank could not
     learn had committed is trained again)."""
@@ -548,6 +548,8 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[0, 1, 2, 3]]
     saved = sorted(run_dir.glob("checkpoint/step-*/rank-*.json"))
     assert {p.name for p in saved} == {f"rank-{r}.json" for r in range(4, 8)}  # node 1's four workers
+    written = [block for p in saved for block in json.loads(p.read_text())["blocks"]]
+    assert sorted(written) == sorted(set(written)) and len(written) == 10  # each block once, shared out
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
                "cluster.devices_per_node=8", "cluster.emulate_device=null"]  # nothing to land in it: full speed
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
@@ -574,6 +576,28 @@ def test_every_replica_of_a_stage_killed_at_once_rolls_back_to_the_snapshot_in_t
     assert "rolled back to the in-memory snapshot of step 2 (2 steps to train again)" in err
     logs = "".join(p.read_text() for p in run_dir.glob("logs/rank-*.log"))
     assert "read rank 2's snapshot shard of step 2 from the node's keeper" in logs
+    assert not (run_dir / "checkpoint").exists()
+    assert_same_training(run_dir, reference)
+
+
+def test_every_replica_of_a_stage_killed_before_the_first_snapshot_rolls_back_to_the_run_s_start(
+        tmp_path, data_cache, reference):
+    """Both replicas of stage 2 (ranks 4 and 5) die in one instant in step 3: no survivor
+    holds layers 4 and 5, no in-memory snapshot was taken yet (Young's interval is 26 steps
+    on the tiny recipe) and there is no disk checkpoint (once: exit 3, nothing to resume).
+    The run rolls back to its start: the survivors draw their new stages from the seed,
+    train steps 0 to 2 again and end with the failure-free model, each step's samples
+    recorded once."""
+    run_dir = tmp_path / "run"
+    status, _, err = finish(train(run_dir, data_cache, faults(
+        "{rank: 4, with_ranks: [5], step: 3, phase: forward, action: kill}")))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    (recovery,) = recoveries(run_dir)
+    assert recovery["failed_ranks"] == [4, 5] and recovery["rolled_back_to_start"], recovery
+    assert recovery["start_step"] == 0 and recovery["replayed_steps"] == 3 and recovery["snapshot_step"] is None
+    assert [(e["step"], e["replayed"]) for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "rollback"] == [
+        (0, 3)]
+    assert "rolled back to the run's start (3 steps to train again)" in err
     assert not (run_dir / "checkpoint").exists()
     assert_same_training(run_dir, reference)
 

@@ -62,6 +62,10 @@ class Decision:
     replaced: Optional[ExecutionPlan] = None
     """The plan the job ran before it (``DecisionCenter`` fills it in): what the chosen
     plan's transfers move weights from."""
+    from_start: bool = False
+    """No survivor holds some block and no snapshot restores it: the job goes back to its
+    start (every block drawn again from the seed, or the checkpoint it resumed from) and
+    trains the steps since again; the chosen plan moves nothing."""
 
     @property
     def rollback(self) -> Optional[Restore]:

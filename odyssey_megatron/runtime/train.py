@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TrainOutcome:
     status: int
-    """0: trained to the end; 1: the run failed; 3: no plan could go on; 130 or 143:
-    stopped by SIGINT or SIGTERM."""
+    """0: trained to the end; 1: the run failed (its committed steps saved first, as on a
+    stop); 3: no plan could go on; 130 or 143: stopped by SIGINT or SIGTERM."""
     message: str
     wandb_dir: Optional[Path] = None
     """Node 0: the W&B run's local directory."""
@@ -152,7 +152,8 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
 
 def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
     """The owner thread: run to the end, then release the workers. If it fails, it first
-    ends the running generation, so no worker trains on unrecorded."""
+    ends the running generation, so no worker trains on unrecorded, and has the workers
+    save the last committed step (``_saved_after_failure``)."""
     try:
         final = run.run()
         outcome.append(TrainOutcome(0, f"trained {run.committed} steps; final model in {final}"))
@@ -173,15 +174,31 @@ def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:
         outcome.append(TrainOutcome(3, f"unrecoverable: {exc}; {_resume_hint(run.run_dir, checkpoint)}",
                                     resume=_resume_command(run.run_dir) if checkpoint else None))
     except RunFailed as exc:
-        outcome.append(TrainOutcome(1, str(exc)))
+        outcome.append(_saved_after_failure(run, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the launcher must still be released
         log.exception("run: failed")
-        outcome.append(TrainOutcome(1, f"{type(exc).__name__}: {exc}"))
+        outcome.append(_saved_after_failure(run, f"{type(exc).__name__}: {exc}"))
     try:
         if run.plan is not None:
             run.end_generation()
     finally:
         run.controller.end_run(RUN_DONE, "1")
+
+
+def _saved_after_failure(run: TrainingRun, why: str) -> TrainOutcome:
+    """A failed owner ends the run as a stop does: the workers write the last committed
+    step (``StopWriter.save_committed``), so what committed is on disk to resume from."""
+    try:
+        saved = run.stop.save_committed(f"the run failed: {why}")
+    except Exception:  # noqa: BLE001 - the failure is reported whatever the save did
+        log.exception("run: the save after the failure failed")
+        saved = False
+    checkpoint = latest_checkpoint(run.run_dir)
+    what = (f"saved as checkpoint/step-{run.committed}" if saved else
+            "nothing to save: no step committed since the start" if run.fresh else "the save missed blocks")
+    return TrainOutcome(1, f"{why}; after {run.committed} committed steps, {what}; "
+                           f"{_resume_hint(run.run_dir, checkpoint)}",
+                        resume=_resume_command(run.run_dir) if checkpoint else None)
 
 
 def _resume_command(run_dir: Path) -> str:

@@ -12,14 +12,14 @@ config alone (``owners``, ``shard_entries``), so no layout crosses the wire.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from odyssey_megatron.blocks import Block, block_bytes, block_sort_key, state_entries, worker_blocks
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.plan import ExecutionPlan
 
-__all__ = ["shard_blocks", "shard_bytes", "shard_entries", "snapshot_groups"]
+__all__ = ["owners", "shard_blocks", "shard_bytes", "shard_entries", "snapshot_groups"]
 
 
 def _share_out(holdings: Mapping[int, Sequence[Block]], size: Callable[[Block], int]) -> dict[Block, int]:
@@ -39,11 +39,15 @@ def _share_out(holdings: Mapping[int, Sequence[Block]], size: Callable[[Block], 
     return dict(sorted(chosen.items(), key=lambda item: block_sort_key(item[0])))
 
 
-def owners(plan: ExecutionPlan, model: ModelConfig) -> dict[Block, int]:
+def owners(plan: ExecutionPlan, model: ModelConfig, *, workers: Iterable[int] | None = None) -> dict[Block, int]:
     """Block -> the worker of ``plan`` that snapshots it (one of those that train it): the
     one choice of writers, which the snapshots write by, a rollback reads by and the
-    estimator prices (``estimator.snapshot``), balanced by ``blocks.block_bytes``."""
-    return _share_out({w: worker_blocks(plan, w, tied=model.tie_embeddings) for w in set(plan.workers)},
+    estimator prices (``estimator.snapshot``), balanced by ``blocks.block_bytes``. The
+    checkpoints written without a collective (a stop, a failed owner, a lost controller)
+    are shared out the same way, among the ``workers`` still alive (default: every worker
+    of the plan); a block none of them holds is left out."""
+    live = set(plan.workers) if workers is None else set(plan.workers) & set(workers)
+    return _share_out({w: worker_blocks(plan, w, tied=model.tie_embeddings) for w in live},
                      lambda block: block_bytes(model, block, plan.tensor_parallel_size))
 
 

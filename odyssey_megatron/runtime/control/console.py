@@ -129,7 +129,8 @@ def _ranks(ranks) -> str:
 
 
 _HOW = {Cause.EXIT: "from its exit", Cause.ERROR: "from its report", Cause.HEARTBEAT: "from missed heartbeats",
-        Cause.STALL: "from its report of a collective past the timeout", Cause.NODE: "from missed heartbeats"}
+        Cause.STALL: "from its report of a collective past the timeout", Cause.NODE: "from missed heartbeats",
+        Cause.LATE: "as the others waited for it to enter the generation"}
 """How the controller learnt of a failure, by cause."""
 
 
@@ -139,7 +140,8 @@ def failure_line(failure: Failure) -> str:
             Cause.ERROR: f"{_ranks(failure.ranks)} raised {failure.detail}",
             Cause.HEARTBEAT: f"{_ranks(failure.ranks)} hung ({failure.detail})",
             Cause.STALL: f"{_ranks(failure.ranks)} stalled ({failure.detail})",
-            Cause.NODE: f"node {failure.node} lost with {_ranks(failure.ranks)} ({failure.detail})"}[failure.cause]
+            Cause.NODE: f"node {failure.node} lost with {_ranks(failure.ranks)} ({failure.detail})",
+            Cause.LATE: f"{_ranks(failure.ranks)} late ({failure.detail})"}[failure.cause]
     return (f"failure: {what}; detected {_HOW[failure.cause]} "
             f"{failure.detected_at - failure.failed_at:.3f} s after")
 
@@ -159,6 +161,8 @@ def recovery_line(record: dict) -> str:
         rebuilt = f", {record['rebuilt_shards']} shards rebuilt from parity" if record["rebuilt_shards"] else ""
         rollback = (f" rolled back to the in-memory snapshot of step {record['snapshot_step']} "
                     f"({record['replayed_steps']} steps to train again{rebuilt}),")
+    elif record.get("rolled_back_to_start"):
+        rollback = f" rolled back to the run's start ({record['replayed_steps']} steps to train again),"
     return (f"recovery: {_ranks(record['failed_ranks'])} ({record['cause']}) -> {record['policy']} to "
             f"{chosen['layout']} ({record['decision_source']} decision, best of {len(record['alternatives']) + 1} "
             f"plans{restarts}),{rollback} {record['transfers']} transfers {moved:.2f} MiB, from step "

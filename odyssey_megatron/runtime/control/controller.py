@@ -180,6 +180,15 @@ class Controller:
         self.store.set(key, value)
         self.store.compare_set(successor_key(self.published_generation), "", key)
 
+    def fail_late(self, ranks: list[int], generation: int) -> bool:
+        """On the owner's thread: fail the ranks of ``ranks`` that beat but have not entered
+        ``generation`` within the recovery timeout (``Detector.ranks_late``), as any failure
+        (recorded, killed, queued for ``next_failure``); whether there was one."""
+        failure = self.detector.ranks_late(ranks, generation, time.time(), self.timeouts.recovery_timeout)
+        if failure is not None:
+            self._report(self.store, failure)
+        return failure is not None
+
     # -- the polling thread ----------------------------------------------------------------
 
     def abort(self, generation: int) -> None:
@@ -295,7 +304,7 @@ class Controller:
         """Record a failure, order the kill of failed ranks that may still run, and queue it."""
         self.record.event("failure", **failure.to_record())
         console.warning(failure_line(failure))
-        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE):
+        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE, Cause.LATE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
             ordered = set()
             for rank in failure.ranks:

@@ -29,19 +29,23 @@ def decision_record(decision: Decision, center: DecisionCenter, *, start_step: i
             "search_time_s": decision.search_time_s, "decision_source": decision.source,
             "start_step": start_step,
             "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers),
-            **_rollback_record(decision, center, committed=committed)}
+            **_rollback_record(decision, center, committed=committed, start_step=start_step)}
 
 
-def _rollback_record(decision: Decision, center: DecisionCenter, *, committed: int) -> dict:
-    """What a rollback costs: the snapshot's step, the steps trained again and their
-    estimated seconds on the new plan, the shards rebuilt from parity, and the failed
-    ranks whose shards were read from their node's keeper."""
+def _rollback_record(decision: Decision, center: DecisionCenter, *, committed: int, start_step: int) -> dict:
+    """What a rollback costs: the snapshot's step (or whether it went back to the run's
+    start, ``start_step`` then), the steps trained again and their estimated seconds on
+    the new plan, the shards rebuilt from parity, and the failed ranks whose shards were
+    read from their node's keeper."""
     restore = decision.rollback
     if restore is None:
-        return {"snapshot_step": None, "replayed_steps": 0, "replay_s": 0.0, "rebuilt_shards": 0,
-                "read_for_failed_ranks": []}
+        replayed = committed - start_step if decision.from_start else 0
+        return {"snapshot_step": None, "replayed_steps": replayed,
+                "replay_s": replayed * decision.chosen.estimate.step_time_s, "rebuilt_shards": 0,
+                "read_for_failed_ranks": [], "rolled_back_to_start": decision.from_start}
     replayed = committed - restore.step
     failed = center.cluster.failed_ranks
     return {"snapshot_step": restore.step, "replayed_steps": replayed,
             "replay_s": replayed * decision.chosen.estimate.step_time_s, "rebuilt_shards": len(restore.rebuilds),
-            "read_for_failed_ranks": sorted(r.owner for r in restore.reads if r.owner in failed)}
+            "read_for_failed_ranks": sorted(r.owner for r in restore.reads if r.owner in failed),
+            "rolled_back_to_start": False}

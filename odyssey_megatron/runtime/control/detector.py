@@ -39,7 +39,7 @@ import math
 import signal
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Iterable, Optional
 
 from odyssey_megatron.runtime.protocol.keys import node_heartbeat_key
 from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch
@@ -62,6 +62,8 @@ class Cause(str, Enum):
     HEARTBEAT = "heartbeat"
     STALL = "stall"
     NODE = "node"
+    LATE = "late"
+    """Beating, but not in the generation every other rank entered within the recovery timeout."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,20 @@ class Detector:
             return None
         rank.state = _State.FAILED
         return Failure(Cause.STALL, (msg.rank,), None, msg.reported_at, wall, msg.detail)
+
+    def ranks_late(self, ranks: Iterable[int], generation: int, wall: float, timeout_s: float) -> Optional[Failure]:
+        """Of ``ranks``, those still live whose beats do not name ``generation`` after the
+        recovery timeout (``timeout_s``) for entering it: taken out together, as a rank
+        that is behind (the others waited for it); None if there is none."""
+        late = tuple(r for r in sorted(ranks) if r in self.ranks
+                     and self.ranks[r].state in (_State.STARTING, _State.ALIVE)
+                     and self.ranks[r].generation != generation)
+        if not late:
+            return None
+        for r in late:
+            self.ranks[r].state = _State.FAILED
+        return Failure(Cause.LATE, late, None, wall - timeout_s, wall,
+                       f"beating, but not in generation {generation} within the recovery timeout ({timeout_s} s)")
 
     def node_left(self, msg: NodeLeft) -> None:
         if msg.node in self.nodes:

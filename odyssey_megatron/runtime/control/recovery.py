@@ -6,7 +6,9 @@ What survivors hold when a failure strikes: the blocks of the last generation wh
 first step committed (the decision center's settled plan), plus what a later one moved to
 them (workers drop blocks only once their generation's first step commits). So a decision
 starts from the settled plan (``DecisionCenter.on_failure``): a failure during a recovery
-restarts the decision with the new survivor set, from the same ground. A failure of a rank
+restarts the decision with the new survivor set, from the same ground. Where no survivor
+holds some block, the run rolls back: to the last in-memory snapshot, or, before the first
+one, to its start (``snapshot_following``). A failure of a rank
 the running generation does not use (an idle worker, a joiner not taken back yet) ends
 nothing: the decision center only counts it.
 """
@@ -92,6 +94,8 @@ class Recovery:
             decision = self._decide(failures, committed_before=before)
             if decision.rollback is not None:
                 self.snapshots.roll_back(decision.rollback)
+            elif decision.from_start:
+                self.snapshots.roll_back_to_start()
             self.underway = _Underway(generation=decision.chosen.plan.generation, failures=list(seen),
                                       restarts=restarts, decided_at=time.time(),
                                       record=decision_record(decision, run.center, start_step=run.committed,
@@ -110,9 +114,11 @@ class Recovery:
         run = self.run
         # A lost node comes as the ranks it held: the decision center needs no node numbering.
         ranks = sorted({r for f in failures for r in f.ranks})
-        # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint.
+        # Fresh (no step committed yet), every block is drawn again from the seed or checkpoint;
+        # so it is, the steps since trained again, where no survivor and no snapshot holds some block.
         decision = run.center.on_failure(ranks=ranks, at_s=run.now_s(), in_memory=not run.fresh,
-                                         snapshot=self.snapshots.source(committed_before))
+                                         snapshot=self.snapshots.source(committed_before),
+                                         start_replay_steps=self.snapshots.start_replay_steps(committed_before))
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
                  decision.chosen.policy, ranks)
         return decision

@@ -134,8 +134,10 @@ class RunState:
 
     def wait_ready(self, check_stop) -> Optional[Failure]:
         """Until every rank of the published generation is in it; the failure that came
-        first, if any (the recovery starts again with it). ``check_stop`` is called while
-        waiting (a stop asked for meanwhile)."""
+        first, if any (the recovery starts again with it). Ranks that beat but are not in
+        it within the recovery timeout are failed (``Controller.fail_late``): the others
+        waited for them. RunFailed only where every rank beats from inside it and the count
+        is still short. ``check_stop`` is called while waiting (a stop asked for meanwhile)."""
         deadline = time.monotonic() + self.timeouts.recovery_timeout
         key = ready_key(self.plan.generation)
         world = len(participants(self.plan, self.restore)) * self.plan.tensor_parallel_size
@@ -147,6 +149,9 @@ class RunState:
                          self.plan.generation)
                 return failure
             if time.monotonic() > deadline:
+                if self.controller.fail_late(sorted(self.running_ranks()), self.plan.generation):
+                    deadline = time.monotonic() + self.timeouts.recovery_timeout  # its failure comes next
+                    continue
                 raise RunFailed(f"generation {self.plan.generation} was not entered within the recovery timeout "
                                 f"({self.timeouts.recovery_timeout} s)")
         return None

@@ -4,8 +4,11 @@ back to it.
 
 When no survivor holds some block, the decision rolls back to the last complete snapshot
 (``snapshot.restore``): ``samples.jsonl`` forgets the steps after it, and they are trained
-again on the same global batches. Two losses in one parity group leave nothing to roll
-back to: the run fails, for ``--resume`` from the disk checkpoint.
+again on the same global batches. Before the first snapshot (or with snapshots off) it
+rolls back to the run's start instead, which every rank can rebuild (the seed's initial
+state, drawn deterministically, or the checkpoint the run resumed from), unless a disk
+checkpoint newer than that start holds more of the run: then, as when two losses in one
+parity group leave nothing to roll back to, the run fails, for ``--resume`` from it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunState, forget_steps_from
 from odyssey_megatron.runtime.protocol.keys import snapshot_done_key
@@ -84,13 +88,32 @@ class SnapshotFollowing:
         return SnapshotSource(self.last, frozenset(self.lost_keepers), self.run.config.model,
                               replayed_steps=committed_before - self.last.step)
 
+    def start_replay_steps(self, committed_before: int) -> Optional[int]:
+        """Where no snapshot can restore a lost block (``source`` is None): the steps a
+        rollback to the run's start trains again, rolling back from ``committed_before``;
+        None where a disk checkpoint newer than the start holds more (``--resume`` from
+        it loses fewer steps)."""
+        run = self.run
+        checkpoint = latest_checkpoint(run.run_dir)
+        if checkpoint is not None and checkpoint[0] > run.first_step:
+            return None
+        return committed_before - run.first_step
+
     def roll_back(self, restore: Restore) -> None:
         """The run goes back to the snapshot's step: the steps since are trained again."""
+        self._back_to(restore.step, generation=restore.generation, what=f"the snapshot of step {restore.step}")
+
+    def roll_back_to_start(self) -> None:
+        """The run goes back to its start (``DecisionCenter.on_failure``'s ``from_start``):
+        the steps since are trained again, from the seed or the checkpoint it resumed from."""
         run = self.run
-        replayed = run.committed - restore.step
-        forget_steps_from(run.run_dir / SAMPLES, restore.step)
-        run.controller.record.event("rollback", step=restore.step, generation=restore.generation, replayed=replayed)
-        log.info("run: rolled back to the snapshot of step %d (%d committed steps to train again)", restore.step,
-                 replayed)
-        run.committed = restore.step
+        self._back_to(run.first_step, generation=None, what=f"the run's start (step {run.first_step})")
+
+    def _back_to(self, step: int, *, generation: Optional[int], what: str) -> None:
+        run = self.run
+        replayed = run.committed - step
+        forget_steps_from(run.run_dir / SAMPLES, step)
+        run.controller.record.event("rollback", step=step, generation=generation, replayed=replayed)
+        log.info("run: rolled back to %s (%d committed steps to train again)", what, replayed)
+        run.committed = step
         run.progress.rolled_back()

@@ -1,19 +1,22 @@
-"""Stopping on purpose (``Controller.request_stop``: a signal, or a node's launcher told to
-stop): the owner ends the generation as on a failure, then orders every worker to write
-the blocks it is the first live holder of in the settled plan, as of the last committed
-step, and marks that checkpoint the one to resume from once its parts hold every block
-(``RunStopped``)."""
+"""Ending the run with its committed state on disk: a stop on purpose
+(``Controller.request_stop``: a signal, or a node's launcher told to stop), and an owner
+that failed (``save_committed``, from ``runtime.train``). The owner ends the generation as
+on a failure, then orders the workers to write the blocks of the settled plan as of the
+last committed step, each (block, TP rank) once, shared out over the live replicas that
+hold it as the in-memory snapshots are (``snapshot.shards.owners``), and marks that checkpoint the one to resume from once
+its parts hold every block (``RunStopped``)."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from odyssey_megatron.blocks import StageSpec, stage_blocks, worker_blocks
+from odyssey_megatron.blocks import StageSpec, stage_blocks
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.run_state import RunState
 from odyssey_megatron.runtime.protocol.keys import RUN_STOP, stopped_key
 from odyssey_megatron.runtime.protocol.messages import StopOrder
+from odyssey_megatron.snapshot.shards import owners
 
 __all__ = ["RunStopped", "StopWriter"]
 
@@ -35,17 +38,25 @@ class StopWriter:
 
     def stop_if_asked(self) -> None:
         """Stop the run (raising RunStopped) if the controller was asked to."""
-        run = self.run
-        request = run.controller.stop_request
+        request = self.run.controller.stop_request
         if request is None:
             return
         reason, status = request
+        raise RunStopped(reason, status=status, step=self.run.committed, saved=self.save_committed(reason))
+
+    def save_committed(self, reason: str) -> bool:
+        """End the run with a checkpoint of the steps committed: end the generation, order
+        the workers to write it (``StopOrder`` under ``RUN_STOP``), wait until every writer
+        is done or gone, and mark it the latest if its parts hold every block. Whether they
+        do; False too where no step committed since the start (nothing to save)."""
+        run = self.run
         run.stop_preparing()
-        run.end_generation()
+        if run.plan is not None:
+            run.end_generation()
         run.controller.record.event("stop", reason=reason, step=run.committed)
-        if run.fresh:
+        if run.fresh or run.plan is None:
             run.controller.end_run(RUN_STOP, StopOrder(run.committed, reason, {}).to_json())
-            raise RunStopped(reason, status=status, step=run.committed, saved=False)
+            return False
         writers = self._writers()
         run.controller.end_run(RUN_STOP, StopOrder(run.committed, reason,
                                                    {str(b): w for b, w in writers.items()}).to_json())
@@ -60,24 +71,21 @@ class StopWriter:
         # A block no live worker holds is missing; so is one whose writer's part never came.
         missing = [str(b) for b in self._all_blocks() if b not in writers] or parts_complete(
             checkpoint_directory(run.run_dir, run.committed), list(writers), tp_size=cluster.tensor_parallel_size)
-        if not missing:
-            mark_latest(run.run_dir, run.committed)
-            raise RunStopped(reason, status=status, step=run.committed, saved=True)
-        log.error("run: the stop's checkpoint lacks blocks %s", missing)
-        raise RunStopped(reason, status=status, step=run.committed, saved=False)
+        if missing:
+            log.error("run: the checkpoint of step %d lacks blocks %s", run.committed, missing)
+            return False
+        mark_latest(run.run_dir, run.committed)
+        return True
 
     def _all_blocks(self) -> list:
         model = self.run.config.model
         return stage_blocks(StageSpec((0, model.num_layers), first=True, last=True), tied=model.tie_embeddings)
 
     def _writers(self) -> dict:
-        """Block -> the first worker of the settled plan that holds it and is alive."""
+        """Block -> the worker of the settled plan that writes it, among those alive
+        (every rank of the worker): one per block, spread over its live replicas."""
         run = self.run
         live = set(run.controller.detector.live_ranks())
         settled, cluster = run.center.settled, run.center.cluster
-        writers = {}
-        for worker in settled.workers:
-            if all(r in live for r in cluster.worker_ranks(worker)):
-                for block in worker_blocks(settled, worker, tied=run.config.model.tie_embeddings):
-                    writers.setdefault(block, worker)
-        return writers
+        alive = [w for w in settled.workers if all(r in live for r in cluster.worker_ranks(w))]
+        return owners(settled, run.config.model, workers=alive)

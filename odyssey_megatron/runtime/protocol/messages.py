@@ -230,8 +230,9 @@ class KillOrder(Message):
 @dataclass(frozen=True)
 class StopOrder(Message):
     """Under ``RUN_STOP``: save what is committed and exit. ``writers`` maps each block
-    (``str(block)``) to the worker that writes it (each of its TP ranks its shard): the
-    first live holder in the last settled plan, so every block is written once."""
+    (``str(block)``) to the worker that writes it (each of its TP ranks its shard): one
+    live holder in the last settled plan (``snapshot.shards.owners``), so every block
+    is written once."""
 
     KIND = "stop"
     step: int

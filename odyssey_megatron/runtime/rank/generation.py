@@ -176,7 +176,7 @@ class Generation:
                     raise GenerationEnded("the run stops")
                 return
             if process.spare is not None and self._first_step_committed():
-                process.spare = None
+                process.spare, process.settled = None, self.plan
             time.sleep(process.timeouts.poll_interval)
         raise GenerationEnded("the controller ended the generation")
 

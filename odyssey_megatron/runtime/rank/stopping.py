@@ -4,9 +4,20 @@ A worker ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches every process o
 group; SLURM signals every process of the job): its launcher passes the request on, and
 the controller stops the run with a ``StopOrder``, which the worker carries out between
 generations: it writes the blocks the order assigns it, as of the last committed step. A
-worker that lost the controller has nobody to assign writers: it writes every block it
-holds. Either way each block is a part of the checkpoint of the steps it has taken (all
-committed: a rank applies committed steps only).
+worker that lost the controller has nobody to assign writers: it picks them as the
+controller would (``snapshot.shards.owners``: each block to one of the replicas that hold
+it, balanced by bytes, so each rank writes about its stage's share over DP instead of the
+whole stage) from the last plan it saw settle, and writes its share of what it holds; a
+block that plan gives no one else it writes too. Either way each block is a part of the
+checkpoint of the steps it has taken (all committed: a rank applies committed steps
+only).
+
+Without the controller a worker cannot know which peers died with it, so it takes every
+worker of that plan as alive. A chosen writer that died too leaves its blocks out of that
+step's checkpoint, and so do replicas that took different numbers of steps (the
+controller died while they read a step's decision: each writes at the step it took);
+``--resume`` then takes the newest checkpoint whose parts hold every block, an older one,
+or none (the run is started again).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from odyssey_megatron.runtime.checkpoint import save_part
 from odyssey_megatron.runtime.protocol.keys import stopped_key
 from odyssey_megatron.runtime.protocol.messages import StopOrder
 from odyssey_megatron.runtime.rank.worker_process import WorkerProcess
+from odyssey_megatron.snapshot.shards import owners
 
 __all__ = ["carry_out", "save_held"]
 
@@ -30,9 +42,14 @@ def _save(process: WorkerProcess, blocks: list, *, step: int) -> None:
 
 
 def save_held(process: WorkerProcess) -> None:
-    """With the controller gone: write every block held, each as of the steps it has taken.
-    ``--resume`` takes the newest step whose parts hold every block."""
+    """With the controller gone: write this worker's share of the blocks held (every one
+    held, where it saw no plan settle), each as of the steps it has taken. ``--resume``
+    takes the newest step whose parts hold every block (see the module's docstring for a
+    chosen writer that died with the controller)."""
     held = process.state.held() if process.state is not None else []
+    if process.settled is not None:
+        writers = owners(process.settled, process.config.model)
+        held = [block for block in held if writers.get(block, process.worker_id) == process.worker_id]
     by_step: dict[int, list] = {}
     for block in held:
         by_step.setdefault(process.state.blocks[block].step, []).append(block)

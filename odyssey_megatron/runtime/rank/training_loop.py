@@ -96,6 +96,7 @@ class TrainingLoop:
             raise GenerationEnded(f"step {step} did not commit")
         self.handed_over = outcome is Outcome.LAST
         process.spare = None  # a step of this generation committed: it is settled
+        process.settled = self.generation.plan
         if snapshots is not None:
             snapshots.wait_written()  # the optimizer step overwrites what the snapshot copies
 

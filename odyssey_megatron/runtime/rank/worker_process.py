@@ -23,6 +23,7 @@ from odyssey_megatron.hooks.collective_guard import CollectiveGuard, prepare_bac
 from odyssey_megatron.hooks.rendezvous_store import RendezvousStore
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.training_state import TrainingState
+from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.protocol.keys import RUN_SPEC
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.runtime.protocol.messages import RunSpec
@@ -93,6 +94,10 @@ class WorkerProcess:
     """Blocks held before this generation that its stage does not train (``Generation``)."""
     admitted: bool
     """A joiner is admitted by the first generation that names it (``PlanPublished.joined``)."""
+    settled: Optional[ExecutionPlan]
+    """The plan of the last generation whose first step this worker saw commit (None: none
+    yet): whose blocks the ranks hold, and the writers of a save without the controller
+    follow from it (``runtime.rank.stopping``)."""
 
     def __init__(self, launch: WorkerLaunch, link: ControllerLink):
         self.launch, self.link, self.store = launch, link, link.store
@@ -146,6 +151,7 @@ class WorkerProcess:
         self.state = TrainingState() if launch.joining else None
         self.admitted = not launch.joining
         self.spare = None
+        self.settled = None
 
     def node_store(self) -> dist.Store:
         """A connection to the node's store (its launcher's), where the node's ranks commit together."""
