@@ -19,6 +19,11 @@ plain Python, every rule is unit-tested with made-up times. Ranks fail four ways
   load, and that process cannot be lost without the controller; its workers' exits and
   heartbeats are judged as anywhere else.
 
+The controller's own lateness is no one's silence: it tells the detector each time it
+looked at the heartbeats (``looked``), and a look that comes late (its process stopped,
+a GC pause, swap, its polling thread held) measures every silence from itself, not from
+before the controller's stall (``protocol.liveness.Looks``).
+
 A node's launcher that registers again (a replacement node, or the same one restarted)
 replaces the node: if the old one still counted as alive, its ranks fail as one node
 failure first, so what the old launcher ran is never confused with what the new one
@@ -42,7 +47,7 @@ from enum import Enum
 from typing import Optional
 
 from odyssey_megatron.runtime.protocol.keys import node_heartbeat_key
-from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch
+from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch, Looks
 from odyssey_megatron.runtime.protocol.messages import (
     CollectiveStalled,
     NodeHeartbeat,
@@ -138,6 +143,10 @@ class Detector:
         """A rank's timeout until its beats name a generation (it entered its first)."""
         self.controller_process = controller_process
         """(host, pid) of the controller's process: a launcher there is never found silent."""
+        self.looks = Looks(late_after=heartbeat_timeout / 4, excuse_every=2 * heartbeat_timeout)
+        """The controller's looks at the heartbeats: one a quarter of the timeout after the
+        previous is its own lateness (it polls every half beat: with the default 100 ms
+        beats and 1 s timeout, five polls fit in that quarter)."""
         self.ranks: dict[int, _Rank] = {}
         self.nodes: dict[int, _Node] = {}
 
@@ -200,6 +209,18 @@ class Detector:
     def live_nodes(self) -> list[int]:
         """Nodes whose launcher is watched (registered, neither lost nor left)."""
         return [n for n, node in list(self.nodes.items()) if node.state == _State.ALIVE]
+
+    def looked(self, now: float) -> float:
+        """The controller read the live nodes' heartbeats at ``now`` (call it before
+        ``observe`` with what it read, on every poll): the time since its previous look if
+        this one was late (its own stall), which then counts against no one; else 0."""
+        late = self.looks.look(now)
+        if late:
+            watches = [node.watch for node in self.nodes.values() if node.state == _State.ALIVE]
+            watches += [rank.watch for rank in self.ranks.values() if rank.state == _State.ALIVE and rank.watch]
+            for watch in watches:
+                watch.excuse(now)
+        return late
 
     def observe(self, beats: dict[str, NodeHeartbeat], now: float) -> bool:
         """Take in node heartbeats read under ``heartbeat_keys``; True when a rank's plan
