@@ -244,6 +244,39 @@ def test_a_replacement_launcher_fails_a_frozen_node_and_fences_it_when_it_thaws(
         assert len(cluster.events("failure")) == 1
 
 
+@pytest.mark.timeout(300)
+def test_a_node_failed_as_silent_whose_launcher_lives_registers_again_and_is_watched_again(tmp_path):
+    """Node 1 stalls whole for twice the heartbeat timeout (its launcher and workers
+    stopped, then continued: a node under swap, or one the controller could not read):
+    the controller fails it and fences its launcher. The launcher, alive, kills its
+    workers (they ran in the generation the run left), registers the node again and starts
+    them afresh: they are alive, on a node watched again, so a later loss of it is found."""
+    with LocalCluster(tmp_path, nodes=2, per_node=1, timeouts=TIMEOUTS) as cluster:
+        launcher, old_workers = cluster.launchers[1], [cluster.workers()[r]["pid"] for r in (1,)]
+        for pid in (launcher.pid, *old_workers):
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            failure = cluster.wait_event("failure", timeout=10)
+            assert (failure["cause"], failure["node"], failure["ranks"]) == ("node", 1, [1])
+        finally:
+            for pid in (launcher.pid, *old_workers):
+                os.kill(pid, signal.SIGCONT)
+
+        def registered_again() -> list[int] | None:
+            rows = cluster.workers()
+            pids = [rows[r]["pid"] for r in (1,) if rows[r]["state"] == "alive" and rows[r]["pid"] not in old_workers]
+            return pids if len(pids) == 1 else None
+
+        new_workers = wait_for(registered_again, timeout=60, what="node 1's worker started again and registered")
+        assert [n["node"] for n in cluster.events("node_joined")].count(1) == 2
+        assert launcher.is_alive() and not any(alive(pid) for pid in old_workers)
+        assert len(cluster.events("failure")) == 1 and alive(cluster.workers()[0]["pid"])
+        launcher.kill()
+        lost = cluster.wait_event("failure", timeout=10, node=1, ranks=[1])
+        assert lost["cause"] == "node"
+        wait_for(lambda: not any(alive(pid) for pid in new_workers), timeout=SLACK_S, what="the new workers gone")
+
+
 # -- the store and plans, in this process -----------------------------------------------
 
 
@@ -703,6 +736,41 @@ def test_a_controller_late_at_every_look_still_finds_a_dead_node():
         failures += _polled(detector, _node_beat(tick, {}), now=tick * 0.6)
     assert [(f.cause, f.node) for f in failures] == [(Cause.NODE, 1)]
     assert failures[0].detected_at - 2000.0 <= 2 * T + 0.6
+
+
+def test_a_starting_node_gets_the_initial_timeout_until_every_rank_of_it_registered():
+    """A replacement node's launcher registers, then imports and forks its workers under
+    the load of the run: it may beat late then. Until its last rank registered it gets the
+    ranks' start-up grace; from then on, the ordinary timeout."""
+    detector = Detector(T, initial_heartbeat_timeout=10 * T)
+    detector.node_joined(NodeRegistration(1, 10, "h", (2, 3)), now=0.0, wall=1000.0)
+    assert detector.check(now=8 * T, wall=1008.0) == []  # silent for 8 timeouts while it starts
+    detector.rank_joined(RankRegistration(2, 22, "h", 1), now=8 * T)
+    assert detector.check(now=9 * T, wall=1009.0) == []  # rank 3 still starting
+    detector.observe(_node_beat(1, {2: 1}, node=1, pids={2: 22}), now=9 * T)
+    detector.rank_joined(RankRegistration(3, 23, "h", 1), now=9 * T)
+    assert detector.check(now=10 * T, wall=1010.0) == []
+    [lost] = detector.check(now=10 * T + 0.01, wall=1010.0)
+    assert (lost.cause, lost.node, lost.ranks) == (Cause.NODE, 1, (2, 3))
+    assert f"silent for over {T} s" in lost.detail
+
+
+def test_a_failed_nodes_ranks_are_alive_only_once_it_registered_again_and_then_watched():
+    """A node failed as silent whose launcher lived on: a worker of it that registers (its
+    launcher restarted it) is not alive, since no one watches that launcher; once the
+    launcher registers the node again (fenced, it does), its workers are alive, and its
+    silence fails them again."""
+    detector = _detector_with_node()
+    [lost] = detector.check(now=2 * T, wall=2000.0)
+    assert lost.launcher == "h:10"
+    detector.rank_joined(RankRegistration(1, 31, "h", 0), now=2 * T)
+    assert detector.alive_ranks() == [] and detector.workers()[1]["state"] == "failed"
+    assert detector.node_joined(NodeRegistration(0, 10, "h", (0, 1)), now=3 * T, wall=2001.0) is None
+    for rank in (0, 1):
+        detector.rank_joined(RankRegistration(rank, 40 + rank, "h", 0), now=3 * T)
+    assert detector.alive_ranks() == [0, 1]
+    [again] = detector.check(now=4 * T + 0.01, wall=2002.0)
+    assert (again.cause, again.ranks) == (Cause.NODE, (0, 1))
 
 
 def test_heartbeats_carry_the_generation_each_worker_runs():

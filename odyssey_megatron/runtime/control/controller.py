@@ -7,7 +7,8 @@ orphans), drains the inbox, reads every live node's heartbeat (which carries its
 beats, ``NodeHeartbeat``) in one round trip, and only then judges silence, on the clock
 of that read, so a late poll (this process stopped, a GC pause, swap) is logged and
 blamed on no node (``Detector.looked``). It turns the detector's verdicts into
-``events.jsonl`` records, kill orders for the failed ranks' launchers, and
+``events.jsonl`` records, kill orders for the failed ranks' launchers, fencing of a lost
+node's launcher (``keys.fenced``: should it live on, it registers the node again), and
 ``Failure`` items for the owner (the training orchestrator) to act on with
 ``next_failure``. It never waits on a disk: the run record writes from a thread of its
 own (``RunRecord``). Launchers read the controller's heartbeat only when it rings them
@@ -43,7 +44,9 @@ from odyssey_megatron.runtime.protocol.keys import (
     PUBLISHED_GENERATION,
     abort_key,
     all_arrived_key,
+    fenced,
     kill_orders_key,
+    launcher_key,
     node_heartbeat_key,
     successor_key,
 )
@@ -300,12 +303,16 @@ class Controller:
         return beats
 
     def _report(self, store: dist.Store, failure: Failure) -> None:
-        """Record a failure, order the kill of failed ranks that may still run, and queue it."""
+        """Record a failure, order the kill of failed ranks that may still run, fence a lost
+        node's launcher, and queue it."""
         self.record.event("failure", **failure.to_record())
         console.warning(failure_line(failure))
         if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
             ordered = set()
+            if failure.launcher is not None:  # unless a launcher replaced it since (then that one is named there)
+                store.compare_set(launcher_key(failure.node), failure.launcher, fenced(failure.launcher))
+                ordered.add(failure.node)
             for rank in failure.ranks:
                 pid = self.detector.pid_of(rank)
                 if pid is not None:  # one that never registered is killed with its fenced launcher
