@@ -489,7 +489,8 @@ class OdysseyConfig:
     """The heartbeat timeout of a worker that has not yet entered its first plan generation
     (starting up: imports, data, building its stage on a busy node), at least
     heartbeat_timeout; a worker silent that long while starting counts as hung
-    (nvidia-resiliency-ext's initial_rank_heartbeat_timeout)."""
+    (nvidia-resiliency-ext's initial_rank_heartbeat_timeout). A node's launcher gets it too
+    until every worker of it has registered (a replacement node starting under load)."""
     collective_timeout: float = 30.0
     """Seconds a collective or point-to-point transfer may wait before it raises (the
     process groups' timeout); longer than heartbeat_timeout, so a hung peer is named by the

@@ -28,7 +28,8 @@ class Timeouts:
     recovery_timeout: float
     initial_heartbeat_timeout: float = 60.0
     """The heartbeat timeout of a worker that has not entered its first plan generation yet
-    (starting: imports, data, the first stage build); at least ``heartbeat_timeout``."""
+    (starting: imports, data, the first stage build), and of a node's launcher until every
+    worker of it has registered; at least ``heartbeat_timeout``."""
 
     def __post_init__(self) -> None:
         if not self.initial_heartbeat_timeout >= self.heartbeat_timeout:

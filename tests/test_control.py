@@ -246,6 +246,39 @@ def test_a_replacement_launcher_fails_a_frozen_node_and_fences_it_when_it_thaws(
         assert len(cluster.events("failure")) == 1
 
 
+@pytest.mark.timeout(300)
+def test_a_node_failed_as_silent_whose_launcher_lives_registers_again_and_is_watched_again(tmp_path):
+    """Node 1 stalls whole for twice the heartbeat timeout (its launcher and workers
+    stopped, then continued: a node under swap, or one the controller could not read):
+    the controller fails it and fences its launcher. The launcher, alive, kills its
+    workers (they ran in the generation the run left), registers the node again and starts
+    them afresh: they are alive, on a node watched again, so a later loss of it is found."""
+    with LocalCluster(tmp_path, nodes=2, per_node=1, timeouts=TIMEOUTS) as cluster:
+        launcher, old_workers = cluster.launchers[1], [cluster.workers()[r]["pid"] for r in (1,)]
+        for pid in (launcher.pid, *old_workers):
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            failure = cluster.wait_event("failure", timeout=10)
+            assert (failure["cause"], failure["node"], failure["ranks"]) == ("node", 1, [1])
+        finally:
+            for pid in (launcher.pid, *old_workers):
+                os.kill(pid, signal.SIGCONT)
+
+        def registered_again() -> list[int] | None:
+            rows = cluster.workers()
+            pids = [rows[r]["pid"] for r in (1,) if rows[r]["state"] == "alive" and rows[r]["pid"] not in old_workers]
+            return pids if len(pids) == 1 else None
+
+        new_workers = wait_for(registered_again, timeout=60, what="node 1's worker started again and registered")
+        assert [n["node"] for n in cluster.events("node_joined")].count(1) == 2
+        assert launcher.is_alive() and not any(alive(pid) for pid in old_workers)
+        assert len(cluster.events("failure")) == 1 and alive(cluster.workers()[0]["pid"])
+        launcher.kill()
+        lost = cluster.wait_event("failure", timeout=10, node=1, ranks=[1])
+        assert lost["cause"] == "node"
+        wait_for(lambda: not any(alive(pid) for pid in new_workers), timeout=SLACK_S, what="the new workers gone")
+
+
 # -- the store and plans, in this process -----------------------------------------------
 
 
@@ -363,6 +396,7 @@ def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_
     with pytest.raises(ValueError, match=r"op lists for workers \[\], the plan's live workers are \[0\]"):
         controller.publish_plan(plan, replace(program, ops={}))
     assert controller.published_generation == 1 and not controller.store.check([plan_ops_key(2, 0)])
+    controller.record.flush()  # written by the record's own thread
     assert sorted(p.name for p in tmp_path.glob("plan-*.json")) == ["plan-0.json", "plan-1.json"]
     assert read_published(json.loads((tmp_path / "plan-1.json").read_text())) == _published(1)
 
@@ -519,21 +553,60 @@ def test_a_launcher_waits_for_the_run_spec_past_the_recovery_timeout_while_the_c
         controller.stop()
 
 
-def test_the_controller_reads_node_beats_every_other_poll_and_checks_a_key_only_until_it_read_it(tmp_path):
-    """A node beats once per interval and the controller polls twice per interval: one
-    ``multi_get`` every other poll sees every beat, and a key it read is never missing."""
+def test_the_controller_reads_node_beats_on_every_poll_and_checks_a_key_only_until_it_read_it(tmp_path):
+    """Each poll reads every live node's beat (one ``multi_get``) before it judges silence,
+    so no verdict rests on a beat older than the poll; and a key it read is never missing."""
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)  # polled here
     store = Counting(controller.store.clone())
     store.store.set(node_heartbeat_key(0), NodeHeartbeat(0, 1.0, {"0": 0}, {}, {"0": 20}).to_json())
     store.store.queue_push(INBOX, NodeRegistration(0, 10, "h", (0,)).to_json())
     polls = []
-    for _ in range(4):
+    for _ in range(3):
         store.requests.clear()
         controller._poll(store)
         polls.append(store.requests[:])
-    assert polls == [["set", "queue_len", "queue_pop"], ["set", "queue_len", "check", "multi_get"],
-                     ["set", "queue_len"], ["set", "queue_len", "multi_get"]]
+    assert polls == [["set", "queue_len", "queue_pop", "check", "multi_get"], ["set", "queue_len", "multi_get"],
+                     ["set", "queue_len", "multi_get"]]
     assert controller.detector.nodes[0].watch.last.seq == 0
+
+
+def test_a_controller_poll_held_for_several_heartbeat_timeouts_fails_no_node_whose_launcher_beat(tmp_path, caplog):
+    """Two real launchers beat every interval from their own threads; the controller's poll
+    (run here, by hand, as its thread would) is held twice for three heartbeat
+    timeouts each (a GC pause, a thread waiting on a disk or a lock). Each poll reads the
+    beats before it judges, on the clock of that read: no node is failed, and each late
+    poll says so in one warning line. (Reading every other poll, the first poll after a
+    hold judged the beats read before it: both nodes failed as silent.)"""
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)  # polled here
+    store = controller.store.clone()
+    launchers = [NodeLauncher(LaunchConfig(nnodes=3, node_rank=n, master_port=controller.port, nproc_per_node=1),
+                              timeouts=TIMEOUTS, target=_no_worker) for n in (1, 2)]
+    try:
+        for n, launcher in enumerate(launchers, start=1):
+            beats = dist.TCPStore("127.0.0.1", controller.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=TIMEOUTS.heartbeat_timeout))
+            beats.set(launcher_key(n), launcher._name)
+            launcher._beat(beats, launcher._node_store.store.clone())
+            launcher._start_beating(beats, launcher._node_store.store.clone())
+            # Not the controller's process, and no ranks: no start-up grace.
+            store.queue_push(INBOX, NodeRegistration(n, 100 + n, f"node{n}", ()).to_json())
+        for _ in range(2):
+            for _ in range(4):  # an even number of polls between holds
+                controller._poll(store)
+                time.sleep(TIMEOUTS.poll_interval)
+            assert controller.detector.live_nodes() == [1, 2]
+            time.sleep(3 * TIMEOUTS.heartbeat_timeout)  # the poll held
+            controller._poll(store)
+        for _ in range(4):
+            controller._poll(store)
+            time.sleep(TIMEOUTS.poll_interval)
+        assert controller.next_failure(timeout=0) is None and controller.detector.live_nodes() == [1, 2]
+        late = [r.getMessage() for r in caplog.records if "after its previous look" in r.getMessage()]
+        assert len(late) == 2 and all(" 3." in line for line in late), late
+    finally:
+        for launcher in launchers:
+            launcher._stop_beating()
+            launcher._keeper.close()
 
 
 def test_the_store_listens_on_the_configured_address_only(tmp_path):
@@ -668,6 +741,81 @@ def test_a_restarted_workers_start_up_grace_holds_whatever_its_predecessors_last
         detector.observe(_node_beat(tick, {0: tick, 1: 7}, {0: 3, 1: 3}), now=tick * T)
         assert detector.check(now=tick * T, wall=2000.0) == []
     assert detector.workers()[1]["generation"] is None
+
+
+def _polled(detector: Detector, beats: dict[str, NodeHeartbeat], now: float) -> list:
+    """One controller poll: the look, what it read, the verdicts."""
+    detector.looked(now)
+    detector.observe(beats, now)
+    return detector.check(now, wall=2000.0 + now)
+
+
+def test_silence_during_the_controllers_own_stall_counts_from_its_late_look():
+    """The controller's process stops for 3 s with the store it hosts (SIGSTOP, swap): no
+    beat could be written meanwhile, and its first look after it finds every beat 3 s old.
+    That look is late and counts the silence from itself: nodes that beat again within the
+    timeout are never failed, and one that stays silent fails a timeout after the look,
+    not at once."""
+    detector = _detector_with_node()
+    detector.node_joined(NodeRegistration(1, 11, "h1", ()), now=0.0, wall=1000.0)
+    for tick in range(1, 11):  # on time: a look every 0.05 s
+        beats = {**_node_beat(tick, {0: tick, 1: tick}), **_node_beat(tick, {}, node=1)}
+        assert _polled(detector, beats, now=tick * 0.05) == []
+    stalled = 0.5 + 3.0
+    assert detector.looked(stalled) == pytest.approx(3.0)
+    assert detector.check(stalled, wall=2000.0) == []
+    for tick in range(11, 20):  # node 0 and its ranks beat again 0.5 s later; node 1 stays silent
+        beats = _node_beat(tick, {0: tick, 1: tick}) if tick > 15 else {}
+        assert _polled(detector, beats, now=stalled + (tick - 10) * 0.1) == []
+    [lost] = _polled(detector, _node_beat(21, {0: 21, 1: 21}), now=stalled + T + 0.05)
+    assert (lost.cause, lost.node) == (Cause.NODE, 1)
+
+
+def test_a_controller_late_at_every_look_still_finds_a_dead_node():
+    """One late look is excused per two timeouts: a controller that looks only every 0.6 s
+    (late each time) fails a silent node within two timeouts, and the live one never."""
+    detector = _detector_with_node(ranks=())
+    detector.node_joined(NodeRegistration(1, 11, "h1", ()), now=0.0, wall=1000.0)
+    failures = []
+    for tick in range(1, 8):
+        failures += _polled(detector, _node_beat(tick, {}), now=tick * 0.6)
+    assert [(f.cause, f.node) for f in failures] == [(Cause.NODE, 1)]
+    assert failures[0].detected_at - 2000.0 <= 2 * T + 0.6
+
+
+def test_a_starting_node_gets_the_initial_timeout_until_every_rank_of_it_registered():
+    """A replacement node's launcher registers, then imports and forks its workers under
+    the load of the run: it may beat late then. Until its last rank registered it gets the
+    ranks' start-up grace; from then on, the ordinary timeout."""
+    detector = Detector(T, initial_heartbeat_timeout=10 * T)
+    detector.node_joined(NodeRegistration(1, 10, "h", (2, 3)), now=0.0, wall=1000.0)
+    assert detector.check(now=8 * T, wall=1008.0) == []  # silent for 8 timeouts while it starts
+    detector.rank_joined(RankRegistration(2, 22, "h", 1), now=8 * T)
+    assert detector.check(now=9 * T, wall=1009.0) == []  # rank 3 still starting
+    detector.observe(_node_beat(1, {2: 1}, node=1, pids={2: 22}), now=9 * T)
+    detector.rank_joined(RankRegistration(3, 23, "h", 1), now=9 * T)
+    assert detector.check(now=10 * T, wall=1010.0) == []
+    [lost] = detector.check(now=10 * T + 0.01, wall=1010.0)
+    assert (lost.cause, lost.node, lost.ranks) == (Cause.NODE, 1, (2, 3))
+    assert f"silent for over {T} s" in lost.detail
+
+
+def test_a_failed_nodes_ranks_are_alive_only_once_it_registered_again_and_then_watched():
+    """A node failed as silent whose launcher lived on: a worker of it that registers (its
+    launcher restarted it) is not alive, since no one watches that launcher; once the
+    launcher registers the node again (fenced, it does), its workers are alive, and its
+    silence fails them again."""
+    detector = _detector_with_node()
+    [lost] = detector.check(now=2 * T, wall=2000.0)
+    assert lost.launcher == "h:10"
+    detector.rank_joined(RankRegistration(1, 31, "h", 0), now=2 * T)
+    assert detector.alive_ranks() == [] and detector.workers()[1]["state"] == "failed"
+    assert detector.node_joined(NodeRegistration(0, 10, "h", (0, 1)), now=3 * T, wall=2001.0) is None
+    for rank in (0, 1):
+        detector.rank_joined(RankRegistration(rank, 40 + rank, "h", 0), now=3 * T)
+    assert detector.alive_ranks() == [0, 1]
+    [again] = detector.check(now=4 * T + 0.01, wall=2002.0)
+    assert (again.cause, again.ranks) == (Cause.NODE, (0, 1))
 
 
 def test_heartbeats_carry_the_generation_each_worker_runs():

@@ -456,6 +456,36 @@ def test_a_frozen_node_holding_a_whole_stage_costs_no_collective_timeout_and_is_
     assert_same_training(run_dir, reference)
 
 
+def test_node_0s_process_stopped_for_3_s_fails_no_node_and_trains_to_the_failure_free_model(
+        tmp_path, data_cache, reference):
+    """Two nodes of 4 ranks. Once a step is committed, node 0's ``odyssey train`` process
+    (the controller with the store it hosts, and node 0's launcher; not its workers) is
+    stopped for 3 s, as swap, a GC pause or a stalled shared filesystem stops a
+    controller, then continued. Every client of its store waits meanwhile; the
+    controller's first look after it comes 3 s late and counts no node's silence from
+    before it: no failure is recorded, the late look is logged, and the run ends with the
+    failure-free model."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02),
+              "--nnodes", "2", "--master-port", str(port)]
+    nodes = [train(run_dir, data_cache, *common, node_rank=n) for n in range(2)]
+    try:
+        wait_for_step(run_dir, 1, nodes=tuple(nodes))
+        os.kill(nodes[0].pid, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(nodes[0].pid, signal.SIGCONT)
+        status, _, err = finish(nodes[0])
+    finally:
+        if nodes[0].poll() is None:  # the test failed while it was stopped
+            os.kill(nodes[0].pid, signal.SIGCONT)
+        for node in nodes[1:]:
+            finish(node)
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    assert events(run_dir, "failure") == [], run_logs(run_dir)
+    assert "s after its previous look (this process stalled)" in (run_dir / "logs" / "node-0.log").read_text()
+    assert_same_training(run_dir, reference)
+
+
 LAUNCH_VARIABLES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
 
 

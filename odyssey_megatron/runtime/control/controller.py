@@ -4,10 +4,14 @@ TCPStore, runs the fault detector, records the run and publishes plans.
 A daemon thread polls twice per heartbeat interval: it writes the controller's own
 heartbeat (workers and launchers exit when it stops, so a lost controller leaves no
 orphans), drains the inbox, reads every live node's heartbeat (which carries its workers'
-beats, ``NodeHeartbeat``) in one round trip every other poll, and turns the
-detector's verdicts into ``events.jsonl`` records, kill orders for the failed ranks'
-launchers, and ``Failure`` items for the owner (the training orchestrator) to act on with
-``next_failure``. Launchers read the controller's heartbeat only when it rings them
+beats, ``NodeHeartbeat``) in one round trip, and only then judges silence, on the clock
+of that read, so a late poll (this process stopped, a GC pause, swap) is logged and
+blamed on no node (``Detector.looked``). It turns the detector's verdicts into
+``events.jsonl`` records, kill orders for the failed ranks' launchers, fencing of a lost
+node's launcher (``keys.fenced``: should it live on, it registers the node again), and
+``Failure`` items for the owner (the training orchestrator) to act on with
+``next_failure``. It never waits on a disk: the run record writes from a thread of its
+own (``RunRecord``). Launchers read the controller's heartbeat only when it rings them
 (``DOORBELL``: an abort, a kill order) or every heartbeat timeout, so the store's load
 is one request per node per interval. The thread never waits on the owner, so a long
 decision delays neither heartbeats nor detection.
@@ -40,7 +44,9 @@ from odyssey_megatron.runtime.protocol.keys import (
     PUBLISHED_GENERATION,
     abort_key,
     all_arrived_key,
+    fenced,
     kill_orders_key,
+    launcher_key,
     node_heartbeat_key,
     successor_key,
 )
@@ -107,7 +113,6 @@ class Controller:
         """Node -> kill orders queued for it so far (``ControllerHeartbeat.kill_orders``)."""
         self._beats_seen: dict[str, bytes] = {}
         """Heartbeat key -> the node heartbeat last parsed under it (the polling thread's)."""
-        self._polls = 0
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
                                  controller_process=(socket.gethostname(), os.getpid()))
@@ -124,10 +129,12 @@ class Controller:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop polling, after taking in what is still in the inbox (the last exits)."""
+        """Stop polling, after taking in what is still in the inbox (the last exits), and
+        wait until the run record is written."""
         self._stop.set()
         self._thread.join()
         self._poll(self.store)
+        self.record.flush()
 
     def next_failure(self, timeout: float) -> Optional[Failure]:
         """The next failure detected, waiting up to ``timeout`` s; None if none came.
@@ -235,10 +242,14 @@ class Controller:
                 workers_changed |= self._take(store, parse_inbox(raw))
             except ProtocolError as exc:
                 log.warning("controller: dropped a malformed inbox message: %s", exc)
-        self._polls += 1
-        if self._polls % 2 == 0:  # a node beats once per interval: every other poll reads them
-            workers_changed |= self.detector.observe(self._node_beats(store), time.monotonic())
-        for failure in self.detector.check(time.monotonic(), time.time()):
+        beats = self._node_beats(store)
+        now = time.monotonic()  # after the read: a stall before it only makes the beats fresher
+        late = self.detector.looked(now)
+        if late:
+            log.warning("controller: looked at the node heartbeats %.1f s after its previous look (this process "
+                        "stalled); their silence counts from now", late)
+        workers_changed |= self.detector.observe(beats, now)
+        for failure in self.detector.check(now, time.time()):
             self._report(store, failure)
             workers_changed = True
         if workers_changed:
@@ -301,12 +312,16 @@ class Controller:
         return beats
 
     def _report(self, store: dist.Store, failure: Failure) -> None:
-        """Record a failure, order the kill of failed ranks that may still run, and queue it."""
+        """Record a failure, order the kill of failed ranks that may still run, fence a lost
+        node's launcher, and queue it."""
         self.record.event("failure", **failure.to_record())
         console.warning(failure_line(failure))
         if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE, Cause.LATE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
             ordered = set()
+            if failure.launcher is not None:  # unless a launcher replaced it since (then that one is named there)
+                store.compare_set(launcher_key(failure.node), failure.launcher, fenced(failure.launcher))
+                ordered.add(failure.node)
             for rank in failure.ranks:
                 pid = self.detector.pid_of(rank)
                 if pid is not None:  # one that never registered is killed with its fenced launcher

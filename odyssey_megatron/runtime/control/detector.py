@@ -19,11 +19,23 @@ plain Python, every rule is unit-tested with made-up times. Ranks fail four ways
   load, and that process cannot be lost without the controller; its workers' exits and
   heartbeats are judged as anywhere else.
 
-A node's launcher that registers again (a replacement node, or the same one restarted)
-replaces the node: if the old one still counted as alive, its ranks fail as one node
-failure first, so what the old launcher ran is never confused with what the new one
-starts. A rank that registers again after it failed or exited (its launcher restarted it)
-is alive again: capacity that the controller may take back (``alive_ranks``).
+A node starts like a rank: until every rank its launcher announced has registered (its
+launcher has imported, started the fork server and forked them all: on a replacement
+node, under the load of a run in progress or from a slow shared filesystem, this is when
+its beats come late) its launcher gets the initial timeout too.
+
+The controller's own lateness is no one's silence: it tells the detector each time it
+looked at the heartbeats (``looked``), and a look that comes late (its process stopped,
+a GC pause, swap, its polling thread held) measures every silence from itself, not from
+before the controller's stall (``protocol.liveness.Looks``).
+
+A node's launcher that registers again (a replacement node, the same one restarted, or a
+launcher whose node was failed while it lived on) replaces the node and is judged afresh:
+if the old one still counted as alive, its ranks fail as one node failure first, so what
+the old launcher ran is never confused with what the new one starts. A rank that
+registers again after it failed or exited (its launcher restarted it) is alive again:
+capacity that the controller may take back (``alive_ranks``); but not on a failed node,
+whose launcher nobody watches: its ranks are alive again once it registers again.
 
 A rank's beats reach the controller inside its launcher's (``NodeHeartbeat``: one store
 key per node, however many ranks it runs), as the launcher last read them from its node's
@@ -41,8 +53,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, Optional
 
-from odyssey_megatron.runtime.protocol.keys import node_heartbeat_key
-from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch
+from odyssey_megatron.runtime.protocol.keys import launcher_name, node_heartbeat_key
+from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch, Looks
 from odyssey_megatron.runtime.protocol.messages import (
     CollectiveStalled,
     NodeHeartbeat,
@@ -84,6 +96,9 @@ class Failure:
     node_ranks: tuple[int, ...] = ()
     """Cause ``node``: every rank the node ran, ``ranks`` and those that failed or exited
     before it; their snapshot keeper slots went with its launcher. Else empty."""
+    launcher: Optional[str] = None
+    """Cause ``node``: the lost launcher's name (``keys.launcher_name``), which the
+    controller fences. Else None."""
 
     def to_record(self) -> dict:
         return {"cause": self.cause.value, "ranks": list(self.ranks), "node": self.node, "failed_at": self.failed_at,
@@ -140,6 +155,10 @@ class Detector:
         """A rank's timeout until its beats name a generation (it entered its first)."""
         self.controller_process = controller_process
         """(host, pid) of the controller's process: a launcher there is never found silent."""
+        self.looks = Looks(late_after=heartbeat_timeout / 4, excuse_every=2 * heartbeat_timeout)
+        """The controller's looks at the heartbeats: one a quarter of the timeout after the
+        previous is its own lateness (it polls every half beat: with the default 100 ms
+        beats and 1 s timeout, five polls fit in that quarter)."""
         self.ranks: dict[int, _Rank] = {}
         self.nodes: dict[int, _Node] = {}
 
@@ -149,7 +168,8 @@ class Detector:
         """Watch the node from now on; where it replaces a launcher still counted alive, the
         old one's live ranks fail together (returned)."""
         beside_controller = (msg.host, msg.pid) == self.controller_process
-        timeout = math.inf if beside_controller else self.heartbeat_timeout
+        timeout = math.inf if beside_controller else self.initial_heartbeat_timeout if msg.ranks else \
+            self.heartbeat_timeout
         old = self.nodes.get(msg.node)
         replaced = None
         if old is not None and old.state == _State.ALIVE:
@@ -162,13 +182,17 @@ class Detector:
 
     def rank_joined(self, msg: RankRegistration, now: float) -> None:
         rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))
-        rank.state, rank.pid, rank.host = _State.ALIVE, msg.pid, msg.host
+        node = self.nodes.get(rank.node)
+        failed_node = node is not None and node.state == _State.FAILED
+        rank.state, rank.pid, rank.host = _State.FAILED if failed_node else _State.ALIVE, msg.pid, msg.host
         rank.watch = HeartbeatWatch(self.initial_heartbeat_timeout, now)
+        self._started(rank.node)
 
     def rank_exited(self, msg: RankExit, wall: float) -> Optional[Failure]:
         rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))
         live = rank.state in (_State.STARTING, _State.ALIVE)
         rank.state = _State.EXITED
+        self._started(rank.node)
         if not live or msg.exitcode == 0:
             return None
         return Failure(Cause.EXIT, (msg.rank,), None, msg.exited_at, wall, describe_exit(msg.exitcode))
@@ -217,6 +241,18 @@ class Detector:
         """Nodes whose launcher is watched (registered, neither lost nor left)."""
         return [n for n, node in list(self.nodes.items()) if node.state == _State.ALIVE]
 
+    def looked(self, now: float) -> float:
+        """The controller read the live nodes' heartbeats at ``now`` (call it before
+        ``observe`` with what it read, on every poll): the time since its previous look if
+        this one was late (its own stall), which then counts against no one; else 0."""
+        late = self.looks.look(now)
+        if late:
+            watches = [node.watch for node in self.nodes.values() if node.state == _State.ALIVE]
+            watches += [rank.watch for rank in self.ranks.values() if rank.state == _State.ALIVE and rank.watch]
+            for watch in watches:
+                watch.excuse(now)
+        return late
+
     def observe(self, beats: dict[str, NodeHeartbeat], now: float) -> bool:
         """Take in node heartbeats read under ``heartbeat_keys``; True when a rank's plan
         generation changed."""
@@ -243,7 +279,7 @@ class Detector:
         for n, node in self.nodes.items():
             if node.state == _State.ALIVE and node.watch.stale(now):
                 failures.append(self._fail_node(n, wall, f"launcher pid {node.pid} on {node.host} silent for over "
-                                                         f"{self.heartbeat_timeout} s"))
+                                                         f"{node.watch.timeout} s"))
         hung = [r for r, rank in self.ranks.items() if rank.state == _State.ALIVE and self._hung(rank, now)]
         if hung:
             for r in hung:
@@ -261,7 +297,15 @@ class Detector:
         for r in lost:
             self.ranks[r].state = _State.FAILED
         last = node.watch.last.sent_at if node.watch.last else node.registered_at
-        return Failure(Cause.NODE, lost, n, last, wall, detail, node_ranks=node.ranks)
+        return Failure(Cause.NODE, lost, n, last, wall, detail, node_ranks=node.ranks,
+                       launcher=launcher_name(node.host, node.pid))
+
+    def _started(self, n: int) -> None:
+        """Node ``n``'s start-up grace ends once none of its ranks is starting."""
+        node = self.nodes.get(n)
+        if node is not None and node.watch.timeout != math.inf and not any(
+                self.ranks[r].state == _State.STARTING for r in node.ranks):
+            node.watch.timeout = self.heartbeat_timeout
 
     def _hung(self, rank: _Rank, now: float) -> bool:
         if not rank.watch.stale(now):

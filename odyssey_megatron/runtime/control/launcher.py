@@ -7,7 +7,12 @@ the run goes on meanwhile and takes it back when the controller decides to
 A launcher started with the same ``--node-rank`` while the run goes on (the node repaired,
 or a replacement host) finds the node's launcher key set: its workers join too. It writes
 its own name there, and a launcher that finds another's name in it has been replaced (a
-frozen node that came back): it kills its workers and exits, so no rank runs twice.
+frozen node that came back): it kills its workers and exits, so no rank runs twice. One
+that finds its own name fenced there (``keys.fenced``) lives on while the controller
+failed its node as silent (the node stalled, or so it seemed to the controller, say
+while this launcher started under load): it kills its workers too, which ran in a
+generation the run has left, then registers the node again and starts them afresh as
+joiners, to be judged afresh and taken back.
 
 A launcher of ``odyssey train`` starts its workers once node 0 has published the run's spec
 (``on_run_spec``): node 0 opens the store before it prepares the data, and the launcher
@@ -66,8 +71,10 @@ from odyssey_megatron.runtime.protocol.keys import (
     RUN_DONE,
     RUN_SPEC,
     RUN_STOP,
+    fenced,
     kill_orders_key,
     launcher_key,
+    launcher_name,
     node_heartbeat_key,
     rank_heartbeat_key,
 )
@@ -121,7 +128,7 @@ class NodeLauncher:
         self.restart_workers = restart_workers
         """Times each rank's worker may be started again after it died (``odyssey.restart_workers``)."""
         self._restarts: dict[int, int] = {}
-        self._name = f"{socket.gethostname()}:{os.getpid()}"
+        self._name = launcher_name(socket.gethostname(), os.getpid())
         """What this launcher writes under the node's launcher key."""
         self._joining = False
         """The run was under way when this launcher started: its workers join it."""
@@ -142,6 +149,8 @@ class NodeLauncher:
         self._controller_lost: Optional[str] = None
         self._launching: Optional[str] = None
         """Who the node's launcher key names now."""
+        self._fenced = threading.Event()
+        """Set when the controller failed this node while this launcher lives: it registers again."""
         self._kill_orders: collections.deque[KillOrder] = collections.deque()
         self._kill_orders_seen = 0
         """Kill orders for the node the controller's heartbeat counted when the queue was last read."""
@@ -167,8 +176,7 @@ class NodeLauncher:
             node_store = self._node_store.store.clone()
             self._beat(beats, node_store)  # the node's first beat and view, before any worker reads them
             self._start_beating(beats, node_store)
-            store.queue_push(INBOX, NodeRegistration(node, os.getpid(), socket.gethostname(),
-                                                     tuple(self.config.ranks)).to_json())
+            self._register(store)
             if self.on_run_spec is not None:
                 self.on_run_spec(self._wait_for_run_spec(store))
             self._start_workers()
@@ -195,6 +203,10 @@ class NodeLauncher:
         """Ask the controller to stop the run (from the main thread's signal handler; the
         watch loop sends it)."""
         self._stop_signal = signal_name
+
+    def _register(self, store: dist.Store) -> None:
+        store.queue_push(INBOX, NodeRegistration(self.config.node_rank, os.getpid(), socket.gethostname(),
+                                                 tuple(self.config.ranks)).to_json())
 
     def _start_workers(self) -> None:
         self._context = start_fork_server(self.target.__module__)
@@ -227,8 +239,11 @@ class NodeLauncher:
                 continue
             next_poll = max(next_poll + self.timeouts.poll_interval, now)
             self._check_controller(now)
-            if self._launching not in (None, self._name):
+            if self._launching not in (None, self._name, fenced(self._name)):
                 raise _Replaced(f"replaced by launcher {self._launching}")
+            if self._fenced.is_set():
+                self._fenced.clear()
+                self._register_again(store)
             if self._stop_signal is not None:
                 store.queue_push(INBOX, StopRequested(self.config.node_rank, self._stop_signal, time.time()).to_json())
                 self._stop_signal = None
@@ -250,7 +265,24 @@ class NodeLauncher:
             time.sleep(self.timeouts.poll_interval)
         return store.get(RUN_SPEC)
 
-    def _reap(self, store: dist.Store, rank: int) -> None:
+    def _register_again(self, store: dist.Store) -> None:
+        """The controller failed this node as silent, and this launcher lives: kill every
+        worker (their exits reach the controller before the registration does), register the
+        node again and start its workers afresh as joiners, unless the run is ending."""
+        node = self.config.node_rank
+        log.warning("node %d: the controller failed this node as silent; killing its workers and registering the "
+                    "node again", node)
+        for process in self._workers.values():
+            process.kill()
+        for rank in list(self._workers):
+            self._reap(store, rank, restart=False)
+        if store.check([RUN_DONE]) or store.check([RUN_STOP]):
+            return
+        self._joining = True
+        self._register(store)
+        self._start_workers()
+
+    def _reap(self, store: dist.Store, rank: int, *, restart: bool = True) -> None:
         process = self._workers.pop(rank)
         process.join()
         exited_at = time.time()
@@ -258,7 +290,7 @@ class NodeLauncher:
         # INFO: a failed rank's exit reaches the terminal as the controller's failure line.
         log.info("node %d: rank %d (pid %d) exited: %s", self.config.node_rank, rank, process.pid,
                  describe_exit(process.exitcode))
-        if self._restartable(store, rank, process.exitcode):
+        if restart and self._restartable(store, rank, process.exitcode):
             self._restarts[rank] = self._restarts.get(rank, 0) + 1
             self._start_worker(self.config.ranks.index(rank), rank, joining=True)
 
@@ -345,6 +377,10 @@ class NodeLauncher:
         controller = ControllerHeartbeat.from_json(controller)
         self._controller.see(controller, time.monotonic())
         self._launching = launching.decode()
+        if self._launching == fenced(self._name):  # take the node's name back first: it is fenced once
+            self._launching = store.compare_set(launcher_key(node), self._launching, self._name).decode()
+            if self._launching == self._name:
+                self._fenced.set()
         self._aborted.update(controller.aborted)
         queued = controller.kill_orders.get(str(node), 0)
         if queued > self._kill_orders_seen:  # new orders: take the whole queue

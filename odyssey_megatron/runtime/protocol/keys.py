@@ -45,6 +45,19 @@ def launcher_key(node: int) -> str:
     return f"control/launcher/node/{node}"
 
 
+def launcher_name(host: str, pid: int) -> str:
+    """How a launcher names itself under ``launcher_key``: its host and process."""
+    return f"{host}:{pid}"
+
+
+def fenced(launcher: str) -> str:
+    """What the controller writes under ``launcher_key`` over ``launcher``'s name when it
+    failed that launcher's node as silent: the launcher may live on (its node, or the
+    controller's view of it, stalled), so it kills its workers, which ran in a generation
+    the run has left, and registers the node again, to be judged afresh."""
+    return f"fenced:{launcher}"
+
+
 def generation_prefix(generation: int) -> str:
     """Every key of one plan generation lives under this prefix (process groups too, through
     a ``PrefixStore``), so nothing of an aborted generation is read by the next."""
