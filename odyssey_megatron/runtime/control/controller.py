@@ -108,6 +108,8 @@ class Controller:
         self._seq = 0
         self._beating = threading.Lock()
         """The polling thread and the owner (an abort) both beat."""
+        self._judging = threading.Lock()
+        """The polling thread and the owner (``fail_late``) both pass verdicts on ranks."""
         self._aborted: tuple[int, ...] = ()
         self._kill_orders: dict[int, int] = {}
         """Node -> kill orders queued for it so far (``ControllerHeartbeat.kill_orders``)."""
@@ -191,9 +193,10 @@ class Controller:
         """On the owner's thread: fail the ranks of ``ranks`` that beat but have not entered
         ``generation`` within the recovery timeout (``Detector.ranks_late``), as any failure
         (recorded, killed, queued for ``next_failure``); whether there was one."""
-        failure = self.detector.ranks_late(ranks, generation, time.time(), self.timeouts.recovery_timeout)
-        if failure is not None:
-            self._report(self.store, failure)
+        with self._judging:
+            failure = self.detector.ranks_late(ranks, generation, time.time(), self.timeouts.recovery_timeout)
+            if failure is not None:
+                self._report(self.store, failure)
         return failure is not None
 
     # -- the polling thread ----------------------------------------------------------------
@@ -235,25 +238,26 @@ class Controller:
 
     def _poll(self, store: dist.Store) -> None:
         self._beat(store)
-        workers_changed = False
-        for _ in range(store.queue_len(INBOX)):
-            raw = store.queue_pop(INBOX, block=False)
-            try:
-                workers_changed |= self._take(store, parse_inbox(raw))
-            except ProtocolError as exc:
-                log.warning("controller: dropped a malformed inbox message: %s", exc)
-        beats = self._node_beats(store)
-        now = time.monotonic()  # after the read: a stall before it only makes the beats fresher
-        late = self.detector.looked(now)
-        if late:
-            log.warning("controller: looked at the node heartbeats %.1f s after its previous look (this process "
-                        "stalled); their silence counts from now", late)
-        workers_changed |= self.detector.observe(beats, now)
-        for failure in self.detector.check(now, time.time()):
-            self._report(store, failure)
-            workers_changed = True
-        if workers_changed:
-            self.record.workers(self.detector.workers())
+        with self._judging:
+            workers_changed = False
+            for _ in range(store.queue_len(INBOX)):
+                raw = store.queue_pop(INBOX, block=False)
+                try:
+                    workers_changed |= self._take(store, parse_inbox(raw))
+                except ProtocolError as exc:
+                    log.warning("controller: dropped a malformed inbox message: %s", exc)
+            beats = self._node_beats(store)
+            now = time.monotonic()  # after the read: a stall before it only makes the beats fresher
+            late = self.detector.looked(now)
+            if late:
+                log.warning("controller: looked at the node heartbeats %.1f s after its previous look (this process "
+                            "stalled); their silence counts from now", late)
+            workers_changed |= self.detector.observe(beats, now)
+            for failure in self.detector.check(now, time.time()):
+                self._report(store, failure)
+                workers_changed = True
+            if workers_changed:
+                self.record.workers(self.detector.workers())
 
     def _take(self, store: dist.Store, msg: Message) -> bool:
         """Hand one inbox message to the detector; True if workers.json changes."""
