@@ -398,7 +398,9 @@ class DecisionCenter:
                 raise UnrecoverableFailure(f"{why}, and {exc}") from None
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
-                           source=source, replaced=self.plan)
+                           source=source, replaced=self.plan,
+                           interval_source="the caller (interval_s)" if interval_s is not None else
+                           self.failure_model.source)
         self._commit(decision)
         return decision
 

@@ -508,6 +508,20 @@ def test_decision_center_learns_the_failure_rate_from_observed_failures():
         learning.on_failure(ranks=[1], at_s=10.0)
 
 
+def test_each_decision_says_where_the_horizon_of_eq8_came_from():
+    """The prior MTBF until a failure is seen with its time, then the failures seen; the
+    caller's interval where it gives one (the simulator's oracle)."""
+    recipe = "recipes/llama2_7b/ascend_910b_32.yaml"
+    center = DecisionCenter.from_recipe(load_config(recipe))
+    assert center.on_failure(ranks=[5]).interval_source == "the prior odyssey.device_mtbf_hours=10"
+    seen = center.on_failure(ranks=[9], at_s=120.0)
+    assert seen.interval_source.startswith("1 failure(s) seen over 1.033 device-hours")
+    assert seen.expected_interval_s == pytest.approx(3600 * (10 + 31 * 120 / 3600) / 2 / 30)
+    assert center.on_failure(ranks=[13], interval_s=60.0).interval_source == "the caller (interval_s)"
+    fixed = DecisionCenter.from_recipe(load_config(recipe, ["odyssey.learn_failure_rate=false"]))
+    assert fixed.on_failure(ranks=[5], at_s=60.0).interval_source == "the prior odyssey.device_mtbf_hours=10"
+
+
 def test_batch_moves_from_the_long_pipeline_to_the_short_one():
     """Uniform layers (F=1, B=2), 14 layers, 7 workers as 4 + 3 stages (splits 4,4,3,3
     and 5,5,4), 16 micro-batches. IV-A's proportional shares 10 / 6 take 144 and 114:

@@ -54,11 +54,16 @@ class Decision:
     """Strategies estimated (plus the reroute plan)."""
     search_time_s: float
     expected_interval_s: float
+    """Eq. 8's horizon: the expected seconds to the next failure it weighs each candidate over."""
     note: str = ""
     source: str = "cold"
     """Where its candidates were priced: "cold" (at the failure), "prepared" (in advance,
     for this failure) or "renamed" (in advance, for an equivalent failure on a symmetric
     plan: ``planner.symmetry``)."""
+    interval_source: str = ""
+    """Where ``expected_interval_s`` came from (``DecisionCenter`` fills it in): the prior
+    ``odyssey.device_mtbf_hours``, the failures seen (``FailureRateModel.source``), or the
+    caller's hindsight."""
     replaced: Optional[ExecutionPlan] = None
     """The plan the job ran before it (``DecisionCenter`` fills it in): what the chosen
     plan's transfers move weights from."""
