@@ -20,7 +20,8 @@ from odyssey_megatron.settings import SearchSettings
 from odyssey_megatron.snapshot.restore import Restore
 
 PLACED_LAYOUTS = 3
-"""Fastest layouts that get a Kuhn-Munkres placement, so transition cost can still change the winner."""
+"""Fastest layouts (as priced) that get a Kuhn-Munkres placement, so transition cost can still
+change the winner; the fastest symmetric layout is placed beside them where they do not hold it."""
 
 
 class UnrecoverableFailure(RuntimeError):
