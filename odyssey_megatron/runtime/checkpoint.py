@@ -34,7 +34,7 @@ from odyssey_megatron.hooks.training_state import STEP, TrainingState, empty_blo
 from odyssey_megatron.run_dir import fsync_directory, write_json
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, checkpoint_parts
 
-__all__ = ["load_checkpoint", "part_tensors", "save_part", "write_part"]
+__all__ = ["load_checkpoint", "part_tensors", "save_part", "write_part", "write_tensors"]
 
 def _key(tensor_key: str, block, *, tp_rank: int, tp_size: int) -> str:
     """The checkpoint key of one of a block's tensors (``export``'s key)."""
@@ -51,6 +51,15 @@ def part_tensors(state: TrainingState, blocks: list, *, tp_rank: int, tp_size: i
             for block in blocks for key, tensor in state.export(block).items()}
 
 
+def write_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """Write ``tensors`` into ``directory`` with ``torch.distributed.checkpoint``, without a
+    process group, each file and then the directory fsynced."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), no_dist=True)
+    fsync_directory(directory)
+
+
 def write_part(run_dir: Path, tensors: dict[str, torch.Tensor], blocks: list, *, step: int, part: str,
                tp_rank: int, tp_size: int, model: ModelConfig) -> None:
     """Write ``tensors`` (``part_tensors`` of ``blocks``, each at ``step`` steps, on the host)
@@ -59,16 +68,13 @@ def write_part(run_dir: Path, tensors: dict[str, torch.Tensor], blocks: list, *,
     is written again (a resumed run reaching a step the run before it did not finish); it
     names the model's blocks too, so that whether the parts hold them all can be told
     without the recipe (``latest_checkpoint``)."""
-    import torch.distributed.checkpoint as dcp
-
     directory = checkpoint_directory(run_dir, step)
     manifest = directory / f"{part}.json"
     if manifest.exists():
         manifest.unlink()
         fsync_directory(directory)
     shutil.rmtree(directory / part, ignore_errors=True)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory / part, sync_files=True), no_dist=True)
-    fsync_directory(directory / part)
+    write_tensors(tensors, directory / part)
     write_json(manifest, {"step": step, "blocks": [str(b) for b in blocks], "tp_rank": tp_rank, "tp_size": tp_size,
                           "model_blocks": [str(b) for b in model_blocks(model)]})
 
