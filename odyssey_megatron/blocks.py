@@ -30,8 +30,8 @@ from odyssey_megatron.config import ModelConfig
 
 __all__ = [
     "Block", "EMBEDDING", "OUTPUT", "StageSpec", "block_bytes", "block_of_parameter", "block_sort_key",
-    "shard_shapes", "stage_blocks", "stage_parameter_shapes", "state_entries", "tensor_parallel_dim",
-    "worker_blocks",
+    "model_blocks", "shard_shapes", "stage_blocks", "stage_parameter_shapes", "state_entries",
+    "tensor_parallel_dim", "worker_blocks",
 ]
 
 Block = Union[int, str]
@@ -97,6 +97,11 @@ def stage_blocks(stage: StageSpec, *, tied: bool) -> list[Block]:
     if stage.last:
         blocks.append(OUTPUT)
     return blocks
+
+
+def model_blocks(model) -> list[Block]:
+    """Every block of ``model`` (a ``ModelConfig``), in model order: what a complete checkpoint holds."""
+    return stage_blocks(StageSpec((0, model.num_layers), first=True, last=True), tied=model.tie_embeddings)
 
 
 def worker_blocks(plan, worker: int, *, tied: bool) -> list[Block]:

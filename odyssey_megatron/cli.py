@@ -209,7 +209,7 @@ def decision_json(decision: Decision, published: dict) -> dict:
     }
 
 
-def _describe(decision: Decision, failed: str, snapshots: str) -> str:
+def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str) -> str:
     c = decision.chosen
     plan, est = c.plan, c.estimate
     moved = sum(t.bytes for t in plan.transfers)
@@ -233,6 +233,7 @@ def _describe(decision: Decision, failed: str, snapshots: str) -> str:
         lines.append(f"    reroute p{r.pipeline} stage {r.stage}: {len(r.micro_batches)} mb -> worker {r.worker}")
     lines.append(f"  memory budget {est.memory_budget_bytes / GIB:.1f} GiB per device")
     lines.append(f"  snapshots   {snapshots}")
+    lines.append(f"  checkpoints {checkpoints}")
     if decision.alternatives:
         lines.append("alternatives:")
         for alt in decision.alternatives:
@@ -247,7 +248,7 @@ def _describe(decision: Decision, failed: str, snapshots: str) -> str:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.decision_center import DecisionCenter, checkpoint_interval
     from odyssey_megatron.estimator.snapshot import snapshot_host_bytes
     from odyssey_megatron.profile_file import recipe_profile
 
@@ -277,6 +278,7 @@ def _plan_command(args: argparse.Namespace) -> int:
                                nodes=center.cluster.num_nodes)
     snapshots = (f"every {interval} steps{'' if configured is not None else ' (Young)'}, {host / GIB:.2f} GiB of host "
                  "memory per rank (its share and parity chunk, twice)" if interval else "none")
+    checkpoints = checkpoint_interval(config, center)[1]
     decision = center.on_failure(ranks=failed, nodes=failed_nodes)
     if args.json:
         print(dumps(decision_json(decision, center.published())))
@@ -285,7 +287,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             f"ranks {failed}" if failed else "",
             f"nodes {failed_nodes}" if failed_nodes else "",
         ])) or "nothing"
-        print(_describe(decision, what, snapshots))
+        print(_describe(decision, what, snapshots, checkpoints))
     return 0
 
 

@@ -264,12 +264,20 @@ class ClusterConfig:
     """``odyssey train``: node 0 runs the controller and its store only, no workers (a CPU
     host can take it), so no device or worker failure takes the run's one central process
     with it; the devices' nodes are 1 .. nnodes-1 (launch one more node than num_nodes)."""
+    disk_write_gb_s: float = 2.0
+    """Write bandwidth (GB/s) from one node to the filesystem that holds the run directory,
+    shared by the node's ranks: what a disk checkpoint's save is priced at
+    (``estimator.checkpoint``), which sets the default ``odyssey.checkpoint_interval``. The
+    default, 2 GB/s a node, is a parallel filesystem's share over one node's link."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("cluster", self)
         self.device = choice("cluster.device", Device, self.device)
         given = ("devices_per_node",) + (("num_nodes",) if self.num_nodes is not None else ())
         require_positive("cluster", self, *given)
+        require(self.disk_write_gb_s >= 1e-3, "cluster.disk_write_gb_s",
+                f"must be >= 0.001 (1 MB/s); got {self.disk_write_gb_s}")
+        require_at_most("cluster", self, 1e6, "a million GB/s", "disk_write_gb_s")
         require_at_most("cluster", self, limits.MAX_DEVICES_PER_NODE, "larger than any machine", "devices_per_node")
         require(self.emulate_device is None or bool(self.emulate_device.strip()), "cluster.emulate_device",
                 f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile JSON file; got an empty string")
@@ -514,11 +522,15 @@ class OdysseyConfig:
     ``'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'``; each fires at
     most once, so a step replayed after recovery runs clean (list a fault twice to fail the
     replay too). Default: none."""
-    checkpoint_interval: int = 0
+    checkpoint_interval: Optional[int] = None
     """Committed steps between two full checkpoints of a training run (``runtime.checkpoint``:
-    RUN_DIR/checkpoint/, keyed by global parameter names, so they load under any layout).
-    A run that loses every replica of a block exits 3; ``odyssey train --resume RUN_DIR``
-    continues from the last one. 0: none (recovery in memory only)."""
+    RUN_DIR/checkpoint/, keyed by global parameter names, so they load under any layout),
+    each copied to host memory as its step starts and written to disk in the background
+    while training goes on (``runtime.rank.checkpoint_writer``). A run that loses every
+    replica of a block exits 3; ``odyssey train --resume RUN_DIR`` continues from the last
+    one. Default (null): Young's interval, sqrt(2 x save time x the job's mean time between
+    failures), in steps, the save priced at cluster.disk_write_gb_s; 0: none (recovery in
+    memory only)."""
     snapshot_interval: Optional[int] = None
     """Committed steps between two in-memory snapshots (paper 004): each training rank
     copies its share of its stage's state into its node's keeper memory, overlapped with
@@ -544,10 +556,11 @@ class OdysseyConfig:
         self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
-                             "reparallelize_restart_s", "checkpoint_restart_penalty_s", "checkpoint_interval",
+                             "reparallelize_restart_s", "checkpoint_restart_penalty_s",
                              "prepared_decisions_mib", "restart_workers")
-        if self.snapshot_interval is not None:
-            require_non_negative("odyssey", self, "snapshot_interval")
+        for interval in ("snapshot_interval", "checkpoint_interval"):
+            if getattr(self, interval) is not None:
+                require_non_negative("odyssey", self, interval)
         require(self.snapshot_parity_nodes >= 2, "odyssey.snapshot_parity_nodes",
                 f"must be >= 2 (parity needs a node beside the one it protects); got {self.snapshot_parity_nodes}")
         require_at_most("odyssey", self, limits.MAX_SEARCH_RADIUS, "candidates grow with the radii",

@@ -18,6 +18,7 @@ from odyssey_megatron.blocks import block_sort_key
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig, RecipeConfig
 from odyssey_megatron.estimator import PlanEstimate, estimate_plan
+from odyssey_megatron.estimator.checkpoint import checkpoint_time_s
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.snapshot import restore_time, snapshot_time_s, young_interval_steps
 from odyssey_megatron.estimator.wakeup_loop import warm_up
@@ -347,9 +348,26 @@ class DecisionCenter:
             raise ValueError("snapshot_interval: this center has no model to share snapshots by (build it with model=)")
         seconds = snapshot_time_s(self.plan, self.profile, model=self.model, nodes_per_group=nodes_per_group,
                                   nodes=self.cluster.num_nodes)
-        return young_interval_steps(copy_s=seconds,
-                                    step_s=self.estimate.step_time_s,
-                                    mtbf_s=self.failure_model.expected_interval_s(self.cluster.alive_devices))
+        return self._young(seconds)
+
+    def checkpoint_interval(self, *, disk_write_bytes_s: float) -> int:
+        """Steps between disk checkpoints by Young's rule for the current plan, cluster and
+        failure rate, each node writing at ``disk_write_bytes_s`` (``estimator.checkpoint``):
+        the default of ``odyssey.checkpoint_interval``. ValueError for a center built without
+        a model."""
+        if self.model is None:
+            raise ValueError("checkpoint_interval: this center has no model to price a checkpoint of "
+                             "(build it with model=)")
+        return self._young(checkpoint_time_s(self.plan, self.profile, model=self.model, cluster=self.cluster,
+                                             disk_write_bytes_s=disk_write_bytes_s))
+
+    @property
+    def mtbf_s(self) -> float:
+        """The job's mean time between failures now: its live devices at the failure rate."""
+        return self.failure_model.expected_interval_s(self.cluster.alive_devices)
+
+    def _young(self, save_s: float) -> int:
+        return young_interval_steps(copy_s=save_s, step_s=self.estimate.step_time_s, mtbf_s=self.mtbf_s)
 
     @property
     def program(self) -> StepProgram:
@@ -384,8 +402,7 @@ class DecisionCenter:
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
                                                          profile=self.profile, settings=self.settings.search,
                                                          search=self.search), "cold")
-        interval = interval_s if interval_s is not None else \
-            self.failure_model.expected_interval_s(self.cluster.alive_devices)
+        interval = interval_s if interval_s is not None else self.mtbf_s
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},
                       key=block_sort_key) if in_memory else []
@@ -449,3 +466,20 @@ def _every_case(plan: ExecutionPlan, cluster: ClusterState) -> list[frozenset[in
         on_node.setdefault(cluster.node_of_worker(worker), set()).add(worker)
     nodes = sorted({cluster.node_of_worker(w) for w in plan.workers})
     return [frozenset([w]) for w in plan.workers] + [frozenset(on_node[n]) for n in nodes if len(on_node[n]) > 1]
+
+
+def checkpoint_interval(config: RecipeConfig, center: DecisionCenter) -> tuple[int, str]:
+    """Steps between disk checkpoints (0: none), and in words how they were chosen:
+    ``odyssey.checkpoint_interval`` as given, or Young's interval for ``center``'s plan."""
+    configured = config.odyssey.checkpoint_interval
+    if configured == 0:
+        return 0, "none (odyssey.checkpoint_interval=0)"
+    if configured is not None:
+        return configured, f"every {configured} steps (odyssey.checkpoint_interval)"
+    disk = config.cluster.disk_write_gb_s
+    save_s = checkpoint_time_s(center.plan, center.profile, model=config.model, cluster=center.cluster,
+                               disk_write_bytes_s=disk * 1e9)
+    steps = center.checkpoint_interval(disk_write_bytes_s=disk * 1e9)
+    return steps, (f"every {steps} steps (Young: sqrt(2 x save {save_s:.3g} s at {disk:g} GB/s a node x job MTBF "
+                   f"{center.mtbf_s / SECONDS_PER_HOUR:.3g} h) / step {center.estimate.step_time_s:.3g} s; "
+                   "written in the background)")

@@ -19,6 +19,7 @@ SMOKE_TIMEOUT_S = 300
 """A smoke run takes seconds to about half a minute alone; the margin is for a loaded machine."""
 
 FIGURE_LINES = {
+    "checkpoint_cost.py": r'^\{"checkpoint_cost_pct": -?[\d.]+, "target_pct": 1.0, "interval": \d+',
     "control_plane.py": r'^\{"rows": \[\{"ranks": 32, "nodes": 4, "plan_bytes": \d+',
     "controller_loss_save.py": r'^\{"controller_loss_save": \{"model": "llama2-7b", "dp": 4, "pp": 2, ',
     "estimator_accuracy.py": r'^\{"emulated": \[\{"plan": "a DP2xPP4", "predicted_s": ',

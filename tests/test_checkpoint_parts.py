@@ -11,7 +11,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.blocks import StageSpec, stage_blocks
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.run_dir import private_directory
-from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint, save_part
+from odyssey_megatron.runtime.checkpoint import load_checkpoint, part_tensors, save_part
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint, mark_latest
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -60,13 +60,19 @@ def test_the_newest_complete_checkpoint_wins_whether_marked_or_not(tmp_path):
 
 def test_a_part_cut_short_beside_a_collective_save_of_the_same_step_leaves_the_save_found_and_read(
         tmp_path, one_rank_group):
-    """A stop (or a lost controller) right after a checkpoint writes parts into the same
-    step's directory; one cut short (its writer died) must not hide the collective save
-    there, which holds every block: the step is found, and loads from the save."""
+    """A run an earlier version checkpointed with one collective DCP save per step, resumed
+    and stopped (or its controller lost) right there, writes parts into the same step's
+    directory; one cut short (its writer died) must not hide the save there, which holds
+    every block: the step is found, and loads from the save."""
+    import torch.distributed.checkpoint as dcp
+
     run_dir = tmp_path / "run"
     private_directory(run_dir)
     saved, blocks = trained(6), stage_blocks(WHOLE, tied=MODEL.tie_embeddings)
-    save_checkpoint(run_dir, saved, step=6, tp_rank=0, tp_size=1, group=one_rank_group)
+    directory = run_dir / "checkpoint" / "step-6"
+    dcp.save(part_tensors(saved, blocks, tp_rank=0, tp_size=1), process_group=one_rank_group,
+             storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
+    mark_latest(run_dir, 6)
     save_part(run_dir, trained(6), blocks[:1], step=6, rank=3, tp_rank=0, tp_size=1, model=MODEL)
     step, directory = latest_checkpoint(run_dir)
     assert (step, directory.name) == (6, "step-6")

@@ -18,8 +18,8 @@ from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.blocks import StageSpec, stage_blocks
 from odyssey_megatron.hooks.training_state import TrainingState, empty_block
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl
-from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
-from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
+from odyssey_megatron.runtime.checkpoint import load_checkpoint, save_part
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint, mark_latest
 from odyssey_megatron.runtime.control.training_run import forget_steps_from
 from odyssey_megatron.runtime.final_model import FINAL_MODEL, merge_final_parts
 
@@ -90,7 +90,7 @@ def test_a_new_run_directory_is_private_and_an_existing_one_made_so(tmp_path):
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o700
 
 
-def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_path, monkeypatch, one_rank_group):
+def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_path, monkeypatch):
     model = ModelConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
                         vocab_size=16, seq_length=4, params_dtype="fp32")
     stage = StageSpec((0, 1), first=True, last=True)
@@ -106,11 +106,15 @@ def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_pat
         fsync(descriptor)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    save_checkpoint(tmp_path, state, step=2, tp_rank=0, tp_size=1, group=one_rank_group)
+    save_part(tmp_path, state, state.held(), step=2, rank=0, tp_rank=0, tp_size=1, model=model)
+    mark_latest(tmp_path, 2)
     checkpoints, step_dir = tmp_path / "checkpoint", tmp_path / "checkpoint" / "step-2"
-    assert {p for p in synced if p.parent == step_dir} == {step_dir / "__0_0.distcp", step_dir / ".metadata.tmp"}
+    part = step_dir / "rank-0"
+    assert {p for p in synced if p.parent == part} == {part / "__0_0.distcp", part / ".metadata.tmp"}
+    manifest = [n for n, p in enumerate(synced) if p.parent == step_dir and p.name.startswith(".rank-0.json.")]
+    assert len(manifest) == 1 and synced.index(part) < manifest[0]  # the part is durable before its manifest
     latest = [n for n, p in enumerate(synced) if p.parent == checkpoints and p.name.startswith(".latest.json.")]
-    directories = [synced.index(d) for d in (step_dir, checkpoints, tmp_path)]
+    directories = [synced.index(d, manifest[0]) for d in (step_dir, checkpoints, tmp_path)]
     assert len(latest) == 1 and max(directories) < latest[0] < synced.index(checkpoints, latest[0])
     # the files are durable before latest.json names them, and its rename after it
     assert latest_checkpoint(tmp_path) == (2, step_dir)

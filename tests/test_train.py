@@ -686,7 +686,8 @@ def test_a_lost_node_beside_a_dedicated_controller_rolls_back_to_its_snapshot_re
 def test_two_lost_nodes_of_one_protection_group_fall_back_to_the_disk_checkpoint_and_resume_from_it(
         tmp_path, data_cache, reference):
     """4 nodes of 2 ranks, snapshots every 2 steps and a disk checkpoint every 2: nodes 1
-    and 2 die as step 4 starts (its checkpoint saved, its snapshot not). Ranks 2 and 4 are
+    and 2 die in step 4's optimizer phase, after its checkpoint was copied to host memory as
+    the step started and written in the background during its forward and backward. Ranks 2 and 4 are
     in one protection group, which rebuilds one lost shard at most: the run exits 3 saying
     so and naming the checkpoint of step 4; ``--resume`` on one node continues from there
     and ends where the failure-free run ends."""
@@ -694,8 +695,8 @@ def test_two_lost_nodes_of_one_protection_group_fall_back_to_the_disk_checkpoint
     status, _, err = train_nodes(run_dir, data_cache, 4, "cluster.devices_per_node=2", "odyssey.snapshot_interval=2",
                                  "odyssey.checkpoint_interval=2", "odyssey.online_profile=false", "--nnodes", "4",
                                  "--master-port", str(_free_port()),
-                                 faults("{node: 1, step: 4, phase: snapshot, action: kill}",
-                                        "{node: 2, step: 4, phase: snapshot, action: kill}"))
+                                 faults("{node: 1, step: 4, phase: optimizer, action: kill}",
+                                        "{node: 2, step: 4, phase: optimizer, action: kill}"))
     assert status == 3, err[-4000:]
     assert "the snapshot shards of ranks [2, 4] are all lost, and their protection group (ranks [0, 2, 4, 6]) " \
            "rebuilds one at most" in err, err[-3000:] + run_logs(run_dir)

@@ -38,6 +38,12 @@ class Accelerator:
         if self.device_type != "cpu":
             getattr(torch, self.device_type).synchronize()
 
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor of ``like``'s shape and dtype to copy it into: pinned on cuda,
+        so the copy from the device runs at full link speed without a staging copy; plain
+        memory on cpu (nothing to pin for) and on npu (torch_npu pins through its own API)."""
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.device_type == "cuda")
+
     def time(self, work: Callable[[], object]) -> float:
         """Seconds the device spends on ``work``: between device events recorded around it
         on an accelerator (the host only queues it); on CPU, this process's CPU time, which

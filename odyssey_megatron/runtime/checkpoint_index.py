@@ -36,7 +36,7 @@ def mark_latest(run_dir: Path, step: int) -> None:
 
 
 def holds_collective_save(directory: Path) -> bool:
-    """Whether a checkpoint ``directory`` holds a whole collective save (``save_checkpoint``):
+    """Whether a checkpoint ``directory`` holds a whole collective save (one DCP save of the step, as earlier versions wrote):
     then it is read, whatever parts a stop or a lost controller wrote beside it (they may be
     cut short; the save holds every block)."""
     return (Path(directory) / _DCP_METADATA).is_file()

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Optional
 
 from odyssey_megatron.config import RecipeConfig, config_yaml
-from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.decision_center import DecisionCenter, checkpoint_interval
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_text
 from odyssey_megatron.run_lock import RunDirLock
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
-from odyssey_megatron.runtime.control.console import log_node_to
+from odyssey_megatron.runtime.control.console import CONSOLE, log_node_to
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
@@ -118,6 +118,7 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     if resume is not None:
         _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
     center = DecisionCenter.from_recipe(config, settles_at_once=False)
+    config = _with_checkpoint_interval(config, center, controller)
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
                                            None if resume is None else str(resume[1])).to_json())
     run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir, start_step=start_step)
@@ -148,6 +149,15 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         return replace(outcome[0], wandb_dir=trace.finish())
     except RuntimeError as exc:
         return replace(outcome[0], wandb_error=str(exc))
+
+
+def _with_checkpoint_interval(config: RecipeConfig, center: DecisionCenter, controller: Controller) -> RecipeConfig:
+    """``config`` with ``odyssey.checkpoint_interval`` resolved (Young's by default), said
+    in the console and recorded, as every worker then reads it (``RunSpec``)."""
+    steps, how = checkpoint_interval(config, center)
+    logging.getLogger(CONSOLE).info("disk checkpoints: %s", how)
+    controller.record.event("checkpoint_interval", steps=steps, chosen=how)
+    return replace(config, odyssey=replace(config.odyssey, checkpoint_interval=steps))
 
 
 def _own_run(run: TrainingRun, outcome: list[TrainOutcome]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from odyssey_megatron.blocks import StageSpec, stage_blocks
+from odyssey_megatron.blocks import model_blocks
 from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory, mark_latest, parts_complete
 from odyssey_megatron.runtime.control.run_state import RunState
 from odyssey_megatron.runtime.protocol.keys import RUN_STOP, stopped_key
@@ -69,17 +69,13 @@ class StopWriter:
                 break
             time.sleep(run.timeouts.poll_interval)
         # A block no live worker holds is missing; so is one whose writer's part never came.
-        missing = [str(b) for b in self._all_blocks() if b not in writers] or parts_complete(
+        missing = [str(b) for b in model_blocks(run.config.model) if b not in writers] or parts_complete(
             checkpoint_directory(run.run_dir, run.committed), list(writers), tp_size=cluster.tensor_parallel_size)
         if missing:
             log.error("run: the checkpoint of step %d lacks blocks %s", run.committed, missing)
             return False
         mark_latest(run.run_dir, run.committed)
         return True
-
-    def _all_blocks(self) -> list:
-        model = self.run.config.model
-        return stage_blocks(StageSpec((0, model.num_layers), first=True, last=True), tied=model.tie_embeddings)
 
     def _writers(self) -> dict:
         """Block -> the worker of the settled plan that writes it, among those alive

@@ -6,6 +6,8 @@ Its jobs, each in a module of its own, share one state (``run_state``: the gener
 published last, the steps committed, publishing and committing):
 - following the in-memory snapshots, and rolling back to the last complete one where no
   survivor holds some block (``snapshot_following``);
+- following the disk checkpoints the ranks write in the background, and marking each the
+  latest once its parts are all in (``checkpoint_following``);
 - recovering from failures (``recovery``);
 - growing back onto workers that return, at a step boundary (``growing_back``);
 - stopping on purpose, with a checkpoint of the last committed step (``stop_writer``);
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.runtime.control.checkpoint_following import CheckpointFollowing
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.growing_back import GrowingBack
@@ -52,6 +55,7 @@ class TrainingRun(RunState):
         self._priced_scales = Scales()
         """The online profile's factors when the decision center last took it."""
         self.snapshots = SnapshotFollowing(self)
+        self.checkpoints = CheckpointFollowing(self)
         self.stop = StopWriter(self)
         self.recovery = Recovery(self, self.snapshots, check_stop=self.stop.stop_if_asked)
         self.joins = GrowingBack(self, self.snapshots, check_stop=self.stop.stop_if_asked)
@@ -103,10 +107,12 @@ class TrainingRun(RunState):
     def collect_commits(self) -> None:
         super().collect_commits()
         self.snapshots.collect()
+        self.checkpoints.collect()
 
     def end_generation(self) -> None:
         super().end_generation()
         self.snapshots.collect()  # one the owner had not seen done yet
+        self.checkpoints.collect()
 
     def _after_commit(self, generation: int, step: int, reports: list[StepReport]) -> None:
         if self.online is not None and step > self.start_steps[generation]:

@@ -194,6 +194,13 @@ def snapshot_done_key(generation: int, step: int) -> str:
     return generation_prefix(generation) + f"snapshot/{step}/done"
 
 
+def checkpoint_parts_key(generation: int, step: int) -> str:
+    """Counter: training ranks of the generation whose part of the disk checkpoint of
+    ``step`` is durable (``runtime.rank.checkpoint_writer``); the owner marks the checkpoint
+    the latest once every writer counted in."""
+    return generation_prefix(generation) + f"checkpoint/{step}/parts"
+
+
 def fault_fired_key(key: str) -> str:
     """Set when the injected fault ``key`` (``odyssey.faults[i]``) fired: a restarted worker
     does not fire it again."""

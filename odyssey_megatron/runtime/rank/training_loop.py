@@ -6,7 +6,8 @@ A step counts once every rank of the generation has its final gradients
 its optimizer step only after that, so a step that did not commit was applied nowhere and
 no step is ever undone. Every ``snapshot_interval`` steps the rank also writes its share of
 an in-memory snapshot into its node's keeper (``runtime.rank.snapshots``), and every
-``checkpoint_interval`` steps its share of a disk checkpoint. A generation before one that
+``checkpoint_interval`` steps its share of a disk checkpoint, in the background
+(``runtime.rank.checkpoint_writer``). A generation before one that
 admits a joiner ends at a step boundary: the step the controller's handover marks last
 (``step_ledger.Outcome.LAST``) is applied, then every rank leaves.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import logging
 
 from odyssey_megatron.phases import Phase
-from odyssey_megatron.runtime.checkpoint import save_checkpoint
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol.keys import abort_key, final_key
 from odyssey_megatron.runtime.rank.generation import Generation, GenerationEnded
@@ -25,6 +25,7 @@ from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
 from odyssey_megatron.runtime.rank.snapshots import SnapshotTaker
 from odyssey_megatron.runtime.rank.worker_process import WorkerProcess
 from odyssey_megatron.runtime.step_ledger import Outcome
+from odyssey_megatron.snapshot.shards import owners, shard_blocks
 
 __all__ = ["TrainingLoop"]
 
@@ -80,6 +81,7 @@ class TrainingLoop:
         write_final_part(process.run_dir, plan=plan, model=process.config.model, worker=process.worker_id,
                          tp_rank=process.tp_rank, state=runner.training_state(), rank=process.launch.rank)
         process.store.add(final_key(plan.generation), 1)
+        process.checkpoints.wait()  # a checkpoint still being written is finished before the worker exits
         generation.wait_until_ended()
 
     def _train_step(self, step: int) -> None:
@@ -101,13 +103,10 @@ class TrainingLoop:
             snapshots.wait_written()  # the optimizer step overwrites what the snapshot copies
 
     def _save_checkpoint(self, committed: int) -> None:
-        """Save the blocks after ``committed`` steps, with every training rank."""
+        """Start writing this rank's share of the checkpoint after ``committed`` steps: the
+        blocks its worker writes (``snapshot.shards.owners``), copied to host memory now."""
         self.generation.phase = Phase.checkpoint
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        process, runner = self.process, self.generation.runner
-        try:
-            save_checkpoint(process.run_dir, runner.training_state(), step=committed, tp_rank=process.tp_rank,
-                            tp_size=process.tp, group=runner.groups.norm_group)
-        except CheckpointException as exc:  # a BaseException: a peer's failure ended the save
-            raise GenerationEnded(f"the checkpoint of step {committed} failed: {str(exc)[:200]}") from None
+        process, plan = self.process, self.generation.plan
+        blocks = shard_blocks(owners(plan, process.config.model), process.worker_id)
+        process.checkpoints.start(self.generation.runner.training_state(), blocks, step=committed,
+                                  generation=plan.generation)

@@ -28,6 +28,7 @@ from odyssey_megatron.runtime.protocol.keys import RUN_SPEC
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.runtime.protocol.messages import RunSpec
 from odyssey_megatron.runtime.rank import op_timers
+from odyssey_megatron.runtime.rank.checkpoint_writer import CheckpointWriter
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.runtime.rank.emulation import recipe_emulation
 from odyssey_megatron.runtime.rank.fault_injection import FaultInjector
@@ -86,6 +87,8 @@ class WorkerProcess:
     """The snapshot thread's connection: it counts in while the training thread may wait on the ledger."""
     rendezvous: RendezvousStore
     """Where the process groups meet: an abort ends a setup that waits for a dead member."""
+    checkpoints: CheckpointWriter
+    """This rank's periodic checkpoint writes, one in flight at most across generations."""
     # -- the blocks, across generations
     state: Optional[TrainingState]
     """The blocks held; None: none yet, drawn from the seed or checkpoint on entering a
@@ -148,6 +151,10 @@ class WorkerProcess:
         self.group_store = self.store_for_steps()
         self.snapshot_store = self.store_for_steps()
         self.rendezvous = RendezvousStore(self.store.clone(), guard=self.guard)
+        self.checkpoints = CheckpointWriter(self.run_dir, rank=launch.rank, tp_rank=self.tp_rank, tp_size=self.tp,
+                                            model=self.config.model, store=self.store.clone(),
+                                            host_buffer=self.accelerator.host_buffer,
+                                            synchronize=self.accelerator.synchronize)
         self.state = TrainingState() if launch.joining else None
         self.admitted = not launch.joining
         self.spare = None
