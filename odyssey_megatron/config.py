@@ -54,6 +54,7 @@ __all__ = [
     "ParallelConfig",
     "Policy",
     "RecipeConfig",
+    "StragglerAction",
     "TrainingConfig",
     "config_yaml",
     "load_config",
@@ -71,6 +72,11 @@ class Policy(Choice):
     auto = "auto"
     reroute = "reroute"
     reparallelize = "reparallelize"
+
+
+class StragglerAction(Choice):
+    report = "report"
+    remove = "remove"
 
 
 class LengthSweep(Choice):
@@ -540,6 +546,18 @@ class OdysseyConfig:
     rescales the profile's forward, backward and optimizer times to what this cluster
     measures (a moving average, ``runtime.control.online_profile``), so decisions after a
     failure price plans with measured times. False: the starting profile throughout."""
+    straggler: StragglerAction = StragglerAction.report
+    """What ``odyssey train`` does with a straggler, a rank whose ops take over
+    ``straggler_slowdown`` times its peers' for ``straggler_steps`` committed steps in a row
+    (``runtime.control.stragglers``): report (a console line with its measured slowdown and
+    a ``straggler`` event) or remove (that too, and the rank is failed, so the decision
+    center recovers without it as from any failure)."""
+    straggler_slowdown: float = 1.5
+    """How many times its peers' op time (per op of its stage's work, against the median
+    of its stage's DP peers, or of every rank where its stage has none) makes a rank slow."""
+    straggler_steps: int = 5
+    """Committed steps in a row a rank must be slow to count as a straggler (a generation's
+    first step, which allocates, is not measured)."""
     faults: list[FaultSpec] = field(default_factory=list)
     """Failures to inject, each ``{rank | node, step, phase, action}`` (``FaultSpec``), e.g.
     ``'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'``; each fires at
@@ -573,6 +591,12 @@ class OdysseyConfig:
             spec.check(f"odyssey.faults[{index}]")
         self.policy = choice("odyssey.policy", Policy, self.policy)
         self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
+        self.straggler = choice("odyssey.straggler", StragglerAction, self.straggler)
+        require(self.straggler_slowdown > 1.0, "odyssey.straggler_slowdown",
+                f"must be above 1 (a rank that many times slower than its peers is a straggler); "
+                f"got {self.straggler_slowdown}")
+        require(self.straggler_steps >= 1, "odyssey.straggler_steps",
+                f"must be at least 1 (committed steps a rank must be slow in a row); got {self.straggler_steps}")
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
                              "reparallelize_restart_s", "checkpoint_restart_penalty_s", "checkpoint_interval",

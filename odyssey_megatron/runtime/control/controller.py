@@ -60,6 +60,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     RankRegistration,
     StaleGenerationError,
     StopRequested,
+    StragglerRemoved,
 )
 from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, write_plan
 from odyssey_megatron.schedules.program import StepProgram
@@ -179,6 +180,11 @@ class Controller:
                           rollback_to=restore.step if restore is not None else None, joined=list(joined))
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
 
+    def remove_straggler(self, rank: int, *, generation: int, detail: str) -> None:
+        """Have ``rank`` (a straggler of ``generation``) failed, through the inbox: the polling
+        thread fails it, orders its kill and queues the failure (``next_failure``)."""
+        self.store.queue_push(INBOX, StragglerRemoved(rank, generation, detail, time.time()).to_json())
+
     def end_run(self, key: str, value: str) -> None:
         """Set ``RUN_DONE`` or ``RUN_STOP`` (``key``) to ``value``, and wake the workers
         waiting for what follows the newest generation (unless a stop already did: the
@@ -271,6 +277,10 @@ class Controller:
             failure = None if ended else self.detector.rank_stalled(msg, wall, waits=self._wait_graph())
             if failure is not None:  # the first stall of a running generation ends it
                 self._report(store, failure)
+        elif isinstance(msg, StragglerRemoved):
+            failure = None if msg.generation < self.published_generation else self.detector.straggler_removed(msg, wall)
+            if failure is not None:
+                self._report(store, failure)
         elif isinstance(msg, StopRequested):
             self.request_stop(f"{msg.signal} on node {msg.node}", status=128 + signal.Signals[msg.signal].value)
             return False
@@ -308,7 +318,7 @@ class Controller:
         """Record a failure, order the kill of failed ranks that may still run, and queue it."""
         self.record.event("failure", **failure.to_record())
         console.warning(failure_line(failure))
-        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE):
+        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.STRAGGLER, Cause.NODE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
             ordered = set()
             for rank in failure.ranks:

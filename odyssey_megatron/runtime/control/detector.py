@@ -16,6 +16,8 @@ plain Python, every rule is unit-tested with made-up times. Ranks fail four ways
   rank the waiting one waited for, as the generation's heartbeats place them
   (``blame.WaitGraph``), is taken out like a hung rank, so the run goes on; the waiting
   rank only where the positions show it waited for nobody;
+- **straggler**: it beats and computes, but slower than its peers for long
+  (``stragglers``), and ``odyssey.straggler`` is remove: it is taken out like a hung rank;
 - **node**: the launcher stopped beating: the node is lost with every rank on it. Not
   node 0's launcher where it runs in the controller's own process: the controller's
   threads (the decision center planning in Python beside them) delay its beats under
@@ -55,6 +57,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     RankExit,
     RankFailureReport,
     RankRegistration,
+    StragglerRemoved,
 )
 
 __all__ = ["Cause", "Detector", "Failure", "describe_exit"]
@@ -65,6 +68,7 @@ class Cause(str, Enum):
     ERROR = "error"
     HEARTBEAT = "heartbeat"
     STALL = "stall"
+    STRAGGLER = "straggler"
     NODE = "node"
 
 
@@ -222,6 +226,14 @@ class Detector:
         for r in blamed:
             self.ranks[r].state = _State.FAILED
         return Failure(Cause.STALL, blamed, None, msg.reported_at, wall, detail)
+
+    def straggler_removed(self, msg: StragglerRemoved, wall: float) -> Optional[Failure]:
+        """A rank the owner found too slow: it is taken out, if it is still alive."""
+        rank = self.ranks.get(msg.rank)
+        if rank is None or rank.state != _State.ALIVE:
+            return None
+        rank.state = _State.FAILED
+        return Failure(Cause.STRAGGLER, (msg.rank,), None, msg.reported_at, wall, msg.detail)
 
     def node_left(self, msg: NodeLeft) -> None:
         if msg.node in self.nodes:

@@ -219,6 +219,19 @@ class CollectiveStalled(Message):
 
 
 @dataclass(frozen=True)
+class StragglerRemoved(Message):
+    """The owner found ``rank`` a straggler under ``odyssey.straggler: remove``
+    (``runtime.control.stragglers``): the controller fails it as it fails a hung rank."""
+
+    KIND = "straggler_removed"
+    rank: int
+    generation: int
+    detail: str
+    """Its measured slowdown (``Straggler.detail``)."""
+    reported_at: float
+
+
+@dataclass(frozen=True)
 class NodeLeft(Message):
     """A launcher whose workers have all exited leaves; its silence is then no node failure."""
 
@@ -261,7 +274,7 @@ class StopOrder(Message):
 
 
 _INBOX_KINDS = {cls.KIND: cls for cls in (RankRegistration, NodeRegistration, RankExit, RankFailureReport,
-                                          CollectiveStalled, NodeLeft, StopRequested)}
+                                          CollectiveStalled, StragglerRemoved, NodeLeft, StopRequested)}
 
 
 def parse_inbox(text: str | bytes) -> Message:
