@@ -54,6 +54,7 @@ __all__ = [
     "ParallelConfig",
     "Policy",
     "RecipeConfig",
+    "StragglerAction",
     "TrainingConfig",
     "config_yaml",
     "load_config",
@@ -73,6 +74,11 @@ class Policy(Choice):
     reparallelize = "reparallelize"
 
 
+class StragglerAction(Choice):
+    report = "report"
+    remove = "remove"
+
+
 class LengthSweep(Choice):
     joins = "joins"
     always = "always"
@@ -83,9 +89,12 @@ JOIN_PHASES = (FaultPhase.recovery, FaultPhase.transfer, FaultPhase.mid_transfer
                FaultPhase.mid_group_setup)
 """Where a ``join`` fault may strike: a generation that takes workers back, before its first step."""
 
-FaultAction = Choice("FaultAction", [(name, name) for name in ("kill", "stop", "raise")], module=__name__)
-"""What an injected fault does: kill (SIGKILL), stop (SIGSTOP: a hung worker) or raise (an
-exception in the training loop). A functional enum, since ``raise`` is a Python keyword."""
+FaultAction = Choice("FaultAction", [(name, name) for name in ("kill", "stop", "raise", "slow")],
+                     module=__name__)
+"""What an injected fault does: kill (SIGKILL), stop (SIGSTOP: a hung worker), raise (an
+exception in the training loop) or slow (each op takes ``factor`` times as long for
+``steps`` steps: a straggler that stays alive). A functional enum, since ``raise`` is a
+Python keyword."""
 
 
 Device = Choice("Device", [(name, name) for name in sorted(DEVICE_SPECS)], module=__name__)
@@ -349,12 +358,13 @@ class FaultSpec:
     node 0 hosts the controller, whose loss ends the run."""
     step: Optional[int] = None
     """The training step it strikes in, 0 .. training.train_iters - 1 (required unless ``join``)."""
-    phase: FaultPhase = MISSING
+    phase: Optional[FaultPhase] = None
     """A ``phases.FaultPhase``: recovery, transfer, mid_transfer, group_setup, mid_group_setup,
-    snapshot, forward, backward, grad_sync or optimizer."""
+    snapshot, forward, backward, grad_sync or optimizer (required, except for slow)."""
     action: FaultAction = MISSING
-    """kill (SIGKILL), stop (SIGSTOP: a hung worker) or raise (an exception in the training
-    loop); a node fault is always kill."""
+    """kill (SIGKILL), stop (SIGSTOP: a hung worker), raise (an exception in the training
+    loop) or slow (from ``step`` on, for ``steps`` steps, each op of the rank sleeps
+    ``factor - 1`` times its own time: its heartbeats go on); a node fault is always kill."""
     with_ranks: list[int] = field(default_factory=list)
     """Other ranks of ``rank``'s node killed in the same instant: ``rank`` carries the fault
     out, SIGKILLing them (wherever they are in their step) and then itself, so they fail
@@ -365,11 +375,22 @@ class FaultSpec:
     how fast the worker restarts. Recovery phases only (recovery, transfer, mid_transfer,
     group_setup, mid_group_setup), on the joining worker (receiving its blocks) or any other rank of the
     generation; default: false."""
+    factor: Optional[float] = None
+    """slow only (required there): how many times its own time each op takes, above 1."""
+    steps: Optional[int] = None
+    """slow only (required there): how many steps, from ``step``, the rank stays slow."""
 
     def check(self, key: str) -> None:
         """What the spec alone decides: the choices, and exactly one target."""
-        self.phase = choice(f"{key}.phase", FaultPhase, self.phase)
         self.action = choice(f"{key}.action", FaultAction, self.action)
+        if self.action == "slow":
+            self._check_slow(key)
+        else:
+            require(self.phase is not None, f"{key}.phase", f"must be given for action {self.action}")
+            self.phase = choice(f"{key}.phase", FaultPhase, self.phase)
+            for name in ("factor", "steps"):
+                require(getattr(self, name) is None, f"{key}.{name}",
+                        f"goes with action slow only; got {getattr(self, name)} with action {self.action}")
         targets = {name: getattr(self, name) for name in ("rank", "node") if getattr(self, name) is not None}
         require(len(targets) == 1, key, "must give exactly one of rank and node; got "
                 + (" and ".join(f"{name} {value}" for name, value in targets.items()) or "neither"))
@@ -388,6 +409,21 @@ class FaultSpec:
                     f"must be kill for ranks failing together (with_ranks); got {self.action}")
             require(self.rank not in self.with_ranks and len(set(self.with_ranks)) == len(self.with_ranks),
                     f"{key}.with_ranks", f"must name other ranks than rank {self.rank}, each once; got {self.with_ranks}")
+
+    def _check_slow(self, key: str) -> None:
+        """A slow rank: one rank, from a step, for some steps, by a factor; no phase."""
+        require(self.phase is None, f"{key}.phase", f"must be left out with action slow (it slows every op of "
+                                                    f"its steps); got {self.phase}")
+        require(self.node is None and not self.with_ranks and not self.join, key,
+                "action slow takes one rank and a step (no node, with_ranks or join)")
+        require(self.factor is not None and self.factor > 1.0, f"{key}.factor",
+                f"must be a number above 1 with action slow (each op takes factor times its time); got {self.factor}")
+        require(self.steps is not None and self.steps >= 1, f"{key}.steps",
+                f"must be at least 1 with action slow (how many steps the rank stays slow); got {self.steps}")
+
+    def slows(self, step: int) -> bool:
+        """A slow fault that holds at ``step``."""
+        return self.action == "slow" and self.step <= step < self.step + self.steps
 
     def check_within(self, key: str, *, num_ranks: int, devices_per_node: int, train_iters: int,
                      dedicated_controller: bool = False, snapshot_interval: Optional[int] = None) -> None:
@@ -426,6 +462,8 @@ class FaultSpec:
         return f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
 
     def __str__(self) -> str:
+        if self.action == "slow":
+            return f"slow {self.target} x{self.factor:g} for steps {self.step}..{self.step + self.steps - 1}"
         when = "in the first join" if self.join else f"at step {self.step}"
         return f"{self.action} {self.target} {when}, {self.phase}"
 
@@ -517,6 +555,18 @@ class OdysseyConfig:
     rescales the profile's forward, backward and optimizer times to what this cluster
     measures (a moving average, ``runtime.control.online_profile``), so decisions after a
     failure price plans with measured times. False: the starting profile throughout."""
+    straggler: StragglerAction = StragglerAction.report
+    """What ``odyssey train`` does with a straggler, a rank whose ops take over
+    ``straggler_slowdown`` times its peers' for ``straggler_steps`` committed steps in a row
+    (``runtime.control.stragglers``): report (a console line with its measured slowdown and
+    a ``straggler`` event) or remove (that too, and the rank is failed, so the decision
+    center recovers without it as from any failure)."""
+    straggler_slowdown: float = 1.5
+    """How many times its peers' op time (per op of its stage's work, against the median
+    of its stage's DP peers, or of every rank where its stage has none) makes a rank slow."""
+    straggler_steps: int = 5
+    """Committed steps in a row a rank must be slow to count as a straggler (a generation's
+    first step, which allocates, is not measured)."""
     faults: list[FaultSpec] = field(default_factory=list)
     """Failures to inject, each ``{rank | node, step, phase, action}`` (``FaultSpec``), e.g.
     ``'odyssey.faults=[{rank: 5, step: 2, phase: backward, action: kill}]'``; each fires at
@@ -554,6 +604,12 @@ class OdysseyConfig:
             spec.check(f"odyssey.faults[{index}]")
         self.policy = choice("odyssey.policy", Policy, self.policy)
         self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
+        self.straggler = choice("odyssey.straggler", StragglerAction, self.straggler)
+        require(self.straggler_slowdown > 1.0, "odyssey.straggler_slowdown",
+                f"must be above 1 (a rank that many times slower than its peers is a straggler); "
+                f"got {self.straggler_slowdown}")
+        require(self.straggler_steps >= 1, "odyssey.straggler_steps",
+                f"must be at least 1 (committed steps a rank must be slow in a row); got {self.straggler_steps}")
         require_positive("odyssey", self, "device_mtbf_hours", "max_layer_splits", "storage_bandwidth_gb_s")
         require_non_negative("odyssey", self, "dp_search_radius", "pp_search_radius", "reroute_restart_s",
                              "reparallelize_restart_s", "checkpoint_restart_penalty_s",

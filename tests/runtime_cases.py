@@ -248,7 +248,7 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
 
 def op_times(rank: int, world_size: int, published: str, schedule: str) -> dict:
     """Two training steps with ``runtime.rank.op_timers`` hooked into Megatron's configs;
-    what the timers took after each step."""
+    what the timers took after each step, and where they placed the rank (``position``)."""
     from odyssey_megatron.runtime.rank.op_timers import OpTimers
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
@@ -260,10 +260,13 @@ def op_times(rank: int, world_size: int, published: str, schedule: str) -> dict:
         state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
         settings=runner_settings(model, schedule=schedule, op_timers=timers),
     )
-    source, taken = data(), []
+    source, taken, positions = data(), [], []
     for step in range(2):
+        timers.begin_step(step)
         runner.train_step(lambda m, step=step: source.micro_batch(step, m))
         runner.settle()
         taken.append(timers.take())
+        positions.append(timers.position)
     runner.groups.destroy()
-    return {"worker": runner.worker, "executor": type(runner.executor).__name__, "taken": taken}
+    return {"worker": runner.worker, "executor": type(runner.executor).__name__, "taken": taken,
+            "positions": positions, "ops": len(program.ops_of(runner.worker))}

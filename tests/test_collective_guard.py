@@ -130,14 +130,16 @@ def _lost_or_frozen(rank: int, port: int, case: str, results: mp.Queue) -> None:
     ``frozen`` (every timeout 1 s): rank 2 freezes; rank 0 all-reduces in [0, 2], rank 1
     in a group with it made since, so never connected (rank 2 never publishes its address
     there); each starts the operation 0.5 s before waiting on it, so that gloo's own
-    timeout, or the store's, ends it before the guard's clock does."""
+    timeout, or the store's, ends it before the guard's clock does. ``frozen unsliced``: as
+    frozen, the guard waiting as it does on NCCL (a plain ``wait``, no slices)."""
     try:
         prepare_backend("gloo")
         timeout = GROUP_TIMEOUT_S if case == "killed" else 1.0
         store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", rank=rank, world_size=3, store=dist.PrefixStore("gen0", store),
                                 timeout=datetime.timedelta(seconds=timeout))
-        guard = CollectiveGuard(backend="gloo", timeout_s=timeout)
+        guard = CollectiveGuard(backend="nccl" if case.endswith("unsliced") else "gloo", timeout_s=timeout)
+        case = case.removesuffix(" unsliced")
         guard.install()
         with_0, with_1 = (dist.new_group(members, timeout=datetime.timedelta(seconds=timeout))
                           for members in ([0, 2], [1, 2]))
@@ -204,6 +206,13 @@ def test_an_operation_that_ran_the_collective_timeout_is_timed_out_whatever_its_
     assert store_type == "DistStoreError" and "imed out" not in store_says, store_says
     assert gloo_timed_out and store_timed_out
     assert 1.0 <= gloo_s < 1.4 and 1.0 <= store_s < 1.4  # their own timeouts ended them, not the guard's clock
+
+
+def test_a_timeout_is_judged_on_the_guards_clock_where_waits_are_not_sliced_as_on_nccl():
+    """An NCCL rank's wait is a plain one that the backend's own timeout ends: the guard
+    marks it timed out by its clock (a stall to report) as it does gloo's sliced waits."""
+    got = run_three_ranks(_lost_or_frozen, "frozen unsliced", answers=2)
+    assert all(timed_out and 1.0 <= waited < 1.4 for _, _, timed_out, waited in got.values()), got
 
 
 class _RecordingGroup:

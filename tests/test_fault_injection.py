@@ -73,7 +73,7 @@ ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks 
     [
         ("[{rank: 1, step: 2, phase: backwards, action: kill}]", "odyssey.faults[0].phase", ALLOWED_PHASES),
         ("[{rank: 1, step: 2, phase: forward, action: explode}]", "odyssey.faults[0].action",
-         "must be one of kill, stop, raise; got 'explode'"),
+         "must be one of kill, stop, raise, slow; got 'explode'"),
         ("[{rank: 1, node: 1, step: 2, phase: forward, action: kill}]", "odyssey.faults[0]",
          "must give exactly one of rank and node; got rank 1 and node 1"),
         ("[{step: 2, phase: forward, action: kill}]", "odyssey.faults[0]",
@@ -89,8 +89,8 @@ ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks 
         ("[{rank: 1, phase: forward, action: kill}]", "odyssey.faults[0].step", "must be given"),
         ("[{rank: 1, step: two, phase: forward, action: kill}]", "odyssey.faults[0].step", "expected Optional[int]"),
         ("[{rank: 1, stp: 2, phase: forward, action: kill}]", "odyssey.faults[0].stp",
-         "unknown key; allowed here: action, join, node, phase, rank, step, with_ranks"),
-        ("[5]", "odyssey.faults[0]", "must be a mapping of rank, node, step, phase, action, with_ranks, join; got 5"),
+         "unknown key; allowed here: action, factor, join, node, phase, rank, step, steps, with_ranks"),
+        ("[5]", "odyssey.faults[0]", "must be a mapping of rank, node, step, phase, action, with_ranks, join, factor, steps; got 5"),
         ("{rank: 5}", "odyssey.faults", "must be a list"),
         ("[{node: 1, step: 2, phase: forward, action: kill, with_ranks: [3]}]", "odyssey.faults[0].with_ranks",
          "must go with rank, not node"),
@@ -102,6 +102,19 @@ ONE_NODE = "names no node that may fail: aim it at a rank (the recipe's 8 ranks 
          "each once"),
         ("[{rank: 1, step: 2, phase: forward, action: kill, with_ranks: [8]}]", "odyssey.faults[0].with_ranks",
          "must name ranks of rank 1's node, 0..7 (cluster.devices_per_node=8): it kills their pids; got 8"),
+        ("[{rank: 1, step: 2, action: kill}]", "odyssey.faults[0].phase", "must be given for action kill"),
+        ("[{rank: 1, step: 2, phase: forward, action: kill, factor: 2.0}]", "odyssey.faults[0].factor",
+         "goes with action slow only; got 2.0 with action kill"),
+        ("[{rank: 1, step: 2, action: slow, steps: 3}]", "odyssey.faults[0].factor",
+         "must be a number above 1 with action slow (each op takes factor times its time); got None"),
+        ("[{rank: 1, step: 2, action: slow, factor: 0.5, steps: 3}]", "odyssey.faults[0].factor", "got 0.5"),
+        ("[{rank: 1, step: 2, action: slow, factor: 2.0}]", "odyssey.faults[0].steps",
+         "must be at least 1 with action slow (how many steps the rank stays slow); got None"),
+        ("[{rank: 1, step: 2, phase: forward, action: slow, factor: 2.0, steps: 3}]", "odyssey.faults[0].phase",
+         "must be left out with action slow"),
+        ("[{node: 1, step: 2, action: slow, factor: 2.0, steps: 3}]", "odyssey.faults[0]",
+         "action slow takes one rank and a step (no node, with_ranks or join)"),
+        ("[{rank: 9, step: 2, action: slow, factor: 2.0, steps: 3}]", "odyssey.faults[0].rank", "must lie in 0..7"),
         ("[{rank: 1, step: 2, phase: snapshot, action: kill}]", "odyssey.faults[0].step",
          "must be a step that takes a snapshot (a positive multiple of odyssey.snapshot_interval, None) for phase "
          "snapshot; got 2"),
@@ -181,6 +194,50 @@ def test_a_fault_listed_twice_also_fails_the_replay(launcher):
         with pytest.raises(InjectedFault, match=re.escape(key)):
             injector.fire(Phase.optimizer, 4)
     injector.fire(Phase.optimizer, 4)
+
+
+def test_a_slow_rank_is_slowed_by_its_factor_for_its_steps_replays_included_and_fires_no_phase(caplog, launcher):
+    config = load_config(TINY, ["odyssey.faults=[{action: slow, rank: 3, step: 2, factor: 2.0, steps: 3}]"])
+    [spec] = config.odyssey.faults
+    assert str(spec) == "slow rank 3 x2 for steps 2..4"
+    injector = FaultInjector([spec], rank=3, node=0, local_rank=3, launcher_pid=launcher.pid)
+    elsewhere = FaultInjector([spec], rank=2, node=0, local_rank=2, launcher_pid=launcher.pid)
+    for phase in PHASES:
+        injector.fire(phase, 2)  # no phase of it kills, stops or raises
+    with caplog.at_level(logging.WARNING):
+        assert [injector.slowdown(step) for step in range(7)] == [1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 1.0]
+    assert caplog.text.count("rank 3: injecting odyssey.faults[0]: slow rank 3 x2 for steps 2..4") == 1
+    assert injector.slowdown(3) == 2.0  # a replayed step is slow again: the device stays slow
+    assert [elsewhere.slowdown(step) for step in range(7)] == [1.0] * 7
+
+
+def test_a_stretched_op_takes_its_factor_times_its_own_time_and_counts_as_done():
+    """The slow fault's mechanism: the op's timer sleeps at its stop, inside the timed
+    interval; each op of the step's list moves the rank's position on by one."""
+    import time
+
+    import torch
+
+    from odyssey_megatron.runtime.rank.op_timers import FORWARD, OPTIMIZER, OpTimers
+
+    timers = OpTimers(torch.device("cpu"))
+    assert timers.position is None
+    timers.begin_step(4, stretch=3.0)
+    began = time.perf_counter()
+    for _ in range(2):
+        timers(FORWARD).start()
+        time.sleep(0.05)
+        timers(FORWARD).stop()
+    took = time.perf_counter() - began
+    timers(OPTIMIZER).start()
+    timers(OPTIMIZER).stop()
+    assert timers.position == (4, 2)  # the optimizer is no op of the list
+    seconds, count = timers.take()[FORWARD]
+    assert count == 2 and 0.29 <= seconds <= took and took >= 0.3
+    timers.begin_step(5)
+    assert timers.position == (5, 0) and timers.stretch == 1.0
+    timers.end_steps()
+    assert timers.position is None
 
 
 def test_rank_faults_aimed_elsewhere_never_fire(launcher):

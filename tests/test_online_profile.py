@@ -36,7 +36,8 @@ def _published(decouple: bool) -> tuple[str, bool]:
 def test_every_op_of_either_executor_is_timed_once_per_step(schedule, decouple):
     """Megatron's 1F1B and the op-list executor call the same timer hooks: per step, each
     rank times one forward and one backward per micro-batch (and one weight-gradient op
-    each where backwards are split) and one Adam step."""
+    each where backwards are split) and one Adam step; and counts each op of its list
+    once (the position its heartbeat carries)."""
     published, split = _published(decouple)
     assert split == decouple  # the op-list executor's case runs W ops
     results = run_world(op_times, 2, published, schedule)
@@ -48,6 +49,7 @@ def test_every_op_of_either_executor_is_timed_once_per_step(schedule, decouple):
             assert counts == {FORWARD: MICRO_BATCHES, BACKWARD: MICRO_BATCHES,
                               WEIGHT_GRAD: MICRO_BATCHES if split else 0, OPTIMIZER: 1}
             assert all(seconds > 0 for seconds, count in taken.values() if count)
+        assert result["positions"] == [(0, result["ops"]), (1, result["ops"])]
 
 
 def _report(rank: int, *, forward_s: float, backward_s: float, weight_grad_s: float = 0.0,

@@ -220,6 +220,27 @@ def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_pat
 
 
 
+def test_a_rank_at_half_speed_is_the_one_removed_as_a_straggler_and_nothing_is_lost(tmp_path, data_cache,
+                                                                                   long_reference):
+    """Rank 3 runs every op at half speed for the whole run, its heartbeats alive: its op
+    times single it out after three slow steps (no healthy rank is ever blamed: one slow
+    step of a healthy rank on these shared cores happens), and with odyssey.straggler=remove
+    it, and only it, is failed and recovered from as any failure."""
+    run_dir = tmp_path / "run"
+    status, out, err = finish(train(run_dir, data_cache, "odyssey.straggler=remove", "odyssey.straggler_steps=3",
+                                    faults(f"{{action: slow, rank: 3, step: 0, factor: 2.0, steps: {GROWING_STEPS}}}"),
+                                    steps=GROWING_STEPS))
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    assert_same_training(run_dir, long_reference)
+    events = read_jsonl(run_dir / "events.jsonl")
+    [straggler] = [e for e in events if e["event"] == "straggler"]
+    assert (straggler["rank"], straggler["action"]) == (3, "remove") and straggler["slowdown"] > 1.5, straggler
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(f["cause"], f["ranks"]) for f in failures] == [("straggler", [3])], failures
+    assert "straggler: rank 3: its ops took" in out + err
+    assert "injecting odyssey.faults[0]: slow rank 3 x2 for steps 0..11" in (run_dir / "logs" / "rank-3.log").read_text()
+
+
 @pytest.fixture(scope="module")
 def reparallelized(tmp_path_factory, data_cache) -> tuple[Path, str]:
     """A reparallelizing run through five failures, each injected where a recovery or a

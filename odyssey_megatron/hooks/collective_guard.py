@@ -291,18 +291,21 @@ class CollectiveGuard:
     def wait(self, work: dist.Work, *, began: Optional[float] = None) -> bool:
         """``work.wait()``, ending with ``PeerLost`` on an abort, a timeout or a lost peer.
         ``began``: when the operation started, where no guarded start noted it."""
+        started = time.monotonic()
+        with self._lock:
+            noted = self._began.pop(work, None)
+        began = next((t for t in (began, noted, getattr(self._starting, "began", None)) if t is not None), started)
         if self.backend not in _SLICED_BACKENDS:
             try:
                 return _ORIGINAL_WAIT(work)
             except Exception as exc:
                 if self._aborted.is_set() or is_peer_loss(exc):
-                    raise PeerLost(_first_line(exc)) from exc
+                    # The backend's own timeout (NCCL's watchdog) is the collective timeout: judged
+                    # on this clock, not by its words, so an NCCL rank reports a stall as gloo's does.
+                    raise PeerLost(_first_line(exc), timed_out=not self._aborted.is_set()
+                                   and time.monotonic() - began >= self.timeout_s) from exc
                 raise
         self.check()
-        started = time.monotonic()
-        with self._lock:
-            noted = self._began.pop(work, None)
-        began = next((t for t in (began, noted, getattr(self._starting, "began", None)) if t is not None), started)
         waited = self._waiters.submit(_ORIGINAL_WAIT, work)
         while True:
             try:

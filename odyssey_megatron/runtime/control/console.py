@@ -129,7 +129,8 @@ def _ranks(ranks) -> str:
 
 
 _HOW = {Cause.EXIT: "from its exit", Cause.ERROR: "from its report", Cause.HEARTBEAT: "from missed heartbeats",
-        Cause.STALL: "from its report of a collective past the timeout", Cause.NODE: "from missed heartbeats",
+        Cause.STALL: "from its report of a collective past the timeout",
+        Cause.STRAGGLER: "from its op times in the step reports", Cause.NODE: "from missed heartbeats",
         Cause.LATE: "as the others waited for it to enter the generation"}
 """How the controller learnt of a failure, by cause."""
 
@@ -140,6 +141,7 @@ def failure_line(failure: Failure) -> str:
             Cause.ERROR: f"{_ranks(failure.ranks)} raised {failure.detail}",
             Cause.HEARTBEAT: f"{_ranks(failure.ranks)} hung ({failure.detail})",
             Cause.STALL: f"{_ranks(failure.ranks)} stalled ({failure.detail})",
+            Cause.STRAGGLER: f"{_ranks(failure.ranks)} removed as a straggler ({failure.detail})",
             Cause.NODE: f"node {failure.node} lost with {_ranks(failure.ranks)} ({failure.detail})",
             Cause.LATE: f"{_ranks(failure.ranks)} late ({failure.detail})"}[failure.cause]
     return (f"failure: {what}; detected {_HOW[failure.cause]} "

@@ -32,6 +32,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.control.blame import WaitGraph
 from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
@@ -65,6 +66,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     RankRegistration,
     StaleGenerationError,
     StopRequested,
+    StragglerRemoved,
 )
 from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, write_plan
 from odyssey_megatron.schedules.program import StepProgram
@@ -119,6 +121,10 @@ class Controller:
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
                                  controller_process=(socket.gethostname(), os.getpid()))
         self.published_generation = -1
+        self._published: Optional[tuple[ExecutionPlan, StepProgram]] = None
+        """The plan and program published last (the owner's thread sets it whole)."""
+        self._waits: Optional[WaitGraph] = None
+        """The newest generation's wait graph, made at its first stall report (the polling thread's)."""
         self.stop_request = None
         self._failures: queue.Queue[Failure] = queue.Queue()
         self._stop = threading.Event()
@@ -173,6 +179,7 @@ class Controller:
                                   restore, joined)
         write_plan(self.store, published)  # checks that the program is the plan's first
         self.store.set(PUBLISHED_GENERATION, str(plan.generation))
+        self._published = (plan, program)
         self.published_generation = plan.generation
         # Kept for people once the workers have it: at 16,384 ranks the whole plan's JSON
         # takes seconds to write.
@@ -181,6 +188,11 @@ class Controller:
                           start_step=start_step, estimated_step_s=estimated_step_s,
                           rollback_to=restore.step if restore is not None else None, joined=list(joined))
         log.info("controller: published plan generation %d (%s)", plan.generation, plan.policy)
+
+    def remove_straggler(self, rank: int, *, generation: int, detail: str) -> None:
+        """Have ``rank`` (a straggler of ``generation``) failed, through the inbox: the polling
+        thread fails it, orders its kill and queues the failure (``next_failure``)."""
+        self.store.queue_push(INBOX, StragglerRemoved(rank, generation, detail, time.time()).to_json())
 
     def end_run(self, key: str, value: str) -> None:
         """Set ``RUN_DONE`` or ``RUN_STOP`` (``key``) to ``value``, and wake the workers
@@ -287,8 +299,12 @@ class Controller:
             self.record.event("collective_stalled", rank=msg.rank, generation=msg.generation, detail=msg.detail)
             ended = msg.generation is None or msg.generation < self.published_generation or store.check(
                 [abort_key(msg.generation)])
-            failure = None if ended else self.detector.rank_stalled(msg, wall)
+            failure = None if ended else self.detector.rank_stalled(msg, wall, waits=self._wait_graph())
             if failure is not None:  # the first stall of a running generation ends it
+                self._report(store, failure)
+        elif isinstance(msg, StragglerRemoved):
+            failure = None if msg.generation < self.published_generation else self.detector.straggler_removed(msg, wall)
+            if failure is not None:
                 self._report(store, failure)
         elif isinstance(msg, StopRequested):
             self.request_stop(f"{msg.signal} on node {msg.node}", status=128 + signal.Signals[msg.signal].value)
@@ -298,6 +314,13 @@ class Controller:
             self.record.event("node_left", node=msg.node, left_at=msg.left_at)
             return False
         return True
+
+    def _wait_graph(self) -> Optional[WaitGraph]:
+        """What each rank of the newest generation waits for (``blame``): whom a stall is blamed on."""
+        published = self._published
+        if published is not None and (self._waits is None or self._waits.plan is not published[0]):
+            self._waits = WaitGraph(*published)
+        return self._waits
 
     def _node_beats(self, store: dist.Store) -> dict[str, NodeHeartbeat]:
         """Every live node's heartbeat that is new since the last read, in one request."""
@@ -321,7 +344,7 @@ class Controller:
         node's launcher, and queue it."""
         self.record.event("failure", **failure.to_record())
         console.warning(failure_line(failure))
-        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.NODE, Cause.LATE):
+        if failure.cause in (Cause.HEARTBEAT, Cause.ERROR, Cause.STALL, Cause.STRAGGLER, Cause.NODE, Cause.LATE):
             # a lost node's launcher kills its ranks if it ever comes back (fencing)
             ordered = set()
             if failure.launcher is not None:  # unless a launcher replaced it since (then that one is named there)

@@ -11,8 +11,13 @@ plain Python, every rule is unit-tested with made-up times. Ranks fail four ways
   deadlock holding the GIL); its launcher kills it. Until a worker has entered its first
   plan generation (its beats carry none) it gets the longer initial timeout: starting up
   on a busy node may starve its heartbeat thread;
-- **stall**: one of its collectives waited out the collective timeout with every heartbeat
-  alive (a data-plane fault): it is taken out like a hung rank, so the run goes on;
+- **stall**: a collective waited out the collective timeout with every heartbeat alive (a
+  rank hung with its heartbeat thread alive, a rank that slow, a data-plane fault): the
+  rank the waiting one waited for, as the generation's heartbeats place them
+  (``blame.WaitGraph``), is taken out like a hung rank, so the run goes on; the waiting
+  rank only where the positions show it waited for nobody;
+- **straggler**: it beats and computes, but slower than its peers for long
+  (``stragglers``), and ``odyssey.straggler`` is remove: it is taken out like a hung rank;
 - **node**: the launcher stopped beating: the node is lost with every rank on it. Not
   node 0's launcher where it runs in the controller's own process: the controller's
   threads (the decision center planning in Python beside them) delay its beats under
@@ -53,6 +58,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, Optional
 
+from odyssey_megatron.runtime.control.blame import Position, WaitGraph
 from odyssey_megatron.runtime.protocol.keys import launcher_name, node_heartbeat_key
 from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch, Looks
 from odyssey_megatron.runtime.protocol.messages import (
@@ -63,6 +69,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     RankExit,
     RankFailureReport,
     RankRegistration,
+    StragglerRemoved,
 )
 
 __all__ = ["Cause", "Detector", "Failure", "describe_exit"]
@@ -73,6 +80,7 @@ class Cause(str, Enum):
     ERROR = "error"
     HEARTBEAT = "heartbeat"
     STALL = "stall"
+    STRAGGLER = "straggler"
     NODE = "node"
     LATE = "late"
     """Beating, but not in the generation every other rank entered within the recovery timeout."""
@@ -123,6 +131,8 @@ class _Rank:
     host: Optional[str] = None
     generation: Optional[int] = None
     watch: Optional[HeartbeatWatch] = None
+    position: Optional[Position] = None
+    """Where its last beat placed it in ``generation`` (``Heartbeat.position``)."""
 
 
 @dataclass
@@ -142,6 +152,17 @@ def describe_exit(exitcode: int) -> str:
         return f"killed by {signal.Signals(-exitcode).name}"
     except ValueError:
         return f"killed by signal {-exitcode}"
+
+
+def _ranks_word(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _where(positions: dict[int, Optional[Position]], ranks: tuple[int, ...]) -> str:
+    """Where ``ranks`` are, as their beats (or the report) placed them."""
+    places = sorted({positions.get(r) for r in ranks}, key=lambda p: (p is not None, p or (0, 0)))
+    return "; ".join("no step of the generation yet" if p is None else f"step {p[0]}, {p[1]} op(s) done"
+                     for p in places)
 
 
 class Detector:
@@ -204,14 +225,41 @@ class Detector:
         rank.state = _State.FAILED
         return Failure(Cause.ERROR, (msg.rank,), None, msg.reported_at, wall, msg.error)
 
-    def rank_stalled(self, msg: CollectiveStalled, wall: float) -> Optional[Failure]:
-        """A rank whose collective timed out with no failure known: it is taken out. The
-        controller passes only the first report of a generation it has not ended."""
+    def rank_stalled(self, msg: CollectiveStalled, wall: float, *,
+                     waits: Optional[WaitGraph] = None) -> Optional[Failure]:
+        """A rank whose collective timed out with no failure known: the ranks it waited
+        for are taken out, as ``waits`` (the generation's, where the controller has it)
+        finds them from the report's position and the generation's last beats; without
+        ``waits``, or where it finds none, the reporter. None where the ranks blamed have
+        all failed or exited already (that failure ends the generation). The controller
+        passes only the first report of a generation it has not ended."""
         rank = self.ranks.get(msg.rank)
         if rank is None or rank.state not in (_State.STARTING, _State.ALIVE):
             return None
+        blamed, detail = (msg.rank,), msg.detail
+        if waits is not None and waits.generation == msg.generation:
+            positions = {r: other.position for r, other in self.ranks.items()
+                         if other.state == _State.ALIVE and other.generation == msg.generation}
+            positions[msg.rank] = None if msg.step is None or msg.ops_done is None else (msg.step, msg.ops_done)
+            blamed = waits.behind(msg.rank, positions)
+            if blamed != (msg.rank,):
+                live = tuple(r for r in blamed if self.ranks[r].state == _State.ALIVE)
+                if not live:
+                    return None
+                detail = (f"{_ranks_word(live)} behind ({_where(positions, live)}) while rank {msg.rank} waited "
+                          f"({_where(positions, (msg.rank,))}): {msg.detail}")
+                blamed = live
+        for r in blamed:
+            self.ranks[r].state = _State.FAILED
+        return Failure(Cause.STALL, blamed, None, msg.reported_at, wall, detail)
+
+    def straggler_removed(self, msg: StragglerRemoved, wall: float) -> Optional[Failure]:
+        """A rank the owner found too slow: it is taken out, if it is still alive."""
+        rank = self.ranks.get(msg.rank)
+        if rank is None or rank.state != _State.ALIVE:
+            return None
         rank.state = _State.FAILED
-        return Failure(Cause.STALL, (msg.rank,), None, msg.reported_at, wall, msg.detail)
+        return Failure(Cause.STRAGGLER, (msg.rank,), None, msg.reported_at, wall, msg.detail)
 
     def ranks_late(self, ranks: Iterable[int], generation: int, wall: float, timeout_s: float) -> Optional[Failure]:
         """Of ``ranks``, those still live whose beats do not name ``generation`` after the
@@ -270,7 +318,7 @@ class Detector:
                 if rank_beat.generation is not None:  # started: the start-up grace is over
                     rank.watch.timeout = self.heartbeat_timeout
                 changed |= rank_beat.generation != rank.generation
-                rank.generation = rank_beat.generation
+                rank.generation, rank.position = rank_beat.generation, rank_beat.position()
         return changed
 
     def check(self, now: float, wall: float) -> list[Failure]:

@@ -357,7 +357,9 @@ class NodeLauncher:
         beat = NodeHeartbeat(
             self._seq, time.time(), seqs={str(r): b.seq for r, b in workers.items()},
             generations={str(r): b.generation for r, b in workers.items() if b.generation is not None},
-            pids={str(r): b.pid for r, b in workers.items() if b.pid is not None}).to_json().encode()
+            pids={str(r): b.pid for r, b in workers.items() if b.pid is not None},
+            steps={str(r): b.step for r, b in workers.items() if b.position() is not None},
+            ops_done={str(r): b.ops_done for r, b in workers.items() if b.position() is not None}).to_json().encode()
         self._seq += 1
         rung = store.compare_set(node_heartbeat_key(node), self._last_beat, beat) != beat
         if rung:  # the doorbell (or another launcher's beat) is there: beat over it before reading

@@ -11,8 +11,9 @@ published last, the steps committed, publishing and committing):
 - recovering from failures (``recovery``);
 - growing back onto workers that return, at a step boundary (``growing_back``);
 - stopping on purpose, with a checkpoint of the last committed step (``stop_writer``);
-- pricing the likely next failures in the background (``RunState.start_preparing``), and
-  folding measured op times into the profile it prices with (``online_profile``).
+- pricing the likely next failures in the background (``RunState.start_preparing``),
+  folding measured op times into the profile it prices with (``online_profile``), and
+  watching them for stragglers, reported or removed (``stragglers``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.runtime.control.checkpoint_following import CheckpointFollowing
+from odyssey_megatron.runtime.control.console import CONSOLE
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.growing_back import GrowingBack
@@ -33,12 +35,14 @@ from odyssey_megatron.runtime.control.recovery import Recovery
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunFailed, RunState, forget_steps_from
 from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 from odyssey_megatron.runtime.control.stop_writer import RunStopped, StopWriter
+from odyssey_megatron.runtime.control.stragglers import StragglerWatch, straggler_line
 from odyssey_megatron.runtime.protocol.keys import RUN_DONE, final_key
 from odyssey_megatron.runtime.protocol.messages import StepReport
 
 __all__ = ["RunFailed", "RunStopped", "SAMPLES", "TrainingRun", "forget_steps_from"]
 
 log = logging.getLogger(__name__)
+console = logging.getLogger(CONSOLE)
 
 
 class TrainingRun(RunState):
@@ -54,6 +58,10 @@ class TrainingRun(RunState):
         """Measured op times folded into the decision center's profile."""
         self._priced_scales = Scales()
         """The online profile's factors when the decision center last took it."""
+        odyssey = config.odyssey
+        self.stragglers = StragglerWatch(center.profile, threshold=odyssey.straggler_slowdown,
+                                         steps=odyssey.straggler_steps)
+        """Ranks whose ops are slower than their peers', step after step."""
         self.snapshots = SnapshotFollowing(self)
         self.checkpoints = CheckpointFollowing(self)
         self.stop = StopWriter(self)
@@ -115,10 +123,24 @@ class TrainingRun(RunState):
         self.checkpoints.collect()
 
     def _after_commit(self, generation: int, step: int, reports: list[StepReport]) -> None:
-        if self.online is not None and step > self.start_steps[generation]:
-            self._measured(reports)
+        if step > self.start_steps[generation]:  # a generation's first step allocates: not measured
+            if self.online is not None:
+                self._measured(reports)
+            self._watch_stragglers(generation, step, reports)
         self.recovery.finish(generation, first_step_at=time.time())
         self.joins.finish(generation, first_step_at=time.time())
+
+    def _watch_stragglers(self, generation: int, step: int, reports: list[StepReport]) -> None:
+        """Report each straggler found (console, ``straggler`` event); under
+        ``odyssey.straggler: remove``, have it failed (the recovery prices it as any failure)."""
+        remove = self.config.odyssey.straggler == "remove"
+        for found in self.stragglers.observe(self.plan, step, reports):
+            console.warning(straggler_line(found, removed=remove))
+            self.controller.record.event("straggler", rank=found.rank, slowdown=found.slowdown,
+                                         first_step=found.first_step, last_step=found.last_step,
+                                         generation=generation, action=self.config.odyssey.straggler.value)
+            if remove:
+                self.controller.remove_straggler(found.rank, generation=generation, detail=found.detail)
 
     def _measured(self, reports: list[StepReport]) -> None:
         """Fold a committed step's op times into the online profile; once its factors have

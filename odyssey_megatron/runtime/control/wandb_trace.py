@@ -162,6 +162,8 @@ class WandbTrace:
         elif event == "failure":
             self._failures += 1
             run.log({"recovery/failures": self._failures, "time_s": time_s})
+        elif event == "straggler":
+            run.log({"straggler/rank": record["rank"], "straggler/slowdown": record["slowdown"], "time_s": time_s})
         elif event == "recovery":
             run.log({**{f"recovery/{key}": record[key] for key in _RECOVERY_METRICS},
                      "recovery/generation": record["generation"], "time_s": time_s})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
 
@@ -82,6 +82,17 @@ class Heartbeat(Message):
     pid: Optional[int] = None
     """The worker's process: a restarted worker's first beats must not be read as its
     predecessor's, nor the predecessor's last one as the newcomer's."""
+    step: Optional[int] = None
+    """The training step the worker runs in ``generation`` (its last committed is the one
+    before); None while it enters the generation or trains nothing there."""
+    ops_done: Optional[int] = None
+    """Ops of ``step``'s op list (forwards, backwards, weight gradients) finished: the next
+    one, at this index, is what the worker computes or waits for; the list's length once
+    it is past them (gradient sync, commit, optimizer)."""
+
+    def position(self) -> Optional[tuple[int, int]]:
+        """(step, ops done) where the worker trains, else None."""
+        return None if self.step is None or self.ops_done is None else (self.step, self.ops_done)
 
 
 @dataclass(frozen=True)
@@ -116,10 +127,15 @@ class NodeHeartbeat(Message):
     """Rank -> the plan generation it runs, for ranks that have entered one."""
     pids: dict[str, int]
     """Rank -> the process that wrote its last beat."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """Rank -> the step its last beat named (``Heartbeat.step``), for ranks that train."""
+    ops_done: dict[str, int] = field(default_factory=dict)
+    """Rank -> the ops of that step it finished (``Heartbeat.ops_done``)."""
 
     def rank_beats(self) -> dict[int, Heartbeat]:
         """Each rank's last beat as the launcher saw it, stamped with the node's clock."""
-        return {int(rank): Heartbeat(seq, self.sent_at, self.generations.get(rank), pid=self.pids.get(rank))
+        return {int(rank): Heartbeat(seq, self.sent_at, self.generations.get(rank), pid=self.pids.get(rank),
+                                     step=self.steps.get(rank), ops_done=self.ops_done.get(rank))
                 for rank, seq in self.seqs.items()}
 
 
@@ -196,6 +212,23 @@ class CollectiveStalled(Message):
     generation: Optional[int]
     detail: str
     reported_at: float
+    step: Optional[int] = None
+    """Where the waiting rank was (``Heartbeat.step``, ``Heartbeat.ops_done``): the
+    controller blames the rank it waited for, by comparing the generation's progress."""
+    ops_done: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class StragglerRemoved(Message):
+    """The owner found ``rank`` a straggler under ``odyssey.straggler: remove``
+    (``runtime.control.stragglers``): the controller fails it as it fails a hung rank."""
+
+    KIND = "straggler_removed"
+    rank: int
+    generation: int
+    detail: str
+    """Its measured slowdown (``Straggler.detail``)."""
+    reported_at: float
 
 
 @dataclass(frozen=True)
@@ -242,7 +275,7 @@ class StopOrder(Message):
 
 
 _INBOX_KINDS = {cls.KIND: cls for cls in (RankRegistration, NodeRegistration, RankExit, RankFailureReport,
-                                          CollectiveStalled, NodeLeft, StopRequested)}
+                                          CollectiveStalled, StragglerRemoved, NodeLeft, StopRequested)}
 
 
 def parse_inbox(text: str | bytes) -> Message:
@@ -258,8 +291,8 @@ def parse_inbox(text: str | bytes) -> Message:
 class StepReport(Message):
     """A rank's step: the micro-batches whose last stage ran on it, with the loss of each
     and the sample ids it consumed, so the controller can prove every sample was used
-    once; and the seconds its ops took (``runtime.rank.op_timers``; zeros where
-    ``odyssey.online_profile`` is off), for the online profile."""
+    once; and the seconds its ops took (``runtime.rank.op_timers``), for the online profile
+    and the straggler watch (``runtime.control.stragglers``)."""
 
     KIND = "step_report"
     rank: int

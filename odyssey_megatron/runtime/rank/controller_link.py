@@ -54,6 +54,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     RankRegistration,
 )
 from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, read_plan
+from odyssey_megatron.runtime.rank.op_timers import OpTimers
 
 __all__ = ["ControllerLink"]
 
@@ -104,6 +105,9 @@ class ControllerLink:
     on_controller_lost: Optional[Callable[[str], None]]
     """Called once (on the heartbeat thread) when the controller is gone; without it, or if
     the process still runs a collective timeout later, the process exits at once."""
+    progress: Optional[OpTimers]
+    """Where the worker is in its step (``OpTimers.position``), sent with every heartbeat
+    and stall report once set."""
     on_abort: Optional[Callable[[int], None]]
     """Called with the generation (on the heartbeat thread) once the controller aborts
     ``watching``; the worker may have moved on to the next one meanwhile."""
@@ -116,6 +120,7 @@ class ControllerLink:
         self.generation = self.watching = None
         self.on_abort = None
         self.on_controller_lost = None
+        self.progress = None
         self.published_at_start = -1
         self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
                                    timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
@@ -151,7 +156,9 @@ class ControllerLink:
     def report_stall(self, generation: Optional[int], detail: str) -> None:
         """Tell the controller a collective of ``generation`` waited out the collective
         timeout with no abort: nothing else would end the generation."""
-        self.store.queue_push(INBOX, CollectiveStalled(self.launch.rank, generation, detail, time.time()).to_json())
+        step, ops_done = self._position()
+        self.store.queue_push(INBOX, CollectiveStalled(self.launch.rank, generation, detail, time.time(), step,
+                                                       ops_done).to_json())
 
     def aborted(self, generation: int) -> bool:
         """Whether the controller aborted ``generation`` (the worker watches it), as the
@@ -175,8 +182,13 @@ class ControllerLink:
             raise ProtocolError(f"expected plan generation {newer_than + 1}; the run ended ({following})")
         return following
 
+    def _position(self) -> tuple[Optional[int], Optional[int]]:
+        """(step, ops done) where the worker trains, else (None, None)."""
+        position = self.progress.position if self.progress is not None else None
+        return position if position is not None else (None, None)
+
     def _beat(self, store: dist.Store) -> None:
-        beat = Heartbeat(self._seq, time.time(), self.generation, self.watching, os.getpid())
+        beat = Heartbeat(self._seq, time.time(), self.generation, self.watching, os.getpid(), *self._position())
         store.set(rank_heartbeat_key(self.launch.rank), beat.to_json())
         self._seq += 1
 

@@ -13,7 +13,9 @@ published its pid in the store when its injector was built. Each spec fires at m
 in the whole run: a step replayed after recovery reaches the same phase again and runs
 clean, and a restarted worker (``odyssey.restart_workers``) skips the specs that fired (the
 store marks them). A ``join`` spec strikes in the first generation that takes workers
-back, whatever its step (``in_join``).
+back, whatever its step (``in_join``). A ``slow`` spec fires no phase: for each of its
+steps, replays included (a slow device stays slow), ``slowdown`` gives the factor the
+training loop stretches the rank's ops by (``runtime.rank.op_timers``).
 """
 
 from __future__ import annotations
@@ -69,9 +71,13 @@ class FaultInjector:
         self.in_join = False
         self._pending = {
             f"odyssey.faults[{index}]": spec for index, spec in enumerate(faults)
-            if (spec.rank == rank or (spec.node == node and local_rank == 0))
+            if (spec.rank == rank or (spec.node == node and local_rank == 0)) and spec.action != "slow"
             and not (store is not None and store.check([fault_fired_key(f"odyssey.faults[{index}]")]))
         }
+        self._slow = {f"odyssey.faults[{index}]": spec for index, spec in enumerate(faults)
+                      if spec.action == "slow" and spec.rank == rank}
+        self._slowed: set[str] = set()
+        """Slow specs that have slowed a step yet (logged once)."""
         together = [spec for spec in faults if rank in spec.with_ranks or (spec.rank == rank and spec.with_ranks)]
         if together and store is None:
             raise ValueError(f"rank {rank}: a fault kills ranks together ({together[0]}): give the injector the store")
@@ -85,6 +91,18 @@ class FaultInjector:
         run's store (the controller's)."""
         return cls(faults, rank=launch.rank, node=launch.node, local_rank=launch.local_rank,
                    launcher_pid=launch.launcher_pid, store=store)
+
+    def slowdown(self, step: int) -> float:
+        """How many times its own time each op of ``step`` takes on this rank: the factors
+        of the slow specs holding there, multiplied; 1 where none holds."""
+        factor = 1.0
+        for key, spec in self._slow.items():
+            if spec.slows(step):
+                if key not in self._slowed:
+                    self._slowed.add(key)
+                    log.warning("rank %d: injecting %s: %s", self.rank, key, spec)
+                factor *= spec.factor
+        return factor
 
     def fire(self, phase: Phase, step: int) -> None:
         """Carry out the first pending fault for ``phase`` of ``step``, if any: kill or stop

@@ -82,6 +82,7 @@ class Generation:
         start or a rollback replaces; the rank's role in it."""
         process, plan, published = self.process, self.plan, self.published
         process.guard.reopen(plan.generation)
+        process.op_timers.end_steps()  # no step of this generation runs yet (the heartbeat says none)
         training_ranks = len(plan.workers) * process.tp
         node_ranks = sum(1 for r in process.launch.node_ranks if process.cluster.worker_of(r) in plan.workers)
         self.ledger = NodeLedger(StepLedger(process.group_store, generation=plan.generation,

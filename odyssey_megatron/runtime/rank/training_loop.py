@@ -86,6 +86,7 @@ class TrainingLoop:
 
     def _train_step(self, step: int) -> None:
         self.generation.phase = Phase.forward
+        self.process.op_timers.begin_step(step, stretch=self.process.injector.slowdown(step))
         train_step(self.generation.runner, step=step, load=self.process.data.micro_batch, commit=self._commit)
 
     def _commit(self, step: int, losses: dict[int, float], samples: dict[int, list[int]]) -> None:

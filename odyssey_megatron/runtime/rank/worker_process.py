@@ -68,7 +68,9 @@ class WorkerProcess:
     accelerator: Accelerator
     device: torch.device
     data: IndexedTokens
-    op_timers: Optional[op_timers.OpTimers]
+    op_timers: op_timers.OpTimers
+    """Every op's seconds (the online profile, the straggler watch) and where the rank is
+    in its step (its heartbeat), whatever ``odyssey.online_profile`` says."""
     runner_settings: RunnerSettings
     """What every generation's runner runs with; ``emulation`` is ``cluster.emulate_device``'s: every
     op paced to that device's time, or None (real time)."""
@@ -133,7 +135,8 @@ class WorkerProcess:
         # out of the collections that free each generation's stage, so they take milliseconds.
         gc.freeze()
         self.injector = FaultInjector.for_worker(self.config.odyssey.faults, launch, store=self.store)
-        self.op_timers = op_timers.OpTimers(self.device) if self.config.odyssey.online_profile else None
+        self.op_timers = op_timers.OpTimers(self.device)
+        link.progress = self.op_timers
         self.timeouts = launch.timeouts
         self.collective_timeout = datetime.timedelta(seconds=self.timeouts.collective_timeout)
         self.runner_settings = RunnerSettings(

@@ -1,0 +1,102 @@
+"""Stragglers from the step reports' op times (``runtime.control.stragglers``) with made-up
+reports, and a straggler's removal through the controller's inbox.
+
+The plan: two pipelines of two stages (workers 0 -> 2 and 1 -> 3), two micro-batches each."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from helpers import symmetric_plan
+from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.runtime.control.controller import Controller
+from odyssey_megatron.runtime.control.console import failure_line
+from odyssey_megatron.runtime.control.detector import Cause
+from odyssey_megatron.runtime.control.stragglers import StragglerWatch, straggler_line
+from odyssey_megatron.runtime.protocol.keys import INBOX, kill_orders_key, node_heartbeat_key
+from odyssey_megatron.runtime.protocol.messages import (
+    KillOrder,
+    NodeHeartbeat,
+    NodeRegistration,
+    RankRegistration,
+    StepReport,
+)
+from odyssey_megatron.timeouts import Timeouts
+
+pytestmark = pytest.mark.timeout(60)
+
+PLAN = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=2)
+PROFILE = uniform_profile(num_layers=4)
+
+
+def _reports(seconds_per_op: dict[int, float], *, stage_1_heavier: float = 1.0) -> list[StepReport]:
+    """Each rank's step: two forwards and two backwards, each ``seconds_per_op[rank]``
+    times what the profile predicts (stage 1's ranks ``stage_1_heavier`` times more)."""
+    reports = []
+    for rank, scale in seconds_per_op.items():
+        stage = 0 if rank in (0, 1) else 1
+        times = PROFILE.stage_times(*PLAN.pipelines[0].stages[stage].layers, first=stage == 0, last=stage == 1)
+        scale *= stage_1_heavier if stage == 1 else 1.0
+        reports.append(StepReport(rank, (), (), (), 2 * scale * times.forward_s, 2, 2 * scale * times.backward_s,
+                                  2, 0.0, 0, 0.01))
+    return reports
+
+
+def test_a_rank_twice_as_slow_as_its_dp_peer_is_found_once_after_its_steps_and_a_heavy_stage_is_not():
+    watch = StragglerWatch(PROFILE, threshold=1.5, steps=3)
+    slow = {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0}
+    found = [watch.observe(PLAN, step, _reports(slow, stage_1_heavier=1.8)) for step in range(1, 6)]
+    assert [[s.rank for s in f] for f in found] == [[], [], [3], [], []]  # once, after 3 slow steps in a row
+    [straggler] = found[2]
+    assert straggler.slowdown == pytest.approx(2.0) and (straggler.first_step, straggler.last_step) == (1, 3)
+    assert straggler_line(straggler, removed=False) == (
+        "straggler: rank 3: its ops took 2.00x its peers' time for 3 committed steps (1..3); "
+        "it trains on (odyssey.straggler=report)")
+
+
+def test_a_slowdown_must_last_its_steps_in_a_row_and_a_rank_fast_again_may_be_found_again():
+    watch = StragglerWatch(PROFILE, threshold=1.5, steps=2)
+    slow, fast = {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0}, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.1}
+    sequence = [slow, fast, slow, slow, slow, fast, slow, slow]
+    found = [[s.rank for s in watch.observe(PLAN, step, _reports(r))] for step, r in enumerate(sequence, 1)]
+    assert found == [[], [], [], [3], [], [], [], [3]]
+
+
+def test_a_stage_without_replicas_is_compared_with_every_other_rank():
+    """One pipeline of four stages: no stage has a DP peer, so each rank's seconds per
+    predicted second is set against the median of every other rank's."""
+    plan = symmetric_plan(dp=1, pp=4, num_layers=4, micro_batches_per_pipeline=2)
+    watch = StragglerWatch(PROFILE, threshold=1.5, steps=1)
+    reports = []
+    for rank, scale in {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0}.items():
+        times = PROFILE.stage_times(*plan.pipelines[0].stages[rank].layers, first=rank == 0, last=rank == 3)
+        reports.append(StepReport(rank, (), (), (), 2 * scale * times.forward_s, 2, 2 * scale * times.backward_s,
+                                  2, 0.0, 0, 0.0))
+    assert watch.slowdowns(plan, reports) == pytest.approx({0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0})
+    assert [s.rank for s in watch.observe(plan, 1, reports)] == [2]
+
+
+def test_a_removed_straggler_is_failed_and_killed_by_the_controller_with_its_slowdown(tmp_path):
+    slow = Timeouts(heartbeat_interval=0.1, heartbeat_timeout=60.0, collective_timeout=90.0, recovery_timeout=120.0)
+    controller = Controller(host="127.0.0.1", port=0, timeouts=slow, run_dir=tmp_path)
+    controller.start()
+    try:
+        client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set(node_heartbeat_key(0), NodeHeartbeat(0, 1000.0, {"2": 0, "3": 0}, {}, {"2": 22, "3": 23}).to_json())
+        for msg in (NodeRegistration(0, 10, "h", (2, 3)), RankRegistration(2, 22, "h", 0),
+                    RankRegistration(3, 23, "h", 0)):
+            client.queue_push(INBOX, msg.to_json())
+        controller.remove_straggler(3, generation=0, detail="its ops took 2.00x its peers' time for 3 committed "
+                                                            "steps (1..3)")
+        failure = controller.next_failure(timeout=10)
+        assert (failure.cause, failure.ranks) == (Cause.STRAGGLER, (3,))
+        assert failure_line(failure).startswith("failure: rank 3 removed as a straggler (its ops took 2.00x its "
+                                                "peers' time for 3 committed steps (1..3)); detected from its op times")
+        assert KillOrder.from_json(client.queue_pop(kill_orders_key(0), block=False)) == KillOrder(3, 23)
+        controller.remove_straggler(3, generation=0, detail="again")  # failed already: no second failure
+        assert controller.next_failure(timeout=0.5) is None
+    finally:
+        controller.stop()
