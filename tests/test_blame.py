@@ -130,10 +130,12 @@ def test_the_controller_takes_out_the_rank_a_stall_report_waited_for_not_the_rep
     try:
         client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
         [beat] = _node_beat(1, HUNG_IN_STAGE_1).values()
-        client.set(node_heartbeat_key(0), beat.to_json())
         client.queue_push(INBOX, NodeRegistration(0, 10, "h", (0, 1, 2, 3)).to_json())
         for rank in range(4):
             client.queue_push(INBOX, RankRegistration(rank, 20 + rank, "h", 0).to_json())
+        wait_for(lambda: sorted(controller.detector.alive_ranks()) == [0, 1, 2, 3] or None, timeout=10,
+                 what="the ranks registered")
+        client.set(node_heartbeat_key(0), beat.to_json())  # read once, at the next poll: after they registered
         wait_for(lambda: [row["generation"] for row in controller.detector.workers().values()] == [GENERATION] * 4,
                  timeout=10, what="the ranks' beats read")
         client.queue_push(INBOX, CollectiveStalled(0, GENERATION, "timed out", 5.0, *HUNG_IN_STAGE_1[0]).to_json())

@@ -835,15 +835,17 @@ def test_a_megatron_bridge_recipe_trains_as_it_is(bridge_run, reference):
 
 
 def test_the_console_shows_progress_one_line_per_failure_and_recovery_and_no_rank_detail(bridge_run):
-    """The main job's terminal reads like Megatron's: the recipe's notes, then a progress
-    line per committed step (``logger.log_interval: 1``), the failure and its recovery in
-    a line each, the summary;
+    """The main job's terminal reads like Megatron's: the recipe's notes, the disk
+    checkpoints' interval as the run starts, then a progress line per committed step
+    (``logger.log_interval: 1``), the failure and its recovery in a line each, the summary;
     each rank's detail (gloo's lost connection, the injected kill) in
     ``logs/rank-<r>.log``, the launcher's and controller's chatter in ``logs/node-0.log``."""
     run_dir, out, err = bridge_run
     notes = [line for line in err.splitlines() if not line.startswith("[")]  # before the run starts
     assert notes and all(line.startswith("Megatron-Bridge recipe: ") for line in notes), notes
     lines = [line.split("] ", 1)[1] for line in err.splitlines() if line not in notes]  # stamped "[date time] "
+    assert lines[0].startswith("disk checkpoints: every ") and "(Young: " in lines[0], lines[0]
+    lines = lines[1:]
     progress = [line for line in lines if line.startswith("iteration ")]
     assert [line.split("|")[0].split()[1] for line in progress] == [f"{s}/" for s in range(1, STEPS + 1)]
     assert all("lm loss: " in line and "ranks training: " in line for line in progress)
