@@ -29,8 +29,8 @@ def one_rank_group():
 SERIAL_FILES = (
     "test_train.py", "test_control.py",  # live runs: controllers, launchers, workers
     "test_block_transfer.py", "test_collective_guard.py", "test_emulation.py", "test_fault_injection.py",
-    "test_missed_beat.py", "test_rendezvous_store.py", "test_runtime_equivalence.py", "test_snapshot_keeper.py",
-    "test_store_server.py",  # processes judged by timeouts or measured against the clock
+    "test_missed_beat.py", "test_profiler.py", "test_rendezvous_store.py", "test_runtime_equivalence.py",
+    "test_snapshot_keeper.py", "test_store_server.py",  # processes judged by timeouts or measured against the clock
 )
 """Files whose tests start processes and judge them by the clock: they run one after
 another on one pytest-xdist worker (the README's test command runs two), so no two of
