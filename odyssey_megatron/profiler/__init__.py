@@ -72,7 +72,7 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
                                                 warmup=warmup)
     host_bandwidth = _host_bandwidth(accelerator)
     overhead_s = _op_overhead(middle, one[0], per_stage) if one else 0.0
-    layer, share = _layer_cost(middle, per_stage, overhead_s)
+    layer, share = _layer_cost(middle, one[0] if one else None, per_stage, overhead_s)
     embedding, output = _edge_cost(EMBEDDING, first, middle), _edge_cost(OUTPUT, last, middle)
     profile = replace(
         analytic,
@@ -121,12 +121,13 @@ def _op_overhead(middle: StageMeasurement, one: StageMeasurement, per_stage: int
     return max(0.0, statistics.mean(intercepts))
 
 
-def _layer_cost(middle: StageMeasurement, per_stage: int, overhead_s: float) -> tuple[BlockCost, float]:
+def _layer_cost(middle: StageMeasurement, one: StageMeasurement | None, per_stage: int,
+                overhead_s: float) -> tuple[BlockCost, float]:
     """A layer: the middle stage's work beyond an op's fixed cost, per layer, and the
     weight-gradient share of its split backward."""
-    share = _share(middle.input_grad_s - overhead_s, middle.weight_grad_s - overhead_s)
     held = middle.blocks[0]
     backward_s = max(0.0, middle.backward_s - overhead_s) / per_stage
+    share = _weight_grad_share(middle, one)
     return BlockCost(
         forward_s=max(0.0, middle.forward_s - overhead_s) / per_stage,
         backward_s=backward_s,
@@ -136,6 +137,19 @@ def _layer_cost(middle: StageMeasurement, per_stage: int, overhead_s: float) -> 
         activation_bytes=middle.activation_bytes // per_stage,
         weight_grad_s=share * backward_s,
     ), share
+
+
+def _weight_grad_share(middle: StageMeasurement, one: StageMeasurement | None) -> float:
+    """The weight-gradient share of a layer's split backward: from what the middle stage's
+    halves take beyond the one-layer stage's (the added layers' work, no op's fixed cost in
+    it). Where noise leaves either difference at or below zero (ops of a millisecond on a
+    busy machine), the middle stage's own halves give it: biased towards even by the fixed
+    cost, but never a layer whose weights take no time."""
+    if one is not None:
+        added_input_s, added_weight_s = middle.input_grad_s - one.input_grad_s, middle.weight_grad_s - one.weight_grad_s
+        if added_input_s > 0 and added_weight_s > 0:
+            return added_weight_s / (added_input_s + added_weight_s)
+    return _share(middle.input_grad_s, middle.weight_grad_s)
 
 
 def _edge_cost(block: str, stage: StageMeasurement, middle: StageMeasurement) -> BlockCost:
