@@ -27,6 +27,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.snapshot.protection import parity_chunk_bytes
 from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.snapshot.shards import owners
 
@@ -62,7 +63,7 @@ def snapshot_host_bytes(plan: ExecutionPlan, model: ModelConfig, *, nodes_per_gr
     single node, where no group has a second node)."""
     largest = max(snapshot_shares(plan, model).values(), default=0)
     members = _group_members(nodes_per_group, nodes)
-    return 2 * (largest + (math.ceil(largest / (members - 1)) if members > 1 else 0))
+    return 2 * (largest + (parity_chunk_bytes([largest] * members) if members > 1 else 0))
 
 
 def restore_time(restore: Restore, transfers: Sequence[Transfer], *, model: ModelConfig, profile: ModelProfile,

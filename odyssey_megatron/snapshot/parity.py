@@ -10,76 +10,21 @@ XOR of the survivors' chunks and parities; two lost members in one group are bey
 
 ``encode`` is one ``reduce_scatter`` with BXOR over the group, ``rebuild`` one BXOR
 ``reduce`` over the survivors; ``parity_of`` and ``rebuilt_from`` do the same arithmetic
-without collectives (the tests' reference), through the same helpers.
+without collectives (the tests' reference), through the same helpers. Who forms a group
+and the byte counts (chunks, encode's temporaries) are ``snapshot.protection``'s, with no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from odyssey_megatron.snapshot.protection import parity_chunk_bytes, protection_groups, unprotected
+
 __all__ = ["StripeLayout", "encode", "parity_of", "protection_groups", "rebuild", "rebuilt_from", "unprotected"]
-
-
-def protection_groups(ranks_by_node: Mapping[int, Sequence[int]], size: int) -> list[tuple[int, ...]]:
-    """Every rank in one group of ranks on pairwise distinct nodes, ``size`` members each
-    where the ranks allow.
-
-    Nodes are taken in order and the i-th ranks of all nodes (a column) side by side, so
-    consecutive ranks lie on distinct nodes; the columns are cut into groups of ``size``,
-    a group ending early where the next rank's node is in it already. A rank left alone
-    then joins a group without its node that has room, else takes a partner from a group of
-    three or more, else joins any group without its node (only with ``size`` 2: a group of
-    three). So no group is larger than ``max(size, 3)``, and the ranks left alone (a group
-    of one: unprotected) are as few as possible: all on the one node that holds more ranks
-    than every other node together. Members ascend; groups are ordered by their smallest rank.
-    """
-    if size < 2:
-        raise ValueError(f"size must be at least 2 (members per protection group), got {size}")
-    node_of: dict[int, int] = {}
-    for node in sorted(ranks_by_node):
-        for rank in ranks_by_node[node]:
-            if rank in node_of:
-                raise ValueError(f"rank {rank} is listed twice (nodes {node_of[rank]} and {node})")
-            node_of[rank] = node
-    columns = [sorted(ranks_by_node[node]) for node in sorted(ranks_by_node)]
-    depth = max(map(len, columns), default=0)
-    groups: list[list[int]] = []
-    for rank in (ranks[i] for i in range(depth) for ranks in columns if i < len(ranks)):
-        if groups and len(groups[-1]) < size and all(node_of[r] != node_of[rank] for r in groups[-1]):
-            groups[-1].append(rank)
-        else:
-            groups.append([rank])
-    _partner_the_alone(groups, node_of, size)
-    return sorted(tuple(sorted(group)) for group in groups)
-
-
-def _partner_the_alone(groups: list[list[int]], node_of: Mapping[int, int], size: int) -> None:
-    """Give each group of one a partner, in place, where one can be had (see ``protection_groups``)."""
-    for alone in [group for group in groups if len(group) == 1]:
-        if len(alone) != 1:
-            continue  # another alone rank joined it
-        rank = alone[0]
-        others = [group for group in groups if group is not alone]
-        apart = [group for group in others if all(node_of[r] != node_of[rank] for r in group)]
-        donors = [group for group in others if len(group) > 2]
-        roomy = [group for group in apart if len(group) < size]
-        if roomy or (apart and not donors):
-            groups.remove(alone)
-            min(roomy or apart, key=len).append(rank)
-        elif donors:
-            donor = max(donors, key=len)
-            partner = max(r for r in donor if node_of[r] != node_of[rank])
-            donor.remove(partner)
-            alone.append(partner)
-
-
-def unprotected(groups: Iterable[Sequence[int]]) -> list[int]:
-    """The ranks alone in their group: no parity protects their payloads."""
-    return sorted(group[0] for group in groups if len(group) == 1)
 
 
 @dataclass(frozen=True)
@@ -108,7 +53,7 @@ class StripeLayout:
     @property
     def chunk_bytes(self) -> int:
         """Bytes of one chunk, and of one member's parity (at least 1)."""
-        return max(1, -(-max(self.sizes) // (self.members - 1)))
+        return parity_chunk_bytes(self.sizes)
 
     def chunk_index(self, member: int, stripe: int) -> int:
         """Which of ``member``'s chunks lies in ``stripe`` (any stripe but its own)."""

@@ -53,7 +53,7 @@ class SnapshotRecord:
     plan: ExecutionPlan
     """The plan it was written under (its ``owners``)."""
     groups: tuple[tuple[int, ...], ...]
-    """Its protection groups, in launch ranks (``parity.protection_groups``)."""
+    """Its protection groups, in launch ranks (``protection.protection_groups``)."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from odyssey_megatron.blocks import Block, block_bytes, block_sort_key, state_en
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.snapshot.protection import protection_groups
 
 __all__ = ["owners", "shard_blocks", "shard_bytes", "shard_entries", "snapshot_groups"]
 
@@ -69,9 +70,7 @@ def shard_entries(model: ModelConfig, blocks: Sequence[Block], *, tp_size: int) 
 def snapshot_groups(plan: ExecutionPlan, *, cluster: ClusterState,
                     nodes_per_group: int) -> tuple[tuple[int, ...], ...]:
     """The parity protection groups of ``plan``'s training ranks (launch ranks, on the nodes
-    ``cluster`` puts them), each on distinct nodes (``parity.protection_groups``)."""
-    from odyssey_megatron.snapshot.parity import protection_groups
-
+    ``cluster`` puts them), each on distinct nodes (``protection.protection_groups``)."""
     by_node: dict[int, list[int]] = {}
     for worker in plan.workers:
         for rank in cluster.worker_ranks(worker):
