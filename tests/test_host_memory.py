@@ -1,0 +1,96 @@
+"""Host memory per node (``estimator.host_memory``): keepers, parity temporaries and
+checkpoint staging, counted by hand on a small case, and ``cluster.host_memory_gib``
+refusing a plan that needs more, in ``odyssey plan`` (starting and recovery plans) and in
+``odyssey train`` before any rank starts."""
+
+from __future__ import annotations
+
+import torch
+
+from odyssey_megatron.config import load_config
+from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.estimator.host_memory import HostMemory, host_memory, over_budget
+from odyssey_megatron.snapshot.parity import StripeLayout
+from odyssey_megatron.snapshot.protection import encode_temporary_bytes
+
+TINY = "recipes/llama2_7b/tiny_cpu.yaml"
+NPU_32 = "recipes/llama2_7b/ascend_910b_32.yaml"
+
+# Three nodes of one device each, DP 3 x PP 1: every worker holds the whole model.
+SMALL = ["model.num_layers=2", "model.hidden_size=8", "model.ffn_hidden_size=16", "model.num_attention_heads=2",
+         "model.num_query_groups=2", "model.vocab_size=32", "parallel.pipeline_model_parallel_size=1",
+         "parallel.data_parallel_size=3", "training.global_batch_size=6", "training.micro_batch_size=2"]
+
+
+def _small_center(devices_per_node: int = 1) -> DecisionCenter:
+    return DecisionCenter.from_recipe(load_config(TINY, [*SMALL, f"cluster.devices_per_node={devices_per_node}"]))
+
+
+def test_a_small_plan_needs_the_bytes_counted_by_hand():
+    """A block's state is 12 bytes a parameter (fp32 weight and two Adam moments) and an
+    8-byte step. Hidden 8, FFN 16, 2 heads of 4, 2 query groups, vocab 32:
+      embedding 32*8 = 256 params                                  -> 3,080 B
+      a layer   8 + (2+2*2)*4*8 + 8*8 + 8 + 2*16*8 + 8*16 = 656    -> 7,880 B
+      output    8 + 32*8 = 264                                     -> 3,176 B
+    Shares, largest block first to the least loaded holder (lowest id on ties): layer 0 to
+    worker 0, layer 1 to 1, output to 2, then the embedding to 2 (3,176 < 7,880):
+    7,880 / 7,880 / 6,256 B. One protection group of the 3 nodes (parity groups of 4):
+    chunk ceil(7,880 / 2) = 3,940 B. Per node (one rank each):
+      keepers             2 * (share + 3,940): 23,640 / 23,640 / 20,392
+      parity temporaries  2 * 3 * 3,940 = 23,640 (the stripes, and gloo's copy of them)
+      staging             the share: 7,880 / 7,880 / 6,256"""
+    center = _small_center()
+    per_node = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=True,
+                           checkpoints=True)
+    assert per_node == {
+        0: HostMemory(keepers=23_640, parity_temporaries=23_640, staging=7_880),
+        1: HostMemory(keepers=23_640, parity_temporaries=23_640, staging=7_880),
+        2: HostMemory(keepers=20_392, parity_temporaries=23_640, staging=6_256),
+    }
+    assert per_node[2].total == 50_288
+
+
+def test_what_a_run_does_not_take_holds_no_host_memory():
+    center = _small_center()
+    no_checkpoints = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=True,
+                                 checkpoints=False)
+    assert {node: held.staging for node, held in no_checkpoints.items()} == {0: 0, 1: 0, 2: 0}
+    no_snapshots = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=False,
+                               checkpoints=True)
+    assert no_snapshots == {0: HostMemory(staging=7_880), 1: HostMemory(staging=7_880), 2: HostMemory(staging=6_256)}
+
+
+def test_a_rank_alone_on_the_only_node_keeps_its_share_twice_and_no_parity():
+    center = _small_center(devices_per_node=3)
+    per_node = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=True,
+                           checkpoints=False)
+    assert per_node == {0: HostMemory(keepers=2 * (7_880 + 7_880 + 6_256))}
+
+
+def test_losing_a_node_leaves_more_on_each_survivor():
+    """Node 1 of the 32 NPUs lost: its stage is reparallelized onto 24 devices, whose
+    shares grow."""
+    center = DecisionCenter.from_recipe(load_config(NPU_32))
+    before = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=True,
+                         checkpoints=True)
+    center.on_failure(nodes=[1])
+    after = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=True,
+                        checkpoints=True)
+    assert sorted(after) == [0, 2, 3]
+    assert min(held.total for held in after.values()) > max(held.total for held in before.values())
+
+
+def test_a_budget_is_filled_keepers_first_and_names_what_does_not_fit():
+    per_node = {0: HostMemory(keepers=10, parity_temporaries=5, staging=3), 1: HostMemory(keepers=10, staging=9)}
+    assert over_budget(per_node, 19) is None
+    assert over_budget(per_node, 18) == (1, ["staging"])
+    assert over_budget(per_node, 12) == (1, ["staging"])
+    assert over_budget(per_node, 9) == (1, ["keepers", "staging"])
+    assert over_budget({0: HostMemory(keepers=10, parity_temporaries=5, staging=3)}, 12) == (
+        0, ["parity_temporaries", "staging"])
+
+
+def test_the_encode_temporaries_are_the_stripes_encode_reduces_and_gloos_copy_of_them():
+    layout = StripeLayout((10, 3, 4))
+    stripes = layout.stripes(1, torch.zeros(3, dtype=torch.uint8))
+    assert encode_temporary_bytes(layout.sizes) == 2 * stripes.numel() == 2 * 3 * layout.chunk_bytes == 30
