@@ -2,7 +2,8 @@
 
 ``odyssey plan --config FILE [--failed 3,7] [--failed-nodes 1] [--json] [key=value ...]``
 prints the plan the decision center picks after the given failures, the alternatives it
-beat and its estimates. ``odyssey simulate --scenario FILE [--seed N] [--out DIR [--force]]
+beat, its estimates and its host memory per node (refused over ``cluster.host_memory_gib``,
+which ``odyssey train`` checks too). ``odyssey simulate --scenario FILE [--seed N] [--out DIR [--force]]
 [--json]`` compares the fault-tolerance systems over a failure scenario. ``odyssey profile
 --config FILE [--out FILE [--force]] [--repeats N] [key=value ...]`` measures the recipe's
 model on this machine and writes the profile file ``odyssey.profile`` reads. ``odyssey report
@@ -25,7 +26,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from odyssey_megatron import limits
 from odyssey_megatron.config import DType, RecipeConfig, config_yaml, load_config, load_recipe
@@ -35,6 +36,10 @@ from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 from odyssey_megatron.plotting import pyplot
 from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES, LaunchConfig
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
+
+if TYPE_CHECKING:
+    from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.estimator.host_memory import HostMemory
 
 EXIT_USAGE = 2
 EXIT_UNRECOVERABLE = 3
@@ -208,7 +213,7 @@ def decision_json(decision: Decision, published: dict) -> dict:
     }
 
 
-def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str) -> str:
+def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str, host: list[str]) -> str:
     c = decision.chosen
     plan, est = c.plan, c.estimate
     moved = sum(t.bytes for t in plan.transfers)
@@ -233,6 +238,7 @@ def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str)
     lines.append(f"  memory budget {est.memory_budget_bytes / GIB:.1f} GiB per device")
     lines.append(f"  snapshots   {snapshots}")
     lines.append(f"  checkpoints {checkpoints}")
+    lines.extend(host)
     if decision.alternatives:
         lines.append("alternatives:")
         for alt in decision.alternatives:
@@ -248,7 +254,6 @@ def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str)
 
 def _plan_command(args: argparse.Namespace) -> int:
     from odyssey_megatron.decision_center import DecisionCenter, checkpoint_interval
-    from odyssey_megatron.estimator.snapshot import snapshot_host_bytes
     from odyssey_megatron.profile_file import recipe_profile
 
     config, bridge = _load_recipe(args.config, args.overrides)
@@ -273,21 +278,86 @@ def _plan_command(args: argparse.Namespace) -> int:
     configured = config.odyssey.snapshot_interval
     nodes_per_group = config.odyssey.snapshot_parity_nodes
     interval = configured if configured is not None else center.snapshot_interval(nodes_per_group=nodes_per_group)
-    host = snapshot_host_bytes(center.plan, config.model, nodes_per_group=nodes_per_group,
-                               nodes=center.cluster.num_nodes)
-    snapshots = (f"every {interval} steps{'' if configured is not None else ' (Young)'}, {host / GIB:.2f} GiB of host "
-                 "memory per rank (its share and parity chunk, twice)" if interval else "none")
+    snapshots = f"every {interval} steps{'' if configured is not None else ' (Young)'}" if interval else "none"
     checkpoints = checkpoint_interval(config, center)[1]
     decision = center.on_failure(ranks=failed, nodes=failed_nodes)
+    per_node = _checked_host_memory(config, center)
     if args.json:
-        print(dumps(decision_json(decision, center.published())))
+        print(dumps({**decision_json(decision, center.published()),
+                     "host_memory_bytes": {str(node): {**held.parts(), "total": held.total}
+                                           for node, held in per_node.items()},
+                     "host_memory_budget_bytes": _host_budget_bytes(config)}))
     else:
         what = ", ".join(filter(None, [
             f"ranks {failed}" if failed else "",
             f"nodes {failed_nodes}" if failed_nodes else "",
         ])) or "nothing"
-        print(_describe(decision, what, snapshots, checkpoints))
+        print(_describe(decision, what, snapshots, checkpoints, _host_memory_lines(config, per_node)))
     return 0
+
+
+_PART_WORDS = {"keepers": "keepers", "parity_temporaries": "parity temporaries", "staging": "checkpoint staging"}
+
+
+def _host_budget_bytes(config: RecipeConfig) -> int | None:
+    gib = config.cluster.host_memory_gib
+    return None if gib is None else int(gib * GIB)
+
+
+def _checked_host_memory(config: RecipeConfig, center: DecisionCenter) -> dict[int, HostMemory]:
+    """Node -> ``estimator.host_memory.HostMemory`` of ``center``'s current plan on its
+    cluster; ConfigError naming ``cluster.host_memory_gib``, the node that needs the most
+    and the parts that do not fit, where a node needs more than that budget. A run takes
+    snapshots and checkpoints unless their interval is 0 (Young's interval is at least 1)."""
+    from odyssey_megatron.estimator.host_memory import host_memory, over_budget
+
+    odyssey = config.odyssey
+    per_node = host_memory(center.plan, config.model, center.cluster, nodes_per_group=odyssey.snapshot_parity_nodes,
+                           snapshots=odyssey.snapshot_interval != 0, checkpoints=odyssey.checkpoint_interval != 0)
+    budget = _host_budget_bytes(config)
+    over = None if budget is None else over_budget(per_node, budget)
+    if over is not None:
+        node, left_out = over
+        held = per_node[node]
+        fitted = [_PART_WORDS[name] for name, size in held.parts().items() if size and name not in left_out]
+        missing = " and ".join(_PART_WORDS[name] for name in left_out)
+        raise ConfigError("cluster.host_memory_gib", (
+            f"node {node} needs {held.total / GIB:.2f} GiB of host memory ({_host_parts(held)}), more than the "
+            f"{config.cluster.host_memory_gib:g} GiB given: "
+            + (f"the {' and '.join(fitted)} fit, the {missing} on top do not" if fitted
+               else f"the {_PART_WORDS[left_out[0]]} alone take more")
+            + "; give more, or take no snapshots (odyssey.snapshot_interval=0) or checkpoints "
+              "(odyssey.checkpoint_interval=0)"))
+    return per_node
+
+
+def _host_parts(held: HostMemory) -> str:
+    return " + ".join(f"{_PART_WORDS[name]} {size / GIB:.2f}" for name, size in held.parts().items()) + " GiB"
+
+
+def _host_memory_lines(config: RecipeConfig, per_node: dict[int, HostMemory]) -> list[str]:
+    """The plan's host memory per node, nodes that need the same listed together."""
+    gib = config.cluster.host_memory_gib
+    budget = "not checked: set cluster.host_memory_gib" if gib is None else f"of cluster.host_memory_gib={gib:g}"
+    alike: dict[HostMemory, list[int]] = {}
+    for node, held in per_node.items():
+        alike.setdefault(held, []).append(node)
+    lines = [f"  host memory per node ({budget}):"]
+    for held, nodes in sorted(alike.items(), key=lambda item: item[1][0]):
+        lines.append(f"    node{'s' if len(nodes) > 1 else ''} {_node_ranges(nodes)}: {held.total / GIB:.2f} GiB = "
+                     f"{_host_parts(held)}")
+    return lines
+
+
+def _node_ranges(nodes: list[int]) -> str:
+    """[0, 1, 2, 5] as '0-2, 5'."""
+    runs: list[list[int]] = []
+    for node in nodes:
+        if runs and node == runs[-1][1] + 1:
+            runs[-1][1] = node
+        else:
+            runs.append([node, node])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _simulate_command(args: argparse.Namespace) -> int:
@@ -438,6 +508,10 @@ def _train_command(args: argparse.Namespace) -> int:
     if args.resume is not None and (resume := latest_checkpoint(Path(args.resume))) is None:
         raise no_checkpoint
     _check_launch(config, launch)
+    if config.cluster.host_memory_gib is not None:  # every node, before any of its ranks starts
+        from odyssey_megatron.decision_center import DecisionCenter
+
+        _checked_host_memory(config, DecisionCenter.from_recipe(config))
     start_fork_server()  # its import of the workers' module overlaps with this process's own below
     from odyssey_megatron.runtime.train import train_node
 

@@ -278,6 +278,13 @@ class ClusterConfig:
     shared by the node's ranks: what a disk checkpoint's save is priced at
     (``estimator.checkpoint``), which sets the default ``odyssey.checkpoint_interval``. The
     default, 2 GB/s a node, is a parallel filesystem's share over one node's link."""
+    host_memory_gib: Optional[float] = None
+    """Host memory (GiB) a node may give the in-memory snapshots' keepers, their parity
+    temporaries and the checkpoint staging buffers (``estimator.host_memory``): ``odyssey
+    plan`` and ``odyssey train`` refuse a plan that needs more on any node. Default: not
+    checked (a node's RAM depends on the server and its cgroup, not on the accelerator:
+    a DGX H100 has 2 TiB, a container often a small share of it); set what the node's
+    limit leaves after the processes themselves."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("cluster", self)
@@ -287,6 +294,9 @@ class ClusterConfig:
         require(self.disk_write_gb_s >= 1e-3, "cluster.disk_write_gb_s",
                 f"must be >= 0.001 (1 MB/s); got {self.disk_write_gb_s}")
         require_at_most("cluster", self, 1e6, "a million GB/s", "disk_write_gb_s")
+        if self.host_memory_gib is not None:
+            require(self.host_memory_gib > 0, "cluster.host_memory_gib", f"must be > 0, got {self.host_memory_gib}")
+            require_at_most("cluster", self, 2.0**20, "a PiB per node", "host_memory_gib")
         require_at_most("cluster", self, limits.MAX_DEVICES_PER_NODE, "larger than any machine", "devices_per_node")
         require(self.emulate_device is None or bool(self.emulate_device.strip()), "cluster.emulate_device",
                 f"must be one of {', '.join(sorted(DEVICE_SPECS))} or a profile JSON file; got an empty string")

@@ -5,13 +5,18 @@ refusing a plan that needs more, in ``odyssey plan`` (starting and recovery plan
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
+from odyssey_megatron.cli import main
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator.host_memory import HostMemory, host_memory, over_budget
 from odyssey_megatron.snapshot.parity import StripeLayout
 from odyssey_megatron.snapshot.protection import encode_temporary_bytes
+from odyssey_megatron.units import GIB
 
 TINY = "recipes/llama2_7b/tiny_cpu.yaml"
 NPU_32 = "recipes/llama2_7b/ascend_910b_32.yaml"
@@ -94,3 +99,59 @@ def test_the_encode_temporaries_are_the_stripes_encode_reduces_and_gloos_copy_of
     layout = StripeLayout((10, 3, 4))
     stripes = layout.stripes(1, torch.zeros(3, dtype=torch.uint8))
     assert encode_temporary_bytes(layout.sizes) == 2 * stripes.numel() == 2 * 3 * layout.chunk_bytes == 30
+
+
+def test_odyssey_plan_prints_host_memory_per_node(capsys):
+    assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=200"]) == 0
+    out = capsys.readouterr().out
+    assert "  host memory per node (of cluster.host_memory_gib=200):" in out
+    lines = [line for line in out.splitlines() if line.startswith("    node")]
+    assert [line.split(":")[0] for line in lines] == ["    node 0", "    nodes 1-2", "    node 3"]
+    assert all(" GiB = keepers " in line and " + parity temporaries " in line and " + checkpoint staging " in line
+               for line in lines)
+    center = DecisionCenter.from_recipe(load_config(NPU_32))
+    node0 = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=True,
+                        checkpoints=True)[0]
+    assert lines[0] == (f"    node 0: {node0.total / GIB:.2f} GiB = keepers {node0.keepers / GIB:.2f} + parity "
+                        f"temporaries {node0.parity_temporaries / GIB:.2f} + checkpoint staging "
+                        f"{node0.staging / GIB:.2f} GiB")
+    assert main(["plan", "--config", NPU_32, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["host_memory_bytes"]["0"] == {**node0.parts(), "total": node0.total}
+    assert out["host_memory_budget_bytes"] is None
+
+
+def test_odyssey_plan_refuses_a_plan_over_the_budget_in_one_line(capsys):
+    assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=60"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("odyssey: error: cluster.host_memory_gib: node 3 needs 123.88 GiB of host memory "
+                          "(keepers 52.16 + parity temporaries 52.16 + checkpoint staging 19.56 GiB), more than the "
+                          "60 GiB given: the keepers fit, the parity temporaries and checkpoint staging on top do not")
+
+
+def test_odyssey_plan_checks_the_recovery_plan_it_prints(capsys):
+    """130 GiB hold the starting plan's 123.88 GiB a node; once node 1 is lost, the
+    survivors' larger shares do not fit."""
+    assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=130"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--config", NPU_32, "--failed-nodes", "1", "cluster.host_memory_gib=130"]) == 2
+    assert "cluster.host_memory_gib: node 0 needs 184.41 GiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, problem", [("0", "must be > 0"), ("2e6", "must be <= 1,048,576 (a PiB per node)")])
+def test_a_bad_host_memory_budget_is_one_line_naming_the_key(value, problem, capsys):
+    assert main(["plan", "--config", NPU_32, f"cluster.host_memory_gib={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("odyssey: error: cluster.host_memory_gib: ") and problem in err
+
+
+def test_odyssey_train_refuses_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    import odyssey_megatron.runtime.control.fork_server as fork_server
+
+    monkeypatch.setattr(fork_server, "start_fork_server", lambda: pytest.fail("a worker was about to start"))
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", TINY, "--run-dir", str(run_dir), "cluster.host_memory_gib=0.0001"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("odyssey: error: cluster.host_memory_gib: node 0 needs ")
+    assert not run_dir.exists()
