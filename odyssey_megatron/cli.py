@@ -286,7 +286,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(dumps({**decision_json(decision, center.published()),
                      "host_memory_bytes": {str(node): {**held.parts(), "total": held.total}
                                            for node, held in per_node.items()},
-                     "host_memory_budget_bytes": _host_budget_bytes(config)}))
+                     "host_memory_budget_gib": config.cluster.host_memory_gib}))
     else:
         what = ", ".join(filter(None, [
             f"ranks {failed}" if failed else "",
@@ -296,43 +296,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-_PART_WORDS = {"keepers": "keepers", "parity_temporaries": "parity temporaries", "staging": "checkpoint staging"}
-
-
-def _host_budget_bytes(config: RecipeConfig) -> int | None:
-    gib = config.cluster.host_memory_gib
-    return None if gib is None else int(gib * GIB)
-
-
 def _checked_host_memory(config: RecipeConfig, center: DecisionCenter) -> dict[int, HostMemory]:
     """Node -> ``estimator.host_memory.HostMemory`` of ``center``'s current plan on its
-    cluster; ConfigError naming ``cluster.host_memory_gib``, the node that needs the most
-    and the parts that do not fit, where a node needs more than that budget. A run takes
-    snapshots and checkpoints unless their interval is 0 (Young's interval is at least 1)."""
-    from odyssey_megatron.estimator.host_memory import host_memory, over_budget
+    cluster; ConfigError naming ``cluster.host_memory_gib`` where a node needs more."""
+    from odyssey_megatron.estimator.host_memory import budget_problem, run_host_memory
 
-    odyssey = config.odyssey
-    per_node = host_memory(center.plan, config.model, center.cluster, nodes_per_group=odyssey.snapshot_parity_nodes,
-                           snapshots=odyssey.snapshot_interval != 0, checkpoints=odyssey.checkpoint_interval != 0)
-    budget = _host_budget_bytes(config)
-    over = None if budget is None else over_budget(per_node, budget)
-    if over is not None:
-        node, left_out = over
-        held = per_node[node]
-        fitted = [_PART_WORDS[name] for name, size in held.parts().items() if size and name not in left_out]
-        missing = " and ".join(_PART_WORDS[name] for name in left_out)
-        raise ConfigError("cluster.host_memory_gib", (
-            f"node {node} needs {held.total / GIB:.2f} GiB of host memory ({_host_parts(held)}), more than the "
-            f"{config.cluster.host_memory_gib:g} GiB given: "
-            + (f"the {' and '.join(fitted)} fit, the {missing} on top do not" if fitted
-               else f"the {_PART_WORDS[left_out[0]]} alone take more")
-            + "; give more, or take no snapshots (odyssey.snapshot_interval=0) or checkpoints "
-              "(odyssey.checkpoint_interval=0)"))
+    per_node = run_host_memory(config, center.plan, center.cluster)
+    problem = budget_problem(per_node, config.cluster.host_memory_gib)
+    if problem is not None:
+        raise ConfigError("cluster.host_memory_gib", problem)
     return per_node
-
-
-def _host_parts(held: HostMemory) -> str:
-    return " + ".join(f"{_PART_WORDS[name]} {size / GIB:.2f}" for name, size in held.parts().items()) + " GiB"
 
 
 def _host_memory_lines(config: RecipeConfig, per_node: dict[int, HostMemory]) -> list[str]:
@@ -345,7 +318,7 @@ def _host_memory_lines(config: RecipeConfig, per_node: dict[int, HostMemory]) ->
     lines = [f"  host memory per node ({budget}):"]
     for held, nodes in sorted(alike.items(), key=lambda item: item[1][0]):
         lines.append(f"    node{'s' if len(nodes) > 1 else ''} {_node_ranges(nodes)}: {held.total / GIB:.2f} GiB = "
-                     f"{_host_parts(held)}")
+                     f"{held.describe()}")
     return lines
 
 

@@ -6,6 +6,7 @@ refusing a plan that needs more, in ``odyssey plan`` (starting and recovery plan
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_odyssey_plan_prints_host_memory_per_node(capsys):
     assert main(["plan", "--config", NPU_32, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["host_memory_bytes"]["0"] == {**node0.parts(), "total": node0.total}
-    assert out["host_memory_budget_bytes"] is None
+    assert out["host_memory_budget_gib"] is None
 
 
 def test_odyssey_plan_refuses_a_plan_over_the_budget_in_one_line(capsys):
@@ -155,3 +156,37 @@ def test_odyssey_train_refuses_before_any_rank_starts(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("odyssey: error: cluster.host_memory_gib: node 0 needs ")
     assert not run_dir.exists()
+
+
+def test_the_estimate_is_what_the_ranks_allocate_but_the_payloads_alignment():
+    """The tiny recipe on 4 nodes of 2: the ranks size their keeper payloads by
+    ``shards.shard_bytes`` (each tensor at a multiple of 64 bytes), their parity by
+    ``StripeLayout`` over those sizes, and their checkpoint staging buffers as the tensors
+    themselves (``shard_entries``' shapes). The estimate, from the blocks' bytes, leaves out
+    the payloads' alignment only: 56 bytes of a 1 MB share here."""
+    from odyssey_megatron.snapshot.shards import owners, shard_blocks, shard_bytes, shard_entries, snapshot_groups
+
+    config = load_config(TINY, ["cluster.devices_per_node=2"])
+    center = DecisionCenter.from_recipe(config)
+    plan, cluster, model = center.plan, center.cluster, config.model
+    owned = owners(plan, model)
+    ranks = {rank: worker for worker in plan.workers for rank in cluster.worker_ranks(worker)}
+    payload = {rank: shard_bytes(model, owned, worker, tp_size=1) for rank, worker in ranks.items()}
+    tensors = {rank: sum(math.prod(shape) * dtype.itemsize
+                         for _, dtype, shape in shard_entries(model, shard_blocks(owned, worker), tp_size=1))
+               for rank, worker in ranks.items()}
+    allocated: dict[int, list[int]] = {}
+    for group in snapshot_groups(plan, cluster=cluster, nodes_per_group=4):
+        layout = StripeLayout(tuple(payload[rank] for rank in group))
+        for rank in group:
+            held = allocated.setdefault(cluster.node_of_rank(rank), [0, 0, 0])
+            held[0] += 2 * (payload[rank] + layout.chunk_bytes)
+            held[1] += 2 * layout.members * layout.chunk_bytes  # the stripes, and gloo's copy of them
+            held[2] += tensors[rank]
+    estimate = host_memory(plan, model, cluster, nodes_per_group=4, snapshots=True, checkpoints=True)
+    assert sorted(estimate) == sorted(allocated) == [0, 1, 2, 3]
+    for node, held in estimate.items():
+        keepers, temporaries, staging = allocated[node]
+        assert held.keepers <= keepers <= held.keepers * 1.001, (node, held, allocated[node])
+        assert held.parity_temporaries <= temporaries <= held.parity_temporaries * 1.001, (node, held, allocated[node])
+        assert held.staging == staging

@@ -30,17 +30,18 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.config import ModelConfig, RecipeConfig
 from odyssey_megatron.estimator.snapshot import snapshot_shares
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.snapshot.protection import encode_temporary_bytes, parity_chunk_bytes
 from odyssey_megatron.snapshot.shards import snapshot_groups
+from odyssey_megatron.units import GIB
 
-__all__ = ["HostMemory", "PARTS", "host_memory", "over_budget"]
+__all__ = ["HostMemory", "PARTS", "budget_problem", "host_memory", "over_budget", "run_host_memory"]
 
-PARTS = ("keepers", "parity_temporaries", "staging")
-"""The parts of a node's host memory, in the order a budget is filled (what a node keeps
-first, what it allocates for a moment last)."""
+PARTS = {"keepers": "keepers", "parity_temporaries": "parity temporaries", "staging": "checkpoint staging"}
+"""The parts of a node's host memory and their names in words, in the order a budget is
+filled (what a node keeps first, what it allocates for a moment last)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class HostMemory:
     def parts(self) -> dict[str, int]:
         """Part name (``PARTS``) -> bytes."""
         return {name: getattr(self, name) for name in PARTS}
+
+    def describe(self) -> str:
+        """The parts in GiB, as a sum: ``keepers 1.00 + parity temporaries 0.50 + checkpoint staging 0.25 GiB``."""
+        return " + ".join(f"{PARTS[name]} {size / GIB:.2f}" for name, size in self.parts().items()) + " GiB"
 
 
 def host_memory(plan: ExecutionPlan, model: ModelConfig, cluster: ClusterState, *, nodes_per_group: int,
@@ -88,6 +93,32 @@ def host_memory(plan: ExecutionPlan, model: ModelConfig, cluster: ClusterState, 
             staging=held.staging + (share if checkpoints else 0),
         )
     return dict(sorted(per_node.items()))
+
+
+def run_host_memory(config: RecipeConfig, plan: ExecutionPlan, cluster: ClusterState) -> dict[int, HostMemory]:
+    """``host_memory`` of ``plan`` in a run of ``config``: it takes snapshots and checkpoints
+    unless their interval is 0 (Young's interval, their default, is at least 1)."""
+    odyssey = config.odyssey
+    return host_memory(plan, config.model, cluster, nodes_per_group=odyssey.snapshot_parity_nodes,
+                       snapshots=odyssey.snapshot_interval != 0, checkpoints=odyssey.checkpoint_interval != 0)
+
+
+def budget_problem(per_node: Mapping[int, HostMemory], budget_gib: Optional[float]) -> Optional[str]:
+    """What is wrong with ``per_node`` under a budget of ``budget_gib`` per node
+    (``cluster.host_memory_gib``; None: no budget), in one line naming the node that needs
+    the most, its need and the parts that do not fit; None if every node fits."""
+    over = None if budget_gib is None else over_budget(per_node, int(budget_gib * GIB))
+    if over is None:
+        return None
+    node, left_out = over
+    held = per_node[node]
+    fitted = [PARTS[name] for name, size in held.parts().items() if size and name not in left_out]
+    missing = " and ".join(PARTS[name] for name in left_out)
+    fits = (f"the {' and '.join(fitted)} fit, the {missing} on top do not" if fitted
+            else f"the {PARTS[left_out[0]]} alone take more")
+    return (f"node {node} needs {held.total / GIB:.2f} GiB of host memory ({held.describe()}), more than the "
+            f"{budget_gib:g} GiB given: {fits}; give more, or take no snapshots (odyssey.snapshot_interval=0) or "
+            "checkpoints (odyssey.checkpoint_interval=0)")
 
 
 def over_budget(per_node: Mapping[int, HostMemory], budget_bytes: int) -> Optional[tuple[int, list[str]]]:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from odyssey_megatron.estimator.host_memory import budget_problem, run_host_memory
 from odyssey_megatron.planner import Decision
 from odyssey_megatron.runtime.control.console import CONSOLE, recovery_line
 from odyssey_megatron.runtime.control.decision_record import decision_record
@@ -121,6 +122,12 @@ class Recovery:
                                          start_replay_steps=self.snapshots.start_replay_steps(committed_before))
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
                  decision.chosen.policy, ranks)
+        budget = run.config.cluster.host_memory_gib
+        if budget is not None:  # checked before the run for its starting plan; a recovery goes on, said aloud
+            problem = budget_problem(run_host_memory(run.config, decision.chosen.plan, run.center.cluster), budget)
+            if problem is not None:
+                console.warning("generation %d: over cluster.host_memory_gib: %s", decision.chosen.plan.generation,
+                                problem)
         return decision
 
     def finish(self, generation: int, *, first_step_at: float) -> None:
