@@ -1,0 +1,75 @@
+"""Every field Bridge writes (issue 44): the ``to_yaml()`` dump of each Bridge version's Llama
+pretraining recipe plans as written, each checked against the fields of that version's config
+classes, and an unknown key names the version it was checked against.
+
+The dumps are ``tests/data/bridge/`` (its README says how each was written from Bridge's
+source). Bridge 0.6.0's dataset section carries fields Bridge's ``GPTDatasetConfig`` and
+``DataloaderConfig`` add to Megatron-Core's (``drop_last``, ``per_dataset_sequences_path``, ...),
+which a table of Bridge 0.3.1's names called unknown keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from odyssey_megatron.cli import main
+from odyssey_megatron.config import DType, load_config, load_recipe
+from odyssey_megatron.errors import ConfigError
+
+DUMPS = Path(__file__).resolve().parent / "data/bridge"
+LLAMA2_7B = {"0.3.1": DUMPS / "llama2_7b_pretrain.yaml", "0.6.0": DUMPS / "llama2_7b_pretrain_2gpu_h100_bf16.yaml"}
+"""Bridge version -> its Llama-2 7B pretraining recipe's dump (0.6.0: recipes/llama/h100/)."""
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_world_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+@pytest.mark.parametrize("version", LLAMA2_7B)
+def test_each_versions_llama2_7b_dump_plans_as_written_read_as_that_version(version, capsys):
+    config, bridge = load_recipe(LLAMA2_7B[version])
+    assert bridge is not None and bridge.bridge_version == version
+    model = config.model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads, model.vocab_size,
+            model.seq_length, model.params_dtype) == (32, 4096, 11008, 32, 32000, 4096, DType.bf16)
+    assert (config.parallel.tensor_model_parallel_size, config.parallel.data_parallel_size) == (2, 16)
+    assert main(["plan", "--config", str(LLAMA2_7B[version])]) == 0
+    out, _ = capsys.readouterr()
+    assert "layout [32]x16" in out
+
+
+def test_the_060_dump_carries_the_dataset_fields_bridge_adds_to_megatron_cores():
+    dataset = yaml.safe_load(LLAMA2_7B["0.6.0"].read_text())["dataset"]
+    assert {"drop_last", "per_dataset_sequences_path", "seq_length", "data_path"} <= set(dataset)
+    assert "sequence_length" not in dataset  # 0.6.0's GPTDatasetConfig.to_cfg_dict leaves Megatron-Core's copy out
+
+
+@pytest.mark.parametrize("version, override", [
+    ("0.3.1", "dataset.drop_lst=true"), ("0.6.0", "dataset.drop_lst=true"),
+    ("0.6.0", "validation.eval_iterz=3"), ("0.3.1", "checkpoint.sav=x"),
+])
+def test_an_unknown_key_names_the_bridge_version_it_was_checked_against(version, override):
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(LLAMA2_7B[version], [override])
+    assert info.value.key == key
+    assert f"nor of Megatron-Bridge {version}'s config classes" in info.value.problem
+    assert "\n" not in str(info.value)
+
+
+def test_a_field_of_a_later_bridge_is_unknown_in_a_recipe_of_an_earlier_one():
+    # DataloaderConfig.drop_last came with Bridge 0.4: the rest of this dump is 0.3.1's, so it is read as 0.3.1.
+    with pytest.raises(ConfigError, match=r"^dataset.drop_last: unknown key: .* Megatron-Bridge 0\.3\.1's config"):
+        load_config(LLAMA2_7B["0.3.1"], ["dataset.drop_last=true"])
+    assert load_config(LLAMA2_7B["0.6.0"], ["dataset.drop_last=false"]).model.num_layers == 32
+
+
+def test_keys_of_the_sections_the_plugin_does_not_use_are_checked_too():
+    with pytest.raises(ConfigError) as info:
+        load_config(LLAMA2_7B["0.6.0"], ["checkpoint.save_intervl=5", "profiling.use_nsys_profiler=true"])
+    assert info.value.key == "checkpoint.save_intervl"
+    assert "did you mean: checkpoint.save_interval for checkpoint.save_intervl" in info.value.problem
