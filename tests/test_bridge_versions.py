@@ -73,3 +73,15 @@ def test_keys_of_the_sections_the_plugin_does_not_use_are_checked_too():
         load_config(LLAMA2_7B["0.6.0"], ["checkpoint.save_intervl=5", "profiling.use_nsys_profiler=true"])
     assert info.value.key == "checkpoint.save_intervl"
     assert "did you mean: checkpoint.save_interval for checkpoint.save_intervl" in info.value.problem
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.context_parallel_size=2", r"^model.context_parallel_size: must be 1 \(Odyssey plans over TP x PP x DP\)"),
+    ("model.virtual_pipeline_model_parallel_size=5", r"^model.virtual_pipeline_model_parallel_size: must be null"),
+    ("model.rope_scaling=true", r"^model.rope_scaling: changes what runs .*a RoPE variant"),
+    ("mixed_precision=bf16_with_fp8_current_scaling_mixed", r"^mixed_precision: .* trains with FP8/FP4"),
+], ids=["llama3-8b context parallel", "llama3-70b interleaved", "llama3.1/3.2 rope scaling", "llama3-8b fp8"])
+def test_what_bridges_other_llama_pretraining_recipes_set_is_refused_naming_the_field(override, message):
+    # Each is one setting of a Llama-3 recipe of 0.6.0's recipes/llama/h100/llama3.py, put on the Llama-2 dump.
+    with pytest.raises(ConfigError, match=message):
+        load_config(LLAMA2_7B["0.6.0"], [override])
