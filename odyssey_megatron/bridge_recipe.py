@@ -11,7 +11,8 @@ the same validation runs, and ``user_error`` names the keys of an error as the u
 
 Bridge's instantiation markers (``_target_``, ``_call_``, ...) are skipped and its
 encodings of dtypes and functions read as their dotted names. Every key is checked against
-the fields of the dataclass Bridge serialized it from (``bridge_fields``): a field read is
+the fields of the dataclass Bridge serialized it from, as the Bridge version the recipe reads
+as wrote it (``bridge_fields.closest_version``; an unknown key's error names it): a field read is
 renamed; a field the plugin does not use is named once in one note when it differs from
 its default; a field that changes what runs (MoE, FP8, recomputation, a non-Llama layer)
 must stay at Megatron-Core's default, or it is an error naming it. All unknown keys come in
@@ -209,7 +210,8 @@ IGNORED_SECTIONS = (
     "inprocess_restart",
 )
 """ConfigContainer's other sections: how Bridge checkpoints, schedules the learning rate,
-logs and launches; dropped and named in the note."""
+logs and launches; their keys checked where ``bridge_fields`` has their fields, then dropped
+and named in the note."""
 ODYSSEY_ONLY_SECTIONS = ("parallel", "training", "data")
 SECTIONS = (*READ_SECTIONS, *OWN_SECTIONS, *IGNORED_SECTIONS, "mixed_precision", "peft")
 _BRIDGE_ONLY_MODEL_KEYS = (

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from odyssey_megatron.bridge_fields import closest_version
 from odyssey_megatron.cli import main
 from odyssey_megatron.config import DType, load_config, load_recipe
 from odyssey_megatron.errors import ConfigError
@@ -85,3 +86,12 @@ def test_what_bridges_other_llama_pretraining_recipes_set_is_refused_naming_the_
     # Each is one setting of a Llama-3 recipe of 0.6.0's recipes/llama/h100/llama3.py, put on the Llama-2 dump.
     with pytest.raises(ConfigError, match=message):
         load_config(LLAMA2_7B["0.6.0"], [override])
+
+
+def test_a_recipe_is_read_as_the_oldest_version_that_knows_all_its_keys_else_the_one_knowing_most():
+    assert closest_version(["train.train_iters", "rng.seed", "dataset.num_workers"]) == ("0.3.1", [])
+    assert closest_version(["dataset.drop_last", "validation.eval_iters"]) == ("0.6.0", [])
+    assert closest_version(["tokenizer.legacy_tokenizer", "dist.lazy_init", "train.eval_itrs"]) == (
+        "0.3.1", ["train.eval_itrs"])
+    # One unknown key each way: the newer version is named.
+    assert closest_version(["dataset.drop_last", "dist.lazy_init"]) == ("0.6.0", ["dist.lazy_init"])
