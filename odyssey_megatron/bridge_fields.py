@@ -57,8 +57,10 @@ BRIDGE_0_3_1 = BridgeVersion(
     # Tag v0.3.1 (March 2026): src/megatron/bridge/training/config.py (TrainingConfig, RNGConfig, LoggerConfig,
     # CheckpointConfig, DistributedInitConfig, ProfilingConfig, RerunStateMachineConfig, TensorInspectConfig,
     # FaultToleranceConfig, StragglerDetectionConfig, NVRxStragglerDetectionConfig, InProcessRestartConfig;
-    # DataloaderConfig mixed into GPTDatasetConfig), training/tokenizers/config.py, training/comm_overlap.py and
-    # models/gpt_provider.py. It pins Megatron-LM 55ac708 (core_v0.16.1): the installed Megatron-Core, nothing beyond.
+    # DataloaderConfig mixed into GPTDatasetConfig), training/tokenizers/config.py, training/comm_overlap.py,
+    # training/mixed_precision.py (MixedPrecisionConfig, which a dump writes where the recipe set one rather than
+    # a recipe name) and models/gpt_provider.py. It pins Megatron-LM 55ac708 (core_v0.16.1): the installed
+    # Megatron-Core, nothing beyond.
     # train's batch sizes and train_iters default to None in Bridge; the plugin requires them (REQUIRED).
     name="0.3.1",
     sections={
@@ -158,6 +160,16 @@ BRIDGE_0_3_1 = BridgeVersion(
             "last_call_wait": 1.0, "termination_grace_time": 1.0, "granularity": "node", "active_world_size": None,
             "empty_cuda_cache": True, "max_rank_faults": None, "monitor_process_logdir": None
         },
+        "mixed_precision": {
+            "fp32": False, "fp16": False, "bf16": False, "params_dtype": None, "pipeline_dtype": None,
+            "autocast_dtype": None, "autocast_enabled": False, "grad_reduce_in_fp32": True, "fp8": None,
+            "fp8_recipe": "tensorwise", "first_last_layers_bf16": False, "fp8_margin": 0, "fp8_amax_history_len": 1,
+            "fp8_amax_compute_algo": "most_recent", "fp8_wgrad": True, "fp8_dot_product_attention": False,
+            "fp8_multi_head_attention": False, "fp8_param": None, "fp8_param_gather": False, "fp4": None,
+            "fp4_recipe": "nvfp4", "loss_scale": None, "initial_loss_scale": 4294967296, "min_loss_scale": 1.0,
+            "loss_scale_window": 1000, "hysteresis": 2, "num_layers_at_start_in_bf16": 0,
+            "num_layers_at_end_in_bf16": 0, "reuse_grad_buf_for_mxfp8_param_ag": False,
+        },
         "dataset": {
             "dataloader_type": None, "num_workers": 8, "data_sharding": True, "pin_memory": True,
             "persistent_workers": False, "trust_remote_code": None
@@ -182,9 +194,10 @@ BRIDGE_0_6_0 = BridgeVersion(
     # megatron/training/config/ (training_config.py: TrainingConfig, ValidationConfig, LoggerConfig,
     # CheckpointConfig, TokenizerConfig; common_config.py: RNGConfig, ProfilingConfig, DistributedInitConfig;
     # resilience_config.py: RerunStateMachineConfig, StragglerDetectionConfig), data/base.py (DataloaderConfig),
-    # training/tokenizers/config.py, training/comm_overlap.py and models/gpt_provider.py. ``validation`` is a new
-    # section; GPTDatasetConfig writes ``seq_length`` (not Megatron-Core's ``sequence_length``) and its own
-    # ``data_path`` (Megatron data prefixes; the plugin reads it as its text corpus) and ``per_dataset_sequences_path``.
+    # training/tokenizers/config.py, training/comm_overlap.py, training/mixed_precision.py and models/gpt_provider.py.
+    # ``validation`` is a new section; GPTDatasetConfig writes ``seq_length`` (not Megatron-Core's
+    # ``sequence_length``) and its own ``data_path`` (Megatron data prefixes; the plugin reads it as its text corpus)
+    # and ``per_dataset_sequences_path``.
     # It pins Megatron-LM cd4afff (core_v0.15.0rc7-2018), whose Megatron-Core fields beyond 0.16.1 are pinned_core.
     # DistributedInitConfig.local_rank defaults to $LOCAL_RANK, 0 in a dump made outside a launcher.
     name="0.6.0",
@@ -275,6 +288,7 @@ BRIDGE_0_6_0 = BridgeVersion(
             "enabled": False, "features": None, "feature_dirs": None, "allow_custom_feature_dirs": False, "log_dir":
             None, "init_training_step": 0
         },
+        "mixed_precision": {**BRIDGE_0_3_1.sections["mixed_precision"], "fp4_param": None, "fp4_param_gather": False},
         "dataset": {
             "dataloader_type": None, "num_workers": 2, "data_sharding": True, "pin_memory": True, "drop_last": True,
             "persistent_workers": True, "trust_remote_code": None, "dataloader_save": None, "dataloader_load": None,

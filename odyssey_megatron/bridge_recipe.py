@@ -380,7 +380,7 @@ class BridgeRecipe:
         own: dict[str, dict] = {}
         ignored: dict[str, None] = {}
         unknown: list[str] = []
-        unused_fields: list[str] = []  # the keys of the unused sections Bridge's field tables check
+        unread_fields: list[str] = []  # keys checked against Bridge's field tables, not read as settings
         nested = False
         for layer in (recipe, cli):
             for section, body in plain(OmegaConf.to_container(layer, resolve=False)).items():
@@ -388,6 +388,8 @@ class BridgeRecipe:
                     raise _mixed_layouts(section, _bridge_signs(OmegaConf.to_container(recipe, resolve=False))[0])
                 if section == "mixed_precision":
                     settings["mixed_precision"] = ("mixed_precision", body)
+                    if isinstance(body, dict):  # a MixedPrecisionConfig, not a recipe name
+                        unread_fields += [f"{section}.{name}" for name in body]
                 elif section == "peft":
                     if body is not None:
                         raise ConfigError("peft", "adapters (LoRA, DoRA) are fine-tuning, which the plugin does not "
@@ -395,7 +397,7 @@ class BridgeRecipe:
                 elif section in IGNORED_SECTIONS:
                     ignored[section] = None
                     if section in checked_sections() and isinstance(body, dict):
-                        unused_fields += [f"{section}.{name}" for name in body]
+                        unread_fields += [f"{section}.{name}" for name in body]
                 elif section in READ_SECTIONS + OWN_SECTIONS:
                     if not isinstance(body, dict):
                         raise ConfigError(section, f"is a section and must be a mapping of its keys; got {body!r}")
@@ -407,7 +409,7 @@ class BridgeRecipe:
                 elif section != "_target_":
                     unknown.append(str(section))
         fields = [key for key in settings if key.partition(".")[0] in READ_SECTIONS and key not in KEYS]
-        version, unknown_fields = closest_version([*fields, *dict.fromkeys(unused_fields)])
+        version, unknown_fields = closest_version([*fields, *dict.fromkeys(unread_fields)])
         unknown += unknown_fields
         if unknown:
             raise _unknown(unknown, settings, version)

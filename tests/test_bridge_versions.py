@@ -95,3 +95,15 @@ def test_a_recipe_is_read_as_the_oldest_version_that_knows_all_its_keys_else_the
         "0.3.1", ["train.eval_itrs"])
     # One unknown key each way: the newer version is named.
     assert closest_version(["dataset.drop_last", "dist.lazy_init"]) == ("0.6.0", ["dist.lazy_init"])
+
+
+def test_a_mixed_precision_config_written_out_is_read_and_its_keys_checked(tmp_path):
+    # A recipe that set a MixedPrecisionConfig (the low-precision ones do) dumps it field by field.
+    recipe = yaml.safe_load(LLAMA2_7B["0.6.0"].read_text())
+    recipe["mixed_precision"] = {"_target_": "megatron.bridge.training.mixed_precision.MixedPrecisionConfig",
+                                 "bf16": True, "fp4_param_gather": False, "grad_reduce_in_fp32": True}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert load_config(path).model.params_dtype is DType.bf16
+    with pytest.raises(ConfigError, match=r"^mixed_precision.fp8_recpe: unknown key: .* Megatron-Bridge 0\.6\.0's"):
+        load_config(path, ["mixed_precision.fp8_recpe=tensorwise"])
