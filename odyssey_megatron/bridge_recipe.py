@@ -11,7 +11,8 @@ the same validation runs, and ``user_error`` names the keys of an error as the u
 
 Bridge's instantiation markers (``_target_``, ``_call_``, ...) are skipped and its
 encodings of dtypes and functions read as their dotted names. Every key is checked against
-the fields of the dataclass Bridge serialized it from (``bridge_fields``): a field read is
+the fields of the dataclass Bridge serialized it from, as the Bridge version the recipe reads
+as wrote it (``bridge_fields.closest_version``; an unknown key's error names it): a field read is
 renamed; a field the plugin does not use is named once in one note when it differs from
 its default; a field that changes what runs (MoE, FP8, recomputation, a non-Llama layer)
 must stay at Megatron-Core's default, or it is an error naming it. All unknown keys come in
@@ -30,7 +31,8 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from odyssey_megatron.bridge_fields import REQUIRED, encode, megatron_core_version, section_fields, transformer_fields
+from odyssey_megatron.bridge_fields import (BRIDGE_VERSIONS, REQUIRED, checked_sections, closest_version, encode,
+                                            megatron_core_version, section_fields, transformer_fields)
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.units import GIB
 
@@ -156,6 +158,7 @@ UNUSED_MODEL = frozenset({
     "autocast_dtype", "offload_modules", "make_vocab_size_divisible_by", "should_pad_vocab", "parallel_output",
     "fp16_lm_cross_entropy", "restore_modelopt_state", "use_arbitrary_attention_mask", "mtp_enabled",
     "rope_scaling_factor", "generation_config", "logit_dtype", "extra_checkpoint_metadata", "hf_model_id",
+    "hf_model_revision",
 })
 """Model fields that do not change the plan or the result the plugin trains to: kernels,
 fusions, communication overlap, initialisation, hooks Bridge sets at run time, provenance;
@@ -207,7 +210,8 @@ IGNORED_SECTIONS = (
     "inprocess_restart",
 )
 """ConfigContainer's other sections: how Bridge checkpoints, schedules the learning rate,
-logs and launches; dropped and named in the note."""
+logs and launches; their keys checked where ``bridge_fields`` has their fields, then dropped
+and named in the note."""
 ODYSSEY_ONLY_SECTIONS = ("parallel", "training", "data")
 SECTIONS = (*READ_SECTIONS, *OWN_SECTIONS, *IGNORED_SECTIONS, "mixed_precision", "peft")
 _BRIDGE_ONLY_MODEL_KEYS = (
@@ -221,12 +225,17 @@ MARKERS = frozenset({"_target_", "_call_", "_partial_", "_args_", "_builder_"})
 
 
 def plain(value: Any) -> Any:
-    """Bridge's YAML encodings as plain values: markers dropped, and a reference to a dtype
-    or function (``{_target_: torch.bfloat16, _call_: false}``) as its dotted name."""
+    """Bridge's YAML encodings as plain values: markers dropped, a reference to a dtype or
+    function (``{_target_: torch.bfloat16, _call_: false}``) as its dotted name, and an enum
+    member, which Bridge writes as a call of its class on its value
+    (``{_target_: signal.Signals, _call_: true, _args_: [15]}``), as that value."""
     if isinstance(value, dict):
         rest = {key: plain(item) for key, item in value.items() if key not in MARKERS}
         if "_target_" in value and value.get("_call_") is False and not rest:
             return value["_target_"]
+        args = value.get("_args_")
+        if value.get("_call_") is True and isinstance(args, list) and len(args) == 1 and not rest:
+            return plain(args[0])
         return rest
     if isinstance(value, list):
         return [plain(item) for item in value]
@@ -302,7 +311,7 @@ def _why_default(name: str) -> str:
                 "it changes the layer, which the plugin builds as Llama's")
 
 
-def _unknown(keys: list[str], settings: Mapping[str, tuple[str, Any]]) -> ConfigError:
+def _unknown(keys: list[str], settings: Mapping[str, tuple[str, Any]], version: str) -> ConfigError:
     hints = []
     bridge_names = {odyssey: bridge for bridge, odyssey in reversed(KEYS.items())}
     for key in keys:
@@ -312,14 +321,16 @@ def _unknown(keys: list[str], settings: Mapping[str, tuple[str, Any]]) -> Config
         elif key in bridge_names:
             close = [bridge_names[key]]
         else:
-            known = [*section_fields(section)] if section in READ_SECTIONS else []
+            known = [*section_fields(section, version)] if section in checked_sections() else []
             close = [f"{section}.{match}" for match in difflib.get_close_matches(name, known, n=1)]
         if close:
             hints.append(f"{close[0]} for {settings[key][0] if key in settings else key}")
     written = ", ".join(settings[key][0] if key in settings else key for key in keys)
+    versions = " and ".join(v.name for v in BRIDGE_VERSIONS)
     problem = (f"{'unknown key' if len(keys) == 1 else 'unknown keys'}: not fields of Megatron-Core "
                f"{megatron_core_version()}'s TransformerConfig, GPTModel, OptimizerConfig, "
-               "DistributedDataParallelConfig or GPTDatasetConfig, nor of Bridge's own sections")
+               f"DistributedDataParallelConfig or GPTDatasetConfig, nor of Megatron-Bridge {version}'s config classes "
+               f"(of the Bridge versions read, {versions}, the one that knows most of this file's keys)")
     if hints:
         problem += f" (did you mean: {'; '.join(hints)})"
     return ConfigError(written, problem)
@@ -358,6 +369,8 @@ class BridgeRecipe:
     """Known fields left at their defaults that the plugin does not read."""
     distributed_optimizer: Optional[str]
     """The key that asked for Megatron's distributed optimizer, if one did."""
+    bridge_version: str
+    """The Bridge version whose fields the recipe was checked against (``closest_version``)."""
 
     @classmethod
     def translate(cls, recipe: DictConfig, cli: DictConfig) -> "BridgeRecipe":
@@ -367,6 +380,7 @@ class BridgeRecipe:
         own: dict[str, dict] = {}
         ignored: dict[str, None] = {}
         unknown: list[str] = []
+        unread_fields: list[str] = []  # keys checked against Bridge's field tables, not read as settings
         nested = False
         for layer in (recipe, cli):
             for section, body in plain(OmegaConf.to_container(layer, resolve=False)).items():
@@ -374,12 +388,16 @@ class BridgeRecipe:
                     raise _mixed_layouts(section, _bridge_signs(OmegaConf.to_container(recipe, resolve=False))[0])
                 if section == "mixed_precision":
                     settings["mixed_precision"] = ("mixed_precision", body)
+                    if isinstance(body, dict):  # a MixedPrecisionConfig, not a recipe name
+                        unread_fields += [f"{section}.{name}" for name in body]
                 elif section == "peft":
                     if body is not None:
                         raise ConfigError("peft", "adapters (LoRA, DoRA) are fine-tuning, which the plugin does not "
                                                   "run; it pretrains whole models: leave peft null")
                 elif section in IGNORED_SECTIONS:
                     ignored[section] = None
+                    if section in checked_sections() and isinstance(body, dict):
+                        unread_fields += [f"{section}.{name}" for name in body]
                 elif section in READ_SECTIONS + OWN_SECTIONS:
                     if not isinstance(body, dict):
                         raise ConfigError(section, f"is a section and must be a mapping of its keys; got {body!r}")
@@ -390,17 +408,16 @@ class BridgeRecipe:
                     settings.update(_settings(section, body))
                 elif section != "_target_":
                     unknown.append(str(section))
-        for key in settings:
-            section, _, name = key.partition(".")
-            if section in READ_SECTIONS and name not in section_fields(section) and key not in KEYS:
-                unknown.append(key)
+        fields = [key for key in settings if key.partition(".")[0] in READ_SECTIONS and key not in KEYS]
+        version, unknown_fields = closest_version([*fields, *dict.fromkeys(unread_fields)])
+        unknown += unknown_fields
         if unknown:
-            raise _unknown(unknown, settings)
-        return cls._from_settings(settings, own, ignored, nested=nested)
+            raise _unknown(unknown, settings, version)
+        return cls._from_settings(settings, own, ignored, nested=nested, version=version)
 
     @classmethod
     def _from_settings(cls, settings: dict[str, tuple[str, Any]], own: dict[str, dict], ignored: dict[str, None],
-                       *, nested: bool) -> "BridgeRecipe":
+                       *, nested: bool, version: str) -> "BridgeRecipe":
         values: dict[str, Any] = {}
         names = _default_names(nested)
         at_default, changed, distributed_optimizer = 0, [], None
@@ -428,18 +445,19 @@ class BridgeRecipe:
                     distributed_optimizer = written
             elif key in PRECISION or key == "mixed_precision" or key == "model.kv_channels":
                 continue  # read below, with the other fields they depend on
-            elif _at_default(value, section_fields(section)[name]):
+            elif _at_default(value, section_fields(section, version)[name]):
                 at_default += 1
             elif _unused(section, name):
                 ignored[written] = None
             else:
-                changed.append((written, name, value, section_fields(section)[name]))
+                changed.append((written, name, value, section_fields(section, version)[name]))
         if changed:
             raise _changes_what_runs(changed)
         values["model.params_dtype"] = _dtype(settings, names)
         if names["model.params_dtype"] == "mixed_precision":  # Bridge overrides the model's precision fields
             ignored.update((settings[key][0], None) for key in PRECISION
-                           if key in settings and not _at_default(settings[key][1], section_fields("model")[key[6:]]))
+                           if key in settings and not _at_default(settings[key][1],
+                                                                  section_fields("model", version)[key[6:]]))
         _check_kv_channels(settings, values)
         missing = [bridge for odyssey, bridge in REQUIRED_SETTINGS.items() if odyssey not in values]
         if any(key not in values for key in ARCHITECTURE) and "model.spec" not in values:
@@ -461,7 +479,7 @@ class BridgeRecipe:
             section, _, key = target.partition(".")
             out.setdefault(section, {})[key] = value
         return cls(recipe=OmegaConf.create(out), names=names, ignored=tuple(ignored), at_default=at_default,
-                   distributed_optimizer=distributed_optimizer)
+                   distributed_optimizer=distributed_optimizer, bridge_version=version)
 
     def user_error(self, exc: ConfigError) -> ConfigError:
         """``exc`` (about the odyssey layout) with every key named as in the user's recipe."""
