@@ -319,8 +319,8 @@ class CollectiveGuard:
         running += [self._waiters.submit(_ORIGINAL_WAIT, work)
                     for work, started in unwaited.items() if started.backend in _SLICED_BACKENDS]
         gloo = [group for group, backend in groups if backend in _SLICED_BACKENDS]
-        if dist.is_initialized():
-            gloo.append(dist.distributed_c10d._get_default_group())
+        if dist.is_initialized() and not any(group is dist.group.WORLD for group in gloo):
+            gloo.append(dist.group.WORLD)
         self._hold(gloo, running)
 
     def reopen(self, generation: Optional[int] = None) -> None:
