@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from spawned_ranks import run_three_ranks
 
+from odyssey_megatron.hooks import collective_guard
 from odyssey_megatron.hooks.collective_guard import CollectiveGuard, PeerLost, is_peer_loss, prepare_backend
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,17 +31,23 @@ def _survivor_or_frozen(rank: int, port: int, mode: str, results: mp.Queue) -> N
     guarded. ``mode``: abort (another thread aborts after ABORT_AFTER_S), timeout (the
     guard's own timeout of 1 s ends the wait) or recv (as abort, but rank 0 waits on a
     receive from rank 2 through ``batch_isend_irecv``, as Megatron's schedule does, and
-    rank 1 on a plain ``recv``)."""
+    rank 1 on a plain ``recv``; the guard's process backend is NCCL, as where the gloo
+    groups are the snapshots' beside NCCL training: a wait on a gloo group is sliced
+    whatever the process's backend). In abort mode, once the survivors formed their new
+    world, rank 0 kills the frozen rank, which ends the abandoned operation: the seconds
+    until the guard let the old groups go (None: not within 5 s)."""
     try:
         store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", rank=rank, world_size=3, store=dist.PrefixStore("gen0", store),
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         group = dist.new_group([0, 1, 2], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        guard = CollectiveGuard(backend="gloo", timeout_s=1.0 if mode == "timeout" else GROUP_TIMEOUT_S)
+        guard = CollectiveGuard(backend="nccl" if mode == "recv" else "gloo",
+                                timeout_s=1.0 if mode == "timeout" else GROUP_TIMEOUT_S)
         guard.install()
         guard.track([group, dist.distributed_c10d._get_default_group()])
         tensor = torch.ones(4)
         dist.all_reduce(tensor, group=group)
+        store.set(f"pid {rank}", str(os.getpid()))
         if rank == 2:
             os.kill(os.getpid(), signal.SIGSTOP)
             return
@@ -74,7 +81,16 @@ def _survivor_or_frozen(rank: int, port: int, mode: str, results: mp.Queue) -> N
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         tensor = torch.ones(4)
         dist.all_reduce(tensor)
-        results.put((rank, "ok", (waited, timed_out, leave_s, float(tensor[0]), guard.kept)))
+        kept = guard.kept
+        freed_s = None
+        if mode == "abort":
+            if rank == 0:
+                os.kill(int(store.get("pid 2")), signal.SIGKILL)
+            killed = time.monotonic()
+            while guard.kept and time.monotonic() - killed < 5.0:
+                time.sleep(0.01)
+            freed_s = None if guard.kept else time.monotonic() - killed
+        results.put((rank, "ok", (waited, timed_out, leave_s, float(tensor[0]), kept, freed_s)))
     except BaseException as exc:  # noqa: BLE001
         results.put((rank, "error", repr(exc)))
 
@@ -86,24 +102,27 @@ def _run(mode: str) -> dict[int, tuple]:
 def test_an_abort_ends_a_collective_whose_peer_froze_and_the_survivors_form_a_new_world():
     got = _run("abort")
     for rank in (0, 1):
-        waited, timed_out, leave_s, reduced, kept = got[rank]
+        waited, timed_out, leave_s, reduced, kept, freed_s = got[rank]
         assert ABORT_AFTER_S <= waited < ABORT_AFTER_S + 0.5, waited  # not the group's 20 s
         assert not timed_out
         assert leave_s < 1.0  # dropping the groups did not wait for the abandoned operation
         assert reduced == 2.0 and kept > 0  # the new world of two works; the old groups are still held
+        # ... until the abandoned operation ends (the frozen peer killed: its sockets close), not
+        # for a fixed linger of seven group timeouts (211 s at a 30 s collective timeout).
+        assert freed_s is not None and freed_s < 2.0, freed_s
 
 
-def test_an_abort_ends_a_receive_from_a_frozen_peer():
+def test_an_abort_ends_a_receive_from_a_frozen_peer_on_a_gloo_group_also_in_an_nccl_process():
     got = _run("recv")
     for rank in (0, 1):
-        waited, timed_out, _, reduced, _ = got[rank]
+        waited, timed_out, _, reduced, _, _ = got[rank]
         assert ABORT_AFTER_S <= waited < ABORT_AFTER_S + 0.5 and not timed_out and reduced == 2.0
 
 
 def test_a_collective_that_outlasts_the_timeout_raises_peer_lost_marked_timed_out():
     got = _run("timeout")
     for rank in (0, 1):
-        waited, timed_out, _, reduced, _ = got[rank]
+        waited, timed_out, _, reduced, _, _ = got[rank]
         assert 1.0 <= waited < 2.0 and timed_out and reduced == 2.0
 
 
@@ -229,6 +248,7 @@ class _RecordingGroup:
 
 
 def test_on_nccl_an_abort_aborts_every_tracked_group_also_those_made_after_it(monkeypatch):
+    monkeypatch.setattr(collective_guard, "_backend_of", lambda group: "nccl")  # torch knows no stand-in's backend
     guard = CollectiveGuard(backend="nccl", timeout_s=5)
     guard.reopen(3)
     first, second = _RecordingGroup(), _RecordingGroup()
@@ -272,3 +292,64 @@ def test_gloo_groups_connect_at_their_first_operation_whatever_the_backend(monke
         monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
         prepare_backend(backend)
         assert os.environ["TORCH_GLOO_LAZY_INIT"] == "1"
+
+
+class _FailingAbort(_RecordingGroup):
+    """A communicator whose abort fails (as HCCL's may, its watchdog having torn it down)."""
+
+    group_name = "7"
+
+    def abort(self):
+        super().abort()
+        raise RuntimeError("HCCL function error: HcclCommDestroy, error code is 4\nmore detail")
+
+
+def test_every_failed_abort_is_logged_and_named_in_the_error_that_ends_the_generation(monkeypatch, caplog):
+    monkeypatch.setattr(collective_guard, "_backend_of", lambda group: "hccl")
+    guard = CollectiveGuard(backend="hccl", timeout_s=5)
+    guard.reopen(2)
+    failing, other = _FailingAbort(), _RecordingGroup()
+    guard.track([failing, other])
+    with caplog.at_level("WARNING", logger=collective_guard.__name__):
+        guard.abort("node 1 lost")
+    assert failing.aborted == other.aborted == 1  # one failure does not stop the others' aborts
+    assert guard.abort_errors == ["aborting process group 7 failed: RuntimeError: HCCL function error: "
+                                  "HcclCommDestroy, error code is 4"]
+    assert guard.abort_errors[0] in caplog.text
+    with pytest.raises(PeerLost, match="node 1 lost.*HcclCommDestroy"):
+        guard.check()
+    guard.reopen(3)
+    assert guard.abort_errors == []
+
+
+def test_a_generation_left_with_nothing_in_flight_holds_none_of_its_groups():
+    """Its groups go at once: nothing of a replaced generation outlives it (the guard held
+    every left generation for seven collective timeouts)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    try:
+        guard = CollectiveGuard(backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+        guard.install()
+        group = dist.new_group([0])
+        guard.track([dist.distributed_c10d._get_default_group(), group])
+        dist.all_reduce(torch.ones(2), group=group)
+        dist.all_reduce(torch.ones(2), group=group, async_op=True)  # never waited on: ended by now
+        guard.abandon()
+        deadline = time.monotonic() + 2.0
+        while guard.kept and time.monotonic() < deadline:  # the never-waited work's helper returns
+            time.sleep(0.01)
+        assert guard.kept == 0
+    finally:
+        guard.uninstall()
+        dist.destroy_process_group()
+
+
+def test_nccl_communicators_start_without_blocking_and_wait_no_longer_than_a_collective(monkeypatch):
+    for name in ("TORCH_NCCL_USE_COMM_NONBLOCKING", "TORCH_NCCL_NONBLOCKING_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    prepare_backend("nccl", timeout_s=30.0)
+    assert os.environ["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1"
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "30"  # not NCCL's 30 minutes
+    monkeypatch.delenv("TORCH_NCCL_USE_COMM_NONBLOCKING")
+    prepare_backend("gloo", timeout_s=30.0)
+    assert "TORCH_NCCL_USE_COMM_NONBLOCKING" not in os.environ

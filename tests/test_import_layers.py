@@ -42,8 +42,8 @@ FLOORS: list[tuple[str, str]] = [
      "inside a worker, what outlives the workers, and the simulator: each drives the floors below"),
     ("runtime.train",
      "odyssey train: where the two sides of the runtime meet"),
-    ("cli report",
-     "the commands and what they print"),
+    ("cli report device_check",
+     "the commands and what they print, and the check a first GPU machine runs"),
 ]
 """Lowest first; each floor's rooms and the one-line reason they stand there."""
 

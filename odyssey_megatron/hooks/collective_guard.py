@@ -19,14 +19,25 @@ thread then calls ``CollectiveGuard.abort``, and what that does depends on the b
   waited in ``new_group`` itself, where nothing ends a wait, five group timeouts (gloo's
   ``Pair::waitUntil``: 150 s at a 30 s collective timeout) for a member that died having
   published its address, then failed with an error of its own. An abandoned operation
-  still holds its group's sockets and threads (and its helper thread) until gloo ends it,
-  and dropping the group's last reference before then blocks until it does: the guard
-  keeps the generation's groups (the graveyard) until their operations have surely ended
-  (``_LINGER_TIMEOUTS``).
+  still holds its group's sockets and threads (and its helper thread) until gloo ends it
+  (a closed socket at once, a frozen peer at gloo's own timeout), and dropping the group's
+  last reference before then blocks the dropping thread until it does: the guard holds
+  the generation's gloo groups while an operation on them may run (a helper thread still
+  waits on one, or a work was started and never waited), and lets them go on the helper
+  thread whose operation ended last. A generation left with nothing in flight holds nothing.
 - **NCCL and HCCL**: the communicators are aborted from the watching thread (a thread
   other than the one blocked in the collective, as nvidia-resiliency-ext's monitor does),
-  which ends the kernels in flight; the watchdog is told to clean up rather than tear the
-  process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``NCCL_ERROR_HANDLING``).
+  which ends the kernels in flight and frees the communicators, so nothing of them is held;
+  the watchdog is told to clean up rather than tear the process down
+  (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``HCCL_ASYNC_ERROR_HANDLING``). Their communicators
+  start without blocking (``TORCH_NCCL_USE_COMM_NONBLOCKING``) and are connected, every pair
+  of a group's members, by ``track`` as gloo's are: an init waiting for a dead member then
+  waits in an operation an abort ends, before the first step rather than inside it.
+  An abort that fails is logged and kept (``abort_errors``), never dropped.
+
+Which of the two a wait is follows the backend of the group its operation runs on (noted
+when a guarded start begins it), not the process's: the snapshots' parity groups are gloo
+groups beside NCCL training, and their waits are sliced there too.
 
 Every wait is guarded because ``torch.distributed.Work.wait`` is: the synchronous
 collectives of torch.distributed and Megatron-Core's point-to-point requests both wait
@@ -54,10 +65,12 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import functools
+import inspect
+import logging
 import os
 import threading
 import time
-import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -76,10 +89,8 @@ strings, and "aborted", for a backend that reports its abort untyped. (Gloo says
 "writev" where it once said "Write error", which no longer occurs.)"""
 _SLICED_BACKENDS = ("gloo",)
 _ABORTED_BACKENDS = ("nccl", "hccl")
-_LINGER_TIMEOUTS = 7
-"""How many collective timeouts an abandoned gloo operation may still run: a pair it connects
-waits up to one for the peer's address in the store and five (gloo's ``Pair::waitUntil``)
-for the peer to connect, then the operation up to one for its data."""
+
+log = logging.getLogger(__name__)
 
 
 class PeerLost(RuntimeError):
@@ -104,16 +115,22 @@ def is_peer_loss(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _GLOO_PEER_LOSS_MARKS)
 
 
-def prepare_backend(backend: str) -> None:
+def prepare_backend(backend: str, *, timeout_s: Optional[float] = None) -> None:
     """Before any process group exists: a gloo group (the training's, and the snapshots'
     whatever the backend) is made without connecting its members, as NCCL makes its
     communicators at their first collective (``TORCH_GLOO_LAZY_INIT``), and connected by
-    ``CollectiveGuard.track`` in an operation the guard can leave; an NCCL/HCCL watchdog
-    that sees an error aborts the communicators and lets the process live (the default
-    tears it down)."""
+    ``CollectiveGuard.track`` in an operation the guard can leave. An NCCL communicator
+    starts without blocking (``TORCH_NCCL_USE_COMM_NONBLOCKING``), so that an abort from
+    another thread reaches an init that waits for a dead member, and waits for its members
+    at most ``timeout_s``, the collective timeout (``TORCH_NCCL_NONBLOCKING_TIMEOUT``, 30
+    minutes unless set). An NCCL/HCCL watchdog that sees an error aborts the communicators
+    and lets the process live (the default tears it down)."""
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     if backend == "nccl":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # CleanUpOnly
+        os.environ["TORCH_NCCL_USE_COMM_NONBLOCKING"] = "1"
+        if timeout_s is not None:
+            os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] = str(max(1, round(timeout_s)))  # whole seconds
     elif backend == "hccl":
         os.environ["HCCL_ASYNC_ERROR_HANDLING"] = "2"
 
@@ -142,35 +159,85 @@ def _guarded_start(start: Callable) -> Callable:
     return guarded
 
 
+def _backend_of(group: Optional[dist.ProcessGroup]) -> str:
+    """The backend of ``group`` (None: the default group), as torch names it: gloo, nccl, hccl."""
+    return str(dist.get_backend(group))
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(start: Callable) -> inspect.Signature:
+    return inspect.signature(start)
+
+
+def _backend_of_call(start: Callable, args: tuple, kwargs: dict) -> Optional[str]:
+    """The backend of the group the operation ``start(*args, **kwargs)`` runs on; None where
+    the call names no group torch knows (the start then fails on its own)."""
+    try:
+        if start.__name__ == "batch_isend_irecv":
+            ops = args[0] if args else kwargs.get("p2p_op_list", [])
+            group = ops[0].group if ops else None
+        else:
+            group = _signature(start).bind_partial(*args, **kwargs).arguments.get("group")
+        return _backend_of(group)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Started:
+    """An operation a guarded start began, until it is waited on."""
+
+    began: float
+    """When it started (monotonic)."""
+    backend: str
+    """Its group's backend, which says how it is waited on."""
+
+
+class _Held:
+    """A left generation's gloo groups, held until the last operation that may run on them ends."""
+
+    def __init__(self, objects: list, pending: int):
+        self.objects, self.pending = objects, pending
+
+
 class CollectiveGuard:
     """One per worker process: ``install`` once, ``track`` each generation's groups as they
     are made, ``abort`` from any thread when the generation ends, ``abandon`` when leaving
     it, ``reopen`` before entering the next."""
 
     backend: str
+    """The process's backend: how a wait on an operation of a group the guard cannot name is done."""
+    device: torch.device
+    """Where an NCCL/HCCL group's connecting all-to-all runs, for a group bound to no device."""
     timeout_s: float
     """How long one wait may take before it raises ``PeerLost(timed_out=True)``: the
     collective timeout, which the groups themselves are created with too."""
     slice_s: float
     """How long a sliced wait blocks between two looks at the abort flag."""
 
-    def __init__(self, *, backend: str, timeout_s: float, slice_s: float = 0.05):
+    def __init__(self, *, backend: str, timeout_s: float, slice_s: float = 0.05,
+                 device: Optional[torch.device] = None):
         self.backend, self.timeout_s, self.slice_s = backend, timeout_s, slice_s
+        self.device = device if device is not None else torch.device("cpu")
         self._aborted = threading.Event()
         self._reason = ""
         self._generation: Optional[int] = None
         """The generation whose groups are guarded now (``reopen``)."""
         self._lock = threading.Lock()
-        self._groups: list[dist.ProcessGroup] = []
-        self._graveyard: list[tuple[float, list]] = []
-        """(monotonic time after which every operation has ended, what must outlive it)."""
+        self._groups: list[tuple[dist.ProcessGroup, str]] = []
+        """The generation's groups, each with its backend."""
+        self._in_flight: dict[dist.Work, _Started] = {}
+        """Works guarded starts returned, until waited on (those never waited are still
+        running as far as anyone knows: ``abandon`` holds their gloo groups until they end)."""
+        self._waiting: set[concurrent.futures.Future] = set()
+        """Helper threads' waits on gloo works, until each ends (with its operation)."""
+        self._held: list[_Held] = []
+        self._abort_errors: list[str] = []
         self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="odyssey-wait")
         """Threads that wait on gloo works for the calling thread (one each while it waits)."""
-        self._began: weakref.WeakKeyDictionary[dist.Work, float] = weakref.WeakKeyDictionary()
-        """When each work a guarded start returned began (monotonic), until it is waited on."""
         self._starting = threading.local()
-        """``began``: when the guarded start this thread is in began (its operation's own
-        wait happens inside it, for a synchronous one)."""
+        """``began`` and ``backend``: when the guarded start this thread is in began, and its
+        group's backend (its operation's own wait happens inside it, for a synchronous one)."""
 
     def install(self) -> None:
         """Route every ``Work.wait`` of this process, and every start of an operation,
@@ -196,23 +263,20 @@ class CollectiveGuard:
 
     def track(self, groups: Iterable[dist.ProcessGroup]) -> None:
         """Take in groups of the current generation, as soon as they are made (collective:
-        every member, in the order the groups were made): aborted with the generation, kept
-        until their operations end, and a gloo group connected now, every pair of members
-        in one all-to-all, an operation the guard leaves on an abort (connected later, a
-        pair would connect inside a point-to-point start, which blocks its caller)."""
-        groups = [g for g in groups if g is not None]
+        every member, in the order the groups were made): aborted with the generation, held
+        while an operation may run on them, and connected now, every pair of members in one
+        all-to-all, an operation the guard leaves on an abort (connected later, a gloo pair
+        would connect inside a point-to-point start, which blocks its caller, and an NCCL
+        communicator inside the first step)."""
+        groups = [(g, _backend_of(g)) for g in groups if g is not None]
         with self._lock:
             self._groups.extend(groups)
             aborted = self._aborted.is_set()
         if aborted:  # made after the abort came: end them too
             self._abort_groups()
-        for group in groups:
-            if group.size() > 1 and dist.get_backend(group) == "gloo":
-                mesh = torch.zeros(group.size())
-                self.check()
-                began = time.monotonic()
-                self.wait(dist.all_to_all_single(torch.empty_like(mesh), mesh, group=group, async_op=True),
-                          began=began)
+        for group, backend in groups:
+            if group.size() > 1:
+                self._connect(group, backend)
 
     def abort(self, reason: str, *, generation: Optional[int] = None) -> None:
         """End the generation's waits (callable from any thread, more than once).
@@ -229,49 +293,83 @@ class CollectiveGuard:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    @property
+    def abort_errors(self) -> list[str]:
+        """What each group's abort that failed said, this generation (also in ``check``'s error)."""
+        with self._lock:
+            return list(self._abort_errors)
+
     def check(self) -> None:
         """Raise ``PeerLost`` if the generation was aborted: for loops that wait on the store."""
         if self._aborted.is_set():
-            raise PeerLost(f"the generation was aborted ({self._reason})")
+            failed = "; ".join(self.abort_errors)
+            raise PeerLost(f"the generation was aborted ({self._reason})" + (f"; {failed}" if failed else ""))
 
     def abandon(self) -> None:
-        """Leaving the generation: keep its groups (and whatever else the caller passes
-        through ``keep``) alive until every operation on them has surely ended, so that no
-        thread blocks dropping them."""
+        """Leaving the generation: let its groups go. NCCL/HCCL groups at once (an abort
+        ended their operations and freed their communicators; a generation that ended
+        without one has none in flight). Gloo groups, with the default group, once every
+        operation that may still run on them has ended: the waits helper threads still run
+        (an abort or a timeout left them) and the works started but never waited on, which
+        a helper thread now waits on; with none, at once."""
         with self._lock:
             groups, self._groups = self._groups, []
-        if self._aborted.is_set() or groups:
-            default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-            self.keep([*groups, default] if default is not None else groups)
-
-    def keep(self, objects: list) -> None:
-        """Hold ``objects`` (groups, works) until every operation on them has surely ended."""
-        self._graveyard.append((time.monotonic() + _LINGER_TIMEOUTS * self.timeout_s + 1.0, objects))
+            unwaited, self._in_flight = self._in_flight, {}
+            running = list(self._waiting)
+        running += [self._waiters.submit(_ORIGINAL_WAIT, work)
+                    for work, started in unwaited.items() if started.backend in _SLICED_BACKENDS]
+        gloo = [group for group, backend in groups if backend in _SLICED_BACKENDS]
+        if dist.is_initialized() and not any(group is dist.group.WORLD for group in gloo):
+            gloo.append(dist.group.WORLD)
+        self._hold(gloo, running)
 
     def reopen(self, generation: Optional[int] = None) -> None:
-        """Before entering ``generation``: clear the abort, drop what has surely ended."""
-        now = time.monotonic()
-        self._graveyard = [(until, kept) for until, kept in self._graveyard if until > now]
+        """Before entering ``generation``: clear the abort."""
         with self._lock:
             self._aborted.clear()
             self._reason = ""
+            self._abort_errors.clear()
             self._generation = generation
 
     @property
     def kept(self) -> int:
-        """Entries (an abandoned generation's groups, an abandoned work) still held."""
-        return len(self._graveyard)
+        """Left generations whose gloo groups are still held (an operation on them still runs)."""
+        with self._lock:
+            return len(self._held)
+
+    def _hold(self, objects: list, running: list[concurrent.futures.Future]) -> None:
+        """Hold ``objects`` until every one of ``running`` is done; the helper thread whose
+        operation ends last drops them (dropping a gloo group waits for its operations)."""
+        running = [future for future in running if not future.done()]
+        if not running:
+            return
+        held = _Held(objects, len(running))
+        with self._lock:
+            self._held.append(held)
+        for future in running:
+            future.add_done_callback(lambda _, held=held: self._one_ended(held))
+
+    def _one_ended(self, held: _Held) -> None:
+        with self._lock:
+            held.pending -= 1
+            if held.pending:
+                return
+            self._held.remove(held)
+            objects, held.objects = held.objects, []
+        del objects  # the last references, here: off the thread that left the generation
 
     # -- starting and waiting ------------------------------------------------------------
 
     def start(self, start: Callable, *args, **kwargs):
         """``start(*args, **kwargs)`` (a torch.distributed function that starts an
-        operation), noting when it began; an error that means a lost peer (gloo raises at
-        once where a pair's socket is already closed), or any error once the generation is
-        aborted, raises ``PeerLost``."""
+        operation), noting when it began and its group's backend; an error that means a lost
+        peer (gloo raises at once where a pair's socket is already closed), or any error once
+        the generation is aborted, raises ``PeerLost``."""
         self.check()
-        outer = getattr(self._starting, "began", None)  # a start that starts others (all_gather_object)
-        began = self._starting.began = time.monotonic()
+        # A start that starts others (all_gather_object): the outer one's note comes back after.
+        outer = getattr(self._starting, "began", None), getattr(self._starting, "backend", None)
+        began, backend = time.monotonic(), _backend_of_call(start, args, kwargs) or self.backend
+        self._starting.began, self._starting.backend = began, backend
         try:
             started = start(*args, **kwargs)
         except PeerLost:
@@ -281,21 +379,25 @@ class CollectiveGuard:
                 raise PeerLost(_first_line(exc)) from exc
             raise
         finally:
-            self._starting.began = outer
+            self._starting.began, self._starting.backend = outer
         with self._lock:
             for work in started if isinstance(started, list) else [started]:
                 if isinstance(work, dist.Work):
-                    self._began[work] = began
+                    self._in_flight[work] = _Started(began, backend)
         return started
 
-    def wait(self, work: dist.Work, *, began: Optional[float] = None) -> bool:
+    def wait(self, work: dist.Work, *, began: Optional[float] = None, backend: Optional[str] = None) -> bool:
         """``work.wait()``, ending with ``PeerLost`` on an abort, a timeout or a lost peer.
-        ``began``: when the operation started, where no guarded start noted it."""
+        ``began`` and ``backend``: when the operation started and its group's backend, where
+        no guarded start noted them."""
         started = time.monotonic()
         with self._lock:
-            noted = self._began.pop(work, None)
-        began = next((t for t in (began, noted, getattr(self._starting, "began", None)) if t is not None), started)
-        if self.backend not in _SLICED_BACKENDS:
+            noted = self._in_flight.pop(work, None)
+        began = next((t for t in (began, noted.began if noted else None, getattr(self._starting, "began", None))
+                      if t is not None), started)
+        backend = next(b for b in (backend, noted.backend if noted else None,
+                                   getattr(self._starting, "backend", None), self.backend) if b is not None)
+        if backend not in _SLICED_BACKENDS:
             try:
                 return _ORIGINAL_WAIT(work)
             except Exception as exc:
@@ -306,7 +408,7 @@ class CollectiveGuard:
                                    and time.monotonic() - began >= self.timeout_s) from exc
                 raise
         self.check()
-        waited = self._waiters.submit(_ORIGINAL_WAIT, work)
+        waited = self._wait_on_helper(work)
         while True:
             try:
                 return waited.result(timeout=self.slice_s)
@@ -320,24 +422,50 @@ class CollectiveGuard:
                     # that has run that long is a timeout; a lost peer ends it sooner.
                     raise PeerLost(_first_line(exc), timed_out=time.monotonic() - began >= self.timeout_s) from exc
                 raise
-            if self._aborted.is_set():
-                self.keep([work])
-                raise PeerLost(f"the generation was aborted ({self._reason})")
+            # Left below, the helper's wait goes on (in ``_waiting``) until gloo ends the operation.
+            self.check()
             if time.monotonic() - started > self.timeout_s:
-                self.keep([work])
                 raise PeerLost(f"a collective waited over the collective timeout ({self.timeout_s} s)",
                                timed_out=True)
 
-    def _abort_groups(self) -> None:
-        if self.backend not in _ABORTED_BACKENDS:
-            return
+    def _wait_on_helper(self, work: dist.Work) -> concurrent.futures.Future:
+        """``work.wait()`` on a helper thread, counted in ``_waiting`` until it returns."""
+        waited = self._waiters.submit(_ORIGINAL_WAIT, work)
         with self._lock:
-            groups = list(self._groups)
+            self._waiting.add(waited)
+        waited.add_done_callback(self._wait_ended)
+        return waited
+
+    def _wait_ended(self, waited: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._waiting.discard(waited)
+
+    def _connect(self, group: dist.ProcessGroup, backend: str) -> None:
+        """Connect every pair of ``group``'s members in one all-to-all that an abort ends:
+        gloo's on the host; NCCL's and HCCL's on the group's device, where a communicator
+        that started without blocking waits for its members."""
+        device = torch.device("cpu") if backend in _SLICED_BACKENDS else (group.bound_device_id or self.device)
+        mesh = torch.zeros(group.size(), device=device)
+        self.check()
+        began = time.monotonic()
+        self.wait(dist.all_to_all_single(torch.empty_like(mesh), mesh, group=group, async_op=True),
+                  began=began, backend=backend)
+
+    def _abort_groups(self) -> None:
+        """Abort the generation's NCCL/HCCL groups (gloo's abort ends no operation: its waits
+        are sliced instead). A failed abort is logged and kept, never dropped: a communicator
+        it left may still hold the device."""
+        with self._lock:
+            groups = [group for group, backend in self._groups if backend in _ABORTED_BACKENDS]
         for group in groups:
             try:
                 group.abort()
-            except Exception:  # noqa: BLE001 - a group already torn down by its watchdog
-                pass
+            except Exception as exc:  # noqa: BLE001 - e.g. one its watchdog tore down first; said below
+                error = (f"aborting process group {getattr(group, 'group_name', type(group).__name__)} failed: "
+                         f"{type(exc).__name__}: {_first_line(exc)}")
+                log.warning("%s", error)
+                with self._lock:
+                    self._abort_errors.append(error)
 
 
 def _first_line(exc: BaseException) -> str:

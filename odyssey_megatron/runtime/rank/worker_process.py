@@ -144,8 +144,9 @@ class WorkerProcess:
             optimizer=optimizer_config(train, self.config.model.params_dtype), device=self.device,
             emulation=recipe_emulation(self.config), op_timers=self.op_timers,
             collective_timeout=self.collective_timeout)
-        self.guard = CollectiveGuard(backend=self.accelerator.backend, timeout_s=self.timeouts.collective_timeout)
-        prepare_backend(self.accelerator.backend)
+        self.guard = CollectiveGuard(backend=self.accelerator.backend, timeout_s=self.timeouts.collective_timeout,
+                                     device=self.device)
+        prepare_backend(self.accelerator.backend, timeout_s=self.timeouts.collective_timeout)
         self.guard.install()
         self.controller_lost = None
         link.on_controller_lost = self._on_controller_lost
