@@ -3,7 +3,7 @@ asked from the dataclasses Bridge serializes: Megatron-Core's ``TransformerConfi
 ``GPTModel``'s constructor, ``OptimizerConfig``, ``DistributedDataParallelConfig`` and
 ``GPTDatasetConfig``, as installed. A hand list would miss the next Megatron-Core field.
 
-Bridge's own dataclasses (its training, RNG, logger and tokenizer configs, the GPT
+Bridge's own dataclasses (its training, RNG, scheduler, logger and tokenizer configs, the GPT
 provider's extra fields) are not installed with the plugin, which must not need Bridge;
 their names and defaults are listed here from Megatron-Bridge 0.3.1's
 ``training/config.py``, ``training/tokenizers/config.py`` and ``models/gpt_provider.py``,
@@ -48,6 +48,15 @@ BRIDGE_SECTIONS: Mapping[str, Mapping[str, Any]] = {
         "skip_train": False,
     },
     "rng": {"seed": 1234, "te_rng_tracker": False, "inference_rng_tracker": False, "data_parallel_random_init": False},
+    "scheduler": {
+        "lr_decay_style": "linear", "lr_wsd_decay_style": "exponential", "lr_decay_iters": None,
+        "lr_decay_samples": None, "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None,
+        "lr_warmup_fraction": None, "lr_warmup_iters": 0, "lr_warmup_samples": 0, "lr_warmup_init": 0.0,
+        "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
+        "start_weight_decay": None, "end_weight_decay": None, "weight_decay_incr_style": "constant",
+        "no_weight_decay_cond_type": None, "lr_warmup_steps": None, "lr_decay_steps": None, "wd_incr_steps": None,
+        "wsd_decay_steps": None,
+    },
     "tokenizer": {
         "legacy_tokenizer": False, "metadata_path": None, "vocab_size": None, "vocab_file": None, "merge_file": None,
         "vocab_extra_ids": 0, "tokenizer_type": None, "tokenizer_model": None, "special_tokens": None,
@@ -69,7 +78,8 @@ BRIDGE_SECTIONS: Mapping[str, Mapping[str, Any]] = {
         "save_config_filepath": None,
     },
 }
-"""Bridge's own sections: TrainingConfig, RNGConfig, TokenizerConfig, LoggerConfig."""
+"""Bridge's own sections: TrainingConfig, RNGConfig, SchedulerConfig (its ``*_steps`` are the
+sample counts ``finalize`` derives), TokenizerConfig, LoggerConfig."""
 
 BRIDGE_DATALOADER_FIELDS: Mapping[str, Any] = {
     "dataloader_type": None, "num_workers": 8, "data_sharding": True, "pin_memory": True,

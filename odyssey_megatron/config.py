@@ -310,8 +310,9 @@ class TrainingConfig:
         for key in ("min_lr", "lr_warmup_init"):
             value = getattr(self, key)
             require(0 <= value <= self.lr, f"training.{key}", f"must be in [0, training.lr ({self.lr})]; got {value}")
-        if self.lr_decay_iters is not None:
-            require_positive("training", self, "lr_decay_iters")
+        for key in ("lr_decay_iters", "lr_wsd_decay_iters"):
+            if getattr(self, key) is not None:
+                require_positive("training", self, key)
         if self.lr_warmup_fraction is not None:
             require(self.lr_warmup_iters == 0, "training.lr_warmup_fraction",
                     f"give it or training.lr_warmup_iters, not both; got {self.lr_warmup_fraction} and "

@@ -114,7 +114,7 @@ BAD_KEYS = {
     "training.lr_decay_style=exponential": ("training.lr_decay_style", "constant, linear, cosine, inverse-square-root"),
     "training.lr_warmup_iters=-1": ("training.lr_warmup_iters", ">= 0"),
     "training.lr_warmup_iters=20": ("training.lr_warmup_iters", "below training.lr_decay_iters (20"),
-    "training.lr_warmup_fraction=1.0": ("training.lr_warmup_fraction", "[0, 1)"),
+    "training.lr_warmup_iters=0 training.lr_warmup_fraction=1.0": ("training.lr_warmup_fraction", "[0, 1)"),
     "training.lr_decay_iters=0": ("training.lr_decay_iters", "> 0"),
     "training.min_lr=0.01": ("training.min_lr", "[0, training.lr (0.001)]"),
     "training.lr_warmup_init=-1e-4": ("training.lr_warmup_init", "[0, training.lr"),
@@ -130,10 +130,12 @@ BAD_KEYS = {
 def test_a_bad_schedule_key_is_one_line_naming_it_and_what_is_allowed(override):
     key, allowed = BAD_KEYS[override]
     with pytest.raises(ConfigError) as caught:
-        load_config(TINY, [override])
+        load_config(TINY, override.split())
     assert caught.value.key == key and allowed in caught.value.problem and "\n" not in str(caught.value)
 
 
 def test_warmup_iters_and_a_warmup_fraction_together_are_refused():
     with pytest.raises(ConfigError, match=r"^training.lr_warmup_fraction: give it or training.lr_warmup_iters"):
         load_config(TINY, ["training.lr_warmup_iters=2", "training.lr_warmup_fraction=0.1"])
+    fraction = load_config(TINY, ["training.lr_warmup_iters=0", "training.lr_warmup_fraction=0.1"]).training
+    assert fraction.lr_warmup_fraction == 0.1
