@@ -18,6 +18,8 @@ from odyssey_megatron.config import TrainingConfig, load_config
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.hooks.cpu_shim import cpu_shim
 from odyssey_megatron.hooks.lr_schedule import LrSchedule, StepScheduler
+from odyssey_megatron.runtime.control.run_state import RunFailed, step_rate
+from odyssey_megatron.runtime.protocol.messages import StepReport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,6 +110,15 @@ def test_a_recipe_without_schedule_keys_trains_at_its_constant_rate_and_weight_d
 def test_a_warmup_fraction_counts_from_the_decay_iters():
     training, _ = _ours(dict(lr_decay_style="cosine", lr_warmup_fraction=0.25, lr_decay_iters=8))
     assert LrSchedule.of(training).lr_warmup_steps == 2 * BATCH
+
+
+def test_a_step_is_recorded_at_its_ranks_rate_and_fails_the_run_where_they_disagree():
+    def report(rank: int, lr: float) -> StepReport:
+        return StepReport(rank, (), (), (), 0.0, 0, 0.0, 0, 0.0, 0, 0.0, lr)
+
+    assert step_rate(3, [report(0, 5e-4), report(1, 5e-4)]) == 5e-4
+    with pytest.raises(RunFailed, match=r"^step 3: the ranks took it at different learning rates \[0.0005, 0.001\]"):
+        step_rate(3, [report(0, 5e-4), report(1, 1e-3)])
 
 
 BAD_KEYS = {

@@ -36,7 +36,7 @@ from odyssey_megatron.runtime.protocol.messages import ProtocolError, StepReport
 from odyssey_megatron.runtime.step_ledger import StepLedger
 from odyssey_megatron.snapshot.restore import Restore, participants
 
-__all__ = ["RunFailed", "RunState", "SAMPLES", "forget_steps_from"]
+__all__ = ["RunFailed", "RunState", "SAMPLES", "forget_steps_from", "step_rate"]
 
 log = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -53,6 +53,15 @@ def forget_steps_from(samples: Path, step: int) -> None:
 
 class RunFailed(RuntimeError):
     """The run cannot go on; the message says why (one line)."""
+
+
+def step_rate(step: int, reports: list[StepReport]) -> float:
+    """The learning rate every rank took ``step`` at (its reports'); RunFailed where they
+    disagree: some rank's optimizer was not set to the committed step."""
+    rates = {report.lr for report in reports}
+    if len(rates) != 1:
+        raise RunFailed(f"step {step}: the ranks took it at different learning rates {sorted(rates)}")
+    return rates.pop()
 
 
 class RunState:
@@ -191,10 +200,7 @@ class RunState:
         if sorted(by_micro_batch) != list(range(expected)):
             raise RunFailed(f"step {step}: micro-batches {sorted(by_micro_batch)} ran; expected 0..{expected - 1}")
         loss = sum(loss for loss, _ in by_micro_batch.values()) / expected
-        rates = {report.lr for report in reports}
-        if len(rates) != 1:
-            raise RunFailed(f"step {step}: the ranks took it at different learning rates {sorted(rates)}")
-        (lr,) = rates
+        lr = step_rate(step, reports)
         samples = [i for m in range(expected) for i in by_micro_batch[m][1]]
         append_jsonl(self.run_dir / SAMPLES, {"step": step, "generation": generation, "samples": samples,
                                               "loss": loss})
