@@ -7,9 +7,8 @@ so what is timed is what trains.
 rank's gradients are final (synced and clipped) and before its optimizer step is applied.
 ``commit_step`` is that commit (``runtime.rank.node_ledger``): the rank's ``StepReport``
 (its losses, samples, the step's learning rate and its op times since the last step, from
-the op timers) is reported
-and the rank counts into the step with its node's ranks, waits for the decision, and
-returns the step's outcome.
+the op timers) is reported and the rank counts into the step with its node's ranks, waits
+for the decision, and returns the step's outcome.
 """
 
 from __future__ import annotations
