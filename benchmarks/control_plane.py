@@ -262,7 +262,7 @@ def step_report(micro_batches: int) -> str:
                       samples=tuple(range(1_000_000, 1_000_000 + micro_batches)), forward_s=0.123,
                       forwards=micro_batches, backward_s=0.234, backwards=micro_batches, weight_grad_s=0.0,
                       weight_grads=0,
-                      optimizer_s=0.012).to_json() + "\n"
+                      optimizer_s=0.012, lr=3.0e-4).to_json() + "\n"
 
 
 def controller_beat(seq: int) -> str:

@@ -165,6 +165,7 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
     import torch.distributed as dist
 
     from odyssey_megatron.data import SyntheticTokens
+    from odyssey_megatron.hooks.lr_schedule import LrSchedule
     from odyssey_megatron.hooks.stage_optimizer import optimizer_config
     from odyssey_megatron.runtime.rank.op_timers import OpTimers
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, RunnerSettings, initial_state
@@ -178,6 +179,7 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
     baseline_kib = _status_kib("VmRSS")
     settings = RunnerSettings(
         model=model, micro_batch_size=batch, optimizer=optimizer_config(config.training, model.params_dtype),
+        lr_schedule=LrSchedule.of(config.training),
         emulation=None if emulated is None else DeviceEmulation(profile=emulated, cluster=CLUSTER),
         # The worker's: odyssey.online_profile's op timers (and below, a phase hook, where its fault injector acts).
         op_timers=OpTimers(torch.device("cpu")) if live else None,
@@ -192,7 +194,7 @@ def run_steps(rank: int, world_size: int, published: str, recipe: list[str], emu
     if live:
         step_loop = LiveSteps(runner, rank=rank, world_size=world_size, data=data, micro_batch_size=batch)
     else:
-        step_loop = lambda step: runner.train_step(lambda m: data.micro_batch(step, m))  # noqa: E731
+        step_loop = lambda step: runner.train_step(lambda m: data.micro_batch(step, m), step=step)  # noqa: E731
     dist.barrier()
     for step in range(steps + 1):
         step_loop(step)
@@ -243,7 +245,7 @@ class LiveSteps:
 
         def commit(step: int, losses: dict, samples: dict) -> None:
             if not commit_step(ledger=self.ledger, rank=self.rank, step=step, losses=losses,
-                               samples=samples, op_timers=self.runner.model.config.timers,
+                               samples=samples, lr=self.runner.optimizer.lr, op_timers=self.runner.model.config.timers,
                                timeout=self.timeout).committed:
                 raise RuntimeError(f"step {step} did not commit")
 

@@ -68,9 +68,10 @@ from pathlib import Path
 import torch
 from megatron.core.optimizer import OptimizerConfig
 
-from odyssey_megatron.config import ModelConfig, load_config
+from odyssey_megatron.config import ModelConfig, TrainingConfig, load_config
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.hooks.grad_sync import clip_scale
+from odyssey_megatron.hooks.lr_schedule import LrSchedule
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.phases import Phase
 from odyssey_megatron.plan import ExecutionPlan, SyncUnit
@@ -115,7 +116,8 @@ def _runner(plan, rank, world, model, schedule="auto", overlap=False, staggered=
     return PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks,
                       state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
                       settings=RunnerSettings(model=model, micro_batch_size=MICRO_BATCH_SIZE,
-                                              optimizer=OptimizerConfig(lr=1e-4), schedule=schedule,
+                                              optimizer=OptimizerConfig(lr=1e-4),
+                                              lr_schedule=LrSchedule.of(TrainingConfig(lr=1e-4)), schedule=schedule,
                                               overlap_grad_sync=overlap))
 
 
@@ -152,7 +154,7 @@ def _alternate(runners: dict, steps: int, model: ModelConfig) -> dict[str, list[
         for name, runner in runners.items():
             dist.barrier()
             started = time.perf_counter()
-            runner.train_step(lambda m, step=step: data.micro_batch(step, m))
+            runner.train_step(lambda m, step=step: data.micro_batch(step, m), step=step)
             dist.barrier()
             if step:  # the first step warms up allocators and gloo connections
                 times[name].append(time.perf_counter() - started)
@@ -168,7 +170,7 @@ def sync_rounds(rank: int, world: int, plan_json: str, repeats: int, model: Mode
     times: dict[str, list[float]] = {name: [] for name in variants}
     runners = {name: _runner(p, rank, world, model, "odyssey") for name, p in variants.items()}
     for runner in runners.values():
-        runner.train_step(lambda m: data.micro_batch(0, m), apply=False)
+        runner.train_step(lambda m: data.micro_batch(0, m), step=0, apply=False)
     for _ in range(repeats):
         for name, runner in runners.items():
             dist.barrier()
@@ -384,7 +386,8 @@ class LiveWorkerStep:
         model, ranks = recipe.model, RankMap.identity(world, 1)
         self.data = _IndexedSamples(model, recipe.training.micro_batch_size)
         settings = RunnerSettings(model=model, micro_batch_size=recipe.training.micro_batch_size,
-                                  optimizer=optimizer_config(recipe.training, model.params_dtype), op_timers=timers,
+                                  optimizer=optimizer_config(recipe.training, model.params_dtype),
+                                  lr_schedule=LrSchedule.of(recipe.training), op_timers=timers,
                                   collective_timeout=COLLECTIVE_TIMEOUT)
         self.runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks,
                                  state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=1),
@@ -413,8 +416,8 @@ class LiveWorkerStep:
         from odyssey_megatron.runtime.rank.live_step import commit_step
 
         started = time.perf_counter()
-        if not commit_step(ledger=self.ledger, rank=self.rank, step=step, losses=losses,
-                           samples=samples, op_timers=self.timers, timeout=COLLECTIVE_TIMEOUT).committed:
+        if not commit_step(ledger=self.ledger, rank=self.rank, step=step, losses=losses, samples=samples,
+                           lr=self.runner.optimizer.lr, op_timers=self.timers, timeout=COLLECTIVE_TIMEOUT).committed:
             raise RuntimeError(f"step {step} did not commit")
         self.commit_s.append(time.perf_counter() - started)
 

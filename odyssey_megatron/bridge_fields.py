@@ -73,6 +73,15 @@ BRIDGE_0_3_1 = BridgeVersion(
             "manual_gc": False, "manual_gc_interval": 0, "manual_gc_eval": True, "iterations_to_skip": [],
             "eval_iters": 100, "eval_interval": 1000, "skip_train": False
         },
+        "scheduler": {  # SchedulerConfig (its ``*_steps`` are the sample counts ``finalize`` derives)
+            "lr_decay_style": "linear", "lr_wsd_decay_style": "exponential", "lr_decay_iters": None,
+            "lr_decay_samples": None, "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None,
+            "lr_warmup_fraction": None, "lr_warmup_iters": 0, "lr_warmup_samples": 0, "lr_warmup_init": 0.0,
+            "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
+            "start_weight_decay": None, "end_weight_decay": None, "weight_decay_incr_style": "constant",
+            "no_weight_decay_cond_type": None, "lr_warmup_steps": None, "lr_decay_steps": None, "wd_incr_steps": None,
+            "wsd_decay_steps": None,
+        },
         "rng": {
             "seed": 1234, "te_rng_tracker": False, "inference_rng_tracker": False, "data_parallel_random_init":
             False
@@ -214,6 +223,8 @@ BRIDGE_0_6_0 = BridgeVersion(
             "check_optimizer_step_success": True, "skip_sync_grad_norm_across_mp": False, "eval_iters": None,
             "eval_interval": None, "skip_train": None
         },
+        # SchedulerConfig extends Megatron-LM cd4afff's (training_config.py: the same fields) with max_steps.
+        "scheduler": {**BRIDGE_0_3_1.sections["scheduler"], "max_steps": None},
         "validation": {
             "eval_iters": 100, "eval_interval": None, "start_eval_at_iter": None, "eval_global_batch_size": None,
             "eval_micro_batch_size": None, "skip_train": False, "test_mode": False, "full_validation": False,

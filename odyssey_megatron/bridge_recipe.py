@@ -5,7 +5,8 @@ dumped by ``ConfigContainer.to_yaml()``: TP, PP and the architecture under ``mod
 as Bridge 0.3's GPT provider writes it, or nested under ``model.transformer`` as current
 Bridge does), batch sizes under ``train``, then ``optimizer``, ``ddp``, ``rng``,
 ``dataset``, ``tokenizer``, ``logger`` and ``mixed_precision``; the data-parallel size
-comes from the world size. With ``odyssey:`` (and ``cluster:``) sections added it is an
+comes from the world size; ``scheduler`` and ``optimizer.min_lr`` give the learning-rate
+schedule, run by Megatron-Core's own scheduler. With ``odyssey:`` (and ``cluster:``) sections added it is an
 odyssey recipe: ``BridgeRecipe.translate`` renames its keys onto ``config.RecipeConfig``'s,
 the same validation runs, and ``user_error`` names the keys of an error as the user wrote them.
 
@@ -61,6 +62,11 @@ KEYS = {
     "optimizer.adam_beta1": "training.adam_beta1",
     "optimizer.adam_beta2": "training.adam_beta2",
     "optimizer.adam_eps": "training.adam_eps",
+    "optimizer.min_lr": "training.min_lr",
+    **{f"scheduler.{key}": f"training.{key}" for key in (
+        "lr_warmup_iters", "lr_warmup_fraction", "lr_warmup_init", "lr_decay_style", "lr_decay_iters",
+        "lr_wsd_decay_style", "lr_wsd_decay_iters", "start_weight_decay", "end_weight_decay",
+        "weight_decay_incr_style")},
     "rng.seed": "training.seed",
     "dataset.seq_length": "model.seq_length",
     "dataset.sequence_length": "model.seq_length",
@@ -78,13 +84,18 @@ Bridge's field is optional leaves the odyssey default (e.g. ``dataset.path_to_ca
 
 OPTIONAL = frozenset({"model.num_query_groups", "model.spec", "dataset.seq_length", "dataset.sequence_length",
                       "dataset.data_path", "dataset.path_to_cache", "tokenizer.tokenizer_model", "logger.wandb_project",
-                      "logger.wandb_exp_name", "logger.wandb_entity", "logger.wandb_save_dir"})
+                      "logger.wandb_exp_name", "logger.wandb_entity", "logger.wandb_save_dir", "optimizer.min_lr",
+                      "scheduler.lr_warmup_fraction", "scheduler.lr_decay_iters", "scheduler.lr_wsd_decay_iters",
+                      "scheduler.start_weight_decay", "scheduler.end_weight_decay"})
 """Mapped Bridge fields that are Optional in Bridge: null means not given."""
 
 BRIDGE_OPTIMIZER_DEFAULTS = {"training.lr": 3e-4, "training.weight_decay": 0.1, "training.adam_beta1": 0.9,
                              "training.adam_beta2": 0.95, "training.adam_eps": 1e-8, "training.clip_grad": 1.0}
 """Where a recipe leaves them out, Bridge's pretraining recipes' optimizer settings
 (``distributed_fused_adam_with_cosine_annealing`` in Bridge 0.3.1's ``recipes/utils``)."""
+BRIDGE_SCHEDULER_DEFAULTS = {"training.lr_decay_style": "linear"}
+"""Where a recipe leaves them out, the defaults of Bridge's ``SchedulerConfig`` that differ
+from the plugin's (whose default decay is constant, as its recipes trained before)."""
 
 REQUIRED_SETTINGS = {
     "model.num_layers": "model.num_layers", "model.hidden_size": "model.hidden_size",
@@ -166,24 +177,29 @@ fusions, communication overlap, initialisation, hooks Bridge sets at run time, p
 other model field must stay at Megatron-Core's default."""
 UNUSED_MODEL_PREFIXES = ("tp_comm_", "cuda_graph_", "inference_")
 UNUSED_OPTIMIZER = frozenset({
-    "min_lr", "decoupled_min_lr", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+    "decoupled_min_lr", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
     "hysteresis", "sgd_momentum", "overlap_param_gather", "overlap_param_gather_with_optimizer_step",
     "barrier_with_L1_time", "log_num_zeros_in_grad", "timers", "config_logger_dir", "pin_cpu_grads",
     "pin_cpu_params", "use_torch_optimizer_for_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
     "apply_wd_to_qk_layernorm", "store_param_remainders", "bf16", "fp16", "params_dtype",
 })
-"""Optimizer fields without effect here: the learning rate is constant (Bridge's scheduler
-section is not used), loss scaling is fp16's, SGD and Muon are other optimizers, and the
-precision flags are set from ``mixed_precision`` as Bridge sets them."""
+"""Optimizer fields without effect here: decoupled learning rates are not scheduled, loss
+scaling is fp16's, SGD and Muon are other optimizers, and the precision flags are set from
+``mixed_precision`` as Bridge sets them."""
 UNUSED_OPTIMIZER_PREFIXES = ("muon_",)
 MUST_STAY_DEFAULT = {
     "ddp": frozenset({"use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
                       "num_distributed_optimizer_instances", "fp8_param_gather"}),
     "train": frozenset({"rampup_batch_size", "train_samples", "iterations_to_skip", "skip_train"}),
     "dataset": frozenset(), "rng": frozenset(), "tokenizer": frozenset(), "logger": frozenset(),
+    "scheduler": frozenset({"no_weight_decay_cond_type", "lr_decay_samples", "lr_warmup_samples",
+                            "lr_wsd_decay_samples", "max_steps"}),
 }
-"""In these sections every field is unused (how gradients are reduced, data loaded, runs
-logged) except these, which change what runs: FSDP, batch ramp-up, training by samples."""
+"""In these sections every field not read is unused (how gradients are reduced, data loaded,
+runs logged, the scheduler's sample counts, which Bridge derives from the iteration keys the
+plugin reads, and its checkpoint options) except these, which change what runs: FSDP, batch
+ramp-up, training or scheduling by samples, a schedule stretched past ``train_iters``
+(``max_steps``), another rule for which parameters take no weight decay."""
 
 WHY_DEFAULT = (
     (("num_moe_experts", "moe_", "expert_"), "mixture of experts; the plugin trains dense Llama layers"),
@@ -198,20 +214,19 @@ WHY_DEFAULT = (
      "sharded data parallelism; the plugin keeps whole layers per rank"),
     (("rampup_batch_size", "train_samples", "iterations_to_skip", "skip_train"),
      "the plugin runs train_iters steps of global_batch_size samples"),
+    (("no_weight_decay_cond",), "the plugin's weight decay skips biases and 1-D tensors, as Megatron's default"),
 )
 """Why a field must stay at its default, by prefix; other model fields change the layer."""
 
-READ_SECTIONS = ("model", "train", "optimizer", "ddp", "rng", "dataset", "tokenizer", "logger")
+READ_SECTIONS = ("model", "train", "optimizer", "scheduler", "ddp", "rng", "dataset", "tokenizer", "logger")
 OWN_SECTIONS = ("cluster", "odyssey")
 """The plugin's sections, the same in both layouts, validated by its schema."""
 IGNORED_SECTIONS = (
-    "env_vars", "rerun_state_machine", "optimizer_config_override_provider", "validation", "scheduler",
-    "checkpoint", "dist", "ft", "straggler", "nvrx_straggler", "profiling", "comm_overlap", "tensor_inspect",
-    "inprocess_restart",
+    "env_vars", "rerun_state_machine", "optimizer_config_override_provider", "validation", "checkpoint", "dist",
+    "ft", "straggler", "nvrx_straggler", "profiling", "comm_overlap", "tensor_inspect", "inprocess_restart",
 )
-"""ConfigContainer's other sections: how Bridge checkpoints, schedules the learning rate,
-logs and launches; their keys checked where ``bridge_fields`` has their fields, then dropped
-and named in the note."""
+"""ConfigContainer's other sections: how Bridge checkpoints, validates, logs and launches; their
+keys checked where ``bridge_fields`` has their fields, then dropped and named in the note."""
 ODYSSEY_ONLY_SECTIONS = ("parallel", "training", "data")
 SECTIONS = (*READ_SECTIONS, *OWN_SECTIONS, *IGNORED_SECTIONS, "mixed_precision", "peft")
 _BRIDGE_ONLY_MODEL_KEYS = (
@@ -472,7 +487,7 @@ class BridgeRecipe:
                               "missing: a Bridge YAML file alone does not carry what Bridge's Python recipe sets, and "
                               "the plugin assumes nothing; give them, or point model.hf_model_id (or model.spec) at a "
                               "Hugging Face config.json for the architecture")
-        for target, value in BRIDGE_OPTIMIZER_DEFAULTS.items():
+        for target, value in {**BRIDGE_OPTIMIZER_DEFAULTS, **BRIDGE_SCHEDULER_DEFAULTS}.items():
             values.setdefault(target, value)
         out = {section: own[section] for section in OWN_SECTIONS if section in own}
         for target, value in values.items():

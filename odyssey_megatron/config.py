@@ -49,6 +49,8 @@ __all__ = [
     "FaultSpec",
     "LengthSweep",
     "LoggerConfig",
+    "LrDecayStyle",
+    "LrWsdDecayStyle",
     "ModelConfig",
     "OdysseyConfig",
     "ParallelConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "RecipeConfig",
     "StragglerAction",
     "TrainingConfig",
+    "WeightDecayIncrStyle",
     "config_yaml",
     "load_config",
     "load_recipe",
@@ -77,6 +80,29 @@ class Policy(Choice):
 class StragglerAction(Choice):
     report = "report"
     remove = "remove"
+
+
+LrDecayStyle = Choice("LrDecayStyle", [(name, name) for name in ("constant", "linear", "cosine",
+                                                                   "inverse-square-root", "WSD")], module=__name__)
+"""How the learning rate falls after the warmup, Megatron-Core's ``OptimizerParamScheduler``'s
+``lr_decay_style`` (a functional enum: ``inverse-square-root`` is no Python name)."""
+
+
+class LrWsdDecayStyle(Choice):
+    """How WSD's last ``lr_wsd_decay_iters`` steps fall to ``min_lr`` (Megatron's ``lr_wsd_decay_style``)."""
+
+    linear = "linear"
+    cosine = "cosine"
+    exponential = "exponential"
+    minus_sqrt = "minus_sqrt"
+
+
+class WeightDecayIncrStyle(Choice):
+    """How the weight decay goes from ``start_weight_decay`` to ``end_weight_decay`` over the run."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
 
 
 class LengthSweep(Choice):
@@ -232,6 +258,33 @@ class TrainingConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1.0e-8
     seed: int = 1234
+    lr_warmup_iters: int = 0
+    """Steps over which the learning rate rises linearly from lr_warmup_init to lr (Megatron's
+    names, as every key down to weight_decay_incr_style: its ``OptimizerParamScheduler``,
+    ``hooks.lr_schedule``, sets each step's rate from the committed step). Give this or
+    lr_warmup_fraction, not both."""
+    lr_warmup_fraction: Optional[float] = None
+    """The warmup as a fraction of lr_decay_iters, in [0, 1); default: lr_warmup_iters."""
+    lr_warmup_init: float = 0.0
+    """The learning rate of the warmup's first step, at most lr."""
+    lr_decay_style: LrDecayStyle = LrDecayStyle["constant"]
+    """After the warmup: constant (lr throughout), linear or cosine (from lr to min_lr at
+    lr_decay_iters), inverse-square-root, or WSD (lr until the last lr_wsd_decay_iters steps of
+    lr_decay_iters, then down to min_lr by lr_wsd_decay_style)."""
+    lr_decay_iters: Optional[int] = None
+    """The step the decay reaches min_lr (and stays there); default: train_iters."""
+    min_lr: float = 0.0
+    """Where the decay ends, at most lr."""
+    lr_wsd_decay_style: LrWsdDecayStyle = LrWsdDecayStyle.exponential
+    """WSD's decay: linear, cosine, exponential or minus_sqrt."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """WSD's decay steps, 1 .. lr_decay_iters (required with WSD)."""
+    start_weight_decay: Optional[float] = None
+    """The weight decay of the first step; default: weight_decay."""
+    end_weight_decay: Optional[float] = None
+    """The weight decay of the last step, at least start_weight_decay; default: weight_decay."""
+    weight_decay_incr_style: WeightDecayIncrStyle = WeightDecayIncrStyle.constant
+    """constant (start_weight_decay and end_weight_decay must then agree), linear or cosine over train_iters."""
 
     def __post_init__(self) -> None:
         require_plain_numbers("training", self)
@@ -244,6 +297,53 @@ class TrainingConfig:
             self.global_batch_size % self.micro_batch_size == 0, "training.global_batch_size",
             f"must be divisible by training.micro_batch_size ({self.micro_batch_size}); got {self.global_batch_size}",
         )
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """The learning-rate and weight-decay schedule: what Megatron's scheduler asserts, as
+        one-line errors."""
+        self.lr_decay_style = choice("training.lr_decay_style", LrDecayStyle, self.lr_decay_style)
+        self.lr_wsd_decay_style = choice("training.lr_wsd_decay_style", LrWsdDecayStyle, self.lr_wsd_decay_style)
+        self.weight_decay_incr_style = choice("training.weight_decay_incr_style", WeightDecayIncrStyle,
+                                              self.weight_decay_incr_style)
+        require_non_negative("training", self, "lr_warmup_iters")
+        for key in ("min_lr", "lr_warmup_init"):
+            value = getattr(self, key)
+            require(0 <= value <= self.lr, f"training.{key}", f"must be in [0, training.lr ({self.lr})]; got {value}")
+        for key in ("lr_decay_iters", "lr_wsd_decay_iters"):
+            if getattr(self, key) is not None:
+                require_positive("training", self, key)
+        if self.lr_warmup_fraction is not None:
+            require(self.lr_warmup_iters == 0, "training.lr_warmup_fraction",
+                    f"give it or training.lr_warmup_iters, not both; got {self.lr_warmup_fraction} and "
+                    f"{self.lr_warmup_iters}")
+            require(0 <= self.lr_warmup_fraction < 1, "training.lr_warmup_fraction",
+                    f"must be in [0, 1) (of training.lr_decay_iters); got {self.lr_warmup_fraction}")
+        else:
+            require(self.lr_warmup_iters < self.decay_iters, "training.lr_warmup_iters",
+                    f"must be below training.lr_decay_iters ({self.decay_iters}: the warmup ends before the "
+                    f"decay does); got {self.lr_warmup_iters}")
+        if self.lr_decay_style == "WSD":
+            require(self.lr_wsd_decay_iters is not None and 1 <= self.lr_wsd_decay_iters <= self.decay_iters,
+                    "training.lr_wsd_decay_iters", f"must be given with lr_decay_style WSD, 1 .. "
+                    f"training.lr_decay_iters ({self.decay_iters}); got {self.lr_wsd_decay_iters}")
+        start, end = self.weight_decay_range
+        require(start >= 0, "training.start_weight_decay", f"must be >= 0; got {start}")
+        require(end >= start, "training.end_weight_decay",
+                f"must be >= training.start_weight_decay ({start}); got {end}")
+        require(self.weight_decay_incr_style != "constant" or start == end, "training.weight_decay_incr_style",
+                f"is constant, so training.start_weight_decay ({start}) and training.end_weight_decay ({end}) must "
+                "agree; give linear or cosine to change the weight decay over the run")
+
+    @property
+    def decay_iters(self) -> int:
+        """The step the learning rate's decay ends: lr_decay_iters, or train_iters."""
+        return self.train_iters if self.lr_decay_iters is None else self.lr_decay_iters
+
+    @property
+    def weight_decay_range(self) -> tuple[float, float]:
+        """(start, end) weight decay: start_weight_decay and end_weight_decay, each weight_decay where not given."""
+        return tuple(self.weight_decay if wd is None else wd for wd in (self.start_weight_decay, self.end_weight_decay))
 
     @property
     def num_micro_batches(self) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from megatron.core.optimizer import OptimizerConfig
 
-from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.config import ModelConfig, TrainingConfig
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.blocks import StageSpec
 from odyssey_megatron.hooks.model import build_stage_model, global_name
@@ -24,6 +24,8 @@ MAX_GRAD_NORM = 0.5
 WEIGHT_DECAY = 0.1
 OPTIMIZER = OptimizerConfig(lr=LR, clip_grad=MAX_GRAD_NORM, weight_decay=WEIGHT_DECAY)
 """What every rank's Megatron optimizer runs with: AdamW, norms and biases without decay."""
+LR_SCHEDULE_TRAINING = TrainingConfig(lr=LR, weight_decay=WEIGHT_DECAY)
+"""A recipe's training section with that learning rate and weight decay, constant."""
 STEPS = 3
 
 
@@ -34,9 +36,11 @@ def tiny_model(num_layers: int, tie_embeddings: bool = False) -> ModelConfig:
 def runner_settings(model: ModelConfig, **fields):
     """``PlanRunner``'s settings for ``model`` at the tests' micro-batch size and optimizer;
     ``fields`` sets the others (schedule, emulation, ...)."""
+    from odyssey_megatron.hooks.lr_schedule import LrSchedule
     from odyssey_megatron.runtime.rank.plan_runner import RunnerSettings
 
-    return RunnerSettings(model=model, micro_batch_size=MICRO_BATCH_SIZE, optimizer=OPTIMIZER, **fields)
+    return RunnerSettings(model=model, micro_batch_size=MICRO_BATCH_SIZE, optimizer=OPTIMIZER,
+                          lr_schedule=LrSchedule.of(LR_SCHEDULE_TRAINING), **fields)
 
 
 def data() -> SyntheticTokens:
@@ -112,7 +116,7 @@ def run_plan(
     for step in range(STEPS):
         step_losses = runner.forward_backward(lambda m, step=step: source.micro_batch(step, m))
         early.append((runner.grad_sync.in_flight, runner.grad_sync.num_units))
-        result = runner.finish_step(step_losses)
+        result = runner.finish_step(step_losses, step=step)
         losses.append(result.losses)
         if first_grads is None:
             first_grads = _snapshot(runner.model, runner.stage.layers[0], grads=True)
@@ -149,15 +153,15 @@ def last_stage_steps_first(rank: int, world_size: int, published: str, marker: s
     source, seen = data(), False
     losses = runner.forward_backward(lambda m: source.micro_batch(0, m))
     if runner.stage.last:
-        runner.finish_step(losses)
+        runner.finish_step(losses, step=0)
         with open(marker, "w"):
             pass
     else:
         deadline = time.monotonic() + (60 if program.staggered_optimizer else 3)
         while not (seen := os.path.exists(marker)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        runner.finish_step(losses)
-    runner.train_step(lambda m: source.micro_batch(1, m))
+        runner.finish_step(losses, step=0)
+    runner.train_step(lambda m: source.micro_batch(1, m), step=1)
     runner.settle()
     return seen
 
@@ -185,7 +189,7 @@ def timed_steps(rank: int, world_size: int, cases: list) -> list[dict]:
         for step in range(2):
             dist.barrier()
             start = time.monotonic()
-            runner.train_step(lambda m, step=step: source.micro_batch(step, m))
+            runner.train_step(lambda m, step=step: source.micro_batch(step, m), step=step)
             seconds.append(time.monotonic() - start)
         results.append({"step_s": seconds[-1], "worst_overrun_s": getattr(runner.clock, "worst_overrun_s", 0.0)})
         runner.groups.destroy()
@@ -236,7 +240,7 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120),
                                 store=dist.PrefixStore(process_group_prefix(generation), store))
         runner = PlanRunner(plan=plan, program=program, rank=rank, ranks=ranks, state=state, settings=settings)
-        runner.train_step(lambda m, step=generation: source.micro_batch(step, m))
+        runner.train_step(lambda m, step=generation: source.micro_batch(step, m), step=generation)
         runner.settle()
         copy_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         state = runner.release(abandoned=generation % 2 == 0)
@@ -263,7 +267,7 @@ def op_times(rank: int, world_size: int, published: str, schedule: str) -> dict:
     source, taken, positions = data(), [], []
     for step in range(2):
         timers.begin_step(step)
-        runner.train_step(lambda m, step=step: source.micro_batch(step, m))
+        runner.train_step(lambda m, step=step: source.micro_batch(step, m), step=step)
         runner.settle()
         taken.append(timers.take())
         positions.append(timers.position)

@@ -31,7 +31,7 @@ def _runner(plan: ExecutionPlan, rank: int, ranks: RankMap, model, state: Traini
 def _train(runner, steps: range) -> None:
     source = data()
     for step in steps:
-        runner.train_step(lambda m, step=step: source.micro_batch(step, m))
+        runner.train_step(lambda m, step=step: source.micro_batch(step, m), step=step)
     runner.settle()
 
 

@@ -37,7 +37,7 @@ from odyssey_megatron.simulator.scenario import FailureProcess, ScenarioConfig, 
 REPO = Path(__file__).resolve().parents[1]
 BRIDGE = REPO / "recipes/llama2_7b/bridge_tiny.yaml"
 TINY = REPO / "recipes/llama2_7b/tiny_cpu.yaml"
-IGNORED_SECTIONS = "sections scheduler, checkpoint"
+IGNORED_SECTIONS = "sections checkpoint"
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +98,8 @@ def test_the_ignored_sections_are_named_in_one_line(tmp_path):
     assert len(notes) == 1
     assert IGNORED_SECTIONS in notes[0]
     # Named where they differ from Bridge's defaults; train.eval_interval is at its default.
-    assert "keys optimizer.min_lr, dataset.num_workers, ddp.grad_reduce_in_fp32" in notes[0]
+    assert "keys dataset.num_workers, ddp.grad_reduce_in_fp32" in notes[0]
+    assert "scheduler" not in notes[0] and "min_lr" not in notes[0]  # the learning-rate schedule is read
     assert notes[0].endswith("; 1 more field at its default")
     (note,) = _notes(bridge_recipe(tmp_path), ["ddp.grad_reduce_in_fp32=false", "profiling.use_nsys_profiler=false",
                                                "checkpoint.save=x"])
@@ -128,7 +129,11 @@ BAD_VALUES = {
     "dataset.path_to_cache": "[1]", "tokenizer.tokenizer_model": "no/such/tokenizer", "logger.wandb_project": "a/b",
     "logger.wandb_exp_name": "' '", "logger.wandb_entity": "[1]", "logger.wandb_save_dir": "' '",
     "logger.log_interval": "0",
-    "model.spec": "gpt5",
+    "model.spec": "gpt5", "optimizer.min_lr": "0.01", "scheduler.lr_warmup_iters": "-1",
+    "scheduler.lr_warmup_fraction": "0.5", "scheduler.lr_warmup_init": "1", "scheduler.lr_decay_style": "exp",
+    "scheduler.lr_decay_iters": "0", "scheduler.lr_wsd_decay_style": "step", "scheduler.lr_wsd_decay_iters": "0",
+    "scheduler.start_weight_decay": "-1", "scheduler.end_weight_decay": "0.001",
+    "scheduler.weight_decay_incr_style": "square",
 }
 
 
@@ -434,3 +439,28 @@ def test_plan_on_a_dump_prints_its_answer_with_no_warning_lines_above_it():
     lines = done.stderr.splitlines()
     assert [line.split(":")[0] for line in lines] == ["Megatron-Bridge recipe", "optimizer.use_distributed_optimizer"]
     assert done.stdout.startswith("after failure of ranks [3]:")
+
+
+def test_bridges_scheduler_section_and_min_lr_are_the_schedule_megatron_runs():
+    """Bridge's Llama-2 7B dump: linear warmup over 2000 iterations from 0, cosine decay to
+    optimizer.min_lr at train_iters, and the scheduler's weight decay (0.033), not the
+    optimizer's (0.1), as Megatron's scheduler sets it every step."""
+    for dump in (FLAT, NESTED):
+        training = load_config(dump).training
+        assert (training.lr, training.min_lr, training.lr_warmup_iters, training.lr_warmup_init) == (3e-4, 3e-5, 2000, 0.0)
+        assert training.lr_decay_style == "cosine" and training.decay_iters == training.train_iters == 1168251
+        assert training.weight_decay_range == (0.033, 0.033) and training.weight_decay_incr_style == "constant"
+
+
+def test_a_scheduler_section_without_a_decay_style_decays_linearly_as_bridges_default(tmp_path):
+    assert load_config(bridge_recipe(tmp_path, drop=("scheduler.lr_decay_style",))).training.lr_decay_style == "linear"
+    assert load_config(TINY, ["training.lr_decay_style=constant"]).training.lr_decay_style == "constant"
+
+
+def test_a_bad_scheduler_key_is_named_as_bridge_writes_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"^scheduler.lr_decay_style: must be one of constant, linear, cosine"):
+        load_config(BRIDGE, ["scheduler.lr_decay_style=exp"])
+    with pytest.raises(ConfigError, match=r"^scheduler.lr_warmup_iters: must be below scheduler.lr_decay_iters \(20"):
+        load_config(BRIDGE, ["scheduler.lr_warmup_iters=20"])
+    with pytest.raises(ConfigError, match=r"^scheduler.no_weight_decay_cond_type: changes what runs"):
+        load_config(BRIDGE, ["scheduler.no_weight_decay_cond_type=apply_wd_to_qk_layernorm"])

@@ -22,24 +22,32 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def progress(log_interval: int) -> Progress:
-    return Progress(train_iters=20, log_interval=log_interval, global_batch_size=16, seq_length=64, lr=1e-3)
+    return Progress(train_iters=20, log_interval=log_interval, global_batch_size=16, seq_length=64)
 
 
 def test_a_progress_line_every_interval_reads_like_megatrons_and_rates_the_steps_since_the_last():
     p = progress(log_interval=1)
-    first = p.committed(step=0, loss=6.25, ranks=8, now=100.0)
+    first = p.committed(step=0, lr=1e-3, loss=6.25, ranks=8, now=100.0)
     # The ranks were starting before the first commit: no rate for it.
     assert first.startswith("iteration        1/      20 | consumed samples:           16 |")
     assert "samples/s" not in first and "time left" not in first and "lm loss: 6.250000E+00" in first
-    second = p.committed(step=1, loss=6.0, ranks=8, now=100.5)
+    second = p.committed(step=1, lr=1e-3, loss=6.0, ranks=8, now=100.5)
     assert ("| elapsed time per iteration (ms): 500.0 | samples/s: 32.0 | tokens/s: 2048 | learning rate: "
             "1.000000E-03 | global batch size:    16 | lm loss: 6.000000E+00 | ranks training:    8 | "
             "time left: 0:00:09 |") in second
 
 
+def test_a_progress_line_shows_the_learning_rate_its_step_was_taken_at():
+    p = progress(log_interval=2)
+    rates = (1e-4, 5e-4, 1e-3, 8e-4)
+    lines = [p.committed(step=s, lr=lr, loss=1.0, ranks=8, now=float(s)) for s, lr in enumerate(rates)]
+    assert lines[0] is None and lines[2] is None
+    assert "learning rate: 5.000000E-04" in lines[1] and "learning rate: 8.000000E-04" in lines[3]
+
+
 def test_an_interval_averages_its_loss_and_a_recovery_inside_it_slows_its_rate():
     p = progress(log_interval=5)
-    lines = [p.committed(step=s, loss=float(s), ranks=8 if s < 3 else 7, now=10.0 + s + (4.0 if s >= 3 else 0))
+    lines = [p.committed(step=s, lr=1e-3, loss=float(s), ranks=8 if s < 3 else 7, now=10.0 + s + (4.0 if s >= 3 else 0))
              for s in range(10)]
     assert lines[:4] == [None] * 4 and lines[5:9] == [None] * 4
     # Steps 2..5 (the clock starts at the first commit) took 8 s, 4 of them a recovery.
@@ -82,11 +90,11 @@ def test_a_rollback_names_its_snapshot_the_steps_trained_again_and_the_shards_re
 def test_a_rollback_restarts_the_progress_interval():
     p = progress(log_interval=1)
     for s in range(4):
-        p.committed(step=s, loss=1.0, ranks=8, now=float(s))
+        p.committed(step=s, lr=1e-3, loss=1.0, ranks=8, now=float(s))
     p.rolled_back()
-    again = p.committed(step=2, loss=1.0, ranks=6, now=10.0)
+    again = p.committed(step=2, lr=1e-3, loss=1.0, ranks=6, now=10.0)
     assert "iteration        3/" in again and "elapsed time" not in again  # no interval behind it
-    assert "elapsed time per iteration (ms): 500.0" in p.committed(step=3, loss=1.0, ranks=6, now=10.5)
+    assert "elapsed time per iteration (ms): 500.0" in p.committed(step=3, lr=1e-3, loss=1.0, ranks=6, now=10.5)
 
 
 def test_the_terminal_shows_the_console_and_warnings_and_keeps_info_chatter_for_the_node_log():

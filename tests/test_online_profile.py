@@ -55,7 +55,7 @@ def test_every_op_of_either_executor_is_timed_once_per_step(schedule, decouple):
 def _report(rank: int, *, forward_s: float, backward_s: float, weight_grad_s: float = 0.0,
             optimizer_s: float) -> StepReport:
     return StepReport(rank, (), (), (), forward_s, MICRO_BATCHES, backward_s, MICRO_BATCHES, weight_grad_s,
-                      MICRO_BATCHES if weight_grad_s else 0, optimizer_s)
+                      MICRO_BATCHES if weight_grad_s else 0, optimizer_s, 1e-3)
 
 
 def test_factors_are_measured_over_predicted_and_rescale_the_profile():

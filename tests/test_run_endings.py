@@ -85,7 +85,7 @@ def _commit(client: dist.TCPStore, config, *, generation: int, step: int) -> Non
     train = config.training
     micro_batches = tuple(range(train.num_micro_batches))
     samples = tuple(range(step * train.global_batch_size, (step + 1) * train.global_batch_size))
-    report = StepReport(0, micro_batches, tuple(1.0 for _ in micro_batches), samples, 0.0, 0, 0.0, 0, 0.0, 0, 0.0)
+    report = StepReport(0, micro_batches, tuple(1.0 for _ in micro_batches), samples, 0.0, 0, 0.0, 0, 0.0, 0, 0.0, 1e-3)
     client.append(step_report_key(generation, step), report.to_json() + "\n")
     client.add(applied_key(generation, step), RANKS)
 

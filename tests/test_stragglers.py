@@ -41,7 +41,7 @@ def _reports(seconds_per_op: dict[int, float], *, stage_1_heavier: float = 1.0) 
         times = PROFILE.stage_times(*PLAN.pipelines[0].stages[stage].layers, first=stage == 0, last=stage == 1)
         scale *= stage_1_heavier if stage == 1 else 1.0
         reports.append(StepReport(rank, (), (), (), 2 * scale * times.forward_s, 2, 2 * scale * times.backward_s,
-                                  2, 0.0, 0, 0.01))
+                                  2, 0.0, 0, 0.01, 1e-3))
     return reports
 
 
@@ -74,7 +74,7 @@ def test_a_stage_without_replicas_is_compared_with_every_other_rank():
     for rank, scale in {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0}.items():
         times = PROFILE.stage_times(*plan.pipelines[0].stages[rank].layers, first=rank == 0, last=rank == 3)
         reports.append(StepReport(rank, (), (), (), 2 * scale * times.forward_s, 2, 2 * scale * times.backward_s,
-                                  2, 0.0, 0, 0.0))
+                                  2, 0.0, 0, 0.0, 1e-3))
     assert watch.slowdowns(plan, reports) == pytest.approx({0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0})
     assert [s.rank for s in watch.observe(plan, 1, reports)] == [2]
 

@@ -19,9 +19,11 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from PIL import Image
 from wandb_records import history, wandb_records
 
@@ -126,6 +128,32 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
     assert final.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.allclose(final[name], tensor, rtol=1e-4, atol=1e-6), name
+    # Every commit of a step (a step trained again after a rollback too) at the failure-free run's rate.
+    assert step_rates(run_dir) == {step: {rate} for step, (rate,) in step_rates(reference).items()}
+
+
+def step_rates(run_dir: Path) -> dict[int, set[float]]:
+    """The learning rates each step was committed at, from the run's step events."""
+    rates: dict[int, set[float]] = {}
+    for event in read_jsonl(run_dir / "events.jsonl"):
+        if event["event"] == "step":
+            rates.setdefault(event["step"], set()).add(event["lr"])
+    return rates
+
+
+def megatron_rates(steps: int) -> list[float]:
+    """The tiny recipe's learning rate per step as Megatron-LM runs its keys (2 warmup steps
+    from 0, cosine to min_lr 1e-4 at the last step): Megatron-Core's scheduler, made with
+    sample counts, stepped by the global batch after each iteration."""
+    batch, groups = 16, SimpleNamespace(param_groups=[{}])
+    scheduler = OptimizerParamScheduler(groups, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2 * batch,
+                                        lr_decay_steps=steps * batch, lr_decay_style="cosine", start_wd=0.01,
+                                        end_wd=0.01, wd_incr_steps=steps * batch, wd_incr_style="constant")
+    rates = []
+    for _ in range(steps):
+        rates.append(groups.param_groups[0]["lr"])
+        scheduler.step(increment=batch)
+    return rates
 
 
 def run_logs(run_dir: Path) -> str:
@@ -185,6 +213,10 @@ def test_failure_free_run_commits_every_step_on_every_sample_once(reference):
     measured = [steps[s].get("train/step_time_s") for s in range(STEPS)]
     assert measured[0] is None and all(t > 0 for t in measured[1:])  # step 0 waits for every rank to start
     assert all(steps[s]["train/tokens_per_s"] == pytest.approx(16 * 64 / measured[s]) for s in range(1, STEPS))
+    # Warmup, then cosine decay: each step at Megatron-Core's rate, in the events and in W&B.
+    expected = megatron_rates(STEPS)
+    assert len(set(expected)) == STEPS and step_rates(reference) == {s: {rate} for s, rate in enumerate(expected)}
+    assert [steps[s]["train/lr"] for s in range(STEPS)] == pytest.approx(expected, rel=1e-12)
 
 
 def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_path, data_cache, reference):

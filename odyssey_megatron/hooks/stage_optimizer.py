@@ -17,6 +17,9 @@ reparallelization: Megatron's norm skips parameters marked ``shared`` (what it d
 a tied output copy), so every parameter of a block this worker does not count is marked
 so, and the norm's all-reduce runs over the plan's norm group (``grad_stats_parallel_group``).
 Megatron computes the norm and steps; the clipping multiplication is done here (``clip``).
+
+Each step's learning rate and weight decay are Megatron's ``OptimizerParamScheduler``'s for
+the committed step (``hooks.lr_schedule``): ``set_step`` before the step is taken.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
 from odyssey_megatron.blocks import Block, StageSpec, block_sort_key
 from odyssey_megatron.config import DType, TrainingConfig
 from odyssey_megatron.hooks.grad_sync import block_of, clip_scale
+from odyssey_megatron.hooks.lr_schedule import LrSchedule, StepScheduler
 from odyssey_megatron.hooks.model import global_name, is_tied
 from odyssey_megatron.hooks.training_state import BlockState, TrainingState
 
@@ -55,11 +59,13 @@ class StageOptimizer:
     """The optimizer of one stage: ``megatron`` is Megatron-Core's optimizer object."""
 
     def __init__(self, state: TrainingState, gpt: torch.nn.Module, stage: StageSpec, *, config: OptimizerConfig,
-                 counted_blocks: Collection[Block], norm_group: dist.ProcessGroup | None,
+                 lr_schedule: LrSchedule, counted_blocks: Collection[Block], norm_group: dist.ProcessGroup | None,
                  tp_group: dist.ProcessGroup):
         """Loads ``gpt`` (built for ``stage``, parameters uninitialised) from ``state``, which
         must hold exactly the stage's blocks, with every parameter's shape. The global norm
-        counts the blocks in ``counted_blocks`` here and sums over ``norm_group``."""
+        counts the blocks in ``counted_blocks`` here and sums over ``norm_group``. Steps
+        take ``lr_schedule``'s rates (``set_step``); ``config``'s lr and weight decay are its
+        step 0's."""
         tied = is_tied(gpt)
         located = {name: (global_name(name, stage.layers[0], tied=tied), block_of(name, stage, tied=tied))
                    for name, _ in gpt.named_parameters()}
@@ -93,7 +99,8 @@ class StageOptimizer:
                 wd_mult = min([1.0] + [o.get("wd_mult", 1.0) for key, o in overrides.items() if key.matches(param, name)])
                 groups.setdefault(wd_mult, []).append(stepped)
         adam = torch.optim.AdamW(
-            [{"params": params, "weight_decay": config.weight_decay * wd_mult} for wd_mult, params in groups.items()],
+            [{"params": params, "weight_decay": config.weight_decay * wd_mult, "wd_mult": wd_mult}
+             for wd_mult, params in groups.items()],
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
         for stepped, step, exp_avg, exp_avg_sq in moments:
             # What AdamW's first step would create, with the state's values.
@@ -104,6 +111,7 @@ class StageOptimizer:
         self.megatron = FP32Optimizer(adam, config, init_state_fn=lambda *_: None)
         self.megatron.grad_stats_parallel_group = norm_group
         self.megatron.tp_group = tp_group
+        self.scheduler = StepScheduler(self.megatron, lr_schedule)
 
     @property
     def adam(self) -> torch.optim.Optimizer:
@@ -147,8 +155,19 @@ class StageOptimizer:
         norm, _ = multi_tensor_applier(l2_norm_impl, torch.zeros(1, dtype=torch.int, device=device), [grads], False)
         return norm**2
 
+    def set_step(self, step: int) -> float:
+        """Take the learning rate and weight decay of training step ``step`` (0-based) from now
+        on, a retake of it included; returns that learning rate."""
+        return self.scheduler.set_step(step)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step applies."""
+        return self.scheduler.lr
+
     def step(self) -> None:
-        """Step with the gradients as they are (clipped already, or speculatively unclipped)."""
+        """Step with the gradients as they are (clipped already, or speculatively unclipped),
+        at the rates of the step last given to ``set_step``."""
         self.megatron.step_with_ready_grads()
 
     def _publish(self) -> None:

@@ -73,22 +73,22 @@ def log_node_to(run_dir: Path, node: int) -> Path:
 class Progress:
     """The progress line of committed steps, laid out like Megatron's ``training_log``:
     iteration/total, consumed samples, time per iteration, samples/s and tokens/s over the
-    steps since the last line (a recovery in between shows as a slower interval), learning
-    rate, global batch, the loss averaged over those steps, the ranks training and the time
-    left at that pace. The first step of a run has no interval behind it (the ranks were
-    starting), so its line has no rates."""
+    steps since the last line (a recovery in between shows as a slower interval), the
+    learning rate of the line's step, global batch, the loss averaged over those steps, the
+    ranks training and the time left at that pace. The first step of a run has no interval
+    behind it (the ranks were starting), so its line has no rates."""
 
-    def __init__(self, *, train_iters: int, log_interval: int, global_batch_size: int, seq_length: int,
-                 lr: float):
+    def __init__(self, *, train_iters: int, log_interval: int, global_batch_size: int, seq_length: int):
         self.train_iters, self.log_interval = train_iters, log_interval
-        self.global_batch_size, self.seq_length, self.lr = global_batch_size, seq_length, lr
+        self.global_batch_size, self.seq_length = global_batch_size, seq_length
         self._since: Optional[tuple[float, int]] = None
         """(time, steps committed) where the current interval began."""
         self._losses: list[float] = []
 
-    def committed(self, *, step: int, loss: float, ranks: int, now: Optional[float] = None) -> Optional[str]:
-        """Note committed ``step`` (0-based), ``ranks`` training it; the line to print when
-        it ends an interval. Call once per committed step, in order."""
+    def committed(self, *, step: int, loss: float, lr: float, ranks: int,
+                  now: Optional[float] = None) -> Optional[str]:
+        """Note committed ``step`` (0-based), taken at learning rate ``lr`` by ``ranks``; the
+        line to print when it ends an interval. Call once per committed step, in order."""
         now = time.monotonic() if now is None else now
         self._losses.append(loss)
         iteration = step + 1
@@ -104,7 +104,7 @@ class Progress:
             samples_s = self.global_batch_size / per_step
             fields += [f"elapsed time per iteration (ms): {per_step * 1000:.1f}",
                        f"samples/s: {samples_s:.1f}", f"tokens/s: {samples_s * self.seq_length:.0f}"]
-        fields += [f"learning rate: {self.lr:.6E}", f"global batch size: {self.global_batch_size:5d}",
+        fields += [f"learning rate: {lr:.6E}", f"global batch size: {self.global_batch_size:5d}",
                    f"lm loss: {sum(self._losses) / len(self._losses):.6E}", f"ranks training: {ranks:4d}"]
         if self._since is not None:
             fields.append(f"time left: {_clock((self.train_iters - iteration) * per_step)}")

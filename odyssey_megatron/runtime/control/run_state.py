@@ -36,7 +36,7 @@ from odyssey_megatron.runtime.protocol.messages import ProtocolError, StepReport
 from odyssey_megatron.runtime.step_ledger import StepLedger
 from odyssey_megatron.snapshot.restore import Restore, participants
 
-__all__ = ["RunFailed", "RunState", "SAMPLES", "forget_steps_from"]
+__all__ = ["RunFailed", "RunState", "SAMPLES", "forget_steps_from", "step_rate"]
 
 log = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -53,6 +53,15 @@ def forget_steps_from(samples: Path, step: int) -> None:
 
 class RunFailed(RuntimeError):
     """The run cannot go on; the message says why (one line)."""
+
+
+def step_rate(step: int, reports: list[StepReport]) -> float:
+    """The learning rate every rank took ``step`` at (its reports'); RunFailed where they
+    disagree: some rank's optimizer was not set to the committed step."""
+    rates = {report.lr for report in reports}
+    if len(rates) != 1:
+        raise RunFailed(f"step {step}: the ranks took it at different learning rates {sorted(rates)}")
+    return rates.pop()
 
 
 class RunState:
@@ -85,8 +94,7 @@ class RunState:
         self._prepare_thread: Optional[threading.Thread] = None
         train = config.training
         self.progress = Progress(train_iters=train.train_iters, log_interval=config.logger.log_interval,
-                                 global_batch_size=train.global_batch_size, seq_length=config.model.seq_length,
-                                 lr=train.lr)
+                                 global_batch_size=train.global_batch_size, seq_length=config.model.seq_length)
         """The terminal's progress line every ``logger.log_interval`` committed steps."""
 
     @property
@@ -173,7 +181,8 @@ class RunState:
 
     def commit(self, generation: int, step: int) -> None:
         """Record committed ``step``: its samples and loss, checked to cover every micro-batch
-        once; the generation settles with its first committed step."""
+        once, and the learning rate every rank took it at; the generation settles with its
+        first committed step."""
         by_micro_batch: dict[int, tuple[float, tuple[int, ...]]] = {}
         size = self.config.training.micro_batch_size
         reports = []
@@ -191,15 +200,16 @@ class RunState:
         if sorted(by_micro_batch) != list(range(expected)):
             raise RunFailed(f"step {step}: micro-batches {sorted(by_micro_batch)} ran; expected 0..{expected - 1}")
         loss = sum(loss for loss, _ in by_micro_batch.values()) / expected
+        lr = step_rate(step, reports)
         samples = [i for m in range(expected) for i in by_micro_batch[m][1]]
         append_jsonl(self.run_dir / SAMPLES, {"step": step, "generation": generation, "samples": samples,
                                               "loss": loss})
-        self.controller.record.event("step", step=step, generation=generation, loss=loss)
+        self.controller.record.event("step", step=step, generation=generation, loss=loss, lr=lr)
         self.committed = step + 1
         if not self.settled:
             self.center.settle(self.plan)
         self._after_commit(generation, step, reports)
-        if (line := self.progress.committed(step=step, loss=loss, ranks=len(self.training_ranks(self.plan)))):
+        if (line := self.progress.committed(step=step, loss=loss, lr=lr, ranks=len(self.training_ranks(self.plan)))):
             console.info(line)
 
     def _after_commit(self, generation: int, step: int, reports: list[StepReport]) -> None:

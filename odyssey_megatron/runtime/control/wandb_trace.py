@@ -4,8 +4,8 @@ run short. Every record the controller appends to ``events.jsonl`` (the source o
 is handed to this trace too, and a background thread logs it, so a slow or unreachable
 W&B never holds up a recovery.
 
-Two x-axes (``define_metric``): ``step`` for the training metrics (loss, measured and
-estimated step time, tokens/s, training ranks, plan generation) and ``time_s``, wall-clock
+Two x-axes (``define_metric``): ``step`` for the training metrics (loss, learning rate,
+measured and estimated step time, tokens/s, training ranks, plan generation) and ``time_s``, wall-clock
 seconds since the run started, for failures and recoveries (the time of each phase, bytes
 moved by the Kuhn-Munkres and by a naive mapping) and for the online profile's factors
 (``profile/*``, measured over the starting profile's op times; the estimated step time
@@ -183,9 +183,9 @@ class WandbTrace:
 
     def _log_step(self, run, record: dict, at: float, time_s: float) -> None:
         generation, training = record["generation"], self.config.training
-        metrics: dict[str, Any] = {"train/loss": record["loss"], "train/generation": generation,
-                                   "train/training_ranks": self._ranks.get(generation), "step": record["step"],
-                                   "time_s": time_s}
+        metrics: dict[str, Any] = {"train/loss": record["loss"], "train/lr": record["lr"],
+                                   "train/generation": generation, "train/training_ranks": self._ranks.get(generation),
+                                   "step": record["step"], "time_s": time_s}
         if generation in self._estimated_s:
             metrics["train/estimated_step_time_s"] = self._estimated_s[generation]
         if self._last_commit is not None and self._last_commit[0] == generation:

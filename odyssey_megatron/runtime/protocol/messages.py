@@ -291,8 +291,9 @@ def parse_inbox(text: str | bytes) -> Message:
 class StepReport(Message):
     """A rank's step: the micro-batches whose last stage ran on it, with the loss of each
     and the sample ids it consumed, so the controller can prove every sample was used
-    once; and the seconds its ops took (``runtime.rank.op_timers``), for the online profile
-    and the straggler watch (``runtime.control.stragglers``)."""
+    once; the seconds its ops took (``runtime.rank.op_timers``), for the online profile
+    and the straggler watch (``runtime.control.stragglers``); and the learning rate its
+    optimizer applies to the step, which every rank must agree on."""
 
     KIND = "step_report"
     rank: int
@@ -309,6 +310,8 @@ class StepReport(Message):
     weight_grads: int
     optimizer_s: float
     """Megatron's optimizer's inner (Adam) step."""
+    lr: float
+    """The step's learning rate (``hooks.lr_schedule``: a function of the step alone)."""
 
 
 @dataclass(frozen=True)

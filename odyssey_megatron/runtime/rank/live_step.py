@@ -6,9 +6,9 @@ so what is timed is what trains.
 (recording which samples each held), then ``finish_step`` with ``commit``: once this
 rank's gradients are final (synced and clipped) and before its optimizer step is applied.
 ``commit_step`` is that commit (``runtime.rank.node_ledger``): the rank's ``StepReport``
-(its losses, samples and op times since the last step, from the op timers) is reported
-and the rank counts into the step with its node's ranks, waits for the decision, and
-returns the step's outcome.
+(its losses, samples, the step's learning rate and its op times since the last step, from
+the op timers) is reported and the rank counts into the step with its node's ranks, waits
+for the decision, and returns the step's outcome.
 """
 
 from __future__ import annotations
@@ -46,18 +46,19 @@ def train_step(runner: PlanRunner, *, step: int, load: Callable[[int, int], dict
         return {key: loaded[key] for key in _BATCH_KEYS}
 
     losses = runner.forward_backward(batch)
-    runner.finish_step(losses, commit=lambda: commit(step, losses, samples))
+    runner.finish_step(losses, step=step, commit=lambda: commit(step, losses, samples))
 
 
 def commit_step(*, ledger: NodeLedger, rank: int, step: int, losses: dict[int, float],
-                samples: dict[int, list[int]], op_timers: OpTimers | None, timeout: datetime.timedelta) -> Outcome:
-    """Report ``step`` for launch rank ``rank`` and count in, with its node's ranks
-    (``ledger``, whose waits last at most ``timeout``); return the step's outcome, once it
-    is decided."""
+                samples: dict[int, list[int]], lr: float, op_timers: OpTimers | None,
+                timeout: datetime.timedelta) -> Outcome:
+    """Report ``step`` (taken at learning rate ``lr``) for launch rank ``rank`` and count in,
+    with its node's ranks (``ledger``, whose waits last at most ``timeout``); return the
+    step's outcome, once it is decided."""
     order = sorted(losses)
     times = op_timers.take() if op_timers is not None else dict.fromkeys(timed.TIMED, (0.0, 0))
     report = StepReport(rank, tuple(order), tuple(losses[m] for m in order),
                         tuple(i for m in order for i in samples[m]), *times[timed.FORWARD],
-                        *times[timed.BACKWARD], *times[timed.WEIGHT_GRAD], times[timed.OPTIMIZER][0])
+                        *times[timed.BACKWARD], *times[timed.WEIGHT_GRAD], times[timed.OPTIMIZER][0], lr)
     outcome = ledger.count_in(step, report.to_json() + "\n", timeout=timeout)
     return outcome if outcome is not None else ledger.wait_decided(step, timeout=timeout)

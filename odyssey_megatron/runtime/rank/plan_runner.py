@@ -24,6 +24,7 @@ from megatron.core.optimizer import OptimizerConfig
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, block_owners, parameters_by_block
+from odyssey_megatron.hooks.lr_schedule import LrSchedule
 from odyssey_megatron.blocks import StageSpec
 from odyssey_megatron.hooks.model import build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, megatron_pipeline
@@ -110,6 +111,8 @@ class RunnerSettings:
     optimizer: OptimizerConfig
     """Megatron's optimizer config (``hooks.stage_optimizer.optimizer_config`` of a recipe); the
     runner trains the state's tensors in place with it."""
+    lr_schedule: LrSchedule
+    """Each step's learning rate and weight decay, from its step number (``hooks.lr_schedule``)."""
     schedule: str = "auto"
     """auto, odyssey or megatron (``resolve_schedule``)."""
     overlap_grad_sync: bool = False
@@ -169,6 +172,7 @@ class PlanRunner:
             next(self.model.parameters()).register_post_accumulate_grad_hook(lambda _: on_phase(Phase.backward))
         self.optimizer = StageOptimizer(
             state, self.model, self.stage, config=replace(settings.optimizer, timers=settings.op_timers),
+            lr_schedule=settings.lr_schedule,
             counted_blocks={b for b, owner in block_owners(plan).items() if owner == self.worker},
             norm_group=self.groups.norm_group, tp_group=self.groups.pg_collection.tp)
         self.params = parameters_by_block(self.model, self.stage)
@@ -211,10 +215,10 @@ class PlanRunner:
                 clock=self.clock,
             )
 
-    def train_step(self, batches: Callable[[int], MicroBatch], *, apply: bool = True) -> StepResult:
+    def train_step(self, batches: Callable[[int], MicroBatch], *, step: int, apply: bool = True) -> StepResult:
         """Forward and backward every micro-batch of this worker, sync and clip gradients,
-        and (if ``apply``) take the optimizer step."""
-        return self.finish_step(self.forward_backward(batches), apply=apply)
+        and (if ``apply``) take the optimizer step of training step ``step``."""
+        return self.finish_step(self.forward_backward(batches), step=step, apply=apply)
 
     def forward_backward(self, batches: Callable[[int], MicroBatch]) -> dict[int, float]:
         """First half of a step: every forward and backward of this worker; returns the
@@ -250,14 +254,17 @@ class PlanRunner:
         self._start_gradients()
         return retaken
 
-    def finish_step(self, losses: dict[int, float], *, apply: bool = True,
+    def finish_step(self, losses: dict[int, float], *, step: int, apply: bool = True,
                     commit: Callable[[], None] | None = None) -> StepResult:
         """Second half: DP sync, global-norm clipping and (if ``apply``) the optimizer
-        step; staggered, the step is taken now and clipping is settled later. ``commit``
-        (not with a staggered program) is called once the gradients are final, before the
-        step is applied: the live run's commit, which raises if the step did not commit."""
+        step, at the learning rate of training step ``step`` (the steps committed before
+        it: ``hooks.lr_schedule``); staggered, the step is taken now and clipping is
+        settled later. ``commit`` (not with a staggered program) is called once the
+        gradients are final and the step's learning rate is set (``optimizer.lr``), before
+        the step is applied: the live run's commit, which raises if the step did not commit."""
         self._on_phase(Phase.grad_sync)
         self.grad_sync.sync()
+        self.optimizer.set_step(step)
         if self.staggered_optimizer and apply:
             if commit is not None:
                 raise ValueError("a staggered optimizer step is taken before the global norm: it cannot wait "

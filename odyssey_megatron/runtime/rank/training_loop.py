@@ -94,7 +94,8 @@ class TrainingLoop:
         committed (then the optimizer step is applied); GenerationEnded if it was frozen."""
         process, snapshots = self.process, self.generation.snapshots
         outcome = commit_step(ledger=self.generation.ledger, rank=process.launch.rank, step=step, losses=losses,
-                              samples=samples, op_timers=process.op_timers, timeout=process.collective_timeout)
+                              samples=samples, lr=self.generation.runner.optimizer.lr, op_timers=process.op_timers,
+                              timeout=process.collective_timeout)
         if not outcome.committed:
             raise GenerationEnded(f"step {step} did not commit")
         self.handed_over = outcome is Outcome.LAST

@@ -20,6 +20,7 @@ from odyssey_megatron.config import RecipeConfig, recipe_from_yaml
 from odyssey_megatron.data import IndexedTokens, PreparedData
 from odyssey_megatron.hooks.accelerator import Accelerator, select_accelerator
 from odyssey_megatron.hooks.collective_guard import CollectiveGuard, prepare_backend
+from odyssey_megatron.hooks.lr_schedule import LrSchedule
 from odyssey_megatron.hooks.rendezvous_store import RendezvousStore
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.training_state import TrainingState
@@ -141,7 +142,8 @@ class WorkerProcess:
         self.collective_timeout = datetime.timedelta(seconds=self.timeouts.collective_timeout)
         self.runner_settings = RunnerSettings(
             model=self.config.model, micro_batch_size=train.micro_batch_size,
-            optimizer=optimizer_config(train, self.config.model.params_dtype), device=self.device,
+            optimizer=optimizer_config(train, self.config.model.params_dtype), lr_schedule=LrSchedule.of(train),
+            device=self.device,
             emulation=recipe_emulation(self.config), op_timers=self.op_timers,
             collective_timeout=self.collective_timeout)
         self.guard = CollectiveGuard(backend=self.accelerator.backend, timeout_s=self.timeouts.collective_timeout,
