@@ -211,11 +211,15 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
     group on the generation's store prefix, the stage built from the blocks it holds, a
     step, then the groups destroyed and the stage dropped (``PlanRunner.release``, as the
     training worker does). ``model_fields`` (JSON) overrides fields of the tiny model.
-    Returns ``resident``, the resident bytes after each release, and ``copy_bytes``, the
-    bytes of one copy of the stage's parameters."""
+    Returns ``resident``, the resident bytes after each release, ``copy_bytes``, the
+    bytes of one copy of the stage's parameters, and after each release ``tensors``, the
+    tensors alive (made since the long-lived objects were frozen), and ``groups``, the
+    process groups of every generation so far that are still alive (each group is seen in
+    torch's registry while its generation runs, then weakly held)."""
     import ctypes
     import datetime
     import gc
+    import weakref
 
     import torch.distributed as dist
 
@@ -234,6 +238,7 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
     state = initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED)
     settings = runner_settings(model)
     source, resident, copy_bytes = data(), [], 0
+    tensors, groups, seen = [], [], weakref.WeakSet()
     gc.freeze()  # as the worker does once its long-lived objects are loaded
     for generation in range(1, generations + 1):
         dist.destroy_process_group()
@@ -243,11 +248,14 @@ def repeated_generations(rank: int, world_size: int, published: str, generations
         runner.train_step(lambda m, step=generation: source.micro_batch(step, m), step=generation)
         runner.settle()
         copy_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        seen.update(dist.distributed_c10d._world.pg_map)
         state = runner.release(abandoned=generation % 2 == 0)
         del runner
         gc.collect()
         resident.append(resident_bytes())
-    return {"resident": resident, "copy_bytes": copy_bytes}
+        tensors.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
+        groups.append(len(seen))
+    return {"resident": resident, "copy_bytes": copy_bytes, "tensors": tensors, "groups": groups}
 
 
 def op_times(rank: int, world_size: int, published: str, schedule: str) -> dict:

@@ -34,6 +34,7 @@ from odyssey_megatron.runtime.rank.block_transfer import (
 from odyssey_megatron.testing.local_world import run_world
 
 NUM_LAYERS = 4
+HOST = torch.device("cpu")
 DEAD_WORKER = 2
 SURVIVORS = (0, 1, 3)
 
@@ -92,14 +93,14 @@ def _enter(rank: int, world_size: int, old_json: str, new_json: str, tied: bool,
     model = tiny_model(NUM_LAYERS, tied)
     state = old_state(model, old, ranks.worker(rank), rank % tp)
     group = dist.new_group(timeout=timedelta(seconds=120)) if own_group else None
-    report = execute_transfers(plan=new, state=state, rank=rank, ranks=ranks, model=model, group=group)
+    report = execute_transfers(plan=new, state=state, rank=rank, ranks=ranks, model=model, device=HOST, group=group)
     result = {"report": asdict(report),
               "held": {f"{block}:{key}": t.clone() for block in state.held() for key, t in state.export(block).items()}}
     if refused_json is not None:
         start = time.perf_counter()
         try:
             execute_transfers(plan=ExecutionPlan.from_json(refused_json), state=state, rank=rank, ranks=ranks,
-                              model=model)
+                              model=model, device=HOST)
             result["refusal"] = None
         except ValueError as error:
             result["refusal"] = str(error)
@@ -111,7 +112,7 @@ def _enter(rank: int, world_size: int, old_json: str, new_json: str, tied: bool,
             held.step = COMMITTED - (block == STALE_BLOCK and ranks.worker(rank) == STALE_SOURCE)
         try:
             execute_transfers(plan=ExecutionPlan.from_json(stale_json), state=state, rank=rank, ranks=ranks,
-                              model=model, committed=COMMITTED)
+                              model=model, device=HOST, committed=COMMITTED)
             result["stale"] = None
         except RuntimeError as error:
             result["stale"] = str(error)
@@ -255,4 +256,4 @@ def test_a_model_of_another_depth_is_refused_before_any_collective():
     """No world is formed here: the refusal comes before the first collective."""
     with pytest.raises(ValueError, match=r"^model\.num_layers 6, the plan has 4 layers$"):
         execute_transfers(plan=_old_plan(1), state=TrainingState(), rank=0, ranks=RankMap.of(SURVIVORS, 1),
-                          model=tiny_model(6))
+                          model=tiny_model(6), device=HOST)

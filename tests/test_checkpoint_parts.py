@@ -39,7 +39,8 @@ def test_parts_that_hold_every_block_are_the_latest_and_load_under_another_split
     step, directory = latest_checkpoint(run_dir)
     assert (step, directory.name) == (3, "step-3")
     second = StageSpec((2, 4), first=False, last=True)
-    loaded = load_checkpoint(directory, run_dir=run_dir, model=MODEL, stage=second, tp_rank=0, tp_size=1)
+    loaded = load_checkpoint(directory, run_dir=run_dir, model=MODEL, stage=second, tp_rank=0, tp_size=1,
+                             device=torch.device("cpu"))
     assert loaded.held() == stage_blocks(second, tied=MODEL.tie_embeddings)
     for block in loaded.held():
         want, got = state.export(block), loaded.export(block)
@@ -76,7 +77,8 @@ def test_a_part_cut_short_beside_a_collective_save_of_the_same_step_leaves_the_s
     save_part(run_dir, trained(6), blocks[:1], step=6, rank=3, tp_rank=0, tp_size=1, model=MODEL)
     step, directory = latest_checkpoint(run_dir)
     assert (step, directory.name) == (6, "step-6")
-    loaded = load_checkpoint(directory, run_dir=run_dir, model=MODEL, stage=WHOLE, tp_rank=0, tp_size=1)
+    loaded = load_checkpoint(directory, run_dir=run_dir, model=MODEL, stage=WHOLE, tp_rank=0, tp_size=1,
+                             device=torch.device("cpu"))
     assert loaded.held() == blocks
     for block in blocks:
         want, got = saved.export(block), loaded.export(block)

@@ -86,7 +86,8 @@ def test_a_background_checkpoint_holds_the_blocks_as_the_step_started_and_is_mar
             if e["event"] == "checkpoint"] == [2]
     model = job.config.model
     loaded = load_checkpoint(directory, run_dir=tmp_path / "run", model=model,
-                             stage=StageSpec((0, model.num_layers), first=True, last=True), tp_rank=0, tp_size=1)
+                             stage=StageSpec((0, model.num_layers), first=True, last=True), tp_rank=0, tp_size=1,
+                             device=torch.device("cpu"))
     assert loaded.held() == model_blocks(model)
     for block in loaded.held():
         got = loaded.export(block)

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from odyssey_megatron.cli import main
 from odyssey_megatron.errors import ConfigError
@@ -80,4 +81,4 @@ def test_a_worker_loading_a_checkpoint_others_made_writable_since_the_controller
                         vocab_size=16, seq_length=4, params_dtype="fp32")
     with pytest.raises(ConfigError, match=f"^{step_dir / '.metadata'}: is writable by group or others"):
         load_checkpoint(step_dir, run_dir=run, model=model, stage=StageSpec((0, 1), first=True, last=True),
-                        tp_rank=0, tp_size=1)
+                        tp_rank=0, tp_size=1, device=torch.device("cpu"))

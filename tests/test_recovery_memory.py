@@ -2,7 +2,10 @@
 turn (fresh process groups, its stage rebuilt from its blocks, a step, everything torn
 down) holds less than one more copy of its stage's parameters after the tenth than after
 the first. The model is wide enough that its state is most of each process, so a stage
-(or its optimizer) kept alive by each recovery, or even once, shows."""
+(or its optimizer) kept alive by each recovery, or even once, shows. Counted, not only
+weighed: the tensors alive after each generation stay as many as after the first, and no
+process group of a generation outlives it (Megatron's rotary embedding cache kept each
+stage's rotary embedding, with its tensors and its context-parallel group, alive)."""
 
 from __future__ import annotations
 
@@ -37,3 +40,6 @@ def test_resident_memory_grows_by_less_than_one_model_copy_over_ten_recoveries()
         # Parameters and Adam's two moments, kept between generations, are over a third of the process.
         assert 3 * copy > first / 3, trace
         assert last - first < copy, trace
+        assert max(result["tensors"]) == result["tensors"][0], f"rank {rank}: tensors alive {result['tensors']}"
+        # Alive after each release: the generation's default group alone, which the next destroys first.
+        assert result["groups"] == [1] * GENERATIONS, f"rank {rank}: groups alive {result['groups']}"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from odyssey_megatron.blocks import StageSpec
@@ -141,7 +142,8 @@ def test_a_failed_owner_has_the_last_committed_step_saved_once_per_block_and_nam
     assert step == 2
     for worker in (0, 2, 4, 6):  # one replica of each stage reads its stage back
         stage = StageSpec.of_worker(run.center.settled, worker)
-        loaded = load_checkpoint(directory, run_dir=run_dir, model=config.model, stage=stage, tp_rank=0, tp_size=1)
+        loaded = load_checkpoint(directory, run_dir=run_dir, model=config.model, stage=stage, tp_rank=0, tp_size=1,
+                                 device=torch.device("cpu"))
         assert {b.step for b in loaded.blocks.values()} == {2}
 
 

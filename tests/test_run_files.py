@@ -118,6 +118,7 @@ def test_a_checkpoint_and_latest_json_are_fsynced_with_their_directories(tmp_pat
     assert len(latest) == 1 and max(directories) < latest[0] < synced.index(checkpoints, latest[0])
     # the files are durable before latest.json names them, and its rename after it
     assert latest_checkpoint(tmp_path) == (2, step_dir)
-    loaded = load_checkpoint(step_dir, run_dir=tmp_path, model=model, stage=stage, tp_rank=0, tp_size=1)
+    loaded = load_checkpoint(step_dir, run_dir=tmp_path, model=model, stage=stage, tp_rank=0, tp_size=1,
+                             device=torch.device("cpu"))
     for block in state.held():
         assert all(torch.equal(a, b) for a, b in zip(state.export(block).values(), loaded.export(block).values()))

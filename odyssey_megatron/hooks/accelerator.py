@@ -3,6 +3,13 @@
 cuda pairs with NCCL, Ascend npu with HCCL (torch_npu, imported only when an NPU is
 asked for or probed), cpu with gloo. Nothing else in the project names a device or a
 backend, so tests select CPU here and nowhere else.
+
+Device placement is owned here too: a worker binds its device once (``Accelerator.bind``:
+the current device, which Megatron-Core's P2P buffers and DCP's object collectives use, is
+device 0 on every rank of a node until it is set), joins each generation's default group
+with it (``Accelerator.group_options``: ``device_id`` for NCCL/HCCL), and every tensor it
+hands a collective is on the device the group's backend moves (``required_device``: gloo
+moves host tensors, NCCL cuda ones, HCCL npu ones).
 """
 
 from __future__ import annotations
@@ -13,9 +20,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 ACCELERATOR_KINDS = ("auto", "cuda", "npu", "cpu")
 _BACKEND = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+_BINDS_GROUPS = ("nccl", "hccl")
+"""Backends whose groups are bound to one device (``device_id``): they move that device's tensors only."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,20 @@ class Accelerator:
         if self.device_type == "cpu":
             return torch.device("cpu")
         return torch.device(self.device_type, local_rank % self.device_count)
+
+    def bind(self, local_rank: int) -> torch.device:
+        """Make ``device(local_rank)`` this process's current device and return it: call once,
+        as the worker starts, before any group or model exists. Nothing to bind on cpu."""
+        device = self.device(local_rank)
+        if self.device_type != "cpu":
+            torch.get_device_module(self.device_type).set_device(device)
+        return device
+
+    def group_options(self, device: torch.device) -> dict[str, torch.device]:
+        """What ``init_process_group`` needs besides rank, world and store for a group on
+        ``device``: its ``device_id`` where the backend binds groups to a device (NCCL, HCCL),
+        so that each rank's communicator uses its own device; nothing for gloo."""
+        return {"device_id": device} if self.backend in _BINDS_GROUPS else {}
 
     def synchronize(self) -> None:
         """Wait for the work queued on this process's device (CPU work runs in line)."""
@@ -94,3 +118,15 @@ def select_accelerator(kind: str = "auto") -> Accelerator:
                 "(pip install 'odyssey-megatron[npu]') on a machine with the CANN driver"
             )
     return Accelerator("cpu", _BACKEND["cpu"], 1)
+
+
+def required_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors ``group`` (default: the default group) moves: host memory
+    for gloo, else the current device of the device type its backend serves (cuda for NCCL,
+    npu for HCCL). A tensor on another device fails there with an error that is no lost peer."""
+    backend = dist.get_backend(group)
+    if backend == dist.Backend.GLOO:
+        return torch.device("cpu")
+    device_type = next(device for device, served in dist.Backend.default_device_backend_map.items()
+                       if served == backend)
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from odyssey_megatron.blocks import Block, StageSpec, block_of_parameter
+from odyssey_megatron.hooks.accelerator import required_device
 from odyssey_megatron.hooks.model import global_name, is_tied
 from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.plan import ExecutionPlan
@@ -62,8 +63,9 @@ class _Bucket:
                              "share one buffer")
         self.unit, self.group, self.params, self.clock = unit, group, params, clock
         total = sum(p.numel() for p in params)
-        like = params[0] if params else torch.empty(0)
-        self.flat = torch.zeros(total, dtype=like.dtype, device=like.device)
+        # A unit this rank holds no parameter of still takes part in its all-reduce, on the group's device.
+        dtype, device = (params[0].dtype, params[0].device) if params else (torch.float32, required_device(group))
+        self.flat = torch.zeros(total, dtype=dtype, device=device)
         self.pending = 0
         self.started = False
         self.work: dist.Work | None = None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -122,6 +123,14 @@ def build_stage_model(
     elif seed is not None:
         init_stage_parameters(gpt, stage=stage, seed=seed, tp_rank=pg_collection.tp.rank(), tp_size=tp)
     return gpt
+
+
+def forget_stage_models() -> None:
+    """Drop what Megatron-Core caches of the stage models built so far; call once a stage
+    model is dropped. ``RotaryEmbedding.forward`` is an ``lru_cache`` (32 entries) keyed by
+    its arguments, the module itself among them: without this each generation's rotary
+    embedding, its tensors and its context-parallel group outlive the generation."""
+    RotaryEmbedding.forward.cache_clear()
 
 
 def mark_tensor_parallel_weights(gpt: torch.nn.Module) -> None:

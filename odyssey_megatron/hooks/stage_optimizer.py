@@ -103,8 +103,9 @@ class StageOptimizer:
              for wd_mult, params in groups.items()],
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
         for stepped, step, exp_avg, exp_avg_sq in moments:
-            # What AdamW's first step would create, with the state's values.
-            adam.state[stepped] = {"step": torch.tensor(float(step), dtype=torch.float32),
+            # What AdamW's first step would create, with the state's values: its step on the
+            # host, as torch keeps it (on the device only for capturable or fused AdamW).
+            adam.state[stepped] = {"step": torch.tensor(float(step), dtype=torch.float32, device="cpu"),
                                    "exp_avg": exp_avg.to(stepped.device), "exp_avg_sq": exp_avg_sq.to(stepped.device)}
         if self._masters:
             adam.register_step_post_hook(lambda *_: self._publish())

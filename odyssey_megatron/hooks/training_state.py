@@ -63,9 +63,15 @@ class BlockState:
     exp_avg_sq: dict[str, torch.Tensor]
     step: int
 
+    @property
+    def device(self) -> torch.device:
+        """Where the block's tensors are: its step goes with them."""
+        return next(iter(self.params.values())).device
+
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The flat dict a transfer sends: the tensors themselves, not copies."""
-        tensors = {STEP: torch.tensor(self.step, dtype=torch.int64)}
+        """The flat dict a transfer sends: the tensors themselves, not copies, and the step
+        as a tensor on their device (a P2P op on an NCCL group refuses a host tensor)."""
+        tensors = {STEP: torch.tensor(self.step, dtype=torch.int64, device=self.device)}
         for kind, named in zip(STATE_KINDS, (self.params, self.exp_avg, self.exp_avg_sq)):
             tensors.update({f"{kind}/{name}": tensor for name, tensor in named.items()})
         return tensors
@@ -159,6 +165,11 @@ class TrainingState:
         return TrainingState({block: BlockState.from_tensors(block, {key: tensor.to(device, copy=True)
                                                                      for key, tensor in self.export(block).items()})
                               for block in self.blocks})
+
+    def receive_on(self, device: torch.device, block: Block, tensors: Mapping[str, torch.Tensor]) -> None:
+        """``receive`` ``block`` with its tensors on ``device``: moved where they are
+        elsewhere (a snapshot or a checkpoint read into host memory), kept where they are there."""
+        self.receive(block, {key: tensor.to(device) for key, tensor in tensors.items()})
 
     def keep(self, blocks: Iterable[Block]) -> None:
         """Drop every held block not in ``blocks`` (those the next stage does not hold)."""

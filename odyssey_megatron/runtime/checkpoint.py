@@ -92,9 +92,10 @@ def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, r
 
 
 def load_checkpoint(directory: Path, *, run_dir: Path, model: ModelConfig, stage: StageSpec, tp_rank: int,
-                    tp_size: int) -> TrainingState:
+                    tp_size: int, device: torch.device) -> TrainingState:
     """This rank's blocks of ``stage`` from a checkpoint (its parts, or one DCP save: where a
-    step holds both, the save, which holds every block), under any stage split; ValueError
+    step holds both, the save, which holds every block), under any stage split, read into
+    host memory and held on ``device`` (the rank's: a transfer may send them); ValueError
     naming the block if the checkpoint lacks one or holds it in other shapes (another
     model). ``directory`` is checked first, up to ``run_dir``, as ``latest_checkpoint``
     checks it (ConfigError from ``file_trust.check_private``): DCP unpickles what it reads,
@@ -127,5 +128,6 @@ def load_checkpoint(directory: Path, *, run_dir: Path, model: ModelConfig, stage
                              f"{str(exc).splitlines()[0][:300]}") from None
     state = TrainingState()
     for block, held in wanted.items():
-        state.receive(block, {key: tensors[_key(key, block, tp_rank=tp_rank, tp_size=tp_size)] for key in held})
+        state.receive_on(device, block, {key: tensors[_key(key, block, tp_rank=tp_rank, tp_size=tp_size)]
+                                         for key in held})
     return state

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from odyssey_megatron.blocks import STEP, Block, worker_blocks
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.hooks.accelerator import required_device
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.hooks.training_state import TrainingState, empty_block
 from odyssey_megatron.plan import ExecutionPlan, Transfer
@@ -123,7 +124,7 @@ def execute_transfers(
     rank: int,
     ranks: RankMap,
     model: ModelConfig,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device,
     group: dist.ProcessGroup | None = None,
     on_moved: Callable[[], None] | None = None,
     committed: int | None = None,
@@ -132,7 +133,8 @@ def execute_transfers(
 
     Collective: every rank of ``ranks``' world calls it, with the same plan, after the new
     world is formed. ``group`` (default: the default group) must span that world; its
-    timeout bounds every wait. Received blocks are allocated on ``device``. Raises
+    timeout bounds every wait. Received blocks are allocated on ``device`` (the rank's; the
+    group's backend moves its tensors, ``hooks.accelerator.required_device``). Raises
     ValueError, before anything moves and on every rank, when a transfer cannot run
     (``shard_moves``) or a rank cannot do its part (``check_rank_part``). ``on_moved`` is
     called once this rank's first block has moved (its sends or receives waited on),
@@ -151,8 +153,7 @@ def execute_transfers(
         refusal = None
     except ValueError as error:
         refusal = error
-    refusing = _refusing_ranks(refusal is not None, rank=rank, world_size=ranks.world_size, device=device,
-                               group=group)
+    refusing = _refusing_ranks(refusal is not None, rank=rank, world_size=ranks.world_size, group=group)
     if refusal is not None:
         raise refusal
     if refusing:
@@ -221,10 +222,9 @@ def _layout_mismatch(held: dict[str, torch.Tensor], wanted: dict[str, torch.Tens
     return f"{extra[0]}, which the model has not" if extra else None
 
 
-def _refusing_ranks(refused: bool, *, rank: int, world_size: int, device: torch.device,
-                    group: dist.ProcessGroup | None) -> list[int]:
+def _refusing_ranks(refused: bool, *, rank: int, world_size: int, group: dist.ProcessGroup | None) -> list[int]:
     """Every rank's verdict on its own part, so that all ranks stop together."""
-    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+    flags = torch.zeros(world_size, dtype=torch.int32, device=required_device(group))
     flags[rank] = int(refused)
     dist.all_reduce(flags, group=group)
     return [r for r, flag in enumerate(flags.tolist()) if flag]

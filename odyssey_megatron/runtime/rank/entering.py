@@ -51,7 +51,8 @@ def enter(generation: Generation, role: Role) -> None:
     _wait_all_arrived(generation, ranks.world_size)
     dist.init_process_group(process.accelerator.backend, rank=rank, world_size=ranks.world_size,
                             store=dist.PrefixStore(process_group_prefix(plan.generation), process.rendezvous),
-                            timeout=process.collective_timeout)
+                            timeout=process.collective_timeout,
+                            **process.accelerator.group_options(process.device))
     process.guard.track([dist.distributed_c10d._get_default_group()])
     if published.restore is not None:
         generation.phase = Phase.restore
@@ -59,7 +60,7 @@ def enter(generation: Generation, role: Role) -> None:
             published.restore, rank=process.launch.rank,
             node_first_rank=process.launch.rank - process.launch.local_rank, slots=process.launch.keeper,
             model=process.config.model, cluster=process.cluster, rank_in_generation=ranks.of_launch_rank,
-            timeout=process.collective_timeout, track=process.guard.track)
+            timeout=process.collective_timeout, track=process.guard.track, device=process.device)
     elif process.state is None:
         process.state = _first_state(generation) if role is Role.train else TrainingState()
     _check_steps(generation, published.start_step)
@@ -101,7 +102,7 @@ def _first_state(generation: Generation) -> TrainingState:
     if process.spec.resume is not None:
         return load_checkpoint(Path(process.spec.resume), run_dir=process.run_dir, model=process.config.model,
                                stage=StageSpec.of_worker(generation.plan, process.worker_id), tp_rank=process.tp_rank,
-                               tp_size=process.tp)
+                               tp_size=process.tp, device=process.device)
     return initial_state(plan=generation.plan, rank=generation.rank, ranks=generation.ranks,
                          model=process.config.model, seed=process.config.training.seed, device=process.device)
 

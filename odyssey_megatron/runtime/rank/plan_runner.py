@@ -26,7 +26,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.hooks.grad_sync import LayerGradSync, block_owners, parameters_by_block
 from odyssey_megatron.hooks.lr_schedule import LrSchedule
 from odyssey_megatron.blocks import StageSpec
-from odyssey_megatron.hooks.model import build_stage_model
+from odyssey_megatron.hooks.model import build_stage_model, forget_stage_models
 from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, megatron_pipeline
 from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
 from odyssey_megatron.hooks.training_state import TrainingState
@@ -309,6 +309,7 @@ class PlanRunner:
             self._speculative = None
         state = self.optimizer.state() if abandoned else self.training_state()
         self.groups.destroy()
+        forget_stage_models()
         return state
 
     def _settle(self) -> tuple[float, bool]:

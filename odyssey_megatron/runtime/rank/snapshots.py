@@ -210,11 +210,13 @@ class SnapshotTaker:
 
 def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots: Sequence[Sequence[str]],
                      model: ModelConfig, cluster: ClusterState, rank_in_generation: Callable[[int], int],
-                     timeout: datetime.timedelta, track: Callable[[list], None]) -> TrainingState:
-    """This rank's blocks as of ``restore.step``: the shards it reads from its node's keeper
-    and the ones it rebuilds. Collective: every rank of the generation builds every
-    rebuild's process group, in order (``protection_group`` says why); ``track`` gets the
-    groups this rank is in (the collective guard keeps them)."""
+                     timeout: datetime.timedelta, track: Callable[[list], None],
+                     device: torch.device) -> TrainingState:
+    """This rank's blocks as of ``restore.step``, on ``device`` (the rank's: the plan's
+    transfers send them next): the shards it reads from its node's keeper and the ones it
+    rebuilds (in host memory, over gloo). Collective: every rank of the generation builds
+    every rebuild's process group, in order (``protection_group`` says why); ``track`` gets
+    the groups this rank is in (the collective guard keeps them)."""
     owned = dict(restore.owners)
     state = TrainingState()
 
@@ -227,7 +229,7 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         for key, tensor in unpack(payload, entries).items():
             by_block.setdefault(block_from_key(key), {})[key.partition("/")[2]] = tensor
         for block, tensors in by_block.items():
-            state.receive(block, tensors)
+            state.receive_on(device, block, tensors)
 
     def snapshot_of(owner_rank: int, *, parity: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         slot = slot_of(owner_rank)

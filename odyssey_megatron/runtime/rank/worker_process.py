@@ -120,7 +120,7 @@ class WorkerProcess:
         """The job's ranks as launched: which worker and TP place each has."""
         self.worker_id, self.tp_rank = self.cluster.worker_of(launch.rank), self.cluster.tp_rank(launch.rank)
         self.accelerator = select_accelerator("auto")
-        self.device = self.accelerator.device(launch.local_rank)
+        self.device = self.accelerator.bind(launch.local_rank)
         if self.accelerator.device_type == "cpu":
             from odyssey_megatron.hooks.cpu_shim import CpuShim
 
