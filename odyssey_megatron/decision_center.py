@@ -422,7 +422,9 @@ class DecisionCenter:
                 raise UnrecoverableFailure(why)
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
-                           source=source, replaced=self.plan, from_start=from_start)
+                           source=source, replaced=self.plan, from_start=from_start,
+                           interval_source="the caller (interval_s)" if interval_s is not None else
+                           self.failure_model.source)
         self._commit(decision)
         return decision
 
