@@ -207,6 +207,7 @@ def decision_json(decision: Decision, published: dict) -> dict:
         "score": chosen.score,
         "search_time_s": decision.search_time_s,
         "expected_interval_s": decision.expected_interval_s,
+        "expected_interval_source": decision.interval_source,
         "candidates_considered": decision.candidates_considered,
         "candidates": [_candidate_json(c) for c in decision.alternatives],
         "note": decision.note,

@@ -21,7 +21,7 @@ from odyssey_megatron.estimator import PlanEstimate, estimate_plan
 from odyssey_megatron.estimator.checkpoint import checkpoint_time_s
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.estimator.snapshot import restore_time, snapshot_time_s, young_interval_steps
-from odyssey_megatron.estimator.wakeup_loop import warm_up
+from odyssey_megatron.estimator.pipeline import warm_up
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner import (
     Decision,
@@ -422,7 +422,9 @@ class DecisionCenter:
                 raise UnrecoverableFailure(why)
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
                                   search_time_s=search_s),
-                           source=source, replaced=self.plan, from_start=from_start)
+                           source=source, replaced=self.plan, from_start=from_start,
+                           interval_source="the caller (interval_s)" if interval_s is not None else
+                           self.failure_model.source)
         self._commit(decision)
         return decision
 

@@ -19,7 +19,7 @@ from odyssey_megatron.plan import validate_plan
 from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure, distribute_batch, reroute_plan
 from odyssey_megatron.planner.layers import SplitSearch, layer_splits
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
-from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
+from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, place_layout
 from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_holders
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep, two_length_partitions
 from odyssey_megatron.profile import uniform_profile
@@ -521,6 +521,20 @@ def test_decision_center_learns_the_failure_rate_from_observed_failures():
         learning.on_failure(ranks=[1], at_s=10.0)
 
 
+def test_each_decision_says_where_the_horizon_of_eq8_came_from():
+    """The prior MTBF until a failure is seen with its time, then the failures seen; the
+    caller's interval where it gives one (the simulator's oracle)."""
+    recipe = "recipes/llama2_7b/ascend_910b_32.yaml"
+    center = DecisionCenter.from_recipe(load_config(recipe))
+    assert center.on_failure(ranks=[5]).interval_source == "the prior odyssey.device_mtbf_hours=10"
+    seen = center.on_failure(ranks=[9], at_s=120.0)
+    assert seen.interval_source.startswith("1 failure(s) seen over 1.033 device-hours")
+    assert seen.expected_interval_s == pytest.approx(3600 * (10 + 31 * 120 / 3600) / 2 / 30)
+    assert center.on_failure(ranks=[13], interval_s=60.0).interval_source == "the caller (interval_s)"
+    fixed = DecisionCenter.from_recipe(load_config(recipe, ["odyssey.learn_failure_rate=false"]))
+    assert fixed.on_failure(ranks=[5], at_s=60.0).interval_source == "the prior odyssey.device_mtbf_hours=10"
+
+
 def test_batch_moves_from_the_long_pipeline_to_the_short_one():
     """Uniform layers (F=1, B=2), 14 layers, 7 workers as 4 + 3 stages (splits 4,4,3,3
     and 5,5,4), 16 micro-batches. IV-A's proportional shares 10 / 6 take 144 and 114:
@@ -580,3 +594,37 @@ def test_launch_ranks_workers_tp_ranks_and_nodes_are_one_arithmetic(tp, per_node
         assert rank in cluster.node_ranks(cluster.node_of_rank(rank))
     assert [cluster.node_of_worker(w) for w in range(cluster.num_workers)] == nodes_of_workers
     assert cluster.workers_per_node == per_node // tp
+
+
+def test_after_a_node_failure_the_fastest_layout_of_any_pipeline_length_with_idle_workers_is_chosen():
+    """16 layers on DP8 x PP4 with 2 micro-batches per pipeline; a node of 2 workers dies
+    (stage 0 of two pipelines). Every pipeline length searched (``length_sweep=always``),
+    the fastest plan is one 8-stage and three 7-stage pipelines on 29 of the 30 survivors:
+    one idle worker, twice the pipeline length, priced 48 s a step with split backwards.
+    Ranked on plain 1F1B (4 stages best) and with at most 1 idle worker (30 // 8 - 1), the
+    search never placed it and chose a 49 s layout of 4- and 3-stage pipelines. Brute
+    force over every strategy of at most two pipeline lengths that idles fewer workers
+    than its shortest pipeline has stages, each placed and priced as the plan runs, finds
+    none faster (the issue's DP92 x PP11 after a node failure, at toy scale)."""
+    profile = uniform_profile(num_layers=16)
+    plan = with_sync(symmetric_plan(dp=8, pp=4, num_layers=16, micro_batches_per_pipeline=2), profile)
+    cluster = ClusterState(world_size=32, devices_per_node=2).fail_nodes([1])
+    settings = _settings(length_sweep="always")
+    decision = decide(current=plan, cluster=cluster, profile=profile, settings=settings, interval_s=1e9)
+    chosen = decision.chosen
+    lengths = sorted({len(p.stages) for p in chosen.plan.pipelines})
+    assert chosen.policy == "reparallelize" and lengths == [7, 8]
+    assert len(chosen.plan.workers) == 29 == len(cluster.alive_workers) - 1
+    search = ReparallelizeSearch(profile, max_layer_splits=256)
+    holdings = live_holdings(plan, cluster=cluster, profile=profile)
+    alive = len(cluster.alive_workers)
+    fastest = float("inf")
+    for used in range(1, alive + 1):
+        for dp in range(1, min(used, plan.num_micro_batches) + 1):
+            for strategy in two_length_partitions(used, dp, 1, profile.num_layers):
+                layout = search._layout(strategy, plan.num_micro_batches)
+                if layout is None or alive - used >= min(strategy):
+                    continue
+                placed = place_layout(layout, current=plan, holdings=holdings, cluster=cluster, profile=profile)
+                fastest = min(fastest, estimate_plan(placed, profile, cluster, pricing=settings.pricing).step_time_s)
+    assert chosen.estimate.step_time_s == pytest.approx(fastest) == 48.0

@@ -342,6 +342,14 @@ def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
         assert 0 < first["systems"][name]["fraction_of_ideal"] <= 1 + 1e-12
     assert set(first["ratios"]) == {"recycle", "checkpoint"}
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "series.json").exists()
+    # Each Eq. 8 decision's horizon and where its rate came from: the failures seen, the one
+    # it answers included, with the prior beside them; the other systems decide without one.
+    horizons = first["systems"]["odyssey"]["horizons"]
+    assert len(horizons) >= 2 and all(h["expected_interval_s"] > 0 for h in horizons)
+    assert horizons[0]["source"].startswith("1 failure(s) seen over ")
+    assert all(h["source"].endswith("with the prior odyssey.device_mtbf_hours=10 worth 1") for h in horizons)
+    assert [h["time_s"] for h in horizons] == sorted(h["time_s"] for h in horizons)
+    assert first["systems"]["recycle"]["horizons"] == first["systems"]["checkpoint"]["horizons"] == []
 
 
 def test_oobleck_that_cannot_start_is_a_scenario_error(capsys):

@@ -276,13 +276,19 @@ def test_a_rank_at_half_speed_is_the_one_removed_as_a_straggler_and_nothing_is_l
 @pytest.fixture(scope="module")
 def reparallelized(tmp_path_factory, data_cache) -> tuple[Path, str]:
     """A reparallelizing run through five failures, each injected where a recovery or a
-    step is most exposed; its run directory and every rank's log lines in time order."""
+    step is most exposed; its run directory and every rank's log lines in time order.
+
+    The last two kills are aimed at the plan rank 4's loss leaves (generation 3: workers
+    0, 3, 6 as stages of layers 0-2, 3-5, 6-7 beside workers 1, 7 with layers 0-3, 4-7):
+    every block ranks 0 and 3 hold lives on rank 1 or 7 too, and rank 6's layers on rank 7,
+    so every recovery goes on from what the survivors hold. Ranks 0 and 7 would leave rank 6
+    the last copy of layers 6-7, and its kill a rollback to the start."""
     run_dir = tmp_path_factory.mktemp("runs") / "reparallelized"
     status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reparallelize", faults(
         "{rank: 5, step: 1, phase: backward, action: kill}",
         "{rank: 2, step: 1, phase: mid_transfer, action: kill}",
         "{rank: 4, step: 2, phase: grad_sync, action: kill}",
-        "{rank: 0, step: 3, phase: optimizer, action: kill, with_ranks: [7]}",
+        "{rank: 0, step: 3, phase: optimizer, action: kill, with_ranks: [3]}",
         "{rank: 6, step: 4, phase: group_setup, action: kill}")))
     if status != 0:
         pytest.fail(f"odyssey train exited {status}:\n{err[-4000:]}")
@@ -321,30 +327,30 @@ def test_reparallelizing_survives_kills_mid_transfer_in_group_setup_and_two_at_o
     assert injected == [
         "odyssey.faults[0]: kill rank 5 at step 1, backward", "odyssey.faults[1]: kill rank 2 at step 1, mid_transfer",
         "odyssey.faults[2]: kill rank 4 at step 2, grad_sync",
-        "odyssey.faults[3]: kill ranks 0, 7 at step 3, optimizer", "odyssey.faults[4]: kill rank 6 at step 4, group_setup"]
+        "odyssey.faults[3]: kill ranks 0, 3 at step 3, optimizer", "odyssey.faults[4]: kill rank 6 at step 4, group_setup"]
     failures = {tuple(e["ranks"]): e for e in events if e["event"] == "failure"}
-    assert sorted(failures) == [(0,), (2,), (4,), (5,), (6,), (7,)]
+    assert sorted(failures) == [(0,), (2,), (3,), (4,), (5,), (6,)]
     plans = [e for e in events if e["event"] == "plan"]
 
     def plan_before(failure: dict) -> dict:
         """The generation running (or being entered) when ``failure`` struck."""
         return [p for p in plans if p["time"] < failure["detected_at"]][-1]
 
-    # Ranks 0 and 7 failed in one instant. The controller decides once for failures that
+    # Ranks 0 and 3 failed in one instant. The controller decides once for failures that
     # reach it while it gathers (a poll after it noticed the first); on a busy machine one
     # may die later than that (the kernel's teardown of a killed process waits for a core)
     # and is a restart. Every plan published since the first of them is one try of the
     # last recovery: rank 6's kill in group setup restarts it at least once.
-    first_at = min(failures[(0,)]["detected_at"], failures[(7,)]["detected_at"])
+    first_at = min(failures[(0,)]["detected_at"], failures[(3,)]["detected_at"])
     tries = [p for p in plans if p["time"] > first_at]
-    together = not {0, 7} & set(tries[0]["workers"])
+    together = not {0, 3} & set(tries[0]["workers"])
     done = recoveries(run_dir)
     assert [(r["failed_ranks"], r["policy"], r["start_step"]) for r in done] == [
-        ([2, 5], "reparallelize", 1), ([4], "reparallelize", 2), ([0, 6, 7], "reparallelize", 4)]
+        ([2, 5], "reparallelize", 1), ([4], "reparallelize", 2), ([0, 3, 6], "reparallelize", 4)]
     assert [r["restarts"] for r in done] == [1, 0, len(tries) - 1] and len(tries) >= 2
     assert all(r["transfer_bytes"] > 0 and r["mapping_bytes"] <= r["naive_mapping_bytes"] for r in done)
     if together:
-        assert not {0, 7} & set(plan_before(failures[(6,)])["workers"])
+        assert not {0, 3} & set(plan_before(failures[(6,)])["workers"])
 
     # Rank 2 died in generation 1's transfers with a block still to move after its first;
     # if it sent that first block, its receiver (with nothing else to move with it) holds
@@ -371,7 +377,7 @@ def test_a_rank_lost_while_the_survivors_build_groups_costs_no_collective_timeou
     events = read_jsonl(run_dir / "events.jsonl")
     failed_at = {tuple(e["ranks"]): e["failed_at"] for e in events if e["event"] == "failure"}
     ready_at = {tuple(r["failed_ranks"]): r["ready_at"] for r in recoveries(run_dir)}
-    waited = {"mid_transfer": ready_at[(2, 5)] - failed_at[(2,)], "group_setup": ready_at[(0, 6, 7)] - failed_at[(6,)]}
+    waited = {"mid_transfer": ready_at[(2, 5)] - failed_at[(2,)], "group_setup": ready_at[(0, 3, 6)] - failed_at[(6,)]}
     assert max(waited.values()) < 10, waited
 
 

@@ -20,7 +20,8 @@ from odyssey_megatron.settings import SearchSettings
 from odyssey_megatron.snapshot.restore import Restore
 
 PLACED_LAYOUTS = 3
-"""Fastest layouts that get a Kuhn-Munkres placement, so transition cost can still change the winner."""
+"""Fastest layouts (as priced) that get a Kuhn-Munkres placement, so transition cost can still
+change the winner; the fastest symmetric layout is placed beside them where they do not hold it."""
 
 
 class UnrecoverableFailure(RuntimeError):
@@ -54,11 +55,16 @@ class Decision:
     """Strategies estimated (plus the reroute plan)."""
     search_time_s: float
     expected_interval_s: float
+    """Eq. 8's horizon: the expected seconds to the next failure it weighs each candidate over."""
     note: str = ""
     source: str = "cold"
     """Where its candidates were priced: "cold" (at the failure), "prepared" (in advance,
     for this failure) or "renamed" (in advance, for an equivalent failure on a symmetric
     plan: ``planner.symmetry``)."""
+    interval_source: str = ""
+    """Where ``expected_interval_s`` came from (``DecisionCenter`` fills it in): the prior
+    ``odyssey.device_mtbf_hours``, the failures seen (``FailureRateModel.source``), or the
+    caller's hindsight."""
     replaced: Optional[ExecutionPlan] = None
     """The plan the job ran before it (``DecisionCenter`` fills it in): what the chosen
     plan's transfers move weights from."""
@@ -236,7 +242,8 @@ def draft_candidates(
     if want_reparallelize or not drafts:
         if not want_reparallelize:
             pricer.notes.append("falling back to reparallelize")
-        drafts.extend(_reparallelized(pricer, search, affected=affected))
+        sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
+        drafts.extend(_reparallelized(pricer, search, sweep=sweep))
     if not drafts:
         raise UnrecoverableFailure("; ".join(pricer.notes) or "no candidate plan")
     for draft in drafts:
@@ -276,10 +283,24 @@ def _rerouted(pricer: _Pricer) -> Draft | None:
     return reroute
 
 
-def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, affected: bool) -> list[Draft]:
-    """The fastest reparallelized layouts (``PLACED_LAYOUTS`` of them) placed and priced;
-    the search sweeps every pipeline length on joins (``odyssey.length_sweep``) or when no
-    layout near the current DP degree fits."""
+def _alive_dp(current: ExecutionPlan, cluster: ClusterState) -> int | None:
+    """Where ``current`` runs broken pipelines (a reroute's), the DP degree the live workers
+    give at its mean pipeline length: a second centre of the search's window, as its DP
+    degree counts the broken pipelines (after a few node failures the layouts that use
+    the survivors lie outside the window around it alone). None for a plan of whole
+    pipelines, whose DP degree is that centre."""
+    if all(stage.worker is not None for _, _, stage in current.stage_positions()):
+        return None
+    stages = sum(len(p.stages) for p in current.pipelines)
+    return max(1, round(len(cluster.alive_workers) * len(current.pipelines) / stages))
+
+
+def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, sweep: bool) -> list[Draft]:
+    """The fastest reparallelized layouts (``PLACED_LAYOUTS`` of them, and the fastest
+    symmetric one beside them), as the runtime runs them (``ReparallelizeSearch.layouts``),
+    placed and priced. The search's window lies around the current DP degree and, after a
+    reroute, the one the workers alive give (``_alive_dp``); it sweeps every pipeline length too where
+    ``sweep`` says or when no layout near the current DP degree fits."""
     current, cluster, profile, settings = pricer.current, pricer.cluster, pricer.profile, pricer.settings
     if search is None:
         search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
@@ -289,18 +310,26 @@ def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, affe
         num_workers=len(cluster.alive_workers),
         num_micro_batches=current.num_micro_batches,
         current_dp=len(current.pipelines),
+        alive_dp=_alive_dp(current, cluster),
         dp_radius=settings.dp_search_radius,
         pp_radius=settings.pp_search_radius,
+        fastest=PLACED_LAYOUTS,
+        pricing=settings.pricing,
+        checkpoint=pricer.checkpoint,
     )
-    sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
     pricer.checkpoint()
     layouts = search.layouts(**window, sweep=sweep)
-    if not layouts and not sweep:  # Eq. 8 needs a reparallelized rival, and one beats a checkpoint restart
+    far = [abs(len(layout.splits) - len(current.pipelines)) > settings.dp_search_radius for layout in layouts]
+    if not sweep and all(far):  # Eq. 8 needs a reparallelized rival, and one beats a checkpoint restart
         pricer.notes.append("no layout near the current DP degree fits; swept every pipeline length")
         layouts = search.layouts(**window, sweep=True)
     pricer.considered += len(layouts)
+    placed = layouts[:PLACED_LAYOUTS]
+    if not any(layout.symmetric for layout in placed):  # ``layouts`` puts the fastest symmetric one next
+        placed += [layout for layout in layouts[PLACED_LAYOUTS:PLACED_LAYOUTS + 1]
+                   if layout.symmetric and layout.step_time_s is not None]
     drafts = []
-    for layout in layouts[:PLACED_LAYOUTS]:
+    for layout in placed:
         pricer.checkpoint()
         plan = place_layout(layout, current=current, holdings=pricer.holdings, cluster=cluster, profile=profile)
         moving = pricer.moving_s(plan)

@@ -92,6 +92,12 @@ class SplitSearch:
             peak = max(peak, static + min(num_stages - s, num_micro_batches) * activation)
         return stage_times, peak
 
+    def busiest_stage_s(self, split: tuple[int, ...]) -> float:
+        """Forward plus backward seconds of one micro-batch on the slowest stage of ``split``."""
+        num_stages = len(split)
+        return max(sum(self._stage_cost(start, end, s == 0, s == num_stages - 1)[0])
+                   for s, (start, end) in enumerate(stage_ranges(split)))
+
     def pipeline_cost(self, split: tuple[int, ...], num_micro_batches: int) -> tuple[float, int]:
         """(pipeline time, peak memory of its fullest stage) for one pipeline."""
         key = (split, num_micro_batches)

@@ -66,6 +66,15 @@ class FailureRateModel:
             return 1.0 / self.device_mtbf_hours
         return (self.prior_failures + self.observed_failures) / (prior_hours + self.observed_device_hours)
 
+    @property
+    def source(self) -> str:
+        """Where the rate comes from, in words: the prior alone or the failures seen."""
+        prior = f"the prior odyssey.device_mtbf_hours={self.device_mtbf_hours:g}"
+        if not self.learn or not self.observed_failures:
+            return prior
+        return (f"{self.observed_failures} failure(s) seen over {self.observed_device_hours:.4g} device-hours, "
+                f"with {prior} worth {self.prior_failures:g}")
+
     def expected_interval_s(self, alive_devices: int) -> float:
         """Expected seconds until the next failure among ``alive_devices``."""
         return SECONDS_PER_HOUR / (self.rate_per_device_hour * max(alive_devices, 1))

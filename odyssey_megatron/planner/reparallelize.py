@@ -4,23 +4,32 @@ For each candidate strategy (pipeline lengths over the survivors): distribute th
 pick each length's best layer split, estimate step time as the slowest pipeline plus DP
 sync in coloured rounds. The best few strategies are then placed on real workers by the
 restorer's Kuhn-Munkres assignment, which also yields their weight transfers.
+
+Layouts are ranked by the pricing that scores the plans (``ReparallelizeSearch.layouts``):
+a layout's layer splits are chosen on plain 1F1B (cheap, thousands per decision), but its
+step is priced as the runtime runs it, split backwards and staggered optimizer steps
+included, which moves a long pipeline's bubble into weight-gradient work and can reorder
+the layouts by 20 %. Only the layouts that can still reach the fastest few are priced so.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Optional, Sequence
 
 from odyssey_megatron.blocks import Block
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import allreduce_time
+from odyssey_megatron.estimator.optimizer import optimizer_time
+from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
 from odyssey_megatron.planner.strategies import parallel_strategies, pipeline_length_sweep
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import color_rounds, plan_weight_transfer, sync_units, with_sync
+from odyssey_megatron.settings import PLAIN, Pricing
 
 
 @dataclass(frozen=True)
@@ -31,15 +40,27 @@ class Layout:
     """Layer counts per stage, one entry per pipeline."""
     micro_batches: tuple[int, ...]
     est_step_time_s: float
+    """Plain 1F1B pipeline time plus DP sync: what its layer splits and batch shares were
+    chosen by (``_layout``)."""
+    step_time_s: Optional[float] = None
+    """Its step as the plan placed from it runs (``ReparallelizeSearch.price``); None where
+    ``layouts`` did not need it."""
+
+    @property
+    def symmetric(self) -> bool:
+        """Megatron's DP x PP: every pipeline has the same layer split."""
+        return len(set(self.splits)) == 1
 
 
 class ReparallelizeSearch:
-    """Algorithm 1 for one decision (the split and sync-round caches live as long as it)."""
+    """Algorithm 1 for one decision (the split, sync-round and price caches live as long as it)."""
 
     def __init__(self, profile: ModelProfile, *, max_layer_splits: int):
         self.profile = profile
         self.splits = SplitSearch(profile, limit=max_layer_splits)
         self._sync_cache: dict[tuple, float] = {}
+        self._priced: dict[tuple, float] = {}
+        """Priced pipeline and optimizer seconds per set of (split, micro-batches) classes and pricing."""
         self._found: dict[tuple, list[Layout]] = {}
         """``layouts`` per window: every failure of one worker leaves the same number of
         survivors, so the decisions prepared for them share one search."""
@@ -52,29 +73,40 @@ class ReparallelizeSearch:
         current_dp: int,
         dp_radius: int,
         pp_radius: int,
+        alive_dp: int | None = None,
         sweep: bool = False,
+        fastest: int = 1,
+        pricing: Pricing = PLAIN,
+        checkpoint: Callable[[], None] = lambda: None,
     ) -> list[Layout]:
-        """Every feasible candidate layout, fastest first: the strategies within the radii of
-        the current DP degree and, with ``sweep``, one per pipeline length plus the radii
-        around the DP degree of the fastest of those."""
-        key = (num_workers, num_micro_batches, current_dp, dp_radius, pp_radius, sweep)
+        """Every feasible candidate layout: the strategies within the radii of the DP degree
+        ``current_dp`` and of ``alive_dp`` (the DP degree the workers alive give) and, with ``sweep``, one per pipeline length plus the radii around
+        the DP degree of the fastest of those; each leaves idle fewer workers than its
+        shortest pipeline has stages (without ``sweep``, fewer than the pipeline length of
+        the window's centre). The ``fastest`` fastest
+        as priced (``price``, with ``pricing``: how the plans run) come first, fastest first,
+        then the fastest symmetric layout where they do not hold it, then the rest
+        (``step_time_s`` None where a lower bound shows they are not among those). ``checkpoint``
+        is called between two pricings and may raise to stop the search."""
+        key = (num_workers, num_micro_batches, current_dp, alive_dp, dp_radius, pp_radius, sweep, fastest, pricing)
         if key not in self._found:
-            self._found[key] = self._search(num_workers=num_workers, num_micro_batches=num_micro_batches,
-                                            current_dp=current_dp, dp_radius=dp_radius, pp_radius=pp_radius,
-                                            sweep=sweep)
+            self._found[key] = self._ranked(
+                self._search(num_workers=num_workers, num_micro_batches=num_micro_batches, current_dp=current_dp,
+                             alive_dp=alive_dp, dp_radius=dp_radius, pp_radius=pp_radius, sweep=sweep, checkpoint=checkpoint),
+                fastest=fastest, pricing=pricing, checkpoint=checkpoint)
         return list(self._found[key])
 
-    def _search(self, *, num_workers: int, num_micro_batches: int, current_dp: int, dp_radius: int, pp_radius: int,
-                sweep: bool) -> list[Layout]:
-        max_idle = max(0, num_workers // max(current_dp, 1) - 1)
-        centres = [current_dp]
+    def _search(self, *, num_workers: int, num_micro_batches: int, current_dp: int, alive_dp: int | None,
+                dp_radius: int, pp_radius: int, sweep: bool, checkpoint: Callable[[], None]) -> list[Layout]:
+        """The candidate layouts, priced on plain 1F1B (``_layout``)."""
+        centres = dict.fromkeys([current_dp] + ([alive_dp] if alive_dp is not None else []))
         found: dict[tuple[int, ...], Layout] = {}
         if sweep:
             coarse = pipeline_length_sweep(num_workers=num_workers, max_stages=self.profile.num_layers,
-                                           max_idle=max_idle)
-            found.update(self._layouts(coarse, num_micro_batches))
+                                           max_idle=self.profile.num_layers - 1)
+            found.update(self._layouts(coarse, num_micro_batches, checkpoint))
             if found:
-                centres.append(len(min(found.values(), key=_speed).splits))
+                centres[len(min(found.values(), key=_speed).splits)] = None
         for centre in centres:
             strategies = parallel_strategies(
                 num_workers=num_workers,
@@ -82,16 +114,80 @@ class ReparallelizeSearch:
                 dp_radius=dp_radius,
                 pp_radius=pp_radius,
                 max_stages=self.profile.num_layers,
-                max_idle=max_idle,
+                # a strategy idles fewer workers than its shortest pipeline has stages; the
+                # window alone (a decision on the critical path), fewer than its centre's length
+                max_idle=self.profile.num_layers - 1 if sweep else max(0, num_workers // max(centre, 1) - 1),
             )
-            found.update(self._layouts([s for s in strategies if s not in found], num_micro_batches))
-        return sorted(found.values(), key=_speed)
+            found.update(self._layouts([s for s in strategies if s not in found], num_micro_batches, checkpoint))
+        return list(found.values())
 
-    def _layouts(self, strategies: list[tuple[int, ...]], num_micro_batches: int) -> dict[tuple[int, ...], Layout]:
+    def _ranked(self, layouts: list[Layout], *, fastest: int, pricing: Pricing,
+                checkpoint: Callable[[], None]) -> list[Layout]:
+        """``layouts`` in the order ``layouts`` describes. Each is priced (``price``) in order
+        of its lower bound (``lower_bound_s``) while that bound is below the ``fastest``-th
+        fastest step priced so far, or, for a symmetric layout, below the fastest symmetric
+        one's: the head is what pricing them all would give. The rest follow by bound."""
+        bounded = sorted((self.lower_bound_s(layout), _speed(layout), i) for i, layout in enumerate(layouts))
+        priced: list[Layout] = []
+        rest: list[tuple[float, tuple, int]] = []
+        symmetric = float("inf")
+        for bound, speed, i in bounded:
+            layout = layouts[i]
+            times = sorted(p.step_time_s for p in priced)
+            kth = times[fastest - 1] if len(times) >= fastest else float("inf")
+            if bound >= kth and not (layout.symmetric and bound < symmetric):
+                rest.append((bound, speed, i))
+                continue
+            checkpoint()
+            layout = replace(layout, step_time_s=self.price(layout, pricing=pricing))
+            priced.append(layout)
+            if layout.symmetric:
+                symmetric = min(symmetric, layout.step_time_s)
+        priced.sort(key=_priced_speed)
+        head = priced[:fastest]
+        best_symmetric = next((p for p in priced if p.symmetric), None)
+        if best_symmetric is not None and best_symmetric not in head:
+            head.append(best_symmetric)
+        return head + sorted((p for p in priced if p not in head), key=_priced_speed) + [
+            layouts[i] for _, _, i in sorted(rest)]
+
+    def _classes(self, layout: Layout) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """The layout's distinct (layer split, micro-batches) pipelines."""
+        return tuple(sorted(set(zip(layout.splits, layout.micro_batches))))
+
+    def lower_bound_s(self, layout: Layout) -> float:
+        """No schedule runs a step of ``layout`` faster (``price`` included): its busiest
+        worker's forwards and backwards, one after another, then its DP sync."""
+        busiest = max(share * self.splits.busiest_stage_s(split) for split, share in self._classes(layout))
+        return busiest + self._sync_time(layout.splits)
+
+    def price(self, layout: Layout, *, pricing: Pricing) -> float:
+        """``layout``'s step as ``estimate_plan`` prices the plan placed from it with
+        ``pricing``: one pipeline of each class (the estimator keeps no more,
+        ``estimator.distinct``) on adjacent workers, its DP sync and optimizer step, less the
+        global norm's all-reduce, alike for every layout."""
+        classes = self._classes(layout)
+        key = classes, pricing
+        if key not in self._priced:
+            pipelines, worker = [], 0
+            for (split, _), ids in zip(classes, assign_micro_batch_ids([share for _, share in classes])):
+                stages = []
+                for layers in stage_ranges(split):
+                    stages.append(StagePlan(worker, layers))
+                    worker += 1
+                pipelines.append(PipelinePlan(tuple(stages), ids))
+            sample = ExecutionPlan(0, "reparallelize", self.profile.num_layers, 1, tuple(pipelines))
+            _, pipeline_s = timed_step_schedule(sample, self.profile, pricing=pricing)
+            self._priced[key] = pipeline_s + optimizer_time(sample, self.profile, None, staggered=True)
+        return self._priced[key] + self._sync_time(layout.splits)
+
+    def _layouts(self, strategies: list[tuple[int, ...]], num_micro_batches: int,
+                 checkpoint: Callable[[], None]) -> dict[tuple[int, ...], Layout]:
         layouts = {}
         for strategy in strategies:
             if len(strategy) > num_micro_batches:
                 continue
+            checkpoint()
             layout = self._layout(strategy, num_micro_batches)
             if layout is not None:
                 layouts[strategy] = layout
@@ -177,6 +273,11 @@ class ReparallelizeSearch:
                 total += slowest
             self._sync_cache[key] = total
         return self._sync_cache[key]
+
+
+def _priced_speed(layout: Layout) -> tuple[float, int]:
+    """Fastest as priced first; on a tie, fewer pipelines."""
+    return layout.step_time_s, len(layout.splits)
 
 
 def _speed(layout: Layout) -> tuple[float, int]:

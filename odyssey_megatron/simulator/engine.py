@@ -16,7 +16,7 @@ from typing import Callable
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent
-from odyssey_megatron.simulator.system import STOPPED, TRAINING, Outcome, Phase, System
+from odyssey_megatron.simulator.system import STOPPED, TRAINING, Horizon, Outcome, Phase, System
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class Timeline:
     lost_time_s: float = 0.0
     """Wall seconds of training whose progress a rollback threw away."""
     notes: list[tuple[float, str]] = field(default_factory=list)
+    horizons: list[Horizon] = field(default_factory=list)
+    """The horizon of each Eq. 8 decision (``Outcome.horizon``), in event order."""
 
     @property
     def samples(self) -> float:
@@ -133,6 +135,8 @@ def run_system(
         ahead[:] = _phases(outcome, event.time_s, checkpoint_duty)
         last_event = event.time_s
         timeline.notes.append((event.time_s, f"{event.kind} {len(changed) * tp} device(s): {outcome.note}"))
+        if outcome.horizon is not None:
+            timeline.horizons.append(outcome.horizon)
         if on_event is not None:
             on_event()
     advance(duration_s)

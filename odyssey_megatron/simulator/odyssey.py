@@ -23,7 +23,7 @@ from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.simulator.restart import restart_onto_symmetric
-from odyssey_megatron.simulator.system import Outcome, SimulationContext, initial_layout
+from odyssey_megatron.simulator.system import Horizon, Outcome, SimulationContext, initial_layout
 
 
 class OdysseySystem:
@@ -89,7 +89,10 @@ class OdysseySystem:
         self.step_s = chosen.estimate.step_time_s
         pause = (self.detection_s if failed else 0.0) + chosen.transition_s
         return Outcome(pause_s=pause, samples_per_s=chosen.estimate.samples_per_s, lost_s=lost,
-                       note=f"{note}: {chosen.policy} {chosen.layout}")
+                       note=f"{note}: {chosen.policy} {chosen.layout}",
+                       horizon=Horizon(now_s, decision.expected_interval_s,
+                                       "hindsight: the scenario's next event, or its end" if self.event_times
+                                       is not None else decision.interval_source))
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
         return self._react(cluster, now_s, f"{len(failed)} worker(s) failed", workers=failed, failed=True)

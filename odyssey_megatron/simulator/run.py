@@ -22,7 +22,7 @@ from odyssey_megatron.simulator.recycle import ReCycleSystem
 from odyssey_megatron.simulator.redistribute import RedistributeSystem
 from odyssey_megatron.simulator.replica_drop import ReplicaDropSystem
 from odyssey_megatron.simulator.scenario import Scenario
-from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, TRAINING, SimulationContext
+from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, TRAINING, Horizon, SimulationContext
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
 
@@ -48,6 +48,9 @@ class SystemSummary:
     dropped_samples: float
     """Samples the steps lacked against the job's global batch (a system that shrinks the
     batch); 0 for the others."""
+    horizons: tuple[Horizon, ...] = ()
+    """Each Eq. 8 decision's horizon and where its failure rate came from (Odyssey's
+    systems); empty for the others."""
 
 
 @dataclass
@@ -240,5 +243,6 @@ def simulate(
             paid_devices=paid[name],
             ettr=duty * (timeline.time_in(TRAINING) - timeline.lost_time_s) / duration,
             dropped_samples=timeline.dropped_samples,
+            horizons=tuple(timeline.horizons),
         )
     return SimulationResult(scenario, events, fault_free, ideal, timelines, summaries)

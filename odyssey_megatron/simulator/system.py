@@ -11,7 +11,7 @@ and the systems differ only by how they handle failures.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, Protocol
+from typing import AbstractSet, Optional, Protocol
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
@@ -39,6 +39,18 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class Horizon:
+    """The horizon an Eq. 8 decision weighed its candidates over (``planner.Decision``)."""
+
+    time_s: float
+    """When the event it answered struck, in seconds since the start."""
+    expected_interval_s: float
+    """The expected seconds to the next failure."""
+    source: str
+    """Where the failure rate behind it came from (``Decision.interval_source``)."""
+
+
+@dataclass(frozen=True)
 class Outcome:
     pause_s: float
     """Seconds with zero throughput before training resumes (decide, move, restart)."""
@@ -56,6 +68,8 @@ class Outcome:
     dropped_per_s: float = 0.0
     """Samples/s by which the steps at ``samples_per_s`` fall short of the job's global
     batch: a system that shrinks the batch (replica drop) trains them nowhere."""
+    horizon: Optional[Horizon] = None
+    """A system that decides by Eq. 8 (Odyssey): the horizon it weighed the event over."""
 
 
 @dataclass(frozen=True)
