@@ -14,13 +14,14 @@ admits a joiner ends at a step boundary: the step the controller's handover mark
 
 from __future__ import annotations
 
+import datetime
 import logging
 
 from odyssey_megatron.phases import Phase
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol.keys import abort_key, final_key
 from odyssey_megatron.runtime.rank.generation import Generation, GenerationEnded
-from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
+from odyssey_megatron.runtime.rank.live_step import AfterStall, commit_step, train_step
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
 from odyssey_megatron.runtime.rank.snapshots import SnapshotTaker
 from odyssey_megatron.runtime.rank.worker_process import WorkerProcess
@@ -93,8 +94,13 @@ class TrainingLoop:
         """With this rank's gradients final: report the step, count in, and return once it
         committed (then the optimizer step is applied); GenerationEnded if it was frozen."""
         process, snapshots = self.process, self.generation.snapshots
+        after_stall = AfterStall(report=lambda detail: process.link.report_stall(self.generation.plan.generation,
+                                                                                 detail),
+                                 reconnect=process.renew_group_store,
+                                 timeout=datetime.timedelta(seconds=process.timeouts.recovery_timeout))
         outcome = commit_step(ledger=self.generation.ledger, rank=process.launch.rank, step=step, losses=losses,
-                              samples=samples, op_timers=process.op_timers, timeout=process.collective_timeout)
+                              samples=samples, op_timers=process.op_timers, timeout=process.collective_timeout,
+                              after_stall=after_stall)
         if not outcome.committed:
             raise GenerationEnded(f"step {step} did not commit")
         self.handed_over = outcome is Outcome.LAST
