@@ -45,6 +45,11 @@ class TrainingLoop:
     def __init__(self, generation: Generation):
         self.generation, self.process = generation, generation.process
         self.handed_over = False
+        process = self.process
+        self._after_stall = AfterStall(
+            report=lambda detail: process.link.report_stall(generation.plan.generation, detail),
+            reconnect=process.renew_group_store, timeout=datetime.timedelta(seconds=process.timeouts.recovery_timeout))
+        """A wait for a step's decision that ran out: reported, then the controller's decision taken."""
 
     def run(self) -> None:
         """Build the stage, train to the run's last step or the handover, write the final
@@ -94,13 +99,9 @@ class TrainingLoop:
         """With this rank's gradients final: report the step, count in, and return once it
         committed (then the optimizer step is applied); GenerationEnded if it was frozen."""
         process, snapshots = self.process, self.generation.snapshots
-        after_stall = AfterStall(report=lambda detail: process.link.report_stall(self.generation.plan.generation,
-                                                                                 detail),
-                                 reconnect=process.renew_group_store,
-                                 timeout=datetime.timedelta(seconds=process.timeouts.recovery_timeout))
         outcome = commit_step(ledger=self.generation.ledger, rank=process.launch.rank, step=step, losses=losses,
                               samples=samples, op_timers=process.op_timers, timeout=process.collective_timeout,
-                              after_stall=after_stall)
+                              after_stall=self._after_stall)
         if not outcome.committed:
             raise GenerationEnded(f"step {step} did not commit")
         self.handed_over = outcome is Outcome.LAST
