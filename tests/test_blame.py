@@ -73,6 +73,24 @@ def test_a_rank_with_no_position_in_the_generation_is_behind_the_one_waiting_for
     assert waits.behind(1, {**positions, 3: None}) == (3,)
 
 
+LATE_TO_COUNT_IN = {0: (STEP, 5), 1: (STEP, 5), 2: (STEP, 5), 3: (STEP, 4)}
+"""Every worker is past its four ops; all but worker 3 counted into the step's commit
+(one past the ops) and wait for its decision: worker 3 is late between its clipping and
+its count-in."""
+
+
+def test_a_commit_wait_that_ran_out_is_blamed_on_the_worker_not_counted_in():
+    """On the code before the count-in position, the waiting worker past its ops saw
+    nobody behind (every worker was past its ops) and was named itself."""
+    waits = WaitGraph(*_plan_and_program())
+    for reporter in (0, 1, 2):
+        assert waits.waits_for(reporter, LATE_TO_COUNT_IN) == {3}
+        assert waits.behind(reporter, LATE_TO_COUNT_IN) == (3,)
+    assert waits.waits_for(3, LATE_TO_COUNT_IN) == set()  # nobody before it: it is the one behind
+    still_computing = {**LATE_TO_COUNT_IN, 2: (STEP, 3)}
+    assert waits.behind(0, still_computing) == (2,)  # the one short of its ops, wherever the others are
+
+
 def test_a_worker_behind_is_blamed_with_every_tp_rank_it_has():
     waits = WaitGraph(*_plan_and_program(tensor_parallel_size=2))
     positions = {2 * worker + k: position for worker, position in HUNG_IN_STAGE_1.items() for k in (0, 1)}
@@ -107,6 +125,16 @@ def test_the_detector_fails_the_rank_behind_from_the_generations_beats_and_keeps
                               "a collective waited over the collective timeout (30.0 s)")
     states = {rank: row["state"] for rank, row in detector.workers().items()}
     assert states == {0: "alive", 1: "alive", 2: "failed", 3: "alive"}
+
+
+def test_the_detector_fails_the_rank_late_to_count_in_when_a_commit_wait_runs_out():
+    detector = _detector()
+    detector.observe(_node_beat(1, LATE_TO_COUNT_IN), now=0.1)
+    stall = CollectiveStalled(1, GENERATION, "step 3: no decision within the collective timeout", 5.0,
+                              *LATE_TO_COUNT_IN[1])
+    failure = detector.rank_stalled(stall, wall=6.0, waits=WaitGraph(*_plan_and_program()))
+    assert (failure.cause, failure.ranks) == (Cause.STALL, (3,))
+    assert detector.workers()[1]["state"] == "alive"
 
 
 def test_a_stall_blamed_on_a_rank_already_failed_fails_nobody_more():

@@ -1,7 +1,9 @@
 """Ranks commit a step per node (``runtime.rank.node_ledger``): the same decisions as the
 step ledger's per rank, with a node's requests on the controller's store instead of each
 rank's, and a node that loses its carrier still learns the step's fate from the
-controller. Threads over a thread-safe dict store stand in for the ranks and the stores."""
+controller. Threads over a thread-safe dict store stand in for the ranks and the stores.
+A wait for the decision that runs out is reported as a stall, and every rank then takes
+the decision the controller makes, ordered here by the stall report itself."""
 
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from odyssey_megatron.runtime.protocol.keys import node_applied_key, step_report_key
+from odyssey_megatron.runtime.rank.live_step import AfterStall, commit_step
 from odyssey_megatron.runtime.rank.node_ledger import NodeLedger
+from odyssey_megatron.runtime.rank.op_timers import OpTimers
 from odyssey_megatron.runtime.step_ledger import Outcome, StepLedger
 
 TIMEOUT = datetime.timedelta(seconds=10)
@@ -139,3 +144,62 @@ def test_no_decision_within_the_timeout_is_a_store_error():
     ledger.count_in(STEP, '{"rank": 0}\n', timeout=TIMEOUT)
     with pytest.raises(dist.DistStoreError, match="no decision within the timeout"):
         ledger.wait_decided(STEP, timeout=datetime.timedelta(seconds=0.2))
+
+
+def _late_rank_and_waiter(*, same_node: bool):
+    """Rank 0 counts into a two-rank step; rank 1 is late to, on rank 0's node or another.
+    (main store, rank 0's ledger, the late rank's count-in, run when called)"""
+    main, node_0 = ThreadStore(), ThreadStore()
+    node_1 = node_0 if same_node else ThreadStore()
+    node_ranks = 2 if same_node else 1
+    waiter = NodeLedger(StepLedger(main, generation=GENERATION, training_ranks=2), lambda: node_0,
+                        node_ranks=node_ranks, check_s=0.05)
+    late = NodeLedger(StepLedger(main, generation=GENERATION, training_ranks=2), lambda: node_1,
+                      node_ranks=node_ranks, check_s=0.05)
+    return main, waiter, lambda: late.count_in(STEP, '{"rank": 1}\n', timeout=TIMEOUT)
+
+
+def _commit_waiting_out(ledger: NodeLedger, main: ThreadStore, on_stall) -> tuple[Outcome, list[str]]:
+    """Rank 0's commit with a short wait for the decision; ``on_stall`` runs as its stall is
+    reported, with the position the report carries. (its outcome, the stalls reported)"""
+    timers, stalls = OpTimers(torch.device("cpu")), []
+    timers.begin_step(STEP)
+
+    def report(detail: str) -> None:
+        stalls.append(detail)
+        on_stall(timers.position)
+
+    after_stall = AfterStall(report=report, reconnect=lambda: main, timeout=TIMEOUT)
+    outcome = commit_step(ledger=ledger, rank=0, step=STEP, losses={0: 1.0}, samples={0: [7]}, lr=1e-3, op_timers=timers,
+                          timeout=datetime.timedelta(seconds=0.2), after_stall=after_stall)
+    return outcome, stalls
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_a_commit_wait_that_runs_out_is_reported_and_takes_the_step_the_late_rank_commits_after(same_node):
+    """On the code before, the wait that ran out left the generation without the step, and
+    the late rank's count-in then committed it: rank 0 would have died entering the next
+    generation, its blocks a step behind the committed ones."""
+    main, waiter, late_count_in = _late_rank_and_waiter(same_node=same_node)
+    positions = []
+    outcome, stalls = _commit_waiting_out(waiter, main, lambda position: (positions.append(position),
+                                                                           late_count_in()))
+    assert outcome is Outcome.COMMITTED
+    assert StepLedger(main, generation=GENERATION, training_ranks=2).committed(STEP)
+    assert len(stalls) == 1 and f"step {STEP} not decided" in stalls[0]
+    assert positions == [(STEP, 1)]  # past its (no) ops and counted in: blamed on whoever is not
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_a_step_the_controller_froze_after_the_stall_is_applied_by_neither_the_waiter_nor_the_late_rank(same_node):
+    main, waiter, late_count_in = _late_rank_and_waiter(same_node=same_node)
+    controller = StepLedger(main, generation=GENERATION, training_ranks=2)
+    late = []
+
+    def end_generation(_position) -> None:  # the controller ends the generation the stall blamed on rank 1
+        assert controller.freeze(STEP, STEP) == []
+        late.append(late_count_in())
+
+    outcome, _ = _commit_waiting_out(waiter, main, end_generation)
+    assert outcome is Outcome.FROZEN and late == [Outcome.FROZEN]
+    assert not controller.committed(STEP)

@@ -1,5 +1,6 @@
 """Who snapshots which block, and where a rollback reads or rebuilds each one: the tiny
-recipe's plans, worked by hand, and random failures checked against what must hold."""
+recipe's plans, worked by hand, and random failures checked against what must hold; and
+which keepers the run's owner counts lost to a snapshot as nodes go and come back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.blocks import worker_blocks
 from odyssey_megatron.planner import UnrecoverableFailure
-from odyssey_megatron.runtime.control.detector import Detector
+from odyssey_megatron.runtime.control.controller import Controller
+from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure
+from odyssey_megatron.runtime.control.run_state import RunState
+from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 from odyssey_megatron.runtime.protocol.keys import node_heartbeat_key
 from odyssey_megatron.runtime.protocol.messages import NodeHeartbeat, NodeRegistration
 from odyssey_megatron.snapshot.restore import (
@@ -242,3 +246,32 @@ def _check_every_block_arrives(restore: Restore, plan, config) -> None:
     for worker in plan.workers:
         arriving = {t.layer for t in plan.transfers if t.dst == worker}
         assert set(worker_blocks(plan, worker, tied=config.model.tie_embeddings)) <= held.get(worker, set()) | arriving
+
+
+def test_a_node_registered_again_has_its_old_shards_lost_and_its_new_ones_read_where_its_fresh_keeper_holds_them(
+        tmp_path):
+    """4 nodes of 2. Node 1 (ranks 2, 3) is lost after the snapshot of step 4 (generation 0):
+    its shards stay lost once the node registered again and a generation took it back, until
+    a snapshot of that generation completes, written to its fresh keeper. Node 2 (ranks 4, 5)
+    lost then rolls back to that one, reading node 1's shards on node 1. On the code before,
+    node 1's keeper counted as lost for good: ranks 2 and 4, of one protection group, both
+    lost, and the run could not go on."""
+    c, config = center(2)
+    controller = Controller(host="127.0.0.1", port=0, timeouts=config.odyssey.timeouts, run_dir=tmp_path)
+    run = RunState(config=config, controller=controller, center=c, run_dir=tmp_path)
+    following = SnapshotFollowing(run)
+    run.plan, run.committed = c.plan, 6  # generation 0 runs, past its first step
+    following.last = record_of(c, config)
+    node_1 = keepers(c, 1)
+    following.failed(Failure(Cause.NODE, tuple(node_1), 1, 1.0, 1.0, "lost", node_ranks=tuple(node_1)))
+    assert following.source(6).lost_keepers == node_1
+    run.plan = replace(c.plan, generation=2)  # node 1 registered again and generation 2 took it back
+    assert following.source(6).lost_keepers == node_1  # its fresh keeper holds nothing of step 4
+    following.last = SnapshotRecord(8, 2, run.plan, record_of(c, config).groups)
+    node_2 = keepers(c, 2)
+    following.failed(Failure(Cause.NODE, tuple(node_2), 2, 2.0, 2.0, "lost", node_ranks=tuple(node_2)))
+    source = following.source(9)
+    assert source.lost_keepers == node_2
+    restore = c.on_failure(nodes=[2], in_memory=True, snapshot=source).rollback
+    assert [rebuild.lost for rebuild in restore.rebuilds] == [4, 5]
+    assert {read.owner: read.reader for read in restore.reads if read.owner in (2, 3)} == {2: 2, 3: 3}

@@ -8,9 +8,12 @@ the op it computes or waits for), and the generation's step program says what th
 waits for: a forward above the first stage for the same micro-batch's forward on the stage
 before, a backward below the last stage for its backward on the stage after, wherever
 those run (a rerouting peer included); a weight gradient for nothing outside its rank. A
-rank past its op list (gradient sync, commit, optimizer, the next step's snapshot) waits
-for every rank not yet past its own. A rank of the generation with no position (still
-entering it, or not beating in it) waits for nobody anyone can see.
+rank past its op list (gradient sync, clipping) waits for every rank not yet past its own;
+one counted into the step's commit (its position one past its op list: it waits for the
+step's decision, ``runtime.step_ledger``) waits for every rank not yet counted in, which
+may be past its ops too (a rank late between its clipping and its count-in). A rank of
+the generation with no position (still entering it, or not beating in it) waits for
+nobody anyone can see.
 
 Following those waits from the reporter ends at ranks that wait for nobody: they are
 computing (slowly) or hung, and they are the ones behind. Where the chase ends at the
@@ -31,7 +34,8 @@ from odyssey_megatron.schedules.program import StepProgram
 __all__ = ["Position", "WaitGraph"]
 
 Position = tuple[int, int]
-"""(step, ops of its op list done) of a training rank (``Heartbeat.position``)."""
+"""(step, ops of its op list done) of a training rank (``Heartbeat.position``): one more
+than its ops once it counted into the step's commit."""
 
 
 class WaitGraph:
@@ -81,9 +85,10 @@ class WaitGraph:
             return set()
         step, done = position
         ops = self.program.ops[worker]
-        if done >= len(ops):  # past its ops: the step's end waits for every worker's
+        if done >= len(ops):  # past its ops, or counted in: for every worker's ops, or count-in
+            beyond = min(done - len(ops), 1)
             return {other for other, listed in self.program.ops.items()
-                    if other != worker and _before(positions.get(other), (step, len(listed)))}
+                    if other != worker and _before(positions.get(other), (step, len(listed) + beyond))}
         dependency = self._dependency(ops[done])
         if dependency is None or dependency not in self._where:
             return set()

@@ -9,6 +9,11 @@ rolls back to the run's start instead, which every rank can rebuild (the seed's 
 state, drawn deterministically, or the checkpoint the run resumed from), unless a disk
 checkpoint newer than that start holds more of the run: then, as when two losses in one
 parity group leave nothing to roll back to, the run fails, for ``--resume`` from it.
+
+A lost node's keeper takes along the shards of every snapshot taken up to then. A node
+that registers again comes with a fresh keeper, empty: the shards of those snapshots stay
+lost, while those its ranks write there once a later generation admits them are there, so
+a keeper is lost to a snapshot only where it went in or after the snapshot's generation.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ class SnapshotFollowing:
         """Steps between in-memory snapshots (``odyssey.snapshot_interval``; 0: none)."""
         self.last: Optional[SnapshotRecord] = None
         """The last complete snapshot."""
-        self.lost_keepers: set[int] = set()
-        """Ranks of the nodes lost so far: their keeper slots, and the snapshot shards in them, are gone."""
+        self.lost_keepers: dict[int, int] = {}
+        """Launch rank -> the newest generation published when its keeper slot last went
+        (its node lost), with the shards of every snapshot taken up to that generation."""
 
     def _interval(self) -> int:
         """``odyssey.snapshot_interval``, or Young's interval for the starting plan."""
@@ -52,7 +58,13 @@ class SnapshotFollowing:
 
     def failed(self, failure: Failure) -> None:
         """A lost node takes its keeper along: the slots of every rank it ran."""
-        self.lost_keepers.update(failure.node_ranks)
+        self.lost_keepers.update(dict.fromkeys(failure.node_ranks, self.run.plan.generation))
+
+    def lost_since(self, record: SnapshotRecord) -> frozenset[int]:
+        """Ranks whose keeper slot went since ``record`` was taken: its shards there are gone
+        (a slot that went before belongs to a node registered again since, whose fresh
+        keeper holds what its ranks wrote from a later generation on)."""
+        return frozenset(rank for rank, generation in self.lost_keepers.items() if generation >= record.generation)
 
     def collect(self) -> None:
         """Take in the newest snapshot of the running generation whose every part is in.
@@ -85,7 +97,7 @@ class SnapshotFollowing:
         step committed yet (every block is drawn again from the seed or checkpoint)."""
         if self.last is None or self.run.fresh:
             return None
-        return SnapshotSource(self.last, frozenset(self.lost_keepers), self.run.config.model,
+        return SnapshotSource(self.last, self.lost_since(self.last), self.run.config.model,
                               replayed_steps=committed_before - self.last.step)
 
     def start_replay_steps(self, committed_before: int) -> Optional[int]:

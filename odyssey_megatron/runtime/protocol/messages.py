@@ -88,7 +88,8 @@ class Heartbeat(Message):
     ops_done: Optional[int] = None
     """Ops of ``step``'s op list (forwards, backwards, weight gradients) finished: the next
     one, at this index, is what the worker computes or waits for; the list's length once
-    it is past them (gradient sync, commit, optimizer)."""
+    it is past them (gradient sync, clipping), one more once it counted into the step's
+    commit (it waits for the decision, then takes its optimizer step)."""
 
     def position(self) -> Optional[tuple[int, int]]:
         """(step, ops done) where the worker trains, else None."""

@@ -12,6 +12,12 @@ A rank waiting there also looks at the controller's decision key every ``check_s
 node whose carrier died (or never counted in) learns the step's fate from the controller,
 which freezes what cannot commit. Per step, the controller's store sees from a node one
 append, one add and a wait for the decision, whatever its number of ranks.
+
+A wait for the decision that runs out (a rank late to count in) is no decision: the rank
+reports the stall, and the controller, ending the generation, decides the step
+(``runtime.rank.live_step``); ``decided_after_stall`` waits for that decision, which may
+be a commit (the late rank counted in before the freeze), so every rank applies the step
+or none does.
 """
 
 from __future__ import annotations
@@ -62,6 +68,14 @@ class NodeLedger:
             outcome = self.ledger.wait_decided(step, timeout=timeout)
         self.node_store.set(node_decided_key(generation, step), outcome.value)
         return outcome
+
+    def decided_after_stall(self, step: int, store: StepStore, *, timeout: datetime.timedelta) -> Outcome:
+        """``step``'s outcome, after this rank's wait for it ran out and it reported the
+        stall, as ``wait_decided`` (up to ``timeout``). ``store``: a fresh connection to the
+        controller's store, which the ledger uses from now on: a wait that ran out leaves
+        its late answer to be read by the next request on the old one."""
+        self.ledger.store = store
+        return self.wait_decided(step, timeout=timeout)
 
     def wait_decided(self, step: int, *, timeout: datetime.timedelta) -> Outcome:
         """``step``'s outcome as the node's carrier left it, or as the controller's store

@@ -11,8 +11,9 @@ until ``take``. The online profile (``runtime.control.online_profile``) and the
 controller's straggler watch (``runtime.control.stragglers``) are fed from it.
 
 The same hooks say where the rank is in its step: ``position`` counts the ops (forwards,
-backwards, weight gradients) finished since ``begin_step``, which the worker's heartbeat
-carries so that the controller blames a hang on the rank that is behind. And they let a
+backwards, weight gradients) finished since ``begin_step``, and one more once the rank
+counted into the step's commit (``counting_in``), which the worker's heartbeat carries so
+that the controller blames a hang on the rank that is behind. And they let a
 ``slow`` fault (``runtime.rank.fault_injection``) stretch each op: with ``stretch`` above
 1, an op's timer sleeps at its stop for ``stretch - 1`` times what the op took, inside the
 timed interval, as a device that slow would take.
@@ -104,7 +105,8 @@ class OpTimers:
 
     position: Optional[tuple[int, int]]
     """(the step running, the ops of its op list finished: ``STEP_OPS`` timers stopped
-    since ``begin_step``); None outside training (``end_steps``)."""
+    since ``begin_step``, one more once it counts into the step's commit); None outside
+    training (``end_steps``)."""
     stretch: float
     """Each op takes this many times its own time (a ``slow`` fault); 1: as it comes."""
 
@@ -116,6 +118,13 @@ class OpTimers:
     def begin_step(self, step: int, *, stretch: float = 1.0) -> None:
         """Step ``step`` starts: no op of it done yet; its ops stretched by ``stretch``."""
         self.position, self.stretch = (step, 0), stretch
+
+    def counting_in(self) -> None:
+        """The rank counts into the step's commit, past its ops: it waits for the step's
+        decision now (``runtime.control.blame``: it waits for every rank not counted in)."""
+        if self.position is not None:
+            step, done = self.position
+            self.position = (step, done + 1)
 
     def end_steps(self) -> None:
         """The rank stops training (it leaves or enters a generation): no step to report."""

@@ -14,13 +14,14 @@ admits a joiner ends at a step boundary: the step the controller's handover mark
 
 from __future__ import annotations
 
+import datetime
 import logging
 
 from odyssey_megatron.phases import Phase
 from odyssey_megatron.runtime.final_model import write_final_part
 from odyssey_megatron.runtime.protocol.keys import abort_key, final_key
 from odyssey_megatron.runtime.rank.generation import Generation, GenerationEnded
-from odyssey_megatron.runtime.rank.live_step import commit_step, train_step
+from odyssey_megatron.runtime.rank.live_step import AfterStall, commit_step, train_step
 from odyssey_megatron.runtime.rank.plan_runner import PlanRunner
 from odyssey_megatron.runtime.rank.snapshots import SnapshotTaker
 from odyssey_megatron.runtime.rank.worker_process import WorkerProcess
@@ -44,6 +45,11 @@ class TrainingLoop:
     def __init__(self, generation: Generation):
         self.generation, self.process = generation, generation.process
         self.handed_over = False
+        process = self.process
+        self._after_stall = AfterStall(
+            report=lambda detail: process.link.report_stall(generation.plan.generation, detail),
+            reconnect=process.renew_group_store, timeout=datetime.timedelta(seconds=process.timeouts.recovery_timeout))
+        """A wait for a step's decision that ran out: reported, then the controller's decision taken."""
 
     def run(self) -> None:
         """Build the stage, train to the run's last step or the handover, write the final
@@ -95,7 +101,7 @@ class TrainingLoop:
         process, snapshots = self.process, self.generation.snapshots
         outcome = commit_step(ledger=self.generation.ledger, rank=process.launch.rank, step=step, losses=losses,
                               samples=samples, lr=self.generation.runner.optimizer.lr, op_timers=process.op_timers,
-                              timeout=process.collective_timeout)
+                              timeout=process.collective_timeout, after_stall=self._after_stall)
         if not outcome.committed:
             raise GenerationEnded(f"step {step} did not commit")
         self.handed_over = outcome is Outcome.LAST

@@ -177,6 +177,12 @@ class WorkerProcess:
         store.set_timeout(self.collective_timeout)
         return store
 
+    def renew_group_store(self) -> dist.Store:
+        """A fresh ``group_store``, after a wait on it ran out: that wait's late answer must
+        not be read as the next request's."""
+        self.group_store = self.store_for_steps()
+        return self.group_store
+
     def _on_controller_lost(self, why: str) -> None:
         """On the heartbeat thread: end the generation; the training thread saves and exits."""
         self.controller_lost = why
