@@ -102,6 +102,7 @@ from executor_overhead import (  # noqa: E402 - benchmarks/ is no package: its p
 
 from odyssey_megatron.cluster import ClusterState  # noqa: E402
 from odyssey_megatron.estimator.program import step_program  # noqa: E402
+from odyssey_megatron.estimator.snapshot import young_interval_steps  # noqa: E402
 from odyssey_megatron.phases import Phase  # noqa: E402
 from odyssey_megatron.plan import ExecutionPlan  # noqa: E402
 from odyssey_megatron.profile import uniform_profile  # noqa: E402
@@ -163,15 +164,16 @@ class _TimedTaker(SnapshotTaker):
 
     spans: dict[str, list[float]]
 
-    def _write(self, step, index, tensors) -> None:
+    def _write(self, *args) -> None:
         started = time.perf_counter()
-        super()._write(step, index, tensors)
+        super()._write(*args)
         self.spans["write"].append(time.perf_counter() - started)
 
 
 def _instrumented_spans() -> dict[str, list[float]]:
     """Time the snapshot thread's copy into keeper memory (``pack``) and parity (``encode``)
     where ``SnapshotTaker._write`` calls them: in this rank process only, the package as it is."""
+    import odyssey_megatron.snapshot.keeper_copy as copy_module
     import odyssey_megatron.runtime.rank.snapshots as taker_module
 
     spans: dict[str, list[float]] = {"write": [], "pack": [], "encode": [], "count_in": []}
@@ -185,7 +187,7 @@ def _instrumented_spans() -> dict[str, list[float]]:
                 spans[name].append(time.perf_counter() - started)
         return call
 
-    taker_module.pack = timed("pack", taker_module.pack)
+    copy_module.pack = timed("pack", copy_module.pack)
     taker_module.encode = timed("encode", taker_module.encode)
     return spans
 
@@ -193,20 +195,20 @@ def _instrumented_spans() -> dict[str, list[float]]:
 class SnapshottingStep(LiveWorkerStep):
     """executor_overhead's ``LiveWorkerStep`` (the worker's whole step), with the worker's
     snapshots where ``slot`` is given: ``take`` as the step starts (the ``snapshot`` phase
-    fired first), ``wait_written`` in the commit before the optimizer step, as
-    ``runtime.rank.training_loop`` wires them; a snapshot every step (interval 1)."""
+    fired first), ``wait_copied`` in the commit before the optimizer step, as
+    ``runtime.rank.training_loop`` wires them; a snapshot every ``interval`` steps."""
 
-    def __init__(self, *, slot, spans, **kwargs):
+    def __init__(self, *, slot, spans, interval, **kwargs):
         import torch.distributed as dist
 
         from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished
 
         super().__init__(**kwargs)
-        self.taker, self.take_s, self.wait_s = None, [], []
+        self.taker, self.take_s, self.wait_s, self.interval = None, [], [], interval
         if slot is None:
             return
         published = PlanPublished(plan=kwargs["plan"], program=kwargs["program"], published_at=time.time(),
-                                  snapshot_interval=1)
+                                  snapshot_interval=interval)
         store = self.store.clone()  # the worker's group store: a clone with the collective timeout
         store.set_timeout(COLLECTIVE_TIMEOUT)
         cluster = ClusterState(world_size=kwargs["world"], devices_per_node=DEVICES_PER_NODE)
@@ -225,7 +227,7 @@ class SnapshottingStep(LiveWorkerStep):
         dist.barrier()
 
     def train_step(self, step: int) -> None:
-        if self.taker is not None:  # every step (the worker skips a generation's first: a warm-up one here)
+        if self.taker is not None and step % self.interval == 0:  # (the worker skips a generation's first)
             self.step = step
             self._on_phase(Phase.snapshot)
             started = time.perf_counter()
@@ -237,12 +239,13 @@ class SnapshottingStep(LiveWorkerStep):
         super()._commit(step, losses, samples)
         if self.taker is not None:
             started = time.perf_counter()
-            self.taker.wait_written()  # the optimizer step overwrites what the snapshot copies
+            self.taker.wait_copied()  # the optimizer step overwrites what the snapshot copies
             self.wait_s.append(time.perf_counter() - started)
 
 
 def snapshot_side(rank: int, world: int, plan_json: str, overrides: list[str], side: str,
-                  seconds: dict[str, float], steps: int, generation: int, slots: list[list[str]]) -> dict:
+                  seconds: dict[str, float], steps: int, generation: int, slots: list[list[str]],
+                  interval: int) -> dict:
     """One side of a round in a world of its own (as executor_overhead's ``one_side``): the
     live worker's step with snapshots (``side`` snapshots) or without, ``WARMUP`` untimed
     steps then ``steps`` timed ones, barrier to barrier. The snapshotting side then takes
@@ -255,7 +258,8 @@ def snapshot_side(rank: int, world: int, plan_json: str, overrides: list[str], s
     port = dist.distributed_c10d._get_default_store().underlying_store.port
     timers = PacedTimers(seconds)
     spans = _instrumented_spans() if side == SNAPSHOTS else {}
-    runner = SnapshottingStep(slot=slots[rank] if side == SNAPSHOTS else None, spans=spans, plan=plan,
+    runner = SnapshottingStep(slot=slots[rank] if side == SNAPSHOTS else None, spans=spans, interval=interval,
+                              plan=plan,
                               program=program, rank=rank, world=world, generation=generation, port=port,
                               timers=timers, recipe=recipe)
     times = []
@@ -270,15 +274,17 @@ def snapshot_side(rank: int, world: int, plan_json: str, overrides: list[str], s
     result = {"times": times, "overruns": timers.overruns}
     if runner.taker is None:
         return result
-    timed = {name: values[WARMUP:WARMUP + steps] for name, values in spans.items()}
+    runner.taker.wait_done()
+    warm = len([s for s in range(WARMUP) if s % interval == 0])  # snapshots taken in the untimed steps
+    timed = {name: values[warm:] for name, values in spans.items()}
     dist.barrier()
     started = time.perf_counter()
-    runner.taker.take(WARMUP + steps, runner.runner.training_state())
-    runner.taker.wait_written()
+    runner.taker.take(interval * (WARMUP + steps), runner.runner.training_state())
+    runner.taker.wait_done()
     alone = time.perf_counter() - started
     dist.barrier()
     runner.taker.abandon()
-    return {**result, "spans": timed, "take": runner.take_s[WARMUP:], "wait": runner.wait_s[WARMUP:],
+    return {**result, "spans": timed, "take": runner.take_s[warm:], "wait": runner.wait_s[warm:],
             "alone": alone, "alone_spans": {name: values[-1] for name, values in spans.items() if values},
             "share_bytes": runner.share_bytes, "parity_bytes": runner.parity_bytes}
 
@@ -292,28 +298,29 @@ def _memory_available() -> int:
 def _section_one_memory(recipe, plan: ExecutionPlan) -> tuple[int, dict[int, int], dict[int, int]]:
     """About the bytes section 1 needs: each rank's stage (weights, gradients, Adam: 16 B a
     parameter, a quarter more for the rest), its keeper slot (two data and two parity
-    buffers) and the thread's stripes (members x chunk) while it encodes; and each rank's
-    share and parity chunk in bytes."""
+    buffers) and what the thread's encode holds beside them (``parity.encode_temporary_bytes``);
+    and each rank's share and parity chunk in bytes."""
     from odyssey_megatron.blocks import StageSpec, stage_parameter_shapes
-    from odyssey_megatron.snapshot.parity import StripeLayout
+    from odyssey_megatron.snapshot.parity import StripeLayout, encode_temporary_bytes
     from odyssey_megatron.snapshot.shards import owners, shard_bytes, snapshot_groups
 
     model = recipe.model
     owned = owners(plan, model)
     shares = {rank: shard_bytes(model, owned, rank, tp_size=1) for rank in plan.workers}
-    chunks = {}
+    chunks, temporaries = {}, {}
     cluster = ClusterState(world_size=max(plan.workers) + 1, devices_per_node=DEVICES_PER_NODE)
     for group in snapshot_groups(plan, cluster=cluster, nodes_per_group=NODES_PER_GROUP):
         layout = StripeLayout(tuple(shares[m] for m in group))
         chunks.update(dict.fromkeys(group, layout.chunk_bytes))
+        temporaries.update(dict.fromkeys(group, encode_temporary_bytes(layout.sizes)))
     training = sum(sum(torch.Size(shape).numel() for shape in stage_parameter_shapes(
         model, StageSpec.of_worker(plan, rank)).values()) * 16 * 5 // 4 for rank in plan.workers)
     keeper = sum(2 * (shares[r] + chunks[r]) for r in plan.workers)
-    stripes = sum(NODES_PER_GROUP * chunks[r] for r in plan.workers)
-    return training + keeper + stripes, shares, chunks
+    encoding = sum(temporaries[r] for r in plan.workers)
+    return training + keeper + encoding, shares, chunks
 
 
-def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
+def print_overhead(rounds: int, steps: int, overrides: list[str], interval: int, mtbf_s: float) -> dict:
     from odyssey_megatron.snapshot.keeper import NodeKeeper
 
     recipe = seven_b_recipe(overrides)
@@ -321,8 +328,8 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
     plan = benchmark_plan(m.num_layers)
     need, shares, chunks = _section_one_memory(recipe, plan)
     available = _memory_available()
-    print("== 1. A snapshot every step: the live worker's step with and without (DP2xPP2, 4 gloo ranks as 2 nodes "
-          "of 2; protection groups (0, 2) and (1, 3)) ==")
+    print(f"== 1. A snapshot every {interval} steps: the live worker's step with and without (DP2xPP2, 4 gloo ranks "
+          "as 2 nodes of 2; protection groups (0, 2) and (1, 3)) ==")
     print(f"  layer h{m.hidden_size}, ffn {m.ffn_hidden_size}, {m.num_attention_heads} heads"
           + ("" if m.hidden_size == 4096 else " (REDUCED from Llama-2 7B's h4096 / ffn 11008 / 32 heads: memory)")
           + f"; shares {', '.join(f'rank {r} {shares[r] / GB:.3f} GB' for r in sorted(shares))}; "
@@ -339,7 +346,7 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
         for round_ in range(rounds):
             for i, side in enumerate((PLAIN, SNAPSHOTS) if round_ % 2 == 0 else (SNAPSHOTS, PLAIN)):
                 sides[side].append(run_world(snapshot_side, 4, plan.to_json(), overrides, side, seconds, steps,
-                                             2 * round_ + i, slots, timeout=3000))
+                                             2 * round_ + i, slots, interval, timeout=3000))
     finally:
         for keeper in keepers:
             keeper.close()
@@ -351,13 +358,13 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
     print(f"  forward/backward paced to {seconds[FORWARD] * 1e3:.0f} / {seconds[BACKWARD] * 1e3:.0f} ms (EMULATED: "
           f"{SEVEN_B_PACE:g}x the slowest rank's real op here); {rounds} rounds x {steps} steps = {n} pairs")
     print(f"  without snapshots                    {statistics.median(plain) * 1e3:9.1f} ms/step")
-    print(f"  a snapshot every step                {statistics.median(snap) * 1e3:9.1f} ms/step")
+    print(f"  a snapshot every {interval:3d} steps         {statistics.median(snap) * 1e3:9.1f} ms/step")
     overhead = statistics.median(paired)
     print(f"  overhead  {overhead * 100:+6.2f} % (median of {n} paired ratios, from {paired[0] * 100:+.2f} to "
           f"{paired[-1] * 100:+.2f} %, quartiles {_quartiles(paired)}); paced ops overran: {overruns[PLAIN]} without, "
           f"{overruns[SNAPSHOTS]} with")
     print("  the snapshot per rank (median over its timed snapshots; the thread runs beside forward and backward):")
-    print("    rank  share GB parity GB | thread   copy(pack) parity(encode) count-in other | take() wait_written"
+    print("    rank  share GB parity GB | thread   copy(pack) parity(encode) count-in other | take() wait_copied"
           " | alone: thread  copy   parity")
     per_rank = {}
     for rank in range(4):
@@ -387,15 +394,27 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
           f"step; the parity encode is {b['encode_s'] / b['thread_s'] * 100:.0f} % of the thread "
           f"({b['share_gb'] / b['encode_s']:.2f} GB/s of the share); the whole write alone "
           f"{b['share_gb'] / max(b['alone_thread_s'], 1e-9):.2f} GB/s; the training thread waits "
-          f"{b['wait_s'] * 1e3:.0f} ms a step in wait_written ({b['wait_s'] / statistics.median(plain) * 100:.0f} % "
+          f"{b['wait_s'] * 1e3:.0f} ms a step in wait_copied ({b['wait_s'] / statistics.median(plain) * 100:.0f} % "
           "of a step without snapshots)")
-    return {"snapshot_overhead_pct": round(overhead * 100, 2), "pairs": n,
+    # What a snapshot costs the steps it overlaps, and so a step at Young's interval for its whole time.
+    per_snapshot_s = max(0.0, statistics.fmean(snap) - statistics.fmean(plain)) * interval
+    step_s = statistics.median(plain)
+    young = young_interval_steps(copy_s=b["thread_s"], step_s=step_s, mtbf_s=mtbf_s)
+    at_young = per_snapshot_s / (young * step_s)
+    print(f"  per snapshot the steps took {per_snapshot_s * 1e3:.0f} ms more in all (mean with less mean without, "
+          f"x {interval}: {statistics.fmean(paired) * 100:+.2f} % a step at this interval); Young's interval for "
+          f"the thread's {b['thread_s']:.2f} s, a {step_s:.2f} s step and an MTBF of {mtbf_s:.0f} s: {young} steps, "
+          f"where a snapshot costs {at_young * 100:.2f} % of a step (the encode "
+          f"{'outlasts' if b['encode_s'] > step_s else 'is shorter than'} a step)")
+    return {"snapshot_overhead_pct": round(overhead * 100, 2), "pairs": n, "interval": interval,
+            "cost_at_interval_pct": round(statistics.fmean(paired) * 100, 2), "young_interval_steps": young,
+            "cost_at_young_pct": round(at_young * 100, 3), "encode_gb_s": round(b["share_gb"] / b["encode_s"], 3),
             "overhead_quartiles_pct": [round(q * 100, 2) for q in (statistics.quantiles(paired, n=4)[::2]
                                                                    if n > 1 else paired * 2)],
             "step_s": {"plain": round(statistics.median(plain), 3), "snapshots": round(statistics.median(snap), 3)},
             "hidden": m.hidden_size, "largest_share_gb": round(b["share_gb"], 3),
             "thread_s": round(b["thread_s"], 3), "copy_s": round(b["pack_s"], 3), "encode_s": round(b["encode_s"], 3),
-            "count_in_ms": round(b["count_in_s"] * 1e3, 2), "wait_written_s": round(b["wait_s"], 3),
+            "count_in_ms": round(b["count_in_s"] * 1e3, 2), "wait_copied_s": round(b["wait_s"], 3),
             "overruns": overruns}
 
 
@@ -586,6 +605,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4, help="section 1's rounds (each builds both sides)")
     parser.add_argument("--steps-per-round", type=int, default=3, help="section 1's timed steps per side and round")
+    parser.add_argument("--interval", type=int, default=1,
+                        help="section 1's steps between snapshots (1: the worst case); make --steps-per-round a "
+                             "multiple of it")
+    parser.add_argument("--mtbf-s", type=float, default=1125.0,
+                        help="the failure interval Young's rule takes (default: the ascend_910b_32 recipe's, the "
+                             "shortest of the three)")
     parser.add_argument("--only-rebuild", action="store_true", help="run section 2 only")
     parser.add_argument("--hidden", type=int, default=2048,
                         help="the layer's hidden size (Llama-2 7B's: 4096, more memory than this machine has "
@@ -600,7 +625,7 @@ def main() -> None:
     overrides = layer_overrides(1024 if args.small else args.hidden)
     headline: dict = {}
     if not args.only_rebuild:
-        headline.update(print_overhead(args.rounds, args.steps_per_round, overrides))
+        headline.update(print_overhead(args.rounds, args.steps_per_round, overrides, args.interval, args.mtbf_s))
     headline.update(print_rebuild(overrides))
     print(json.dumps(headline))
 

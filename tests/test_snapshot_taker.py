@@ -60,8 +60,7 @@ def _taker_rank(rank: int, world: int, slots: list[list[str]]) -> dict:
     taker.wait_copied()
     copy_wait_s = time.perf_counter() - started
     taker.take(2, state)  # waits for snapshot 1 to be done, on both ranks
-    taker.wait_copied()
-    taker._join()
+    taker.wait_done()
     data, parity = (KeeperBuffer(path).read() for path in (slots[rank][0], slots[rank][2]))
     taker.abandon()
     return {"copy_wait_s": copy_wait_s, "payload": data[1].clone(), "parity": parity[1].clone(),

@@ -156,7 +156,7 @@ class SnapshotTaker:
     def take(self, step: int, state: TrainingState) -> None:
         """Start writing ``state``'s share as of ``step`` committed steps; returns at once,
         once the previous snapshot is done (every rank's part in): it is then the one kept."""
-        self._wait_done()
+        self.wait_done()
         if self.ended():  # the controller picks the snapshot to restore after the abort: keep what it sees
             raise SnapshotAbandoned(f"the generation ended before the snapshot of step {step} started")
         found = self.slot.holding(*self.kept) if self.kept else None
@@ -189,7 +189,9 @@ class SnapshotTaker:
             if self._error is not None:
                 raise self._error
 
-    def _wait_done(self) -> None:
+    def wait_done(self) -> None:
+        """Until the snapshot this rank wrote last is done: its own part in (the thread
+        ended; its error raised) and every other rank's (the done key)."""
         if self._pending is None:
             return
         self.wait_copied()
