@@ -173,21 +173,16 @@ class SnapshotTaker:
     def wait_copied(self) -> None:
         """Before the step's optimizer step, which overwrites what the snapshot copies: the
         copy into keeper memory is over (on an accelerator the training stream waits for it,
-        the host goes on). The parity and the count-in may run on; their error, if any, is
-        raised by the next ``take``. A copy that failed raises here."""
+        the host goes on). The parity and the count-in may run on; an error of the thread is
+        raised here where it came by then (a failed copy always has), else by the next ``take``."""
         if self._copy is not None:
             self._copy.wait_on_device()
             self._copy = None
-            if self._error is not None:
-                raise self._error
+        self._raise_error()
 
-    def _join(self) -> None:
-        """Wait for the snapshot thread to end, and raise its error if it had one."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-            if self._error is not None:
-                raise self._error
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def wait_done(self) -> None:
         """Until the snapshot this rank wrote last is done: its own part in (the thread
@@ -195,7 +190,10 @@ class SnapshotTaker:
         if self._pending is None:
             return
         self.wait_copied()
-        self._join()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_error()
         done = snapshot_done_key(self.generation, self._pending)
         while not self.store.check([done]):
             if self.ended():
