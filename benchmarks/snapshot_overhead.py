@@ -9,7 +9,7 @@ copies into real keeper memory).
    PP2 over 4 gloo ranks emulating 2 nodes of 2 devices (ranks 0-1 hold stage 0, 2-3 stage
    1), so each protection group, (0, 2) and (1, 3), spans both nodes. With snapshots: a
    ``SnapshotTaker`` wired as ``runtime.rank.training_loop`` wires it (``take`` as the step
-   starts, after the ``snapshot`` phase fires; ``wait_written`` in the commit, before the
+   starts, after the ``snapshot`` phase fires; ``wait_copied`` in the commit, before the
    optimizer step), a snapshot EVERY step (interval 1, the worst case), written into the
    slots of two ``NodeKeeper``s (one per emulated node) that the parent creates and holds,
    as the launcher does; the ranks open them by their ``/proc/<pid>/fd/<fd>`` paths.
@@ -19,10 +19,12 @@ copies into real keeper memory).
    round; step i of one side is paired with step i of the other in the same round and the
    overhead is the median of the paired ratios (as section 4). The snapshot's own time is
    measured inside its thread in the rank processes, the package unchanged: the whole
-   ``_write`` (a ``SnapshotTaker`` subclass), ``pack`` (the copy into keeper memory) and
-   ``encode`` (the parity: ``StripeLayout.stripes`` and the BXOR ``reduce_scatter``) wrapped
-   where ``runtime.rank.snapshots`` calls them, the count-in timed on the store it gets;
-   beside them the training thread's waits in ``take`` and ``wait_written``, and one more
+   ``_write`` (a ``SnapshotTaker`` subclass), ``pack`` (the copy into keeper memory, where
+   ``snapshot.keeper_copy`` calls it) and ``encode`` (the parity: the ring of sends and
+   receives, where ``runtime.rank.snapshots`` calls it) wrapped, the count-in timed on the
+   store it gets; with ``--interval`` above 1, the overhead's mean over whole intervals is the
+   snapshot's cost a step at that interval, and the cost at Young's interval follows from it;
+   beside them the training thread's waits in ``take`` and ``wait_copied``, and one more
    snapshot per world with no training running ("alone"). The shapes: Llama-2 7B's layer
    (h4096, ffn 11008, 32 heads; 202M parameters, a 2.43 GB share of fp32 weights and Adam
    moments) needs about 45 GB here with the keeper buffers (two data and two parity
@@ -78,9 +80,30 @@ s, host memory a rank, step s, MTBF s, Young's interval): gpu_h100_8 11.29 GB, 0
 steps. (The "other" column was computed from the medians in that run, and came out
 slightly negative; it is now the median of each snapshot's remainder.)
 
+Measured 2026-12-02 after the parity moved off gloo's BXOR reduce-scatter (``parity.encode``
+a ring of sends and receives, ``rebuild`` a chain in pieces) and the optimizer step stopped
+waiting for it (``wait_copied``); the machine was far busier than on 2026-11-27 (other
+sessions' tests, load average 9-13 on the 2 cores), so read the ratios. First, the
+transports alone on 0.6 GB shares, best of 3, this run's neighbours' load around them:
+gloo's BXOR ``reduce_scatter_tensor`` 0.39 GB/s of the share in a pair and 0.14 in a group
+of 4 (load 3), 0.06 in a group of 4 at load 12.7, where a ring of plain sends and receives
+ran at 0.30 (without XOR) and 0.23 (with it): the transport, not the XOR (10-11 GB/s on one
+core, idle; threads add nothing, it is memory-bound) nor the CRC (3.4-4.1 GB/s), was the
+limit. ``--rounds 1 --steps-per-round 2 --interval 1`` (load 9-13): 1: paced 430 / 1697 ms,
+a step 9.52 s without and 8.09 s with a snapshot every step (-12 %: noise, 2 pairs); the
+thread of a rank with a 0.607 GB share 1.42 s, of which the copy 0.32 s (1.9 GB/s) and the
+encode in a pair 0.61 s (0.99 GB/s of the share beside the step; 0.43 s, 1.41 GB/s, alone:
+0.11 GB/s before), the rest the two seals' CRCs; the training thread waited 0 ms in
+``wait_copied`` and 0.18-0.22 s in ``take`` (every rank alike, whatever its share); Young's
+interval for it at a 1125 s MTBF is 6 steps, where the cost measured is within the noise
+(0.00 %). 2 (group of 4): copy 0.97 s, encode 2.55 s (0.24 GB/s: 0.13 before),
+``restore_snapshot`` 1.82 s (0.33 GB/s of the lost shard: 0.17 before), bit-exact; piece by
+piece: reads 1.69 s (the CRC and the benchmark's copy out), the chain 1.01 s, unpack 0.36 s.
+With 4 ranks on 2 busy cores the 1 GB/s a rank was not reached in section 2.
+
 Prints the figures, then a last line of JSON with the headline ones.
 Run: .venv/bin/python benchmarks/snapshot_overhead.py [--rounds 4 --steps-per-round 3] [--hidden 2048 | --small]
-     [--only-rebuild]
+     [--interval 1] [--mtbf-s 1125] [--only-rebuild]
 Absolute times on a shared 2-core machine are noise; read the ratios.
 """
 
