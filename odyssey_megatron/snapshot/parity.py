@@ -121,7 +121,8 @@ class StripeLayout:
 
     def stripes(self, member: int, payload: torch.Tensor) -> torch.Tensor:
         """``member``'s chunks at their stripes and zeros at its own: ``members * chunk_bytes``
-        bytes, what it gives to ``encode``'s reduce-scatter."""
+        bytes: its part of the group's XOR laid out whole (``parity_of`` adds these up;
+        ``encode`` sends the chunks where they lie, without laying them out)."""
         return _place(self, member, payload, parity=None, out=torch.empty(self.members * self.chunk_bytes,
                                                                           dtype=torch.uint8))
 
@@ -157,8 +158,9 @@ def encode(payload: torch.Tensor, *, member: int, layout: StripeLayout, group: d
     that stripe into it; stripe ``m``'s partial starts at ``m + 1`` and comes round to ``m``
     last. Each member sends and receives one share's bytes, read from and written to the
     payload, ``out`` and one chunk (``encode_temporary_bytes``), with no staging copy;
-    gloo's BXOR reduce-scatter measured 5-10x slower over the same TCP (it stages its input
-    and XORs byte by byte).
+    gloo's BXOR ``reduce_scatter_tensor`` ran about 5x slower over the same TCP (measured
+    on 0.6 GB shares: 0.39 against 1.88 GB/s in a pair, 0.14 against 0.80 in a group of 4),
+    and copies its input.
     """
     members = layout.members
     if not 0 <= member < members:
