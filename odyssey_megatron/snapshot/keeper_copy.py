@@ -25,6 +25,9 @@ from odyssey_megatron.snapshot.keeper import PayloadEntry, pack
 
 __all__ = ["KeeperCopier", "KeeperCopy"]
 
+_HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the memory counts as pinned in every CUDA context."""
+
 
 class KeeperCopy:
     """One snapshot's copy into keeper memory: started on an accelerator's side stream, or
@@ -99,11 +102,15 @@ class KeeperCopier:
         address = payload.data_ptr()
         if device.type != "cuda" or payload.numel() == 0 or address in self._registered:
             return
-        torch.cuda.cudart().cudaHostRegister(address, payload.numel(), 0)
+        error = int(torch.cuda.cudart().cudaHostRegister(address, payload.numel(), _HOST_REGISTER_PORTABLE))
+        if error:
+            raise RuntimeError(f"registering {payload.numel()} bytes of keeper memory as pinned failed "
+                               f"(cudaError {error}); the snapshot copy needs pinned memory to overlap the step")
         self._registered[address] = payload
 
     def close(self) -> None:
         """Unregister every mapping this copier pinned (the keeper may then unmap them)."""
-        for address in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(address)
+        errors = [int(torch.cuda.cudart().cudaHostUnregister(address)) for address in self._registered]
         self._registered.clear()
+        if any(errors):
+            raise RuntimeError(f"unregistering keeper memory failed (cudaError {max(errors)})")
