@@ -99,7 +99,16 @@ interval for it at a 1125 s MTBF is 6 steps, where the cost measured is within t
 (0.00 %). 2 (group of 4): copy 0.97 s, encode 2.55 s (0.24 GB/s: 0.13 before),
 ``restore_snapshot`` 1.82 s (0.33 GB/s of the lost shard: 0.17 before), bit-exact; piece by
 piece: reads 1.69 s (the CRC and the benchmark's copy out), the chain 1.01 s, unpack 0.36 s.
-With 4 ranks on 2 busy cores the 1 GB/s a rank was not reached in section 2.
+With 4 ranks on 2 busy cores the 1 GB/s a rank was not reached in section 2. Then
+``--rounds 1 --steps-per-round 6 --interval 3`` (load 8 falling to 2): paced 233 / 717 ms, a
+4.16 s step (shorter than the 5.44 s encode of 2026-11-27) without, 4.02 s with a snapshot
+every 3 steps: -2.8 % (median of 6 pairs, quartiles -15.3 / +4.4 %; mean -4.6 %), so the
+cost is inside noise far wider than the 1 % target, which this machine cannot resolve
+(printed as 0.00 % at Young's 24 steps); the thread took 4.59 s beside the step (encode
+3.26 s, 0.19 GB/s, on the cores the paced ranks use; 0.74 s, 0.82 GB/s, alone), the training
+thread waited 0 ms in ``wait_copied`` and 4-13 ms in ``take`` (the 0.2 s of the busier run
+looks like scheduling); section 2: encode 1.75 s (0.35 GB/s), ``restore_snapshot`` 1.66 s
+(0.37 GB/s), the chain 0.78 s.
 
 Prints the figures, then a last line of JSON with the headline ones.
 Run: .venv/bin/python benchmarks/snapshot_overhead.py [--rounds 4 --steps-per-round 3] [--hidden 2048 | --small]
