@@ -9,7 +9,7 @@ copies into real keeper memory).
    PP2 over 4 gloo ranks emulating 2 nodes of 2 devices (ranks 0-1 hold stage 0, 2-3 stage
    1), so each protection group, (0, 2) and (1, 3), spans both nodes. With snapshots: a
    ``SnapshotTaker`` wired as ``runtime.rank.training_loop`` wires it (``take`` as the step
-   starts, after the ``snapshot`` phase fires; ``wait_written`` in the commit, before the
+   starts, after the ``snapshot`` phase fires; ``wait_copied`` in the commit, before the
    optimizer step), a snapshot EVERY step (interval 1, the worst case), written into the
    slots of two ``NodeKeeper``s (one per emulated node) that the parent creates and holds,
    as the launcher does; the ranks open them by their ``/proc/<pid>/fd/<fd>`` paths.
@@ -19,10 +19,12 @@ copies into real keeper memory).
    round; step i of one side is paired with step i of the other in the same round and the
    overhead is the median of the paired ratios (as section 4). The snapshot's own time is
    measured inside its thread in the rank processes, the package unchanged: the whole
-   ``_write`` (a ``SnapshotTaker`` subclass), ``pack`` (the copy into keeper memory) and
-   ``encode`` (the parity: ``StripeLayout.stripes`` and the BXOR ``reduce_scatter``) wrapped
-   where ``runtime.rank.snapshots`` calls them, the count-in timed on the store it gets;
-   beside them the training thread's waits in ``take`` and ``wait_written``, and one more
+   ``_write`` (a ``SnapshotTaker`` subclass), ``pack`` (the copy into keeper memory, where
+   ``snapshot.keeper_copy`` calls it) and ``encode`` (the parity: the ring of sends and
+   receives, where ``runtime.rank.snapshots`` calls it) wrapped, the count-in timed on the
+   store it gets; with ``--interval`` above 1, the overhead's mean over whole intervals is the
+   snapshot's cost a step at that interval, and the cost at Young's interval follows from it;
+   beside them the training thread's waits in ``take`` and ``wait_copied``, and one more
    snapshot per world with no training running ("alone"). The shapes: Llama-2 7B's layer
    (h4096, ffn 11008, 32 heads; 202M parameters, a 2.43 GB share of fp32 weights and Adam
    moments) needs about 45 GB here with the keeper buffers (two data and two parity
@@ -78,9 +80,39 @@ s, host memory a rank, step s, MTBF s, Young's interval): gpu_h100_8 11.29 GB, 0
 steps. (The "other" column was computed from the medians in that run, and came out
 slightly negative; it is now the median of each snapshot's remainder.)
 
+Measured 2026-12-02 after the parity moved off gloo's BXOR reduce-scatter (``parity.encode``
+a ring of sends and receives, ``rebuild`` a chain in pieces) and the optimizer step stopped
+waiting for it (``wait_copied``); the machine was far busier than on 2026-11-27 (other
+sessions' tests, load average 9-13 on the 2 cores), so read the ratios. First, the
+transports alone on 0.6 GB shares, best of 3, this run's neighbours' load around them:
+gloo's BXOR ``reduce_scatter_tensor`` 0.39 GB/s of the share in a pair and 0.14 in a group
+of 4 (load 3), 0.06 in a group of 4 at load 12.7, where a ring of plain sends and receives
+ran at 0.30 (without XOR) and 0.23 (with it): the transport, not the XOR (10-11 GB/s on one
+core, idle; threads add nothing, it is memory-bound) nor the CRC (3.4-4.1 GB/s), was the
+limit. ``--rounds 1 --steps-per-round 2 --interval 1`` (load 9-13): 1: paced 430 / 1697 ms,
+a step 9.52 s without and 8.09 s with a snapshot every step (-12 %: noise, 2 pairs); the
+thread of a rank with a 0.607 GB share 1.42 s, of which the copy 0.32 s (1.9 GB/s) and the
+encode in a pair 0.61 s (0.99 GB/s of the share beside the step; 0.43 s, 1.41 GB/s, alone:
+0.11 GB/s before), the rest the two seals' CRCs; the training thread waited 0 ms in
+``wait_copied`` and 0.18-0.22 s in ``take`` (every rank alike, whatever its share); Young's
+interval for it at a 1125 s MTBF is 6 steps, where the cost measured is within the noise
+(0.00 %). 2 (group of 4): copy 0.97 s, encode 2.55 s (0.24 GB/s: 0.13 before),
+``restore_snapshot`` 1.82 s (0.33 GB/s of the lost shard: 0.17 before), bit-exact; piece by
+piece: reads 1.69 s (the CRC and the benchmark's copy out), the chain 1.01 s, unpack 0.36 s.
+With 4 ranks on 2 busy cores the 1 GB/s a rank was not reached in section 2. Then
+``--rounds 1 --steps-per-round 6 --interval 3`` (load 8 falling to 2): paced 233 / 717 ms, a
+4.16 s step (shorter than the 5.44 s encode of 2026-11-27) without, 4.02 s with a snapshot
+every 3 steps: -2.8 % (median of 6 pairs, quartiles -15.3 / +4.4 %; mean -4.6 %), so the
+cost is inside noise far wider than the 1 % target, which this machine cannot resolve
+(printed as 0.00 % at Young's 24 steps); the thread took 4.59 s beside the step (encode
+3.26 s, 0.19 GB/s, on the cores the paced ranks use; 0.74 s, 0.82 GB/s, alone), the training
+thread waited 0 ms in ``wait_copied`` and 4-13 ms in ``take`` (the 0.2 s of the busier run
+looks like scheduling); section 2: encode 1.75 s (0.35 GB/s), ``restore_snapshot`` 1.66 s
+(0.37 GB/s), the chain 0.78 s.
+
 Prints the figures, then a last line of JSON with the headline ones.
 Run: .venv/bin/python benchmarks/snapshot_overhead.py [--rounds 4 --steps-per-round 3] [--hidden 2048 | --small]
-     [--only-rebuild]
+     [--interval 1] [--mtbf-s 1125] [--only-rebuild]
 Absolute times on a shared 2-core machine are noise; read the ratios.
 """
 
@@ -102,6 +134,7 @@ from executor_overhead import (  # noqa: E402 - benchmarks/ is no package: its p
 
 from odyssey_megatron.cluster import ClusterState  # noqa: E402
 from odyssey_megatron.estimator.program import step_program  # noqa: E402
+from odyssey_megatron.estimator.snapshot import young_interval_steps  # noqa: E402
 from odyssey_megatron.phases import Phase  # noqa: E402
 from odyssey_megatron.plan import ExecutionPlan  # noqa: E402
 from odyssey_megatron.profile import uniform_profile  # noqa: E402
@@ -163,15 +196,16 @@ class _TimedTaker(SnapshotTaker):
 
     spans: dict[str, list[float]]
 
-    def _write(self, step, index, tensors) -> None:
+    def _write(self, *args) -> None:
         started = time.perf_counter()
-        super()._write(step, index, tensors)
+        super()._write(*args)
         self.spans["write"].append(time.perf_counter() - started)
 
 
 def _instrumented_spans() -> dict[str, list[float]]:
     """Time the snapshot thread's copy into keeper memory (``pack``) and parity (``encode``)
     where ``SnapshotTaker._write`` calls them: in this rank process only, the package as it is."""
+    import odyssey_megatron.snapshot.keeper_copy as copy_module
     import odyssey_megatron.runtime.rank.snapshots as taker_module
 
     spans: dict[str, list[float]] = {"write": [], "pack": [], "encode": [], "count_in": []}
@@ -185,7 +219,7 @@ def _instrumented_spans() -> dict[str, list[float]]:
                 spans[name].append(time.perf_counter() - started)
         return call
 
-    taker_module.pack = timed("pack", taker_module.pack)
+    copy_module.pack = timed("pack", copy_module.pack)
     taker_module.encode = timed("encode", taker_module.encode)
     return spans
 
@@ -193,20 +227,20 @@ def _instrumented_spans() -> dict[str, list[float]]:
 class SnapshottingStep(LiveWorkerStep):
     """executor_overhead's ``LiveWorkerStep`` (the worker's whole step), with the worker's
     snapshots where ``slot`` is given: ``take`` as the step starts (the ``snapshot`` phase
-    fired first), ``wait_written`` in the commit before the optimizer step, as
-    ``runtime.rank.training_loop`` wires them; a snapshot every step (interval 1)."""
+    fired first), ``wait_copied`` in the commit before the optimizer step, as
+    ``runtime.rank.training_loop`` wires them; a snapshot every ``interval`` steps."""
 
-    def __init__(self, *, slot, spans, **kwargs):
+    def __init__(self, *, slot, spans, interval, **kwargs):
         import torch.distributed as dist
 
         from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished
 
         super().__init__(**kwargs)
-        self.taker, self.take_s, self.wait_s = None, [], []
+        self.taker, self.take_s, self.wait_s, self.interval = None, [], [], interval
         if slot is None:
             return
         published = PlanPublished(plan=kwargs["plan"], program=kwargs["program"], published_at=time.time(),
-                                  snapshot_interval=1)
+                                  snapshot_interval=interval)
         store = self.store.clone()  # the worker's group store: a clone with the collective timeout
         store.set_timeout(COLLECTIVE_TIMEOUT)
         cluster = ClusterState(world_size=kwargs["world"], devices_per_node=DEVICES_PER_NODE)
@@ -225,7 +259,7 @@ class SnapshottingStep(LiveWorkerStep):
         dist.barrier()
 
     def train_step(self, step: int) -> None:
-        if self.taker is not None:  # every step (the worker skips a generation's first: a warm-up one here)
+        if self.taker is not None and step % self.interval == 0:  # (the worker skips a generation's first)
             self.step = step
             self._on_phase(Phase.snapshot)
             started = time.perf_counter()
@@ -237,12 +271,13 @@ class SnapshottingStep(LiveWorkerStep):
         super()._commit(step, losses, samples)
         if self.taker is not None:
             started = time.perf_counter()
-            self.taker.wait_written()  # the optimizer step overwrites what the snapshot copies
+            self.taker.wait_copied()  # the optimizer step overwrites what the snapshot copies
             self.wait_s.append(time.perf_counter() - started)
 
 
 def snapshot_side(rank: int, world: int, plan_json: str, overrides: list[str], side: str,
-                  seconds: dict[str, float], steps: int, generation: int, slots: list[list[str]]) -> dict:
+                  seconds: dict[str, float], steps: int, generation: int, slots: list[list[str]],
+                  interval: int) -> dict:
     """One side of a round in a world of its own (as executor_overhead's ``one_side``): the
     live worker's step with snapshots (``side`` snapshots) or without, ``WARMUP`` untimed
     steps then ``steps`` timed ones, barrier to barrier. The snapshotting side then takes
@@ -255,7 +290,8 @@ def snapshot_side(rank: int, world: int, plan_json: str, overrides: list[str], s
     port = dist.distributed_c10d._get_default_store().underlying_store.port
     timers = PacedTimers(seconds)
     spans = _instrumented_spans() if side == SNAPSHOTS else {}
-    runner = SnapshottingStep(slot=slots[rank] if side == SNAPSHOTS else None, spans=spans, plan=plan,
+    runner = SnapshottingStep(slot=slots[rank] if side == SNAPSHOTS else None, spans=spans, interval=interval,
+                              plan=plan,
                               program=program, rank=rank, world=world, generation=generation, port=port,
                               timers=timers, recipe=recipe)
     times = []
@@ -270,15 +306,17 @@ def snapshot_side(rank: int, world: int, plan_json: str, overrides: list[str], s
     result = {"times": times, "overruns": timers.overruns}
     if runner.taker is None:
         return result
-    timed = {name: values[WARMUP:WARMUP + steps] for name, values in spans.items()}
+    runner.taker.wait_done()
+    warm = len([s for s in range(WARMUP) if s % interval == 0])  # snapshots taken in the untimed steps
+    timed = {name: values[warm:] for name, values in spans.items()}
     dist.barrier()
     started = time.perf_counter()
-    runner.taker.take(WARMUP + steps, runner.runner.training_state())
-    runner.taker.wait_written()
+    runner.taker.take(interval * (WARMUP + steps), runner.runner.training_state())
+    runner.taker.wait_done()
     alone = time.perf_counter() - started
     dist.barrier()
     runner.taker.abandon()
-    return {**result, "spans": timed, "take": runner.take_s[WARMUP:], "wait": runner.wait_s[WARMUP:],
+    return {**result, "spans": timed, "take": runner.take_s[warm:], "wait": runner.wait_s[warm:],
             "alone": alone, "alone_spans": {name: values[-1] for name, values in spans.items() if values},
             "share_bytes": runner.share_bytes, "parity_bytes": runner.parity_bytes}
 
@@ -292,28 +330,29 @@ def _memory_available() -> int:
 def _section_one_memory(recipe, plan: ExecutionPlan) -> tuple[int, dict[int, int], dict[int, int]]:
     """About the bytes section 1 needs: each rank's stage (weights, gradients, Adam: 16 B a
     parameter, a quarter more for the rest), its keeper slot (two data and two parity
-    buffers) and the thread's stripes (members x chunk) while it encodes; and each rank's
-    share and parity chunk in bytes."""
+    buffers) and what the thread's encode holds beside them (``parity.encode_temporary_bytes``);
+    and each rank's share and parity chunk in bytes."""
     from odyssey_megatron.blocks import StageSpec, stage_parameter_shapes
-    from odyssey_megatron.snapshot.parity import StripeLayout
+    from odyssey_megatron.snapshot.parity import StripeLayout, encode_temporary_bytes
     from odyssey_megatron.snapshot.shards import owners, shard_bytes, snapshot_groups
 
     model = recipe.model
     owned = owners(plan, model)
     shares = {rank: shard_bytes(model, owned, rank, tp_size=1) for rank in plan.workers}
-    chunks = {}
+    chunks, temporaries = {}, {}
     cluster = ClusterState(world_size=max(plan.workers) + 1, devices_per_node=DEVICES_PER_NODE)
     for group in snapshot_groups(plan, cluster=cluster, nodes_per_group=NODES_PER_GROUP):
         layout = StripeLayout(tuple(shares[m] for m in group))
         chunks.update(dict.fromkeys(group, layout.chunk_bytes))
+        temporaries.update(dict.fromkeys(group, encode_temporary_bytes(layout.sizes)))
     training = sum(sum(torch.Size(shape).numel() for shape in stage_parameter_shapes(
         model, StageSpec.of_worker(plan, rank)).values()) * 16 * 5 // 4 for rank in plan.workers)
     keeper = sum(2 * (shares[r] + chunks[r]) for r in plan.workers)
-    stripes = sum(NODES_PER_GROUP * chunks[r] for r in plan.workers)
-    return training + keeper + stripes, shares, chunks
+    encoding = sum(temporaries[r] for r in plan.workers)
+    return training + keeper + encoding, shares, chunks
 
 
-def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
+def print_overhead(rounds: int, steps: int, overrides: list[str], interval: int, mtbf_s: float) -> dict:
     from odyssey_megatron.snapshot.keeper import NodeKeeper
 
     recipe = seven_b_recipe(overrides)
@@ -321,8 +360,8 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
     plan = benchmark_plan(m.num_layers)
     need, shares, chunks = _section_one_memory(recipe, plan)
     available = _memory_available()
-    print("== 1. A snapshot every step: the live worker's step with and without (DP2xPP2, 4 gloo ranks as 2 nodes "
-          "of 2; protection groups (0, 2) and (1, 3)) ==")
+    print(f"== 1. A snapshot every {interval} steps: the live worker's step with and without (DP2xPP2, 4 gloo ranks "
+          "as 2 nodes of 2; protection groups (0, 2) and (1, 3)) ==")
     print(f"  layer h{m.hidden_size}, ffn {m.ffn_hidden_size}, {m.num_attention_heads} heads"
           + ("" if m.hidden_size == 4096 else " (REDUCED from Llama-2 7B's h4096 / ffn 11008 / 32 heads: memory)")
           + f"; shares {', '.join(f'rank {r} {shares[r] / GB:.3f} GB' for r in sorted(shares))}; "
@@ -339,7 +378,7 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
         for round_ in range(rounds):
             for i, side in enumerate((PLAIN, SNAPSHOTS) if round_ % 2 == 0 else (SNAPSHOTS, PLAIN)):
                 sides[side].append(run_world(snapshot_side, 4, plan.to_json(), overrides, side, seconds, steps,
-                                             2 * round_ + i, slots, timeout=3000))
+                                             2 * round_ + i, slots, interval, timeout=3000))
     finally:
         for keeper in keepers:
             keeper.close()
@@ -351,13 +390,13 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
     print(f"  forward/backward paced to {seconds[FORWARD] * 1e3:.0f} / {seconds[BACKWARD] * 1e3:.0f} ms (EMULATED: "
           f"{SEVEN_B_PACE:g}x the slowest rank's real op here); {rounds} rounds x {steps} steps = {n} pairs")
     print(f"  without snapshots                    {statistics.median(plain) * 1e3:9.1f} ms/step")
-    print(f"  a snapshot every step                {statistics.median(snap) * 1e3:9.1f} ms/step")
+    print(f"  a snapshot every {interval:3d} steps         {statistics.median(snap) * 1e3:9.1f} ms/step")
     overhead = statistics.median(paired)
     print(f"  overhead  {overhead * 100:+6.2f} % (median of {n} paired ratios, from {paired[0] * 100:+.2f} to "
           f"{paired[-1] * 100:+.2f} %, quartiles {_quartiles(paired)}); paced ops overran: {overruns[PLAIN]} without, "
           f"{overruns[SNAPSHOTS]} with")
     print("  the snapshot per rank (median over its timed snapshots; the thread runs beside forward and backward):")
-    print("    rank  share GB parity GB | thread   copy(pack) parity(encode) count-in other | take() wait_written"
+    print("    rank  share GB parity GB | thread   copy(pack) parity(encode) count-in other | take() wait_copied"
           " | alone: thread  copy   parity")
     per_rank = {}
     for rank in range(4):
@@ -387,15 +426,27 @@ def print_overhead(rounds: int, steps: int, overrides: list[str]) -> dict:
           f"step; the parity encode is {b['encode_s'] / b['thread_s'] * 100:.0f} % of the thread "
           f"({b['share_gb'] / b['encode_s']:.2f} GB/s of the share); the whole write alone "
           f"{b['share_gb'] / max(b['alone_thread_s'], 1e-9):.2f} GB/s; the training thread waits "
-          f"{b['wait_s'] * 1e3:.0f} ms a step in wait_written ({b['wait_s'] / statistics.median(plain) * 100:.0f} % "
+          f"{b['wait_s'] * 1e3:.0f} ms a step in wait_copied ({b['wait_s'] / statistics.median(plain) * 100:.0f} % "
           "of a step without snapshots)")
-    return {"snapshot_overhead_pct": round(overhead * 100, 2), "pairs": n,
+    # What a snapshot costs the steps it overlaps, and so a step at Young's interval for its whole time.
+    per_snapshot_s = max(0.0, statistics.fmean(snap) - statistics.fmean(plain)) * interval
+    step_s = statistics.median(plain)
+    young = young_interval_steps(copy_s=b["thread_s"], step_s=step_s, mtbf_s=mtbf_s)
+    at_young = per_snapshot_s / (young * step_s)
+    print(f"  per snapshot the steps took {per_snapshot_s * 1e3:.0f} ms more in all (mean with less mean without, "
+          f"x {interval}: {statistics.fmean(paired) * 100:+.2f} % a step at this interval); Young's interval for "
+          f"the thread's {b['thread_s']:.2f} s, a {step_s:.2f} s step and an MTBF of {mtbf_s:.0f} s: {young} steps, "
+          f"where a snapshot costs {at_young * 100:.2f} % of a step (the encode "
+          f"{'outlasts' if b['encode_s'] > step_s else 'is shorter than'} a step)")
+    return {"snapshot_overhead_pct": round(overhead * 100, 2), "pairs": n, "interval": interval,
+            "cost_at_interval_pct": round(statistics.fmean(paired) * 100, 2), "young_interval_steps": young,
+            "cost_at_young_pct": round(at_young * 100, 3), "encode_gb_s": round(b["share_gb"] / b["encode_s"], 3),
             "overhead_quartiles_pct": [round(q * 100, 2) for q in (statistics.quantiles(paired, n=4)[::2]
                                                                    if n > 1 else paired * 2)],
             "step_s": {"plain": round(statistics.median(plain), 3), "snapshots": round(statistics.median(snap), 3)},
             "hidden": m.hidden_size, "largest_share_gb": round(b["share_gb"], 3),
             "thread_s": round(b["thread_s"], 3), "copy_s": round(b["pack_s"], 3), "encode_s": round(b["encode_s"], 3),
-            "count_in_ms": round(b["count_in_s"] * 1e3, 2), "wait_written_s": round(b["wait_s"], 3),
+            "count_in_ms": round(b["count_in_s"] * 1e3, 2), "wait_copied_s": round(b["wait_s"], 3),
             "overruns": overruns}
 
 
@@ -586,6 +637,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4, help="section 1's rounds (each builds both sides)")
     parser.add_argument("--steps-per-round", type=int, default=3, help="section 1's timed steps per side and round")
+    parser.add_argument("--interval", type=int, default=1,
+                        help="section 1's steps between snapshots (1: the worst case); make --steps-per-round a "
+                             "multiple of it")
+    parser.add_argument("--mtbf-s", type=float, default=1125.0,
+                        help="the failure interval Young's rule takes (default: the ascend_910b_32 recipe's, the "
+                             "shortest of the three)")
     parser.add_argument("--only-rebuild", action="store_true", help="run section 2 only")
     parser.add_argument("--hidden", type=int, default=2048,
                         help="the layer's hidden size (Llama-2 7B's: 4096, more memory than this machine has "
@@ -600,7 +657,7 @@ def main() -> None:
     overrides = layer_overrides(1024 if args.small else args.hidden)
     headline: dict = {}
     if not args.only_rebuild:
-        headline.update(print_overhead(args.rounds, args.steps_per_round, overrides))
+        headline.update(print_overhead(args.rounds, args.steps_per_round, overrides, args.interval, args.mtbf_s))
     headline.update(print_rebuild(overrides))
     print(json.dumps(headline))
 

@@ -107,6 +107,14 @@ class ModelProfile:
     optimizer_s_per_param_byte: float = 0.0
     """Seconds an optimizer step (the local gradient norm and Adam) takes per byte of the
     parameters a rank holds."""
+    snapshot_copy_bandwidth: float | None = None
+    """Bytes/s a rank copies its in-memory snapshot share into keeper memory
+    (``snapshot.keeper_copy``), measured by ``odyssey profile``; None in an analytic
+    profile (``host_bandwidth`` stands in)."""
+    parity_xor_bandwidth: float | None = None
+    """Bytes/s a rank XORs host memory in a parity encode or rebuild (``parity.xor_into``),
+    measured by ``odyssey profile``; None in an analytic profile (the XOR is taken as free
+    beside the network)."""
 
     @property
     def num_layers(self) -> int:

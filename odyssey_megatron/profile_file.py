@@ -58,6 +58,7 @@ MEASURED_FOR = (
 )
 """Recipe keys a profile's costs depend on."""
 _POSITIVE = {"intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth", "allreduce_bandwidth",
+             "snapshot_copy_bandwidth", "parity_xor_bandwidth",
              "memory_budget_bytes", "samples_per_micro_batch", "tokens_per_sample"}
 """Fields the estimator divides by or counts with."""
 _TOP_LEVEL = ("format", "version", "measured_for", "source", "profile")

@@ -70,6 +70,8 @@ def test_the_profile_of_the_tiny_recipe_prices_plans(tmp_path, capsys):
     assert profile.p2p_bytes == 64 * 2 * 64 * 4
     assert profile.link_latency_s > 0 and profile.allreduce_latency_s > 0
     assert math.isfinite(profile.intra_node_bandwidth) and profile.allreduce_bandwidth > 0
+    # the snapshot's copy into a keeper and its parity XOR, measured here, for the snapshot pricing
+    assert profile.snapshot_copy_bandwidth > 0 and profile.parity_xor_bandwidth > 0
 
     with_profile = load_config(TINY, [f"odyssey.profile={out}"])
     assert recipe_profile(with_profile) == profile

@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from spawned_ranks import run_three_ranks
 
-from odyssey_megatron.snapshot.parity import (StripeLayout, encode, parity_of, protection_groups, rebuild,
-                                               rebuilt_from, unprotected)
+from odyssey_megatron.snapshot import parity as parity_module
+from odyssey_megatron.snapshot.parity import (StripeLayout, encode, encode_temporary_bytes, parity_of,
+                                               protection_groups, rebuild, rebuild_temporary_bytes, rebuilt_from,
+                                               unprotected, xor_into)
 
 # -- protection groups ---------------------------------------------------------------------
 
@@ -188,10 +190,28 @@ def test_a_payload_of_the_wrong_size_or_type_is_refused():
         layout.stripes(0, torch.zeros(4, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("offset", [0, 3])
+def test_xor_into_cut_across_threads_xors_every_byte_of_aligned_and_unaligned_views(monkeypatch, offset):
+    monkeypatch.setattr(parity_module, "_XOR_MIN_SLICE", 8)  # a small buffer cut into XOR_THREADS slices
+    target, source = _payloads((1000 + offset, 1000 + offset), seed=9)
+    expected = target.clone()
+    expected[offset:offset + 997] ^= source[offset:offset + 997]
+    xor_into(target[offset:], source[offset:offset + 997])  # a shorter source XORs a prefix
+    assert torch.equal(target, expected)
+
+
+def test_an_encode_holds_no_temporary_in_a_pair_and_one_chunk_in_a_larger_group():
+    assert encode_temporary_bytes((600, 400)) == 0
+    assert encode_temporary_bytes((600, 400, 10, 0)) == 200
+    assert rebuild_temporary_bytes((600, 400, 10, 0), lost=0) == 600  # the lost payload, at dst
+    assert rebuild_temporary_bytes((6, 4), lost=1) == 2 * 6
+
+
 # -- over gloo -----------------------------------------------------------------------------
 
 GLOO_SIZES = (9, 0, 4)
-"""Three members: a chunk of 5 bytes, an empty payload and one shorter than its chunks."""
+"""Three members: a chunk of 5 bytes, an empty payload and one shorter than its chunks
+(rebuilds move them in pieces of 2 bytes)."""
 GLOO_SEED = 7
 HOST_PAD = 3
 
@@ -203,6 +223,7 @@ def _member(rank: int, port: int, results: mp.Queue) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, 4, is_master=False, timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", rank=rank, world_size=3, store=store)
+        parity_module.PIECE_BYTES = 2  # a rebuild's chunks go down the chain in pieces, through both spares
         layout = StripeLayout(GLOO_SIZES)
         payload = _payloads(GLOO_SIZES, GLOO_SEED)[rank]
         host = torch.full((layout.chunk_bytes + 2 * HOST_PAD,), 0xEE, dtype=torch.uint8)

@@ -10,7 +10,7 @@ cluster alone, by the byte counts the runtime allocates by:
   for a rank alone in its group). The launcher owns it, so it stays while workers come
   and go.
 - **parity temporaries**: what each rank's parity encode holds while it runs
-  (``protection.encode_temporary_bytes``). Every rank of a node snapshots at the same step,
+  (``protection.encode_temporary_bytes``: one parity chunk, none in a pair). Every rank of a node snapshots at the same step,
   so the node holds all of them at once.
 - **staging**: the background checkpoint writer's host buffers
   (``runtime.rank.checkpoint_writer``): one copy of the blocks the rank writes, which are
@@ -114,7 +114,8 @@ def budget_problem(per_node: Mapping[int, HostMemory], budget_gib: Optional[floa
     held = per_node[node]
     fitted = [PARTS[name] for name, size in held.parts().items() if size and name not in left_out]
     missing = " and ".join(PARTS[name] for name in left_out)
-    fits = (f"the {' and '.join(fitted)} fit, the {missing} on top do not" if fitted
+    fits = (f"the {' and '.join(fitted)} fit, the {missing} on top {'do' if len(left_out) > 1 else 'does'} not"
+            if fitted
             else f"the {PARTS[left_out[0]]} alone take more")
     return (f"node {node} needs {held.total / GIB:.2f} GiB of host memory ({held.describe()}), more than the "
             f"{budget_gib:g} GiB given: {fits}; give more, or take no snapshots (odyssey.snapshot_interval=0) or "

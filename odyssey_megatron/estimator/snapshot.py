@@ -4,9 +4,11 @@ failure rate, and what a rollback takes before training again (``restore_time``;
 decision center adds the steps it trains again).
 
 A rank copies its share (the blocks ``snapshot.shards.owners`` gives it to write: the
-snapshots' own choice of writers, priced as written) at ``host_bandwidth`` and computes
-its parity chunk across nodes while its next step computes, so only what outlasts that
-step would show on the step time; the interval follows Young's rule, sqrt(2 x snapshot
+snapshots' own choice of writers, priced as written) into keeper memory at the rate
+``odyssey profile`` measured (``snapshot_copy_bandwidth``; ``host_bandwidth`` in an analytic
+profile) and computes its parity chunk across nodes (one share sent and received in a ring,
+XORed at the measured ``parity_xor_bandwidth``, free in an analytic profile) while its next
+steps compute, so only what outlasts them would show on the step time; the interval follows Young's rule, sqrt(2 x snapshot
 time x mean time between failures), the snapshot's whole time standing for its cost
 (what it costs the step depends on how much of it the step hides). A node keeps two
 buffers per rank (the last complete snapshot and the one being written) of its share and
@@ -48,13 +50,21 @@ def _group_members(nodes_per_group: int, nodes: int) -> int:
 
 def snapshot_time_s(plan: ExecutionPlan, profile: ModelProfile, *, model: ModelConfig, nodes_per_group: int,
                     nodes: int) -> float:
-    """Seconds the largest share takes to snapshot: its copy to host memory, then its parity
-    (a reduce-scatter over the group: each member sends and receives ``members / (members -
-    1)`` of a share across nodes; nothing on a single node)."""
+    """Seconds the largest share takes to snapshot: its copy into keeper memory, then its
+    parity (``parity.encode``'s ring: each member sends and receives one share across nodes
+    and XORs a chunk into what it received in every round but the last; nothing on a single
+    node)."""
     largest = max(snapshot_shares(plan, model).values(), default=0)
     members = _group_members(nodes_per_group, nodes)
-    parity_s = largest * members / (members - 1) / profile.inter_node_bandwidth if members > 1 else 0.0
-    return largest / profile.host_bandwidth + parity_s
+    parity_s = 0.0
+    if members > 1:
+        parity_s = largest / profile.inter_node_bandwidth + _xor_s(largest * (members - 2) / (members - 1), profile)
+    return largest / (profile.snapshot_copy_bandwidth or profile.host_bandwidth) + parity_s
+
+
+def _xor_s(nbytes: float, profile: ModelProfile) -> float:
+    """Seconds a rank XORs ``nbytes`` of host memory: at the measured rate, none where unmeasured."""
+    return nbytes / profile.parity_xor_bandwidth if profile.parity_xor_bandwidth else 0.0
 
 
 def snapshot_host_bytes(plan: ExecutionPlan, model: ModelConfig, *, nodes_per_group: int, nodes: int) -> int:
@@ -69,15 +79,15 @@ def snapshot_host_bytes(plan: ExecutionPlan, model: ModelConfig, *, nodes_per_gr
 def restore_time(restore: Restore, transfers: Sequence[Transfer], *, model: ModelConfig, profile: ModelProfile,
                  cluster: ClusterState) -> float:
     """Seconds until a rollback's blocks are where the plan trains them: the slowest
-    rebuild (each survivor's shard and parity chunk cross the inter-node link into one
-    XOR reduce; reads from a keeper are host memory, counted with the rebuild's), then the
-    transfers from where the blocks were read (``transfer_time``)."""
+    rebuild (``parity.rebuild``'s chain: the lost share crosses each inter-node link once, in
+    pieces, and each survivor XORs its part in; reads from a keeper are host memory, counted
+    with the rebuild's), then the transfers from where the blocks were read (``transfer_time``)."""
     tp = cluster.tensor_parallel_size
     owned: dict[int, int] = {}
     for block, worker in restore.owners:
         owned[worker] = owned.get(worker, 0) + block_bytes(model, block, tp)
-    rebuild_s = max((owned.get(cluster.worker_of(r.lost), 0) / tp * len(r.readers) / profile.inter_node_bandwidth
-                     for r in restore.rebuilds), default=0.0)
+    lost_bytes = [owned.get(cluster.worker_of(r.lost), 0) / tp for r in restore.rebuilds]
+    rebuild_s = max((lost / profile.inter_node_bandwidth + _xor_s(lost, profile) for lost in lost_bytes), default=0.0)
     return rebuild_s + transfer_time(transfers, profile=profile, cluster=cluster, storage_bandwidth=float("inf"))
 
 

@@ -36,6 +36,7 @@ from odyssey_megatron.hooks.cpu_shim import CpuShim
 from odyssey_megatron.profile import BlockCost
 from odyssey_megatron.profile_file import ProfileFile, analytic_recipe_profile, recipe_measured_for
 from odyssey_megatron.profiler.links import measure_links
+from odyssey_megatron.profiler.snapshot_rates import measure_snapshot_rates
 from odyssey_megatron.profiler.stages import StageMeasurement, measure_stages
 
 __all__ = ["WARMUP", "measure_profile"]
@@ -71,6 +72,7 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
     first, middle, last, *one = _measure_stages(config, accelerator, per_stage=per_stage, repeats=repeats,
                                                 warmup=warmup)
     host_bandwidth = _host_bandwidth(accelerator)
+    snapshot_copy_bandwidth, parity_xor_bandwidth = measure_snapshot_rates(accelerator)
     overhead_s = _op_overhead(middle, one[0], per_stage) if one else 0.0
     layer, share = _layer_cost(middle, one[0] if one else None, per_stage, overhead_s)
     embedding, output = _edge_cost(EMBEDDING, first, middle), _edge_cost(OUTPUT, last, middle)
@@ -82,6 +84,8 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
         p2p_bytes=p2p_bytes,
         host_bandwidth=host_bandwidth,
         host_copy_async=accelerator.device_type != "cpu",
+        snapshot_copy_bandwidth=snapshot_copy_bandwidth,
+        parity_xor_bandwidth=parity_xor_bandwidth,
         op_overhead_s=overhead_s,
         optimizer_s_per_param_byte=middle.optimizer_s / sum(b.param_bytes for b in middle.blocks.values()),
     )
@@ -108,6 +112,8 @@ def measure_profile(config: RecipeConfig, *, repeats: int, warmup: int = WARMUP)
                  f"{config.cluster.device}'s (one machine was measured)" if links is not None
         else f"cluster.device {config.cluster.device}'s (one {accelerator.device_type} device: nothing to measure)",
         "memory_budget_bytes": "the recipe's (odyssey.memory_budget_gib or cluster.device)",
+        "snapshot_rates": "a share's copy into a keeper buffer and the parity XOR, measured here (profiler."
+                          "snapshot_rates); the parity's network part at the inter-node bandwidth",
         "seconds": round(time.perf_counter() - started, 3),
     }
     return ProfileFile(profile=profile, measured_for=recipe_measured_for(config), source=source)

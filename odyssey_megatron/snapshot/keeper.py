@@ -238,8 +238,10 @@ def payload_layout(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) 
     return entries, end
 
 
-def pack(tensors: Mapping[str, torch.Tensor], entries: Sequence[PayloadEntry], out: torch.Tensor) -> None:
-    """Copy each of ``tensors`` (contiguous or not, on any device) into its place in the uint8 tensor ``out``."""
+def pack(tensors: Mapping[str, torch.Tensor], entries: Sequence[PayloadEntry], out: torch.Tensor, *,
+         non_blocking: bool = False) -> None:
+    """Copy each of ``tensors`` (contiguous or not, on any device) into its place in the uint8 tensor ``out``;
+    ``non_blocking``: a device's copies are queued on its current stream (``snapshot.keeper_copy``)."""
     if set(tensors) != {entry.key for entry in entries}:
         raise ValueError(f"the tensors ({sorted(tensors)}) are not the layout's ({sorted(e.key for e in entries)})")
     for entry in entries:
@@ -247,7 +249,7 @@ def pack(tensors: Mapping[str, torch.Tensor], entries: Sequence[PayloadEntry], o
         if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise ValueError(f"tensor {entry.key!r} is {tensor.dtype} {tuple(tensor.shape)}; the layout has "
                              f"{entry.dtype} {entry.shape}")
-        _placed(out, entry).copy_(tensor)
+        _placed(out, entry).copy_(tensor, non_blocking=non_blocking)
 
 
 def unpack(payload: torch.Tensor, entries: Sequence[PayloadEntry], *, copy: bool = True) -> dict[str, torch.Tensor]:

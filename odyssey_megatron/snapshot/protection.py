@@ -81,10 +81,10 @@ def parity_chunk_bytes(sizes: Sequence[int]) -> int:
 
 
 def encode_temporary_bytes(sizes: Sequence[int]) -> int:
-    """Host bytes one member's ``parity.encode`` holds at its peak beyond its keeper
-    buffers, in a group of payloads ``sizes``: its stripes (``StripeLayout.stripes``,
-    ``members`` chunks: 4/3 of the largest payload in a group of 4) and gloo's copy of that
-    input, which its ``reduce_scatter_tensor`` allocates for the call (measured on torch
-    2.13: a 400 MiB input raised the peak RSS by 402 MiB). Whoever changes ``encode``'s
-    buffers or transport keeps this equal to what it allocates."""
-    return 2 * len(sizes) * parity_chunk_bytes(sizes)
+    """Host bytes one member's ``parity.encode`` allocates at its peak beyond its payload and
+    its parity buffer, in a group whose payloads are ``sizes`` bytes: none in a pair (its
+    parity is its partner's payload, received straight into the buffer), one chunk in a
+    larger group (the partial parity it forwards round the ring while the next one arrives);
+    gloo's send and receive use the tensors' own memory. Whoever changes ``encode``'s buffers
+    or transport keeps this equal to what it allocates."""
+    return 0 if len(sizes) == 2 else parity_chunk_bytes(sizes)

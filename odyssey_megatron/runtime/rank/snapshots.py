@@ -2,13 +2,16 @@
 
 **Taking one.** Every ``snapshot_interval`` steps, as the step starts, the rank copies its
 share of its stage (``snapshot.shards``: whole blocks, weights, fp32 masters, Adam moments
-and step) into its slot of the node's keeper memory (``snapshot.keeper``), on a thread of
-its own while the step's forward and backward run. The thread then computes the rank's
+and step) into its slot of the node's keeper memory (``snapshot.keeper``) while the step's
+forward and backward run: on an accelerator's side stream into pinned keeper memory, on
+CPU on a thread of its own (``snapshot.keeper_copy``). The thread then computes the rank's
 parity chunk with its protection group (``snapshot.parity``: XOR across nodes), seals
 both buffers and counts the rank into the snapshot; the rank that completes the count
-marks it done, and from then on it counts (as a step commits). The step's optimizer step,
-which overwrites what the copy reads, waits for all of it (``wait_written``), so a
-snapshot is done by the time the step after it commits, whatever fails later. Buffers
+marks it done, and from then on it counts (as a step commits). Only the step's optimizer
+step, which overwrites what the copy reads, waits for the copy (``wait_copied``); the
+parity may run on through the next steps, and the next snapshot starts once this one is
+done (``take``), so a snapshot is done by the time the step of the next one starts,
+whatever fails later (``SnapshotFollowing.collect`` looks as far back). Buffers
 come in pairs: a snapshot is written into the one that does not hold the last complete
 snapshot, so a failure during a write never leaves the run without one; the next
 snapshot waits for the previous one to be done, so it never overwrites the only complete
@@ -42,7 +45,8 @@ from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.protocol.keys import snapshot_done_key, snapshot_parts_key
 from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished
-from odyssey_megatron.snapshot.keeper import KeeperBuffer, pack, payload_layout, unpack
+from odyssey_megatron.snapshot.keeper import KeeperBuffer, payload_layout, unpack
+from odyssey_megatron.snapshot.keeper_copy import KeeperCopier, KeeperCopy
 from odyssey_megatron.snapshot.parity import StripeLayout, encode, rebuild
 from odyssey_megatron.snapshot.restore import Restore, block_from_key
 from odyssey_megatron.snapshot.shards import owners, shard_blocks, shard_entries, snapshot_groups
@@ -137,6 +141,9 @@ class SnapshotTaker:
             self.stripes = StripeLayout(tuple(_shard_layout(model, self.owned, cluster.worker_of(m), tp)[1]
                                               for m in members))
         self.slot = _Slot(slot)
+        self.copier = KeeperCopier()
+        self._copy: Optional[KeeperCopy] = None
+        """The copy of the snapshot in flight, until the optimizer step waited for it."""
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._pending: Optional[int] = None
@@ -149,32 +156,44 @@ class SnapshotTaker:
     def take(self, step: int, state: TrainingState) -> None:
         """Start writing ``state``'s share as of ``step`` committed steps; returns at once,
         once the previous snapshot is done (every rank's part in): it is then the one kept."""
-        self._wait_done()
+        self.wait_done()
         if self.ended():  # the controller picks the snapshot to restore after the abort: keep what it sees
             raise SnapshotAbandoned(f"the generation ended before the snapshot of step {step} started")
         found = self.slot.holding(*self.kept) if self.kept else None
         index = 0 if found is None else 1 - found
         tensors = {f"{block}/{key}": tensor for block in shard_blocks(self.owned, self.worker)
                    for key, tensor in state.export(block).items()}
+        payload = self.slot.data[index].begin(self.total)
+        self._copy = self.copier.start(tensors, self.entries, payload)
         self._pending = step
-        self._thread = threading.Thread(target=self._write, args=(step, index, tensors), daemon=True,
+        self._thread = threading.Thread(target=self._write, args=(step, index, self._copy, payload), daemon=True,
                                         name="odyssey-snapshot")
         self._thread.start()
 
-    def wait_written(self) -> None:
-        """Before the step's optimizer step, which overwrites what the snapshot copies: this
-        rank's part (shard, parity chunk, count) is in. So once a step after the snapshot's
-        commits, every rank's part is: the snapshot is done."""
+    def wait_copied(self) -> None:
+        """Before the step's optimizer step, which overwrites what the snapshot copies: the
+        copy into keeper memory is over (on an accelerator the training stream waits for it,
+        the host goes on). The parity and the count-in may run on; an error of the thread is
+        raised here where it came by then (a failed copy always has), else by the next ``take``."""
+        if self._copy is not None:
+            self._copy.wait_on_device()
+            self._copy = None
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def wait_done(self) -> None:
+        """Until the snapshot this rank wrote last is done: its own part in (the thread
+        ended; its error raised) and every other rank's (the done key)."""
+        if self._pending is None:
+            return
+        self.wait_copied()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            if self._error is not None:
-                raise self._error
-
-    def _wait_done(self) -> None:
-        if self._pending is None:
-            return
-        self.wait_written()
+        self._raise_error()
         done = snapshot_done_key(self.generation, self._pending)
         while not self.store.check([done]):
             if self.ended():
@@ -187,13 +206,15 @@ class SnapshotTaker:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._copy = None
+        self.copier.close()
         self.slot.close()
 
-    def _write(self, step: int, index: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _write(self, step: int, index: int, copy: KeeperCopy, payload: torch.Tensor) -> None:
         try:
-            payload = self.slot.data[index].begin(self.total)
-            pack(tensors, self.entries, payload)
-            del tensors
+            copy.run()
+            copy.wait_on_host()
+            del copy
             meta = {"step": step, "generation": self.generation, "rank": self.rank}
             if self.group is not None:
                 parity = self.slot.parity[index].begin(self.stripes.chunk_bytes)
@@ -223,10 +244,12 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
     def slot_of(owner_rank: int) -> _Slot:
         return _Slot(slots[owner_rank - node_first_rank])
 
-    def receive(payload: torch.Tensor, owner_rank: int) -> None:
+    def receive(payload: torch.Tensor, owner_rank: int, *, copy: bool) -> None:
+        """Hold the blocks of ``owner_rank``'s shard from ``payload``: copied out of keeper
+        memory, or as views of a rebuilt payload this rank owns (``copy=False``)."""
         entries, _ = _shard_layout(model, owned, cluster.worker_of(owner_rank), cluster.tensor_parallel_size)
         by_block: dict[Block, dict[str, torch.Tensor]] = {}
-        for key, tensor in unpack(payload, entries).items():
+        for key, tensor in unpack(payload, entries, copy=copy).items():
             by_block.setdefault(block_from_key(key), {})[key.partition("/")[2]] = tensor
         for block, tensors in by_block.items():
             state.receive_on(device, block, tensors)
@@ -241,20 +264,18 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         if payload is None:
             raise RuntimeError(f"rank {owner_rank}'s keeper slot holds the snapshot of step {restore.step} "
                                f"(generation {restore.generation}) with a payload not the one sealed (its CRC differs)")
-        payload = payload.clone()
         chunk = None
         if parity:
             chunk = _sealed(slot.parity[index], restore.step, restore.generation)
             if chunk is None:
                 raise RuntimeError(f"rank {owner_rank}'s keeper slot holds no parity of step {restore.step} "
                                    "(none sealed, or not the one sealed)")
-            chunk = chunk.clone()
-        slot.close()
+        slot.close()  # the views keep their memory mapped; nothing writes it while the rollback reads
         return payload, chunk
 
     for read in restore.reads:
         if read.reader == rank:
-            receive(snapshot_of(read.owner, parity=False)[0], read.owner)
+            receive(snapshot_of(read.owner, parity=False)[0], read.owner, copy=True)
             log.info("rank %d: read rank %d's snapshot shard of step %d from the node's keeper", rank, read.owner,
                      restore.step)
     for rebuilt in restore.rebuilds:
@@ -270,7 +291,7 @@ def restore_snapshot(restore: Restore, *, rank: int, node_first_rank: int, slots
         lost = rebuild(lost=rebuilt.group.index(rebuilt.lost), member=rebuilt.group.index(member), payload=payload,
                        parity=chunk, layout=stripes, group=group, dst=0)
         if lost is not None:
-            receive(lost, rebuilt.lost)
+            receive(lost, rebuilt.lost, copy=False)
             log.info("rank %d: rebuilt rank %d's snapshot shard of step %d from parity (group %s)", rank,
                      rebuilt.lost, restore.step, list(rebuilt.group))
     return state

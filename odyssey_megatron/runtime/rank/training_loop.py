@@ -108,7 +108,7 @@ class TrainingLoop:
         process.spare = None  # a step of this generation committed: it is settled
         process.settled = self.generation.plan
         if snapshots is not None:
-            snapshots.wait_written()  # the optimizer step overwrites what the snapshot copies
+            snapshots.wait_copied()  # the optimizer step overwrites what the snapshot copies
 
     def _save_checkpoint(self, committed: int) -> None:
         """Start writing this rank's share of the checkpoint after ``committed`` steps: the
