@@ -205,6 +205,10 @@ class PacedTimers:
         """The op times since the last take, as the worker's ``OpTimers`` gives them."""
         return self.op_timers.take()
 
+    def counting_in(self) -> None:
+        """The rank counts into the step's commit (``OpTimers.counting_in``)."""
+        self.op_timers.counting_in()
+
     @property
     def overruns(self) -> int:
         """Ops whose real work took longer than their paced time."""

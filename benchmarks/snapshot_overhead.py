@@ -517,7 +517,7 @@ def rebuild_world(rank: int, world: int, overrides: list[str], slots: list[list[
         state = restore_snapshot(restore, rank=rank, node_first_rank=rank, slots=[slots[rank]], model=model,
                                  cluster=ClusterState(world_size=world, devices_per_node=1),
                                  rank_in_generation=lambda r: r, timeout=COLLECTIVE_TIMEOUT,
-                                 track=lambda groups: None)
+                                 track=lambda groups: None, device=torch.device("cpu"))
         out["restore_s"].append(time.perf_counter() - started)
         if expected is not None:  # the first survivor holds the lost member's layer, bit for bit
             got = state.export(lost)

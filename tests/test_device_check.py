@@ -112,7 +112,7 @@ def _rollback(rank: int, world_size: int, old_json: str, new_json: str, slots_js
     trained = _at_step(initial_state(plan=old, rank=rank, ranks=ranks, model=model, seed=SEED, device=device))
     # Written from a host copy: the stand-in device cannot copy into a host tensor in place (a CUDA tensor can).
     taker.take(STEP, trained.copy(torch.device("cpu")))
-    taker.wait_written()
+    taker.wait_done()
     taker.abandon()
     dist.barrier()
     restore, transfers = plan_restore(SnapshotRecord(step=STEP, generation=0, plan=old, groups=()),

@@ -102,9 +102,12 @@ def _digest(value) -> str:
 
 def _golden_repr(profile) -> str:
     """The profile's repr as the golden file recorded it: before profile format version 2
-    added the fixed cost per op and the optimizer's cost, nil in these cases."""
+    added the fixed cost per op and the optimizer's cost, and the measured snapshot copy and
+    parity XOR rates, nil in these cases."""
     assert profile.op_overhead_s == profile.optimizer_s_per_param_byte == 0.0
-    return repr(profile).replace(", op_overhead_s=0.0, optimizer_s_per_param_byte=0.0", "")
+    assert profile.snapshot_copy_bandwidth is profile.parity_xor_bandwidth is None
+    return repr(profile).replace(", op_overhead_s=0.0, optimizer_s_per_param_byte=0.0, snapshot_copy_bandwidth=None, "
+                                 "parity_xor_bandwidth=None", "")
 
 
 def _timing(t: PipelineTiming) -> list:
