@@ -119,8 +119,10 @@ def long_reference(tmp_path_factory, data_cache) -> Path:
     return run_dir
 
 
-def assert_same_training(run_dir: Path, reference: Path) -> None:
-    """Same samples in every step and the same final model as the failure-free run."""
+def assert_same_training(run_dir: Path, reference: Path, *, controller_killed: bool = False) -> None:
+    """Same samples in every step and the same final model as the failure-free run.
+    ``controller_killed``: a SIGKILLed controller takes the events its record thread had not
+    written yet with it, so a step it committed may have no step event (its samples are in)."""
     steps, expected = read_jsonl(run_dir / "samples.jsonl"), read_jsonl(reference / "samples.jsonl")
     assert [s["step"] for s in steps] == list(range(len(expected)))
     assert [s["samples"] for s in steps] == [s["samples"] for s in expected]
@@ -129,7 +131,11 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
     for name, tensor in want.items():
         assert torch.allclose(final[name], tensor, rtol=1e-4, atol=1e-6), name
     # Every commit of a step (a step trained again after a rollback too) at the failure-free run's rate.
-    assert step_rates(run_dir) == {step: {rate} for step, (rate,) in step_rates(reference).items()}
+    rates, expected_rates = step_rates(run_dir), {step: {rate} for step, (rate,) in step_rates(reference).items()}
+    if controller_killed:
+        assert rates and all(rates[step] == expected_rates[step] for step in rates), rates
+    else:
+        assert rates == expected_rates
 
 
 def step_rates(run_dir: Path) -> dict[int, set[float]]:
@@ -643,7 +649,7 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
                "cluster.devices_per_node=8", "cluster.emulate_device=null"]  # nothing to land in it: full speed
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert_same_training(run_dir, reference)
+    assert_same_training(run_dir, reference, controller_killed=True)
 
 
 def test_every_replica_of_a_stage_killed_at_once_rolls_back_to_the_snapshot_in_their_node_s_keeper(
