@@ -260,23 +260,26 @@ def test_rerouting_survives_a_kill_a_hang_and_an_error_with_nothing_lost(tmp_pat
 
 def test_a_rank_at_half_speed_is_the_one_removed_as_a_straggler_and_nothing_is_lost(tmp_path, data_cache,
                                                                                    long_reference):
-    """Rank 3 runs every op at half speed for the whole run, its heartbeats alive: its op
-    times single it out after three slow steps (no healthy rank is ever blamed: one slow
-    step of a healthy rank on these shared cores happens), and with odyssey.straggler=remove
-    it, and only it, is failed and recovered from as any failure."""
+    """Rank 3 runs every op at a quarter speed for the whole run, its heartbeats alive: its
+    op times single it out after three slow steps, and with odyssey.straggler=remove it, and
+    only it, is failed and recovered from as any failure. No healthy rank is blamed at a
+    2.5x threshold: with two runs of 8 ranks on 2 cores (CI's load), a healthy rank's
+    millisecond ops measured 1.5-1.9x its peers' for three steps in a row, and a 2x rank
+    as little as 1.04x in one step; above 2.5x only one healthy step in about 50."""
     run_dir = tmp_path / "run"
     status, out, err = finish(train(run_dir, data_cache, "odyssey.straggler=remove", "odyssey.straggler_steps=3",
-                                    faults(f"{{action: slow, rank: 3, step: 0, factor: 2.0, steps: {GROWING_STEPS}}}"),
+                                    "odyssey.straggler_slowdown=2.5",
+                                    faults(f"{{action: slow, rank: 3, step: 0, factor: 4.0, steps: {GROWING_STEPS}}}"),
                                     steps=GROWING_STEPS))
     assert status == 0, err[-4000:] + run_logs(run_dir)
     assert_same_training(run_dir, long_reference)
     events = read_jsonl(run_dir / "events.jsonl")
     [straggler] = [e for e in events if e["event"] == "straggler"]
-    assert (straggler["rank"], straggler["action"]) == (3, "remove") and straggler["slowdown"] > 1.5, straggler
+    assert (straggler["rank"], straggler["action"]) == (3, "remove") and straggler["slowdown"] > 2.5, straggler
     failures = [e for e in events if e["event"] == "failure"]
     assert [(f["cause"], f["ranks"]) for f in failures] == [("straggler", [3])], failures
     assert "straggler: rank 3: its ops took" in out + err
-    assert "injecting odyssey.faults[0]: slow rank 3 x2 for steps 0..11" in (run_dir / "logs" / "rank-3.log").read_text()
+    assert "injecting odyssey.faults[0]: slow rank 3 x4 for steps 0..11" in (run_dir / "logs" / "rank-3.log").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -855,8 +858,10 @@ def test_a_replacement_node_joins_the_run_through_a_failure_elsewhere_during_its
             finish(node)
     assert status == 0, err[-4000:] + run_logs(run_dir)
     assert nodes[2].returncode == 0
+    failures = [(f["cause"], f["ranks"], f["detail"]) for f in events(run_dir, "failure")]
     interrupted, = events(run_dir, "join_interrupted")
-    assert interrupted["workers"] == [4, 5, 6, 7] and interrupted["failed_ranks"] == [2]
+    assert interrupted["workers"] == [4, 5, 6, 7] and interrupted["failed_ranks"] == [2], (
+        f"{interrupted}; failures {failures}" + run_logs(run_dir))
     plans = events(run_dir, "plan")
     assert sorted(plans[-1]["workers"]) == list(range(8))
     joined = [w for p in plans for w in p["joined"]]

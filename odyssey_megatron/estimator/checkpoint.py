@@ -11,12 +11,11 @@ Young's rule (as the in-memory snapshot's does: ``estimator.snapshot``).
 
 from __future__ import annotations
 
-from odyssey_megatron.blocks import block_bytes
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.estimator.snapshot import snapshot_shares
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.snapshot.shards import owners
 
 __all__ = ["checkpoint_time_s"]
 
@@ -24,12 +23,10 @@ __all__ = ["checkpoint_time_s"]
 def checkpoint_time_s(plan: ExecutionPlan, profile: ModelProfile, *, model: ModelConfig, cluster: ClusterState,
                       disk_write_bytes_s: float) -> float:
     """Seconds a checkpoint of ``plan`` takes until it is durable: the largest rank's copy to
-    host memory, then the busiest node's write at ``disk_write_bytes_s``."""
-    tp = plan.tensor_parallel_size
-    by_rank: dict[int, int] = {}
-    for block, worker in owners(plan, model).items():
-        for rank in cluster.worker_ranks(worker):
-            by_rank[rank] = by_rank.get(rank, 0) + block_bytes(model, block, tp)
+    host memory, then the busiest node's write at ``disk_write_bytes_s``. A rank writes its
+    worker's snapshot share (one TP shard of it), as the checkpoint writer does."""
+    by_rank = {rank: share for worker, share in snapshot_shares(plan, model).items()
+               for rank in cluster.worker_ranks(worker)}
     by_node: dict[int, int] = {}
     for rank, written in by_rank.items():
         node = cluster.node_of_rank(rank)
