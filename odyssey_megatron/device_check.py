@@ -201,6 +201,7 @@ def _recovering_rank(rank: int, port: int, backend: str, device_type: str, resul
             guard.abandon()
             dist.destroy_process_group()
             del model, optimizer, param
+            guard.done_leaving()
             deadline = time.monotonic() + 5.0
             while guard.kept and time.monotonic() < deadline:  # rank 1's closed sockets end rank 0's operation
                 time.sleep(0.01)

@@ -75,6 +75,7 @@ def _survivor_or_frozen(rank: int, port: int, mode: str, results: mp.Queue) -> N
         import gc
 
         gc.collect()
+        guard.done_leaving()
         leave_s = time.monotonic() - left
         guard.reopen()
         dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.PrefixStore("gen1", store),
@@ -335,6 +336,8 @@ def test_a_generation_left_with_nothing_in_flight_holds_none_of_its_groups():
         dist.all_reduce(torch.ones(2), group=group)
         dist.all_reduce(torch.ones(2), group=group, async_op=True)  # never waited on: ended by now
         guard.abandon()
+        del group
+        guard.done_leaving()
         deadline = time.monotonic() + 2.0
         while guard.kept and time.monotonic() < deadline:  # the never-waited work's helper returns
             time.sleep(0.01)
@@ -353,3 +356,41 @@ def test_nccl_communicators_start_without_blocking_and_wait_no_longer_than_a_col
     monkeypatch.delenv("TORCH_NCCL_USE_COMM_NONBLOCKING")
     prepare_backend("gloo", timeout_s=30.0)
     assert "TORCH_NCCL_USE_COMM_NONBLOCKING" not in os.environ
+
+
+class _DroppedGroup:
+    """Stands in for a gloo group: records the thread that drops its last reference."""
+
+    def __init__(self, dropped_on: list):
+        self.dropped_on = dropped_on
+
+    def size(self) -> int:
+        return 1
+
+    def __del__(self):
+        self.dropped_on.append(threading.current_thread().name)
+
+
+def test_a_left_generation_s_groups_are_dropped_by_the_reaper_once_the_leaving_thread_let_go(monkeypatch):
+    """Gloo's destructor can block (joining its tcp loop thread: a worker hung in
+    ``gc.collect`` past the recovery timeout): the training thread never drops a left
+    group's last reference, even with no operation in flight; the reaper does, and only
+    after ``done_leaving``."""
+    monkeypatch.setattr(collective_guard, "_backend_of", lambda group: "gloo")
+    guard = CollectiveGuard(backend="gloo", timeout_s=5)
+    guard.reopen(1)
+    dropped_on: list[str] = []
+    group = _DroppedGroup(dropped_on)
+    guard.track([group])
+    guard.abandon()
+    del group
+    import gc
+
+    gc.collect()
+    time.sleep(0.1)
+    assert dropped_on == [] and guard.kept == 1  # held while the leaving thread may still drop references
+    guard.done_leaving()
+    deadline = time.monotonic() + 2.0
+    while guard.kept and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert guard.kept == 0 and dropped_on == ["odyssey-reaper"]

@@ -21,10 +21,15 @@ thread then calls ``CollectiveGuard.abort``, and what that does depends on the b
   published its address, then failed with an error of its own. An abandoned operation
   still holds its group's sockets and threads (and its helper thread) until gloo ends it
   (a closed socket at once, a frozen peer at gloo's own timeout), and dropping the group's
-  last reference before then blocks the dropping thread until it does: the guard holds
-  the generation's gloo groups while an operation on them may run (a helper thread still
-  waits on one, or a work was started and never waited), and lets them go on the helper
-  thread whose operation ended last. A generation left with nothing in flight holds nothing.
+  last reference before then blocks the dropping thread until it does. Gloo's own
+  threads can outlive every operation the guard knows of, too: a worker that left a
+  generation on a peer's closed socket blocked in ``gc.collect`` for over the recovery
+  timeout, in the group's destructor joining gloo's tcp loop thread, so the run lost a
+  healthy rank. The guard holds a left generation's gloo groups (``abandon``) until the
+  leaving thread has dropped its own references (``done_leaving``) and every operation on
+  them known to run has ended (a helper thread still waits on one, or a work was started
+  and never waited), then drops them on a thread of its own (the reaper), which alone
+  waits for whatever of gloo still runs.
 - **NCCL and HCCL**: the communicators are aborted from the watching thread (a thread
   other than the one blocked in the collective, as nvidia-resiliency-ext's monitor does),
   which ends the kernels in flight and frees the communicators, so nothing of them is held;
@@ -65,6 +70,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import functools
+import gc
 import inspect
 import logging
 import os
@@ -194,10 +200,12 @@ class _Started:
 
 
 class _Held:
-    """A left generation's gloo groups, held until the last operation that may run on them ends."""
+    """A left generation's gloo groups, held until the thread that left has dropped its own
+    references (``left``) and the operations that may run on them (``running``) ended."""
 
-    def __init__(self, objects: list, pending: int):
-        self.objects, self.pending = objects, pending
+    def __init__(self, objects: list, running: list[concurrent.futures.Future]):
+        self.objects, self.running = objects, running
+        self.left = threading.Event()
 
 
 class CollectiveGuard:
@@ -308,10 +316,11 @@ class CollectiveGuard:
     def abandon(self) -> None:
         """Leaving the generation: let its groups go. NCCL/HCCL groups at once (an abort
         ended their operations and freed their communicators; a generation that ended
-        without one has none in flight). Gloo groups, with the default group, once every
-        operation that may still run on them has ended: the waits helper threads still run
-        (an abort or a timeout left them) and the works started but never waited on, which
-        a helper thread now waits on; with none, at once."""
+        without one has none in flight). Gloo groups, with the default group, are held
+        and dropped by the reaper once the leaving thread called ``done_leaving`` and
+        every operation that may still run on them has ended: the waits helper threads
+        still run (an abort or a timeout left them) and the works started but never waited
+        on, which a helper thread now waits on."""
         with self._lock:
             groups, self._groups = self._groups, []
             unwaited, self._in_flight = self._in_flight, {}
@@ -323,8 +332,17 @@ class CollectiveGuard:
             gloo.append(dist.group.WORLD)
         self._hold(gloo, running)
 
+    def done_leaving(self) -> None:
+        """The leaving thread has dropped its references to the left generations' groups
+        (``abandon``): the reaper's are the last, and it may drop them."""
+        with self._lock:
+            held = list(self._held)
+        for entry in held:
+            entry.left.set()
+
     def reopen(self, generation: Optional[int] = None) -> None:
-        """Before entering ``generation``: clear the abort."""
+        """Before entering ``generation``: clear the abort (the last one's leaving is done)."""
+        self.done_leaving()
         with self._lock:
             self._aborted.clear()
             self._reason = ""
@@ -333,30 +351,32 @@ class CollectiveGuard:
 
     @property
     def kept(self) -> int:
-        """Left generations whose gloo groups are still held (an operation on them still runs)."""
+        """Left generations whose gloo groups are still held (the leaving thread has not
+        called ``done_leaving``, an operation on them still runs, or gloo still ends them)."""
         with self._lock:
             return len(self._held)
 
     def _hold(self, objects: list, running: list[concurrent.futures.Future]) -> None:
-        """Hold ``objects`` until every one of ``running`` is done; the helper thread whose
-        operation ends last drops them (dropping a gloo group waits for its operations)."""
-        running = [future for future in running if not future.done()]
-        if not running:
+        """Hold ``objects`` for the reaper (nothing to hold: nothing to reap)."""
+        if not objects and not running:
             return
-        held = _Held(objects, len(running))
+        held = _Held(objects, running)
         with self._lock:
             self._held.append(held)
-        for future in running:
-            future.add_done_callback(lambda _, held=held: self._one_ended(held))
+        threading.Thread(target=self._reap, args=(held,), name="odyssey-reaper", daemon=True).start()
 
-    def _one_ended(self, held: _Held) -> None:
+    def _reap(self, held: _Held) -> None:
+        """On the reaper: drop ``held``'s objects once the leaving thread has dropped its own
+        and its operations ended. Dropping a gloo group blocks until gloo's threads end, here
+        only; ``gc.collect`` here too, so that a group also in a reference cycle is not left
+        to a collection on the training thread."""
+        held.left.wait()
+        concurrent.futures.wait(held.running)
+        objects, held.objects = held.objects, []
+        del objects
+        gc.collect()
         with self._lock:
-            held.pending -= 1
-            if held.pending:
-                return
             self._held.remove(held)
-            objects, held.objects = held.objects, []
-        del objects  # the last references, here: off the thread that left the generation
 
     # -- starting and waiting ------------------------------------------------------------
 

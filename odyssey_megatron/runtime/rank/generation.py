@@ -183,7 +183,7 @@ class Generation:
 
     def leave(self, *, abandoned: bool) -> None:
         """Keep the blocks, drop the stage model and let go of every process group (the
-        guard holds an abandoned generation's groups until their operations have ended)."""
+        guard's reaper drops their last references, off this thread)."""
         process = self.process
         process.guard.abandon()
         if self.snapshots is not None:
@@ -201,3 +201,4 @@ class Generation:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()  # the stage's reference cycles: milliseconds, with the process's long-lived objects frozen
+        process.guard.done_leaving()  # the guard's reaper drops the groups' last references
