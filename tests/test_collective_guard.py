@@ -210,7 +210,9 @@ def test_a_peer_killed_mid_collective_is_lost_by_what_gloo_says_of_a_closed_or_r
     (closed_type, closed, closed_timed_out, closed_s), (reset_type, reset, reset_timed_out, reset_s) = got[0], got[1]
     assert closed_type == reset_type == "RuntimeError"  # no type of its own: the text is all there is
     assert "Connection closed by peer" in closed, closed  # rank 2's pair with rank 0 had nothing in flight
-    assert "Read error" in reset and "Connection reset by peer" in reset, reset  # 32 MB unread in its socket
+    # 32 MB unread in its socket: the kernel resets the connection, unless the killed rank's
+    # socket had been drained by then (CI saw a close there once): either text is pinned.
+    assert ("Read error" in reset and "Connection reset by peer" in reset) or "Connection closed by peer" in reset, reset
     assert not closed_timed_out and not reset_timed_out  # a lost peer is no stall to report
     assert closed_s < GROUP_TIMEOUT_S / 2 and reset_s < GROUP_TIMEOUT_S / 2
 
