@@ -82,12 +82,12 @@ def write_part(run_dir: Path, tensors: dict[str, torch.Tensor], blocks: list, *,
 
 
 def save_part(run_dir: Path, state: TrainingState, blocks: list, *, step: int, rank: int, tp_rank: int,
-              tp_size: int, model: ModelConfig) -> None:
+              tp_size: int, model: ModelConfig, part: str | None = None) -> None:
     """Write ``blocks`` of this rank's ``state`` (each at ``step`` steps) as its part
-    ``rank-<rank>`` of the checkpoint of ``step``, now (``write_part``)."""
+    ``rank-<rank>`` (or ``part``, which must start so) of the checkpoint of ``step``, now (``write_part``)."""
     tensors = {key: tensor.detach().cpu() for key, tensor in
                part_tensors(state, blocks, tp_rank=tp_rank, tp_size=tp_size).items()}
-    write_part(run_dir, tensors, blocks, step=step, part=f"rank-{rank}", tp_rank=tp_rank, tp_size=tp_size,
+    write_part(run_dir, tensors, blocks, step=step, part=part or f"rank-{rank}", tp_rank=tp_rank, tp_size=tp_size,
                model=model)
 
 
