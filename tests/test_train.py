@@ -655,6 +655,41 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     assert_same_training(run_dir, reference, controller_killed=True)
 
 
+def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the_other_node_fills_in(
+        tmp_path, data_cache, reference):
+    """Two nodes of 4 ranks (DP 8), node 0 hosting the controller: node 0's whole process
+    group is SIGKILLed once step 2 committed, its four workers with it, though the plan
+    chose them to write half the blocks. Node 1's workers save their share, find no claim
+    of the dead writers' blocks, fill them in, and exit 75: the step they took is a whole
+    checkpoint, and ``--resume`` goes on from it (not from the start) to the failure-free
+    model."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
+              "cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02),
+              "--nnodes", "2", "--master-port", str(port)]
+    node0 = train(run_dir, data_cache, *common, node_rank=0)
+    node1 = train(run_dir, data_cache, *common, node_rank=1)
+    try:
+        wait_for_step(run_dir, 2, nodes=(node0, node1))
+        os.killpg(node0.pid, signal.SIGKILL)
+        status1, _, err1 = finish(node1)
+    finally:
+        finish(node0)
+    assert status1 == 75, err1[-4000:]
+    [directory] = sorted(run_dir.glob("checkpoint/step-*"))
+    step = int(directory.name.removeprefix("step-"))
+    parts = {p.name: json.loads(p.read_text())["blocks"] for p in directory.glob("rank-*.json")}
+    assert {name for name in parts if "fill" not in name} == {f"rank-{r}.json" for r in range(4, 8)}, parts
+    assert any("fill" in name for name in parts), parts  # the dead writers' share, written by node 1
+    assert len({b for blocks in parts.values() for b in blocks}) == 10, parts  # every block
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
+               "cluster.devices_per_node=8", "cluster.emulate_device=null"]
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert events(run_dir, "plan")[-1]["start_step"] == step >= 2
+    assert_same_training(run_dir, reference, controller_killed=True)
+
+
 def test_every_replica_of_a_stage_killed_at_once_rolls_back_to_the_snapshot_in_their_node_s_keeper(
         tmp_path, data_cache, reference):
     """Both replicas of stage 1 (ranks 2 and 3, on the one node of the tiny recipe) die in
