@@ -630,10 +630,25 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     whole, and the run ends with the failure-free model, every step's samples recorded
     once (a step the controller did not live to record is filled in; one a rank could not
     learn had committed is trained again)."""
+    run_dir = _node_0_killed_after_step_2(
+        tmp_path, data_cache, faults("{rank: 0, with_ranks: [1, 2, 3], step: 1, phase: forward, action: kill}"))
+    assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[0, 1, 2, 3]]
+    saved = sorted(run_dir.glob("checkpoint/step-*/rank-*.json"))
+    assert {p.name for p in saved} == {f"rank-{r}.json" for r in range(4, 8)}  # node 1's four workers
+    written = [block for p in saved for block in json.loads(p.read_text())["blocks"]]
+    assert sorted(written) == sorted(set(written)) and len(written) == 10  # each block once, shared out
+    _resume_on_one_node(run_dir)
+    assert_same_training(run_dir, reference, controller_killed=True)
+
+
+def _node_0_killed_after_step_2(tmp_path: Path, data_cache: Path, *args: str) -> Path:
+    """Two nodes of 4 ranks (DP 8), node 0 hosting the controller, its whole process group
+    SIGKILLed once step 2 committed: node 1's launcher must exit 75 (the controller lost,
+    what its workers hold saved). The run directory."""
     run_dir, port = tmp_path / "run", _free_port()
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
-              "cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02), "--nnodes", "2",
-              "--master-port", str(port), faults("{rank: 0, with_ranks: [1, 2, 3], step: 1, phase: forward, action: kill}")]
+              "cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02),
+              "--nnodes", "2", "--master-port", str(port), *args]
     node0 = train(run_dir, data_cache, *common, node_rank=0)
     node1 = train(run_dir, data_cache, *common, node_rank=1)
     try:
@@ -643,16 +658,16 @@ def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_
     finally:
         finish(node0)
     assert status1 == 75, err1[-4000:]
-    assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[0, 1, 2, 3]]
-    saved = sorted(run_dir.glob("checkpoint/step-*/rank-*.json"))
-    assert {p.name for p in saved} == {f"rank-{r}.json" for r in range(4, 8)}  # node 1's four workers
-    written = [block for p in saved for block in json.loads(p.read_text())["blocks"]]
-    assert sorted(written) == sorted(set(written)) and len(written) == 10  # each block once, shared out
+    return run_dir
+
+
+def _resume_on_one_node(run_dir: Path) -> None:
+    """``odyssey train --resume`` of ``run_dir`` on one node of 8, at full speed (nothing
+    is to land in it), to the end."""
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
-               "cluster.devices_per_node=8", "cluster.emulate_device=null"]  # nothing to land in it: full speed
+               "cluster.devices_per_node=8", "cluster.emulate_device=null"]
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert_same_training(run_dir, reference, controller_killed=True)
 
 
 def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the_other_node_fills_in(
@@ -663,29 +678,14 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
     of the dead writers' blocks, fill them in, and exit 75: the step they took is a whole
     checkpoint, and ``--resume`` goes on from it (not from the start) to the failure-free
     model."""
-    run_dir, port = tmp_path / "run", _free_port()
-    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
-              "cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02),
-              "--nnodes", "2", "--master-port", str(port)]
-    node0 = train(run_dir, data_cache, *common, node_rank=0)
-    node1 = train(run_dir, data_cache, *common, node_rank=1)
-    try:
-        wait_for_step(run_dir, 2, nodes=(node0, node1))
-        os.killpg(node0.pid, signal.SIGKILL)
-        status1, _, err1 = finish(node1)
-    finally:
-        finish(node0)
-    assert status1 == 75, err1[-4000:]
+    run_dir = _node_0_killed_after_step_2(tmp_path, data_cache)
     [directory] = sorted(run_dir.glob("checkpoint/step-*"))
     step = int(directory.name.removeprefix("step-"))
     parts = {p.name: json.loads(p.read_text())["blocks"] for p in directory.glob("rank-*.json")}
     assert {name for name in parts if "fill" not in name} == {f"rank-{r}.json" for r in range(4, 8)}, parts
     assert any("fill" in name for name in parts), parts  # the dead writers' share, written by node 1
     assert len({b for blocks in parts.values() for b in blocks}) == 10, parts  # every block
-    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
-               "cluster.devices_per_node=8", "cluster.emulate_device=null"]
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    _resume_on_one_node(run_dir)
     assert events(run_dir, "plan")[-1]["start_step"] == step >= 2
     assert_same_training(run_dir, reference, controller_killed=True)
 
