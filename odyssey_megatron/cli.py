@@ -208,6 +208,7 @@ def decision_json(decision: Decision, published: dict) -> dict:
         "search_time_s": decision.search_time_s,
         "expected_interval_s": decision.expected_interval_s,
         "expected_interval_source": decision.interval_source,
+        "horizon_s": decision.horizon_s,
         "candidates_considered": decision.candidates_considered,
         "candidates": [_candidate_json(c) for c in decision.alternatives],
         "note": decision.note,
