@@ -10,11 +10,12 @@ import pytest
 from helpers import symmetric_plan
 from odyssey_megatron.cli import main
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import OdysseyConfig
+from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.planner import FailureRateModel, eq8_horizon_s
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.runtime.control.decision_record import decision_record
 from odyssey_megatron.simulator.odyssey import scenario_failure_model
 from odyssey_megatron.simulator.scenario import FailureConfig
 
@@ -91,3 +92,11 @@ def test_plan_json_reports_the_horizon_and_where_its_rate_came_from(capsys):
     decision = json.loads(capsys.readouterr().out)
     assert decision["expected_interval_source"] == "the prior odyssey.device_mtbf_hours=10"
     assert decision["horizon_s"] == decision["expected_interval_s"] == pytest.approx(10 * 3600 / 32)
+
+
+def test_the_live_runs_decision_events_say_the_horizon_and_where_its_rate_came_from():
+    center = DecisionCenter.from_recipe(load_config("recipes/llama2_7b/ascend_910b_32.yaml"))
+    decision = center.on_failure(ranks=[5], at_s=3600.0)
+    record = decision_record(decision, center, start_step=10, committed=10)
+    assert record["interval_source"] == "1 failure(s) seen over 32 device-hours"
+    assert record["expected_interval_s"] == record["horizon_s"] == pytest.approx(32 * 3600 / 31)
