@@ -208,6 +208,7 @@ def decision_json(decision: Decision, published: dict) -> dict:
         "search_time_s": decision.search_time_s,
         "expected_interval_s": decision.expected_interval_s,
         "expected_interval_source": decision.interval_source,
+        "horizon_s": decision.horizon_s,
         "candidates_considered": decision.candidates_considered,
         "candidates": [_candidate_json(c) for c in decision.alternatives],
         "note": decision.note,
@@ -223,7 +224,8 @@ def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str,
         f"  step time   {est.step_time_s:.3f} s = pipeline {est.pipeline_time_s:.3f} s + DP sync {est.sync_time_s:.3f} s"
         f"  ({est.samples_per_s:.2f} samples/s, {est.tokens_per_s:,.0f} tokens/s)",
         f"  transition  {c.transition_s:.2f} s  ({len(plan.transfers)} transfers, {moved / GIB:.2f} GiB moved)",
-        f"  Eq. 8 score {c.score:.3f}  (expected time to next failure {decision.expected_interval_s / SECONDS_PER_HOUR:.2f} h)",
+        f"  Eq. 8 score {c.score:.3f}  (over {decision.horizon_s / SECONDS_PER_HOUR:.2f} h; expected time to next "
+        f"failure {decision.expected_interval_s / SECONDS_PER_HOUR:.2f} h, from {decision.interval_source})",
         f"  DP sync     {len(plan.sync_units)} units in {len(plan.comm_rounds)} rounds",
         "  pipelines (stage: worker layers peak GiB):",
     ]

@@ -588,7 +588,8 @@ class OdysseyConfig:
     """Mean time between failures of one device; 10 h is the paper's 10%/h failure rate.
     The expected time to the next failure is this divided by the surviving devices."""
     learn_failure_rate: bool = True
-    """Update the failure rate from failures observed during the run (gamma-exponential posterior)."""
+    """From the first failure on, Eq. 8's rate is the failures seen over the device-hours
+    exposed since the run started (``planner.policy.FailureRateModel``); false: the MTBF throughout."""
     dp_search_radius: int = 2
     """Candidate DP degrees lie within this distance of the current one (Algorithm 1's R_dp)."""
     pp_search_radius: int = 1

@@ -31,6 +31,7 @@ from odyssey_megatron.planner import (
     UnrecoverableFailure,
     choose,
     draft_candidates,
+    eq8_horizon_s,
     initial_plan,
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
@@ -65,6 +66,7 @@ class DecisionCenter:
         search_time_s: float | None = None,
         settles_at_once: bool = True,
         model: ModelConfig | None = None,
+        failure_model: FailureRateModel | None = None,
     ):
         """A job running ``plan`` on ``cluster``. ``search_time_s`` replaces the measured
         search time in every transition (the simulator needs determinism).
@@ -72,7 +74,9 @@ class DecisionCenter:
         committed (the simulator, ``odyssey plan``); False: the caller says when a plan
         settles (``settle``): the live run, where a recovery can fail before its first step.
         ``model``: the job's model, whose blocks its in-memory snapshots share out
-        (``snapshot_interval``); a recipe's center has it."""
+        (``snapshot_interval``); a recipe's center has it. ``failure_model``: where Eq. 8's
+        failure rate comes from; default ``settings``' prior MTBF, learned from the failures
+        seen where ``settings.learn_failure_rate`` (the simulator gives the scenario's rate)."""
         self.plan = plan
         """The plan committed last: what the job runs, or is about to."""
         self.settled = plan
@@ -85,8 +89,8 @@ class DecisionCenter:
         self.settings = settings
         self.model = model
         self.search_time_s = search_time_s
-        self.failure_model = FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
-                                              learn=settings.learn_failure_rate)
+        self.failure_model = failure_model or FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
+                                                               learn=settings.learn_failure_rate)
         self.search = ReparallelizeSearch(profile, max_layer_splits=settings.search.max_layer_splits)
         self._last_event_s = 0.0
         self._prepared: tuple[ExecutionPlan, ClusterState, dict[frozenset[int], Drafts]] | None = None
@@ -130,8 +134,8 @@ class DecisionCenter:
 
     def on_failure(
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
-        at_s: float | None = None, interval_s: float | None = None, in_memory: bool = False,
-        snapshot: SnapshotSource | None = None, start_replay_steps: int | None = None,
+        at_s: float | None = None, interval_s: float | None = None, time_left_s: float | None = None,
+        in_memory: bool = False, snapshot: SnapshotSource | None = None, start_replay_steps: int | None = None,
     ) -> Decision:
         """Mark ``ranks`` and every rank of ``workers`` and ``nodes`` failed, decide, and
         commit the chosen plan.
@@ -146,7 +150,9 @@ class DecisionCenter:
         ``at_s`` is the job's clock at the failure (seconds since start); given, the failure
         and the device-hours since the previous event feed the learned failure rate.
         ``interval_s`` replaces the expected time to the next failure in Eq. 8 (hindsight:
-        the simulator's oracle knows it). ``in_memory``: the job goes on from what the
+        the simulator's oracle knows it). ``time_left_s``: the run's seconds left, given
+        where no worker comes back (no repairs): Eq. 8's horizon is then cut there
+        (``policy.eq8_horizon_s``; ``Decision.horizon_s``). ``in_memory``: the job goes on from what the
         survivors hold, so a plan that needs a block no survivor holds is no plan: raises
         UnrecoverableFailure naming the blocks, and commits nothing, unless ``snapshot``
         restores them: it says where each candidate plan gets every block back from as of
@@ -165,7 +171,8 @@ class DecisionCenter:
             self.plan = replace(self.settled, generation=self.plan.generation, transfers=())
         before = self.cluster
         self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
-        decision = self._decide(interval_s, prepared=lambda: self._prepared_drafts(before), in_memory=in_memory,
+        decision = self._decide(interval_s, time_left_s, prepared=lambda: self._prepared_drafts(before),
+                                in_memory=in_memory,
                                 snapshot=snapshot, roll_back=roll_back, start_replay_steps=start_replay_steps)
         if decision.chosen.plan is decision.replaced:  # what runs goes on, with nothing left to move
             plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
@@ -190,15 +197,15 @@ class DecisionCenter:
         self._rolling_back = False
 
     def on_join(self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), at_s: float | None = None,
-                interval_s: float | None = None) -> Decision:
+                interval_s: float | None = None, time_left_s: float | None = None) -> Decision:
         """Mark repaired or replacement ``ranks`` (and every rank of ``workers``) alive,
         decide whether to use them (the current plan keeps training meanwhile), and commit
-        the chosen plan. ``at_s`` and ``interval_s`` as in ``on_failure``; a join adds
+        the chosen plan. ``at_s``, ``interval_s`` and ``time_left_s`` as in ``on_failure``; a join adds
         exposure, not a failure. Where Eq. 8 keeps the current plan, the decision's plan is
         the current one itself (``Decision.replaced``)."""
         self._observe(failures=0, at_s=at_s)
         self.cluster = self.cluster.repair_ranks([*ranks, *self._ranks_of(workers)])
-        return self._decide(interval_s)
+        return self._decide(interval_s, time_left_s)
 
     def _ranks_of(self, workers: Iterable[int]) -> list[int]:
         return [rank for worker in workers for rank in self.cluster.worker_ranks(worker)]
@@ -392,17 +399,18 @@ class DecisionCenter:
         self.failure_model.observe(failures=failures, device_hours=exposure)
         self._last_event_s = at_s
 
-    def _decide(self, interval_s: float | None, *,
+    def _decide(self, interval_s: float | None, time_left_s: float | None = None, *,
                 prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None, in_memory: bool = False,
                 snapshot: SnapshotSource | None = None, roll_back: bool = False,
                 start_replay_steps: int | None = None) -> Decision:
         """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8;
-        ``in_memory``, ``snapshot`` and ``start_replay_steps`` as in ``on_failure``."""
+        ``time_left_s``, ``in_memory``, ``snapshot`` and ``start_replay_steps`` as in ``on_failure``."""
         started = time.perf_counter()
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
                                                          profile=self.profile, settings=self.settings.search,
                                                          search=self.search), "cold")
         interval = interval_s if interval_s is not None else self.mtbf_s
+        horizon = eq8_horizon_s(interval_s=interval, time_left_s=time_left_s)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},
                       key=block_sort_key) if in_memory else []
@@ -420,8 +428,9 @@ class DecisionCenter:
                 drafts, from_start = self._from_start(drafts, start_replay_steps), True
             else:
                 raise UnrecoverableFailure(why)
-        decision = replace(choose(drafts, settings=self.settings.search, interval_s=interval,
+        decision = replace(choose(drafts, settings=self.settings.search, interval_s=horizon,
                                   search_time_s=search_s),
+                           expected_interval_s=interval, horizon_s=horizon,
                            source=source, replaced=self.plan, from_start=from_start,
                            interval_source="the caller (interval_s)" if interval_s is not None else
                            self.failure_model.source)

@@ -428,6 +428,8 @@ SCENARIO_CASES = {
     "seed=2**70": sim("seed=1180591620717411303424", culprit=("seed", "64-bit")),
     "seed=1.5": sim("seed=1.5", culprit="seed"),
     "oobleck_tolerated_failures=-1": sim("oobleck_tolerated_failures=-1", culprit="oobleck_tolerated_failures"),
+    "odyssey_learns_failure_rate=maybe": sim("odyssey_learns_failure_rate=maybe",
+                                             culprit="odyssey_learns_failure_rate"),
     "oobleck cannot start": sim("systems=[odyssey,checkpoint,oobleck]", "oobleck_tolerated_failures=100",
                                 culprit=("oobleck_tolerated_failures", "oobleck cannot run")),
     "wandb_mode=maybe": sim("wandb_mode=maybe", culprit="wandb_mode"),

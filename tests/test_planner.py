@@ -427,7 +427,7 @@ def test_failure_model_learns_from_observations():
     model = FailureRateModel(device_mtbf_hours=10)
     assert model.expected_interval_s(10) == pytest.approx(3600)
     model.observe(failures=9, device_hours=10)  # far more failures than the prior expects
-    assert model.rate_per_device_hour == pytest.approx(10 / 20)
+    assert model.rate_per_device_hour == pytest.approx(9 / 10)  # the evidence alone, no prior blended in
     assert FailureRateModel(device_mtbf_hours=10, learn=False).rate_per_device_hour == 0.1
 
 
@@ -511,10 +511,13 @@ def test_decision_center_learns_the_failure_rate_from_observed_failures():
     learning, fixed = DecisionCenter.from_recipe(config), DecisionCenter.from_recipe(
         load_config("recipes/llama2_7b/ascend_910b_32.yaml", ["odyssey.learn_failure_rate=false"])
     )
-    # Two failures within minutes on a cluster configured for one per device every 10 h.
+    # Two failures within minutes on a cluster configured for one per device every 10 h:
+    # the rate is the failures seen over the device-hours exposed since the start.
     first = learning.on_failure(ranks=[5], at_s=60.0)
     second = learning.on_failure(ranks=[9], at_s=120.0)
-    assert second.expected_interval_s < first.expected_interval_s < 3600 * 10 / 31
+    assert first.expected_interval_s == pytest.approx(3600 * (32 * 60 / 3600) / 1 / 31)
+    assert second.expected_interval_s == pytest.approx(3600 * ((32 + 31) * 60 / 3600) / 2 / 30)
+    assert first.expected_interval_s < 3600 * 10 / 31 and second.expected_interval_s < 3600 * 10 / 30
     fixed.on_failure(ranks=[5], at_s=60.0)
     assert fixed.on_failure(ranks=[9], at_s=120.0).expected_interval_s == pytest.approx(3600 * 10 / 30)
     with pytest.raises(ValueError, match="before the previous event"):
@@ -529,7 +532,7 @@ def test_each_decision_says_where_the_horizon_of_eq8_came_from():
     assert center.on_failure(ranks=[5]).interval_source == "the prior odyssey.device_mtbf_hours=10"
     seen = center.on_failure(ranks=[9], at_s=120.0)
     assert seen.interval_source.startswith("1 failure(s) seen over 1.033 device-hours")
-    assert seen.expected_interval_s == pytest.approx(3600 * (10 + 31 * 120 / 3600) / 2 / 30)
+    assert seen.expected_interval_s == pytest.approx(3600 * (31 * 120 / 3600) / 1 / 30)
     assert center.on_failure(ranks=[13], interval_s=60.0).interval_source == "the caller (interval_s)"
     fixed = DecisionCenter.from_recipe(load_config(recipe, ["odyssey.learn_failure_rate=false"]))
     assert fixed.on_failure(ranks=[5], at_s=60.0).interval_source == "the prior odyssey.device_mtbf_hours=10"

@@ -342,14 +342,19 @@ def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
         assert 0 < first["systems"][name]["fraction_of_ideal"] <= 1 + 1e-12
     assert set(first["ratios"]) == {"recycle", "checkpoint"}
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "series.json").exists()
-    # Each Eq. 8 decision's horizon and where its rate came from: the failures seen, the one
-    # it answers included, with the prior beside them; the other systems decide without one.
+    # Each Eq. 8 decision's horizon and where its rate came from: the scenario's rate, the
+    # truth its failures are drawn from, over at most the 2 h left (no repairs); the other
+    # systems decide without one.
     horizons = first["systems"]["odyssey"]["horizons"]
     assert len(horizons) >= 2 and all(h["expected_interval_s"] > 0 for h in horizons)
-    assert horizons[0]["source"].startswith("1 failure(s) seen over ")
-    assert all(h["source"].endswith("with the prior odyssey.device_mtbf_hours=10 worth 1") for h in horizons)
+    assert all(h["source"] == "the scenario's failures.rate_per_device_hour=0.2" for h in horizons)
+    assert all(h["horizon_s"] == pytest.approx(min(h["expected_interval_s"], 7200 - h["time_s"])) for h in horizons)
     assert [h["time_s"] for h in horizons] == sorted(h["time_s"] for h in horizons)
     assert first["systems"]["recycle"]["horizons"] == first["systems"]["checkpoint"]["horizons"] == []
+    # Asked to learn, as a live run does: the failures seen, the one it answers included.
+    assert main(args + ["--seed", "5", "--force", "odyssey_learns_failure_rate=true"]) == 0
+    learned = json.loads(capsys.readouterr().out)["systems"]["odyssey"]["horizons"]
+    assert [h["source"].split(" seen over ")[0] for h in learned] == [f"{n} failure(s)" for n in range(1, len(learned) + 1)]
 
 
 def test_oobleck_that_cannot_start_is_a_scenario_error(capsys):

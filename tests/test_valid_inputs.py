@@ -201,7 +201,7 @@ SCENARIO_KEYS = {
     "repairs.enabled": [], "repairs.mean_hours": [], "costs.detection_s": [], "costs.restart_s": [],
     "costs.checkpoint_interval_min": [], "costs.checkpoint_save_s": [], "costs.checkpoint_load_s": [],
     "costs.decision_s": [], "systems": ["[recycle,oracle]", "[oobleck]", "[recycle_1f1b]"],
-    "oobleck_tolerated_failures": [],
+    "oobleck_tolerated_failures": [], "odyssey_learns_failure_rate": ["true"],
 }
 SECONDS_PER_RUN = 60
 MEMORY_PER_RUN = 2 * 2**30

@@ -11,7 +11,7 @@ from odyssey_megatron.planner.decide import (
     draft_candidates,
 )
 from odyssey_megatron.planner.initial import initial_plan
-from odyssey_megatron.planner.policy import FailureRateModel, policy_score
+from odyssey_megatron.planner.policy import FailureRateModel, eq8_horizon_s, policy_score
 from odyssey_megatron.planner.reroute import reroute_plan
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "UnrecoverableFailure",
     "choose",
     "distribute_batch",
+    "eq8_horizon_s",
     "draft_candidates",
     "initial_plan",
     "policy_score",

@@ -55,12 +55,17 @@ class Decision:
     """Strategies estimated (plus the reroute plan)."""
     search_time_s: float
     expected_interval_s: float
-    """Eq. 8's horizon: the expected seconds to the next failure it weighs each candidate over."""
+    """The expected seconds to the next failure (``DecisionCenter`` fills it in; ``choose``
+    sets the horizon it weighed over)."""
     note: str = ""
     source: str = "cold"
     """Where its candidates were priced: "cold" (at the failure), "prepared" (in advance,
     for this failure) or "renamed" (in advance, for an equivalent failure on a symmetric
     plan: ``planner.symmetry``)."""
+    horizon_s: float = 0.0
+    """Eq. 8's horizon: the seconds it weighed each candidate over (``DecisionCenter`` fills
+    it in): the expected interval, cut at the run's end where no worker comes back
+    (``policy.eq8_horizon_s``)."""
     interval_source: str = ""
     """Where ``expected_interval_s`` came from (``DecisionCenter`` fills it in): the prior
     ``odyssey.device_mtbf_hours``, the failures seen (``FailureRateModel.source``), or the

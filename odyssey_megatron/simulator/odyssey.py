@@ -5,8 +5,11 @@ detection plus the chosen candidate's transition (modelled search time, restorer
 transfer time, restart cost). The in-flight step is lost. When a stage lost every
 replica and no layer survives anywhere, Odyssey too must restart from a checkpoint.
 
-The *oracle* is the same system with hindsight: Eq. 8 gets the actual time to the next
-event instead of the expected one, which is the best any policy choice could do.
+Eq. 8's failure rate is the scenario's (``scenario_failure_model``): the truth its failures
+are drawn from, where a live run starts from a prior and learns. Without repairs its
+horizon ends with the scenario. The *oracle* is the same system with hindsight: Eq. 8 gets
+the actual time to the next event instead of the expected one, which is the best any
+policy choice could do.
 
 Step times are the runtime's as configured (``odyssey.decoupled_weight_grads``,
 ``odyssey.staggered_optimizer``). A staggered step that clipping should have scaled is
@@ -21,9 +24,22 @@ from typing import AbstractSet, Sequence
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.decision_center import DecisionCenter
-from odyssey_megatron.planner import UnrecoverableFailure
+from odyssey_megatron.planner import FailureRateModel, UnrecoverableFailure
 from odyssey_megatron.simulator.restart import restart_onto_symmetric
+from odyssey_megatron.simulator.scenario import FailureConfig
 from odyssey_megatron.simulator.system import Horizon, Outcome, SimulationContext, initial_layout
+
+
+def scenario_failure_model(failures: FailureConfig, *, learn: bool) -> FailureRateModel | None:
+    """The failure rate Odyssey's Eq. 8 weighs by in a scenario: the one its failures are
+    drawn from, fixed (a node failure is one event at the devices' summed rate, as the live
+    run counts it); None (the recipe's prior, learned as the run goes) where ``learn`` or
+    where a trace gives no rate."""
+    if learn or failures.process == "trace":
+        return None
+    rate = failures.rate_per_device_hour
+    return FailureRateModel(device_mtbf_hours=1.0 / rate, learn=False,
+                            given_by=f"the scenario's failures.rate_per_device_hour={rate:g}")
 
 
 class OdysseySystem:
@@ -38,10 +54,15 @@ class OdysseySystem:
         event_times: Sequence[float] | None = None,
         horizon_s: float = float("inf"),
         name: str = "odyssey",
+        failure_model: FailureRateModel | None = None,
+        repairs: bool = True,
     ):
         """``decision_s``: the modelled search time each decision charges. ``event_times``
         (all cluster events, sorted) turns on hindsight, the oracle: the interval Eq. 8 sees
-        is the real one, to the next event or the ``horizon_s``."""
+        is the real one, to the next event or the ``horizon_s`` (the scenario's end).
+        ``failure_model``: Eq. 8's failure rate (``scenario_failure_model``; None: the
+        recipe's). Without ``repairs`` no worker comes back, and Eq. 8's horizon is cut at
+        ``horizon_s``."""
         self.name = name
         self.context = context
         self.settings = settings
@@ -49,6 +70,8 @@ class OdysseySystem:
         self.decision_s = decision_s
         self.event_times = event_times
         self.horizon_s = horizon_s
+        self.failure_model = failure_model
+        self.repairs = repairs
         self.center: DecisionCenter | None = None
         """The decision center the live runtime runs, built on ``start``."""
         self.step_s = 0.0
@@ -56,7 +79,8 @@ class OdysseySystem:
     def start(self, cluster: ClusterState) -> float:
         plan = initial_layout(self.context, max_layer_splits=self.settings.max_layer_splits)
         self.center = DecisionCenter(plan=plan, cluster=cluster, profile=self.context.profile,
-                                     settings=self.settings.decisions, search_time_s=self.decision_s)
+                                     settings=self.settings.decisions, search_time_s=self.decision_s,
+                                     failure_model=self.failure_model)
         estimate = self.center.estimate
         self.step_s = estimate.step_time_s
         return estimate.samples_per_s
@@ -65,6 +89,10 @@ class OdysseySystem:
         if self.event_times is None:
             return None
         return min([t for t in self.event_times if t > now_s] + [self.horizon_s]) - now_s
+
+    def _time_left(self, now_s: float) -> float | None:
+        """The scenario's seconds left, where no worker comes back (Eq. 8's horizon ends there)."""
+        return None if self.repairs else self.horizon_s - now_s
 
     def _restart(self, cluster: ClusterState, now_s: float, note: str) -> Outcome:
         outcome, plan, step_s = restart_onto_symmetric(self.context, cluster, now_s, note)
@@ -79,10 +107,11 @@ class OdysseySystem:
         lost = self.step_s / 2 if failed else 0.0  # the interrupted step, half done on average
         try:
             if failed:
-                decision = self.center.on_failure(workers=sorted(workers), at_s=now_s,
-                                                  interval_s=self._interval(now_s), in_memory=True)
+                decision = self.center.on_failure(workers=sorted(workers), at_s=now_s, interval_s=self._interval(now_s),
+                                                  time_left_s=self._time_left(now_s), in_memory=True)
             else:
-                decision = self.center.on_join(workers=sorted(workers), at_s=now_s, interval_s=self._interval(now_s))
+                decision = self.center.on_join(workers=sorted(workers), at_s=now_s, interval_s=self._interval(now_s),
+                                               time_left_s=self._time_left(now_s))
         except UnrecoverableFailure as exc:
             return self._restart(cluster, now_s, f"{note}: {exc}")
         chosen = decision.chosen
@@ -92,7 +121,7 @@ class OdysseySystem:
                        note=f"{note}: {chosen.policy} {chosen.layout}",
                        horizon=Horizon(now_s, decision.expected_interval_s,
                                        "hindsight: the scenario's next event, or its end" if self.event_times
-                                       is not None else decision.interval_source))
+                                       is not None else decision.interval_source, decision.horizon_s))
 
     def on_failure(self, cluster: ClusterState, failed: AbstractSet[int], now_s: float) -> Outcome:
         return self._react(cluster, now_s, f"{len(failed)} worker(s) failed", workers=failed, failed=True)

@@ -16,7 +16,7 @@ from odyssey_megatron.simulator.dp_scale_in import DpScaleInSystem
 from odyssey_megatron.simulator.engine import Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, ClusterEvent, generate_events, read_trace
 from odyssey_megatron.simulator.hot_spares import HotSparesSystem, spare_devices_for
-from odyssey_megatron.simulator.odyssey import OdysseySystem
+from odyssey_megatron.simulator.odyssey import OdysseySystem, scenario_failure_model
 from odyssey_megatron.simulator.oobleck import OobleckSystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
 from odyssey_megatron.simulator.redistribute import RedistributeSystem
@@ -146,6 +146,8 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
                 context, settings=settings, detection_s=costs.detection_s,
                 decision_s=costs.decision_s, name=name,
                 event_times=[e.time_s for e in events] if name == "oracle" else None, horizon_s=duration,
+                failure_model=scenario_failure_model(config.failures, learn=config.odyssey_learns_failure_rate),
+                repairs=config.repairs.enabled,
             )
         elif name in ("recycle", "recycle_1f1b"):
             yield ReCycleSystem(context, detection_s=costs.detection_s, name=name, decoupled=name == "recycle",

@@ -159,6 +159,10 @@ class ScenarioConfig:
     systems: List[System] = field(default_factory=lambda: list(System))
     oobleck_tolerated_failures: int = 2
     """Oobleck's f: it needs (f+1) * n0 workers and gives up below that."""
+    odyssey_learns_failure_rate: bool = False
+    """Odyssey's Eq. 8 learns the failure rate from the failures it sees, from the recipe's
+    ``odyssey.device_mtbf_hours``, as a live run does; false: it uses ``failures.rate_per_device_hour``,
+    the truth the scenario draws from. A trace has no such rate: Odyssey learns from it."""
     sample_interval_s: float = 60.0
     wandb_mode: WandbMode = WandbMode.offline
     """offline (a local run directory, the default), online, or disabled."""

@@ -45,9 +45,12 @@ class Horizon:
     time_s: float
     """When the event it answered struck, in seconds since the start."""
     expected_interval_s: float
-    """The expected seconds to the next failure."""
+    """The expected seconds to the next failure (the next event, for the oracle)."""
     source: str
     """Where the failure rate behind it came from (``Decision.interval_source``)."""
+    horizon_s: float
+    """The seconds Eq. 8 weighed the candidates over (``Decision.horizon_s``): the expected
+    interval, cut at the run's end where no worker comes back."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A decision as the run directory's events and the W&B trace record it: the policy, the
-alternatives Eq. 8 weighed, the bytes moved and, for a rollback, what it trains again.
+alternatives Eq. 8 weighed and the horizon it weighed them over (with where its failure
+rate came from), the bytes moved and, for a rollback, what it trains again.
 Recoveries and joins both record their decisions this way."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def decision_record(decision: Decision, center: DecisionCenter, *, start_step: i
             "chosen": candidate(decision.chosen),
             "alternatives": [candidate(c) for c in decision.alternatives],
             "search_time_s": decision.search_time_s, "decision_source": decision.source,
+            "expected_interval_s": decision.expected_interval_s, "horizon_s": decision.horizon_s,
+            "interval_source": decision.interval_source,
             "start_step": start_step,
             "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers),
             **_rollback_record(decision, center, committed=committed, start_step=start_step)}
