@@ -283,9 +283,11 @@ def test_with_no_failures_every_system_trains_alike():
     rate, and a ratio measures only how a system handles failures. recycle_1f1b, ReCycle
     as paper 001 models it (plain 1F1B throughout), is an ablation, slower by design. Hot
     spares train at the same rate but pay for 8 idle spares in the job's one 72-device
-    rack: 40 devices for 32, so their goodput is 32 / 40 = 0.8 of the others'."""
+    rack: 40 devices for 32, so their goodput is 32 / 40 = 0.8 of the others'. The replica
+    systems keep the job's placement here (stage_major); node-aligned, they train at their
+    own plan's rate (``test_node_aligned_replicas_train_at_their_own_plans_rate``)."""
     scenario = load_scenario(SCENARIO, ["failures.rate_per_device_hour=1e-9", "duration_hours=1",
-                                        f"systems=[{','.join(SYSTEMS)}]"])
+                                        f"systems=[{','.join(SYSTEMS)}]", "replica_placement=stage_major"])
     result = simulate(scenario)
     assert result.events == []
     rates = {name: summary.avg_throughput for name, summary in result.summaries.items()}
@@ -326,6 +328,19 @@ def test_a_trace_file_drives_the_events(tmp_path):
     bad.write_text("time_s,device,event\n10,99,fail\n")
     with pytest.raises(ConfigError, match="device must lie in 0..31"):
         simulate(load_scenario(SCENARIO, ["failures.process=trace", f"failures.trace={bad}"]))
+
+
+def test_every_system_pauses_at_least_the_detection_time_after_a_failure(tmp_path):
+    """Detection is charged alike: with a 1,000 s detection no system trains between a
+    failure at 600 s and 1,600 s, checkpoint restart included."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time_s,device,event\n600,3,fail\n")
+    scenario = load_scenario(SCENARIO, ["failures.process=trace", f"failures.trace={trace}", "duration_hours=1",
+                                        "costs.detection_s=1000", f"systems=[{','.join(SYSTEMS)}]"])
+    result = simulate(scenario)
+    for name, timeline in result.timelines.items():
+        trained = [s for s in timeline.segments if s.samples_per_s > 0 and s.end_s > 600.0 and s.start_s < 1600.0]
+        assert trained == [], name
 
 
 def test_same_seed_same_result_and_json_shape(tmp_path, capsys):
