@@ -28,7 +28,8 @@ from odyssey_megatron.simulator.engine import Segment, Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
 from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
-from odyssey_megatron.simulator.run import fault_scaled_ideal, simulate
+from odyssey_megatron.simulator.replicas import replica_layout
+from odyssey_megatron.simulator.run import fault_scaled_ideal, simulate, simulation_context
 from odyssey_megatron.simulator.scenario import SYSTEMS, FailureConfig, RepairConfig, load_scenario
 from odyssey_megatron.simulator.system import (
     RECOVERING,
@@ -302,6 +303,21 @@ def test_with_no_failures_every_system_trains_alike():
     assert result.ratios["hot_spares"] == pytest.approx(1.25) and result.ratios["replica_drop"] == pytest.approx(1)
     assert [s.ettr for s in result.summaries.values()] == [pytest.approx(1 - 20 / 1800)] * 10  # checkpoint saves only
     assert {s.dropped_samples for s in result.summaries.values()} == {0.0}
+
+
+def test_node_aligned_replicas_train_at_their_own_plans_rate():
+    """Placed on whole nodes, a replica's stages talk within a node and its gradients are
+    all-reduced across nodes: on 32 910Bs (PP 4, 2 replicas per node) that plan is priced
+    as it runs, slower than the stage-major job plan."""
+    scenario = load_scenario(SCENARIO, ["failures.rate_per_device_hour=1e-9", "duration_hours=1",
+                                        "systems=[replica_drop,checkpoint]"])
+    result = simulate(scenario)
+    context = simulation_context(scenario)
+    cluster = ClusterState(world_size=32, devices_per_node=8)
+    own = estimate_plan(replica_layout(context), context.profile, cluster, pricing=context.pricing).samples_per_s
+    duty = 1 - 20 / 1800
+    assert result.summaries["replica_drop"].avg_throughput == pytest.approx(own * duty, rel=1e-9)
+    assert own < result.summaries["checkpoint"].avg_throughput / duty
 
 
 def test_the_fault_scaled_ideal_bounds_every_system():
