@@ -4,14 +4,16 @@ Llama-2 7B (Ascend 910B, TP1 x PP4, 8 micro-batches per pipeline) and 70B (H100,
 PP8, 64 per pipeline) at 1,024 and 16,384 devices; failure rates from Llama 3's 16k-GPU
 run (419 unexpected interruptions in 54 days on 16,384 GPUs: 1.97e-5 per GPU-hour) and
 from paper 001 (10 % per device-hour); device or node failures; without and with repairs
-(mean 2 h). Every cell runs every system on the same seeded events. Durations: a week,
-cut so a cell expects at most --max-failures failure events (16,384-device decisions
-take seconds each); the hours column says what each cell covers. Cells with the same
-inputs (with and without repairs, where no repair comes within the cell) are simulated once.
+(mean 2 h). Every cell runs every system on the same seeded events. Durations: long
+enough to hold --failures expected failure events and --repair-times mean repair times
+(with and without repairs alike, so the two rows cover the same hours), at most a week;
+the hours column says what each cell covers. Cells with the same inputs (with and
+without repairs, where no repair comes within the cell) are simulated once. --cells
+picks cells by label (e.g. "7B 1024 L3 node"), to re-run part of the grid.
 Prints goodput (samples per device-hour paid) per system, Odyssey's goodput over each
-system's, and the ETTR; writes a markdown table and a figure of goodput relative to
-Odyssey per cell.
-Run: .venv/bin/python benchmarks/simulate_goodput.py [--jobs 2] [--max-failures 4] [--out runs/goodput]
+system's, the samples each batch-shrinking system dropped, and the ETTR; writes a
+markdown table and a figure of goodput relative to Odyssey per cell.
+Run: .venv/bin/python benchmarks/simulate_goodput.py [--jobs 2] [--failures 4] [--repair-times 3] [--out runs/goodput]
 """
 
 from __future__ import annotations
@@ -35,37 +37,46 @@ MODELS = {  # name: (recipe relative to the scenario, TP * PP, micro-batches per
 }
 SYSTEMS = ("odyssey", "checkpoint", "replica_drop", "redistribute", "dp_scale_in", "hot_spares")
 WEEK_H = 168.0
+MEAN_REPAIR_H = 2.0
+"""The scenario's repairs.mean_hours (configs/scenarios/paper_32npu.yaml's default)."""
 
 
-def scenario_of(model: str, devices: int, rate: float, unit: str, repairs: bool, *, max_failures: float,
-                seed: int):
+def cell_hours(devices: int, rate: float, *, failures: float, repair_times: float) -> float:
+    """Hours a cell covers: enough for ``failures`` expected failure events (a node fails
+    8x as often as a device, with 1/8 as many units: the same count either way) and for
+    ``repair_times`` mean repairs, at most a week."""
+    return min(WEEK_H, max(failures / (devices * rate), repair_times * MEAN_REPAIR_H))
+
+
+def scenario_of(model: str, devices: int, rate: float, unit: str, repairs: bool, *, failures: float,
+                repair_times: float, seed: int):
     """A cell's scenario and the hours it covers."""
     recipe, model_parallel, per_pipeline = MODELS[model]
     dp = devices // model_parallel
-    hours = min(WEEK_H, max_failures / (devices * rate))  # a node fails 8x as often, with 1/8 as many units
+    hours = cell_hours(devices, rate, failures=failures, repair_times=repair_times)
     scenario = load_scenario("configs/scenarios/paper_32npu.yaml", [
         f"recipe={recipe}",
         f"recipe_overrides=[parallel.data_parallel_size={dp},training.global_batch_size={per_pipeline * dp}]",
         f"failures.rate_per_device_hour={rate}", f"failures.unit={unit}", f"repairs.enabled={str(repairs).lower()}",
-        f"duration_hours={hours}", f"seed={seed}", "wandb_mode=disabled", f"systems=[{','.join(SYSTEMS)}]",
+        f"repairs.mean_hours={MEAN_REPAIR_H}", f"duration_hours={hours}", f"seed={seed}", "wandb_mode=disabled",
+        f"systems=[{','.join(SYSTEMS)}]",
     ])
     return scenario, hours
 
 
-def cell(model: str, devices: int, rate: float, unit: str, repairs: bool, *, max_failures: float, seed: int):
-    scenario, hours = scenario_of(model, devices, rate, unit, repairs, max_failures=max_failures, seed=seed)
+def cell(model: str, devices: int, rate: float, unit: str, repairs: bool, **lengths):
+    scenario, hours = scenario_of(model, devices, rate, unit, repairs, **lengths)
     started = time.perf_counter()
     result = simulate(scenario)
     failures = sum(1 for e in result.events if e.kind == "fail")
     return hours, failures, result.summaries, result.ratios, time.perf_counter() - started
 
 
-def distinct_cells(cells, *, max_failures: float, seed: int) -> dict:
+def distinct_cells(cells, **lengths) -> dict:
     """Each cell -> the first cell with the same inputs, simulated once for both: with and
     without repairs differ only in their events, the same where no repair comes within the
-    hours a cell covers (paper 001's rate)."""
-    inputs = {c: (*c[:4], tuple(scenario_events(scenario_of(*c, max_failures=max_failures, seed=seed)[0])))
-              for c in cells}
+    hours a cell covers."""
+    inputs = {c: (*c[:4], tuple(scenario_events(scenario_of(*c, **lengths)[0]))) for c in cells}
     first = {}
     for c in cells:
         first.setdefault(inputs[c], c)
@@ -74,28 +85,34 @@ def distinct_cells(cells, *, max_failures: float, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-failures", type=float, default=4.0)
+    parser.add_argument("--failures", type=float, default=4.0, help="expected failure events a cell holds at least")
+    parser.add_argument("--repair-times", type=float, default=3.0, help="mean repair times a cell covers at least")
+    parser.add_argument("--cells", nargs="*", default=None,
+                        help="only the cells with these labels, as the figure names them (e.g. '7B 1k L3 n')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="cells simulated in parallel processes")
     parser.add_argument("--out", type=Path, default=Path("runs/goodput"), help="where table.md and goodput.png go")
     parser.add_argument("--smoke", action="store_true",
                         help="CI's check that it runs: one cell per model at 128 devices (70B's DP 2), paper 001's "
-                             "rate, device failures, no repairs, at most one failure")
+                             "rate, device failures, no repairs, one expected failure")
     args = parser.parse_args()
     started = time.perf_counter()
     if args.smoke:
-        args.max_failures = 1.0
+        args.failures, args.repair_times = 1.0, 0.0
         cells = list(itertools.product(MODELS, (128,), (PAPER_RATE,), ("device",), (False,)))
     else:
         cells = list(itertools.product(MODELS, (1024, 16384), (LLAMA3_RATE, PAPER_RATE), ("device", "node"),
                                        (False, True)))
-    same_as = distinct_cells(cells, max_failures=args.max_failures, seed=args.seed)
+    if args.cells is not None:
+        cells = [c for c in cells if label(*c) in args.cells]
+    lengths = dict(failures=args.failures, repair_times=args.repair_times, seed=args.seed)
+    same_as = distinct_cells(cells, **lengths)
     distinct = sorted(dict.fromkeys(same_as.values()), key=lambda c: -c[1])  # the long 16,384-device cells first
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {c: pool.submit(cell, *c, max_failures=args.max_failures, seed=args.seed) for c in distinct}
+        futures = {c: pool.submit(cell, *c, **lengths) for c in distinct}
         results = [futures[same_as[c]].result() for c in cells]
     header = ("| model | devices | rate | unit | repairs | hours | failures | "
-              + " | ".join(SYSTEMS) + " | best other | odyssey/best | ETTR odyssey / best |")
+              + " | ".join(SYSTEMS) + " | best other | odyssey/best | ETTR odyssey / best | dropped samples |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for (model, devices, rate, unit, repairs), (hours, failures, summaries, ratios, _) in zip(cells, results):
         others = [s for s in SYSTEMS if s != "odyssey"]
@@ -105,7 +122,7 @@ def main() -> None:
         lines.append(f"| {model} | {devices:,} | {rate_name} | {unit} | {'yes' if repairs else 'no'} | {hours:.2f} | "
                      f"{failures} | " + " | ".join(f"{summaries[s].goodput:,.0f}" for s in SYSTEMS)
                      + f" | {best} | {'-' if ratio is None else f'{ratio:.3f}'} | "
-                     f"{summaries['odyssey'].ettr:.3f} / {summaries[best].ettr:.3f} |")
+                     f"{summaries['odyssey'].ettr:.3f} / {summaries[best].ettr:.3f} | {dropped(summaries)} |")
     table = "\n".join(lines)
     print("goodput: samples trained per device-hour paid (spares included)")
     print(table)
@@ -115,6 +132,18 @@ def main() -> None:
     (args.out / "table.md").write_text(table + "\n")
     draw(cells, results, args.out / "goodput.png")
     print(f"wrote {args.out / 'table.md'} and {args.out / 'goodput.png'}")
+
+
+def label(model: str, devices: int, rate: float, unit: str, repairs: bool) -> str:
+    """A cell's short name, as the figure prints it and --cells reads it."""
+    return f"{model} {devices // 1024}k {'L3' if rate == LLAMA3_RATE else 'p'} {unit[0]}{' +r' if repairs else ''}"
+
+
+def dropped(summaries) -> str:
+    """The samples each system that shrank its batch left out, beside its goodput."""
+    shrinking = [f"{name} {summaries[name].dropped_samples / 1e6:.2f} M" for name in SYSTEMS
+                 if summaries[name].dropped_samples > 0]
+    return ", ".join(shrinking) or "-"
 
 
 def draw(cells, results, path: Path) -> None:
@@ -130,8 +159,7 @@ def draw(cells, results, path: Path) -> None:
                   for r in results]
         axis.bar([i + k * width for i in range(len(cells))], values, width, label=system)
     axis.axhline(1.0, color="grey", linestyle=":", label="odyssey")
-    labels = [f"{m} {d // 1024}k {'L3' if r == LLAMA3_RATE else 'p'} {u[0]}{' +r' if rep else ''}"
-              for m, d, r, u, rep in cells]
+    labels = [label(*c) for c in cells]
     axis.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], labels, rotation=90, fontsize=7)
     axis.set(ylabel="goodput / Odyssey's", title="Samples per device-hour paid, relative to Odyssey")
     axis.legend(fontsize=7, ncol=len(SYSTEMS))

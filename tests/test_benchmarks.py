@@ -5,6 +5,8 @@ the package's API unnoticed (two once crashed on it in one stop)."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -46,3 +48,16 @@ def test_each_benchmark_runs_at_its_smallest_size_and_prints_its_figure(name, tm
                           text=True, timeout=SMOKE_TIMEOUT_S, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert re.search(FIGURE_LINES[name], done.stdout, re.M), done.stdout[-4000:]
+
+
+def test_every_goodput_cell_holds_several_failures_and_mean_repair_times():
+    """At every rate and size a cell of the goodput grid covers at least 4 expected
+    failures (or a week) and 3 mean repair times: paper 001's rate once made the
+    16,384-device cells 9 s long, inside the first pause."""
+    spec = importlib.util.spec_from_file_location("simulate_goodput", BENCHMARKS / "simulate_goodput.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    for devices, rate in itertools.product((1024, 16384), (grid.LLAMA3_RATE, grid.PAPER_RATE)):
+        hours = grid.cell_hours(devices, rate, failures=4, repair_times=3)
+        assert hours == grid.WEEK_H or devices * rate * hours >= 4
+        assert hours >= 3 * grid.MEAN_REPAIR_H

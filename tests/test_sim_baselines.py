@@ -1,5 +1,6 @@
 """The 2026 baselines in the simulator (replica drop, redistribution, DP scale-in, hot
-spares), each on a scripted timeline whose outcome is worked out by hand.
+spares) and checkpoint restart, each on a scripted timeline whose outcome is worked out
+by hand.
 
 The job in every test: 4 identical layers (forward 1 s, backward 2 s each), PP 2 x DP 4
 on 8 workers (stage s of pipeline d on worker 4s + d), 24 micro-batches of one sample,
@@ -15,13 +16,25 @@ import pytest
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.settings import PLAIN
+from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.dp_scale_in import DpScaleInSystem
 from odyssey_megatron.simulator.engine import run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent
 from odyssey_megatron.simulator.hot_spares import HotSparesSystem, spare_devices_for
 from odyssey_megatron.simulator.redistribute import RedistributeSystem
 from odyssey_megatron.simulator.replica_drop import ReplicaDropSystem
-from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, STOPPED, TRAINING, Phase, SimulationContext
+from odyssey_megatron.simulator.restart import best_symmetric_layout
+from odyssey_megatron.simulator.system import (
+    NODE_ALIGNED,
+    RECOVERING,
+    RESTARTING,
+    STAGE_MAJOR,
+    STOPPED,
+    TRAINING,
+    VARUNA_LAYOUTS,
+    Phase,
+    SimulationContext,
+)
 
 
 def _context(**overrides) -> SimulationContext:
@@ -29,7 +42,7 @@ def _context(**overrides) -> SimulationContext:
         profile=uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0), num_layers=4,
         tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=4, num_micro_batches=24,
         devices_per_node=8, restart_s=100.0, checkpoint_interval_s=1000.0, checkpoint_save_s=0.0,
-        checkpoint_load_s=50.0, pricing=PLAIN,
+        checkpoint_load_s=50.0, pricing=PLAIN, replica_placement=STAGE_MAJOR,  # the job's plan's placement
     )
     fields.update(overrides)
     return SimulationContext(**fields)
@@ -161,3 +174,45 @@ def test_spares_are_whole_nodes_held_per_rack_the_job_fills():
     assert spare_devices_for(1024, rack_devices=72, spares_per_rack=8, devices_per_node=8) == 128
     assert spare_devices_for(32, rack_devices=72, spares_per_rack=8, devices_per_node=8) == 8
     assert spare_devices_for(32, rack_devices=72, spares_per_rack=8, devices_per_node=16) == 16  # whole nodes
+
+
+def test_a_checkpoint_restart_resumes_on_a_layout_stock_megatron_runs():
+    """On 7 survivors the fastest symmetric layout is DP 7 x PP 1 (24 micro-batches as
+    4 of 3 and 3 of 4: a step of 4 * 12 s), which Megatron refuses (7 does not divide 24):
+    a restart resumes on DP 6 x PP 1 (4 each, also 48 s), the same rate on fewer workers.
+    Varuna-style uneven layouts stay a named option."""
+    megatron = best_symmetric_layout(_context(), 7)
+    assert 24 % megatron.data_parallel_size == 0
+    assert (megatron.data_parallel_size, megatron.pipeline_parallel_size) == (6, 1)
+    varuna = best_symmetric_layout(_context(restart_layouts=VARUNA_LAYOUTS), 7)
+    assert (varuna.data_parallel_size, varuna.pipeline_parallel_size) == (7, 1)
+    assert megatron.samples_per_s == pytest.approx(varuna.samples_per_s) == pytest.approx(1 / 2)
+    on_5 = best_symmetric_layout(_context(), 5)  # DP 4 x PP 1 (6 each, 72 s) over DP 5's uneven 5,5,5,5,4
+    assert (on_5.data_parallel_size, on_5.samples_per_s) == (4, pytest.approx(1 / 3))
+    assert best_symmetric_layout(_context(restart_layouts=VARUNA_LAYOUTS), 5).samples_per_s > on_5.samples_per_s
+
+
+def test_a_checkpoint_restart_after_a_failure_waits_for_its_detection():
+    """Detection (5 s) comes before the restart (100 s) and the load (50 s) after a
+    failure, as before every in-memory recovery; a repair is known when it happens."""
+    context = _context(detection_s=5.0)
+    system = CheckpointRestartSystem(context)
+    system.start(CLUSTER)
+    failed = CLUSTER.fail_ranks([5])
+    assert system.on_failure(failed, {5}, now_s=100.0).pause_s == 155.0
+    assert system.on_join(CLUSTER, {5}, now_s=300.0).pause_s == 150.0
+
+
+@pytest.mark.parametrize("placement, replicas_out", [(NODE_ALIGNED, 1), (STAGE_MAJOR, 2)])
+def test_a_node_failure_evicts_the_replicas_on_that_node(placement, replicas_out):
+    """Nodes of 2 devices: node-aligned, replica d sits on node d (workers 2d, 2d + 1), so
+    node 1 failing takes one replica out and replica drop trains 3 x 6 micro-batches per
+    42 s; stage-major, node 1 holds stage 0 of replicas 2 and 3: two out, 2 x 6 per 42 s."""
+    context = _context(devices_per_node=2, replica_placement=placement)
+    cluster = ClusterState(world_size=8, devices_per_node=2)
+    system = ReplicaDropSystem(context, detection_s=5.0, reconfigure_s=1.0)
+    assert system.start(cluster) == pytest.approx(4 / 7)
+    outcome = system.on_failure(cluster.fail_nodes([1]), {2, 3}, now_s=100.0)
+    assert len(system.out) == replicas_out
+    assert outcome.samples_per_s == pytest.approx((4 - replicas_out) * 6 / 42)
+    assert outcome.dropped_per_s == pytest.approx(replicas_out * 6 / 42)

@@ -28,7 +28,8 @@ from odyssey_megatron.simulator.engine import Segment, Timeline, run_system
 from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent, generate_events
 from odyssey_megatron.simulator.odyssey import OdysseySystem
 from odyssey_megatron.simulator.recycle import ReCycleSystem
-from odyssey_megatron.simulator.run import fault_scaled_ideal, simulate
+from odyssey_megatron.simulator.replicas import replica_layout
+from odyssey_megatron.simulator.run import fault_scaled_ideal, simulate, simulation_context
 from odyssey_megatron.simulator.scenario import SYSTEMS, FailureConfig, RepairConfig, load_scenario
 from odyssey_megatron.simulator.system import (
     RECOVERING,
@@ -283,9 +284,11 @@ def test_with_no_failures_every_system_trains_alike():
     rate, and a ratio measures only how a system handles failures. recycle_1f1b, ReCycle
     as paper 001 models it (plain 1F1B throughout), is an ablation, slower by design. Hot
     spares train at the same rate but pay for 8 idle spares in the job's one 72-device
-    rack: 40 devices for 32, so their goodput is 32 / 40 = 0.8 of the others'."""
+    rack: 40 devices for 32, so their goodput is 32 / 40 = 0.8 of the others'. The replica
+    systems keep the job's placement here (stage_major); node-aligned, they train at their
+    own plan's rate (``test_node_aligned_replicas_train_at_their_own_plans_rate``)."""
     scenario = load_scenario(SCENARIO, ["failures.rate_per_device_hour=1e-9", "duration_hours=1",
-                                        f"systems=[{','.join(SYSTEMS)}]"])
+                                        f"systems=[{','.join(SYSTEMS)}]", "replica_placement=stage_major"])
     result = simulate(scenario)
     assert result.events == []
     rates = {name: summary.avg_throughput for name, summary in result.summaries.items()}
@@ -300,6 +303,21 @@ def test_with_no_failures_every_system_trains_alike():
     assert result.ratios["hot_spares"] == pytest.approx(1.25) and result.ratios["replica_drop"] == pytest.approx(1)
     assert [s.ettr for s in result.summaries.values()] == [pytest.approx(1 - 20 / 1800)] * 10  # checkpoint saves only
     assert {s.dropped_samples for s in result.summaries.values()} == {0.0}
+
+
+def test_node_aligned_replicas_train_at_their_own_plans_rate():
+    """Placed on whole nodes, a replica's stages talk within a node and its gradients are
+    all-reduced across nodes: on 32 910Bs (PP 4, 2 replicas per node) that plan is priced
+    as it runs, slower than the stage-major job plan."""
+    scenario = load_scenario(SCENARIO, ["failures.rate_per_device_hour=1e-9", "duration_hours=1",
+                                        "systems=[replica_drop,checkpoint]"])
+    result = simulate(scenario)
+    context = simulation_context(scenario)
+    cluster = ClusterState(world_size=32, devices_per_node=8)
+    own = estimate_plan(replica_layout(context), context.profile, cluster, pricing=context.pricing).samples_per_s
+    duty = 1 - 20 / 1800
+    assert result.summaries["replica_drop"].avg_throughput == pytest.approx(own * duty, rel=1e-9)
+    assert own < result.summaries["checkpoint"].avg_throughput / duty
 
 
 def test_the_fault_scaled_ideal_bounds_every_system():
@@ -326,6 +344,19 @@ def test_a_trace_file_drives_the_events(tmp_path):
     bad.write_text("time_s,device,event\n10,99,fail\n")
     with pytest.raises(ConfigError, match="device must lie in 0..31"):
         simulate(load_scenario(SCENARIO, ["failures.process=trace", f"failures.trace={bad}"]))
+
+
+def test_every_system_pauses_at_least_the_detection_time_after_a_failure(tmp_path):
+    """Detection is charged alike: with a 1,000 s detection no system trains between a
+    failure at 600 s and 1,600 s, checkpoint restart included."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time_s,device,event\n600,3,fail\n")
+    scenario = load_scenario(SCENARIO, ["failures.process=trace", f"failures.trace={trace}", "duration_hours=1",
+                                        "costs.detection_s=1000", f"systems=[{','.join(SYSTEMS)}]"])
+    result = simulate(scenario)
+    for name, timeline in result.timelines.items():
+        trained = [s for s in timeline.segments if s.samples_per_s > 0 and s.end_s > 600.0 and s.start_s < 1600.0]
+        assert trained == [], name
 
 
 def test_same_seed_same_result_and_json_shape(tmp_path, capsys):

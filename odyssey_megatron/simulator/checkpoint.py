@@ -1,6 +1,7 @@
 """Checkpoint-restart: the Varuna-style baseline. It restarts from the last checkpoint
-on every failure and every repair (``simulator.restart``), starting, like every system,
-on the job's own plan."""
+on every failure and every repair (``simulator.restart``: onto layouts stock Megatron
+runs unless the scenario names ``restart_layouts: varuna``), starting, like every
+system, on the job's own plan."""
 
 from __future__ import annotations
 
@@ -30,4 +31,5 @@ class CheckpointRestartSystem:
         return restart_from_checkpoint(self.context, cluster, now_s, f"{len(failed)} worker(s) failed")
 
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
-        return restart_from_checkpoint(self.context, cluster, now_s, f"{len(joined)} worker(s) rejoined")
+        return restart_from_checkpoint(self.context, cluster, now_s, f"{len(joined)} worker(s) rejoined",
+                                       after_failure=False)

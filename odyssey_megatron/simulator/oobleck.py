@@ -215,7 +215,7 @@ class OobleckSystem:
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
         note = f"{len(joined)} worker(s) rejoined"
         if not self.pipelines:
-            return self._restart(cluster, now_s, note)
+            return self._restart(cluster, now_s, note, after_failure=False)
         before = self.pipelines
         after = self._instantiation(cluster)
         # Never None: the running pipelines hold every layer.
@@ -456,10 +456,10 @@ class OobleckSystem:
 
     # -- giving up (3.4) ---------------------------------------------------------------
 
-    def _restart(self, cluster: ClusterState, now_s: float, note: str) -> Outcome:
+    def _restart(self, cluster: ClusterState, now_s: float, note: str, *, after_failure: bool = True) -> Outcome:
         """Roll back to the last checkpoint: into Oobleck pipelines if (f+1)*n0 workers are
         alive, else onto the shared symmetric fallback (and stop running pipelines)."""
-        outcome = restart_from_checkpoint(self.context, cluster, now_s, note)
+        outcome = restart_from_checkpoint(self.context, cluster, now_s, note, after_failure=after_failure)
         if len(cluster.alive_workers) < self.min_workers:
             self.pipelines, self.micro_batches, self.samples_per_s = (), (), outcome.samples_per_s
             return outcome

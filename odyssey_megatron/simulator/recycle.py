@@ -62,7 +62,7 @@ class ReCycleSystem:
         return estimate.step_time_s, estimate.samples_per_s, estimate.fits_memory
 
     def _reroute(self, cluster: ClusterState, now_s: float, note: str, *, lost_s: float, pause_s: float,
-                 memo: dict | None = None) -> Outcome:
+                 after_failure: bool, memo: dict | None = None) -> Outcome:
         plan = reroute_plan(self.base, failed_workers=cluster.failed_workers, profile=self.context.profile)
         why = "no peer left for a stage"
         if plan is not None:
@@ -71,7 +71,8 @@ class ReCycleSystem:
                 self.step_s = step_s
                 return Outcome(pause_s=pause_s, samples_per_s=samples_per_s, lost_s=lost_s, note=f"{note}: rerouted")
             why = "a peer would run out of memory"
-        outcome, plan, step_s = restart_onto_symmetric(self.context, cluster, now_s, f"{note}: {why}")
+        outcome, plan, step_s = restart_onto_symmetric(self.context, cluster, now_s, f"{note}: {why}",
+                                                    after_failure=after_failure)
         if plan is not None:
             self.base, self.step_s = plan, step_s
         return outcome
@@ -99,7 +100,8 @@ class ReCycleSystem:
         self.base = normalized
         copy_s = self._copy_s(copies, cluster)
         return self._reroute(cluster, now_s, f"{len(failed)} worker(s) failed",
-                             lost_s=self.step_s / 2, pause_s=self.detection_s + self.reroute_s + copy_s, memo=memo)
+                             lost_s=self.step_s / 2, pause_s=self.detection_s + self.reroute_s + copy_s, after_failure=True,
+                             memo=memo)
 
     def on_join(self, cluster: ClusterState, joined: AbstractSet[int], now_s: float) -> Outcome:
         before = cluster.fail_ranks(r for w in joined for r in cluster.worker_ranks(w))  # the joined hold nothing
@@ -107,4 +109,4 @@ class ReCycleSystem:
         holdings.update(live_holdings(self.base, cluster=before, profile=self.context.profile))
         copy_s = self._copy_s(self._copies(self.base, holdings, cluster), cluster)
         return self._reroute(cluster, now_s, f"{len(joined)} worker(s) rejoined", lost_s=0.0,
-                             pause_s=self.reroute_s + copy_s)
+                             pause_s=self.reroute_s + copy_s, after_failure=False)

@@ -2,7 +2,12 @@
 
 What replica drop (torchft), micro-batch redistribution (ReCoVer) and DP scale-in
 (MindCluster) share. A *replica* is one pipeline of the job's plan (PP workers of TP
-devices each: a DP domain). A failed worker takes its whole replica out; the other
+devices each: a DP domain). Replicas sit on whole nodes of their own, as torchft deploys
+replica groups (``NODE_ALIGNED``: replica d on workers d * PP .. d * PP + PP - 1), so a
+node failure takes out only the replicas on that node (one where a replica fills a node
+or more); ``replica_placement: stage_major`` keeps the job's plan's placement instead
+(Megatron's rank order), where one node holds one stage of several replicas and a node
+failure takes them all out. A failed worker takes its whole replica out; the other
 replicas go on in their slots (no stage moves, nothing is re-split). A replica stays out
 until every one of its failed workers is repaired: it has fixed hosts and there are no
 spares (the scheduler's free nodes are the repaired ones). It then restarts its
@@ -14,8 +19,9 @@ waits for it is each system's mechanism (``background_heal``).
 
 Prices: the replicas in, in their original slots, with their micro-batch shares
 (``shares``: the failed replicas' quota spread over the survivors or dropped), priced by
-the shared estimator with the job's schedule options, so with no failures a replica
-system trains exactly at the job plan's rate.
+the shared estimator with the job's schedule options and placed as they run: with no
+failures, stage-major replicas train exactly at the job plan's rate; node-aligned ones at
+their own plan's (activations sent within a node, gradients all-reduced across nodes).
 
 With no replica left, no peer holds a whole model copy: the state since the last
 checkpoint is lost and training stops until a replica is repaired, which then restarts
@@ -33,7 +39,29 @@ from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids
 from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
 from odyssey_megatron.simulator.restart import time_since_checkpoint
-from odyssey_megatron.simulator.system import RECOVERING, RESTARTING, Outcome, Phase, SimulationContext, initial_layout
+from odyssey_megatron.simulator.system import (
+    NODE_ALIGNED,
+    RECOVERING,
+    RESTARTING,
+    Outcome,
+    Phase,
+    SimulationContext,
+    initial_layout,
+)
+
+
+def replica_layout(context: SimulationContext) -> ExecutionPlan:
+    """The job's plan with its pipelines placed per ``context.replica_placement``: as it is
+    (stage-major), or each pipeline on consecutive workers, so on whole nodes."""
+    plan = initial_layout(context)
+    if context.replica_placement != NODE_ALIGNED:
+        return plan
+    pp = context.pipeline_parallel_size
+    pipelines = tuple(
+        replace(pipeline, stages=tuple(replace(stage, worker=d * pp + s) for s, stage in enumerate(pipeline.stages)))
+        for d, pipeline in enumerate(plan.pipelines)
+    )
+    return with_sync(replace(plan, pipelines=pipelines), context.profile)
 
 
 class ReplicaSystem:
@@ -50,7 +78,7 @@ class ReplicaSystem:
         self.context = context
         self.detection_s = detection_s
         self.reconfigure_s = reconfigure_s
-        self.base = initial_layout(context)
+        self.base = replica_layout(context)
         self.replica_of = {stage.worker: index for index, pipeline in enumerate(self.base.pipelines)
                            for stage in pipeline.stages}
         """Which replica each worker serves."""

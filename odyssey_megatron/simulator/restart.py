@@ -2,9 +2,14 @@
 
 Every system checkpoints every ``checkpoint_interval_s`` of wall time (the save cost is
 charged to all systems alike by the engine). A restart loses the progress since the last
-checkpoint, pays ``restart_s + checkpoint_load_s``, and resumes on the best *symmetric*
-DP x PP layout the survivors allow (pipeline length chosen by the estimator, steps priced
-with the job's schedule options; workers that do not fit the layout idle).
+checkpoint, pays ``restart_s + checkpoint_load_s`` (after a failure also the detection
+every system pays), and resumes on the best *symmetric* DP x PP layout the survivors
+allow (pipeline length chosen by the estimator, steps priced with the job's schedule
+options; workers that do not fit the layout idle). By default only layouts stock
+Megatron runs: DP divides the global batch's micro-batches (Megatron refuses a global
+batch that does not split evenly over DP); the layer split is the estimator's best,
+which Megatron-Core expresses with ``pipeline_model_parallel_layout``.
+``restart_layouts: varuna`` allows any DP, the micro-batches split unevenly.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
 from odyssey_megatron.restorer import with_sync
-from odyssey_megatron.simulator.system import RESTARTING, Outcome, SimulationContext
+from odyssey_megatron.simulator.system import MEGATRON_LAYOUTS, RESTARTING, Outcome, SimulationContext
 
 
 @dataclass(frozen=True)
@@ -51,11 +56,23 @@ def split_search(context: SimulationContext) -> SplitSearch:
     return SplitSearch(context.profile, limit=256)
 
 
+def restart_data_parallel_size(context: SimulationContext, fitting: int) -> int:
+    """The largest DP of at most ``fitting`` pipelines a restart may run: one that divides
+    the micro-batches under MEGATRON_LAYOUTS, any (up to one micro-batch each) otherwise."""
+    dp = min(fitting, context.num_micro_batches)
+    if context.restart_layouts == MEGATRON_LAYOUTS:
+        while dp > 1 and context.num_micro_batches % dp:
+            dp -= 1
+    return dp
+
+
 @lru_cache(maxsize=4096)
 def _best_symmetric_layout(context: SimulationContext, num_workers: int) -> SymmetricLayout | None:
     best = None
     for pp in range(1, min(num_workers, context.num_layers) + 1):
-        dp = min(num_workers // pp, context.num_micro_batches)
+        dp = restart_data_parallel_size(context, num_workers // pp)
+        if dp == 0:
+            continue
         rate = _symmetric_rate(context, dp, pp)
         if rate is not None and (best is None or rate > best.samples_per_s):
             best = SymmetricLayout(dp, pp, rate)
@@ -103,11 +120,15 @@ def time_since_checkpoint(context: SimulationContext, now_s: float) -> float:
     return now_s % context.checkpoint_interval_s
 
 
-def restart_from_checkpoint(context: SimulationContext, cluster: ClusterState, now_s: float, note: str) -> Outcome:
-    """Roll back to the last checkpoint and restart on the survivors' best symmetric layout."""
+def restart_from_checkpoint(context: SimulationContext, cluster: ClusterState, now_s: float, note: str, *,
+                            after_failure: bool = True) -> Outcome:
+    """Roll back to the last checkpoint and restart on the survivors' best symmetric layout;
+    ``after_failure``: the restart answers a failure, so it first waits for its detection
+    (a repair is known when it happens)."""
     layout = best_symmetric_layout(context, len(cluster.alive_workers))
+    detection_s = context.detection_s if after_failure else 0.0
     return Outcome(
-        pause_s=context.restart_s + context.checkpoint_load_s,
+        pause_s=detection_s + context.restart_s + context.checkpoint_load_s,
         samples_per_s=0.0 if layout is None else layout.samples_per_s,
         lost_s=time_since_checkpoint(context, now_s),
         pause_state=RESTARTING,
@@ -116,11 +137,11 @@ def restart_from_checkpoint(context: SimulationContext, cluster: ClusterState, n
 
 
 def restart_onto_symmetric(
-    context: SimulationContext, cluster: ClusterState, now_s: float, note: str
+    context: SimulationContext, cluster: ClusterState, now_s: float, note: str, *, after_failure: bool = True
 ) -> tuple[Outcome, ExecutionPlan | None, float]:
     """A checkpoint restart for a system that keeps a plan: the outcome, the symmetric plan
     it resumes on (None if the model no longer fits) and that plan's step time."""
-    outcome = restart_from_checkpoint(context, cluster, now_s, note)
+    outcome = restart_from_checkpoint(context, cluster, now_s, note, after_failure=after_failure)
     plan = restart_plan(context, cluster)
     step_s = 0.0 if plan is None else estimate_plan(plan, context.profile, cluster, pricing=context.pricing).step_time_s
     return outcome, plan, step_s

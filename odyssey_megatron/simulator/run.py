@@ -75,7 +75,8 @@ class SimulationResult:
 
 
 def simulation_context(scenario: Scenario) -> SimulationContext:
-    recipe, costs = scenario.recipe, scenario.config.costs
+    config = scenario.config
+    recipe, costs = scenario.recipe, config.costs
     return SimulationContext(
         profile=scenario.profile,
         num_layers=recipe.model.num_layers,
@@ -89,6 +90,9 @@ def simulation_context(scenario: Scenario) -> SimulationContext:
         checkpoint_save_s=costs.checkpoint_save_s,
         checkpoint_load_s=costs.checkpoint_load_s,
         pricing=recipe.odyssey.pricing,
+        detection_s=costs.detection_s,
+        restart_layouts=str(config.restart_layouts),
+        replica_placement=str(config.replica_placement),
     )
 
 
@@ -153,7 +157,7 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
             yield ReCycleSystem(context, detection_s=costs.detection_s, name=name, decoupled=name == "recycle",
                                 reroute_s=scenario.recipe.odyssey.reroute_restart_s)
         elif name == "checkpoint":
-            yield CheckpointRestartSystem(context)
+            yield CheckpointRestartSystem(context)  # detection: context.detection_s, in the restart
         elif name == "oobleck":
             yield OobleckSystem(context, tolerated_failures=config.oobleck_tolerated_failures,
                                 detection_s=costs.detection_s, start_on_job_plan=True)

@@ -47,6 +47,20 @@ class FailureUnit(Choice):
     node = "node"
 
 
+class RestartLayouts(Choice):
+    """Which layouts a checkpoint restart resumes on (``simulator.restart``)."""
+
+    megatron = "megatron"
+    varuna = "varuna"
+
+
+class ReplicaPlacement(Choice):
+    """Where the replica systems place their replicas (``simulator.replicas``)."""
+
+    node_aligned = "node_aligned"
+    stage_major = "stage_major"
+
+
 class WandbMode(Choice):
     offline = "offline"
     online = "online"
@@ -163,6 +177,13 @@ class ScenarioConfig:
     """Odyssey's Eq. 8 learns the failure rate from the failures it sees, from the recipe's
     ``odyssey.device_mtbf_hours``, as a live run does; false: it uses ``failures.rate_per_device_hour``,
     the truth the scenario draws from. A trace has no such rate: Odyssey learns from it."""
+    restart_layouts: RestartLayouts = RestartLayouts.megatron
+    """megatron: a checkpoint restart resumes on a layout stock Megatron runs (DP divides
+    the global batch's micro-batches); varuna: any DP, the micro-batches split unevenly."""
+    replica_placement: ReplicaPlacement = ReplicaPlacement.node_aligned
+    """node_aligned: each replica of replica_drop, redistribute and dp_scale_in on whole
+    nodes of its own, as torchft deploys replica groups; stage_major: the job's plan's
+    placement (Megatron's rank order), a node holding one stage of several replicas."""
     sample_interval_s: float = 60.0
     wandb_mode: WandbMode = WandbMode.offline
     """offline (a local run directory, the default), online, or disabled."""
@@ -183,6 +204,8 @@ class ScenarioConfig:
         require(not twice, "systems", f"lists {', '.join(twice)} more than once; list each system once")
         require(bool(self.recipe), "recipe", "must name a recipe YAML")
         self.wandb_mode = choice("wandb_mode", WandbMode, self.wandb_mode)
+        self.restart_layouts = choice("restart_layouts", RestartLayouts, self.restart_layouts)
+        self.replica_placement = choice("replica_placement", ReplicaPlacement, self.replica_placement)
         require_wandb_project("wandb_project", self.wandb_project)
 
 

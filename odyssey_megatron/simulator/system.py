@@ -24,6 +24,17 @@ RECOVERING = "recovering"
 RESTARTING = "restarting"
 STOPPED = "stopped"
 
+MEGATRON_LAYOUTS = "megatron"
+"""Restart layouts stock Megatron runs: every pipeline gets the same number of the global
+batch's micro-batches, so DP divides them."""
+VARUNA_LAYOUTS = "varuna"
+"""Restart layouts of any DP, the micro-batches split unevenly (Varuna-style)."""
+NODE_ALIGNED = "node_aligned"
+"""Each replica on whole nodes of its own, as torchft deploys replica groups."""
+STAGE_MAJOR = "stage_major"
+"""The job's plan's placement (Megatron's rank order: stage s of replica d on worker
+s * DP + d), so one node holds one stage of several replicas."""
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -95,6 +106,16 @@ class SimulationContext:
     pricing: Pricing = PLAIN
     """How every system's steps run and are priced (``OdysseyConfig.pricing``): split
     backwards and staggered optimizer steps wherever they pay, on every system's plans."""
+    detection_s: float = 0.0
+    """From a failure to the survivors knowing about it (``costs.detection_s``): the shared
+    checkpoint restart charges it, so a restart after a failure pays it as every
+    in-memory recovery does."""
+    restart_layouts: str = MEGATRON_LAYOUTS
+    """Which DP x PP layouts a checkpoint restart may resume on (``restart_layouts``):
+    MEGATRON_LAYOUTS (DP divides the micro-batches) or VARUNA_LAYOUTS (any DP)."""
+    replica_placement: str = NODE_ALIGNED
+    """Where the replica systems' replicas sit (``replica_placement``): NODE_ALIGNED or
+    STAGE_MAJOR (``simulator.replicas``)."""
 
 
 def initial_layout(context: SimulationContext, *, max_layer_splits: int = 256) -> ExecutionPlan:
