@@ -372,6 +372,37 @@ def test_a_worker_refuses_an_op_list_its_plan_does_not_give_it():
         read_plan(store, store.get(plan_key(plan.generation)), rank=2, current_generation=plan.generation - 1)
 
 
+def test_a_starting_worker_whose_node_store_answers_late_tries_again_within_its_initial_heartbeat_timeout(
+        monkeypatch):
+    """A node's first connections come while all its workers import torch and Megatron: a
+    worker whose first connection or beat timed out died before it had a log (exit status
+    1 in a failure-free CI run). Through the connection seam: two timeouts, then a beat;
+    and past ``initial_heartbeat_timeout`` the timeout is raised."""
+    master = _master_store()
+    node_store = dist.HashStore()
+    timeouts = replace(TIMEOUTS, initial_heartbeat_timeout=2.0)
+    launch = WorkerLaunch(rank=3, local_rank=3, node=0, world_size=4, store_host="127.0.0.1", store_port=master.port,
+                          node_store_port=0, node_ranks=(0, 1, 2, 3), launcher_pid=os.getpid(), timeouts=timeouts)
+    link = ControllerLink(launch)
+    tries = []
+
+    def connect(late: int) -> dist.Store:
+        tries.append(len(tries))
+        if len(tries) <= late:
+            raise dist.DistStoreError("timed out connecting")
+        return node_store
+
+    monkeypatch.setattr(link, "_fresh_beats", lambda: connect(late=2))
+    link._first_beat()
+    assert len(tries) == 3 and node_store.check([rank_heartbeat_key(3)])
+    tries.clear()
+    monkeypatch.setattr(link, "_fresh_beats", lambda: connect(late=10**6))
+    began = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        link._first_beat()
+    assert 2.0 <= time.monotonic() - began < 4.0
+
+
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     launch = WorkerLaunch(rank=0, local_rank=0, node=0, world_size=1, store_host="127.0.0.1",

@@ -140,13 +140,29 @@ class ControllerLink:
         """Tie to the launcher, register (after a first heartbeat, so its launcher forwards
         one) and start beating."""
         _die_with_parent(self.launch.launcher_pid)
-        self._beats = self._fresh_beats()
-        self._beat(self._beats)
+        self._first_beat()
         if self.store.check([PUBLISHED_GENERATION]):
             self.published_at_start = int(self.store.get(PUBLISHED_GENERATION))
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
                                                       self.launch.node).to_json())
         self._thread.start()
+
+    def _first_beat(self) -> None:
+        """Connect to the node's store and beat, trying again on a timeout for as long as a
+        starting worker may stay silent (``initial_heartbeat_timeout``): on a node whose
+        workers all import torch and Megatron at once, its launcher can answer a first
+        connection or beat later than a heartbeat timeout, and a worker that gave up there
+        died before it had a log, failing a healthy run's rank (CI saw exit status 1)."""
+        deadline = time.monotonic() + self.launch.timeouts.initial_heartbeat_timeout
+        while True:
+            try:
+                self._beats = self._fresh_beats()
+                self._beat(self._beats)
+                return
+            except dist.DistError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(self.launch.timeouts.poll_interval)
 
     def report_failure(self, error: str) -> None:
         """Name this worker failed by an error of its own; its launcher then kills it."""
