@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -401,6 +403,26 @@ def test_a_starting_worker_whose_node_store_answers_late_tries_again_within_its_
     with pytest.raises(dist.DistStoreError):
         link._first_beat()
     assert 2.0 <= time.monotonic() - began < 4.0
+
+
+def test_a_worker_whose_launcher_is_gone_reports_no_error_of_its_own_and_leaves_the_cause_to_the_node():
+    """A node fault kills the launcher, then the rest of the node within a beat: a worker
+    that raises in between (its peer on the node died, the node's store went) must not
+    report, or the node's one failure gets a second cause (CI recorded "error,node"). The
+    launcher a zombie its parent has not reaped counts as gone; a live one gets the report."""
+    master = _master_store()
+    launcher = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: process_state(launcher.pid) == "Z", timeout=10, what="an unreaped exited launcher")
+    try:
+        for launcher_pid, reported in ((launcher.pid, 0), (os.getpid(), 1)):
+            launch = WorkerLaunch(rank=5, local_rank=1, node=1, world_size=8, store_host="127.0.0.1",
+                                  store_port=master.port, node_store_port=0, node_ranks=(4, 5, 6, 7),
+                                  launcher_pid=launcher_pid, timeouts=TIMEOUTS)
+            ControllerLink(launch).report_failure("DistNetworkError: Connection reset by peer")
+            assert master.queue_len(INBOX) == reported
+    finally:
+        launcher.wait()
+    assert RankFailureReport.from_json(master.queue_pop(INBOX)).rank == 5
 
 
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):

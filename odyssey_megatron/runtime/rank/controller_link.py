@@ -165,7 +165,15 @@ class ControllerLink:
                 time.sleep(self.launch.timeouts.poll_interval)
 
     def report_failure(self, error: str) -> None:
-        """Name this worker failed by an error of its own; its launcher then kills it."""
+        """Name this worker failed by an error of its own; its launcher then kills it. Not
+        once its launcher is gone: the node is lost, and what the worker raised in the beat
+        or so it outlives its launcher (a peer on the node died first, the node's store went
+        with it) is that loss, which the controller names when the launcher's beats stop. A
+        report would give the one failure a second cause (CI recorded "error,node")."""
+        if not _alive(self.launch.launcher_pid):
+            log.error("rank %d: its launcher (pid %d) is gone: not reporting %s", self.launch.rank,
+                      self.launch.launcher_pid, error)
+            return
         report = RankFailureReport(self.launch.rank, self.watching, error, time.time())
         self.store.queue_push(INBOX, report.to_json())
 
