@@ -35,6 +35,7 @@ from odyssey_megatron.planner import (
     initial_plan,
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
+from odyssey_megatron.planner.straggler import StragglerDecision, weigh_straggler
 from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.profile_file import recipe_profile
@@ -177,7 +178,7 @@ class DecisionCenter:
         if decision.chosen.plan is decision.replaced:  # what runs goes on, with nothing left to move
             plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
             decision = replace(decision, chosen=replace(decision.chosen, plan=plan))
-            self._commit(decision)
+        self._commit(decision)
         return decision
 
     def on_idle_failure(self, *, ranks: Iterable[int], at_s: float | None = None) -> None:
@@ -205,7 +206,38 @@ class DecisionCenter:
         the current one itself (``Decision.replaced``)."""
         self._observe(failures=0, at_s=at_s)
         self.cluster = self.cluster.repair_ranks([*ranks, *self._ranks_of(workers)])
-        return self._decide(interval_s, time_left_s)
+        decision = self._decide(interval_s, time_left_s)
+        self._commit(decision)
+        return decision
+
+    def on_straggler(self, *, rank: int, slowdown: float, interval_s: float | None = None,
+                     time_left_s: float | None = None, in_memory: bool = False,
+                     snapshot: SnapshotSource | None = None,
+                     start_replay_steps: int | None = None) -> StragglerDecision:
+        """Whether removing ``rank``, whose ops take ``slowdown`` times its peers'
+        (``runtime.control.stragglers``), pays: the current plan with its worker's ops
+        stretched by ``slowdown`` and no transition, against the plan ``on_failure`` would
+        choose without that worker (its transition: search, moves, restart), both weighed
+        by Eq. 8 over the horizon of that decision (``planner.straggler``). The other
+        arguments as in ``on_failure``; a removal no plan survives (``UnrecoverableFailure``)
+        keeps the rank. Commits nothing and counts no failure: where removal pays, the
+        caller fails the rank and ``on_failure`` decides it as any failure."""
+        before = self.cluster
+        worker = before.worker_of(rank)
+        after = before.fail_ranks(before.worker_ranks(worker))
+        kept = estimate_plan(self.plan, self.profile, before, pricing=self.settings.search.pricing,
+                             slowdowns={worker: slowdown})
+        removal, unrecoverable = None, ""
+        try:
+            removal = self._decide(interval_s, time_left_s, cluster=after,
+                                   prepared=lambda: self._prepared_drafts(before, after), in_memory=in_memory,
+                                   snapshot=snapshot, start_replay_steps=start_replay_steps)
+        except UnrecoverableFailure as exc:
+            unrecoverable = str(exc)
+        return weigh_straggler(rank=rank, slowdown=slowdown, current=self.plan, kept=kept, removal=removal,
+                               unrecoverable=unrecoverable, alive_workers=len(before.alive_workers),
+                               horizon_s=self._horizon(after, interval_s, time_left_s)[1],
+                               profile=self.profile, settings=self.settings.search)
 
     def _ranks_of(self, workers: Iterable[int]) -> list[int]:
         return [rank for worker in workers for rank in self.cluster.worker_ranks(worker)]
@@ -309,9 +341,10 @@ class DecisionCenter:
             done += 1
         return done
 
-    def _prepared_drafts(self, before: ClusterState) -> tuple[Drafts, str] | None:
+    def _prepared_drafts(self, before: ClusterState, after: ClusterState | None = None) -> tuple[Drafts, str] | None:
         """The drafts ``prepare`` priced for the current failure, if any (for this plan,
-        the cluster as it was just before it, and exactly these failed workers), or where
+        the cluster as it was just before it, and exactly the failed workers of ``after``,
+        default the center's cluster), or where
         ``prepare`` covers the plan by representatives, those of its representative,
         renamed (``planner.symmetry``); with ``Decision.source``. Failures add up: the
         prepared cases are keyed by every failed worker, the representatives by the new
@@ -321,7 +354,7 @@ class DecisionCenter:
         plan, cluster, prepared = self._prepared
         if plan is not self.plan or cluster is not before:
             return None
-        failed = self.cluster.failed_workers
+        failed = (after or self.cluster).failed_workers
         if failed in prepared:
             return prepared[failed], "prepared"
         if not self._by_representatives(before, len(self._every_case_of(plan, before))):
@@ -400,28 +433,30 @@ class DecisionCenter:
         self._last_event_s = at_s
 
     def _decide(self, interval_s: float | None, time_left_s: float | None = None, *,
+                cluster: ClusterState | None = None,
                 prepared: Callable[[], tuple[Drafts, str] | None] = lambda: None, in_memory: bool = False,
                 snapshot: SnapshotSource | None = None, roll_back: bool = False,
                 start_replay_steps: int | None = None) -> Decision:
-        """Price the candidates (or take those ``prepared()`` finds) and weigh them by Eq. 8;
-        ``time_left_s``, ``in_memory``, ``snapshot`` and ``start_replay_steps`` as in ``on_failure``."""
+        """Price the candidates on ``cluster`` (default the center's; or take those
+        ``prepared()`` finds) and weigh them by Eq. 8; commits nothing. ``time_left_s``,
+        ``in_memory``, ``snapshot`` and ``start_replay_steps`` as in ``on_failure``."""
+        cluster = cluster or self.cluster
         started = time.perf_counter()
-        drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=self.cluster,
+        drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=cluster,
                                                          profile=self.profile, settings=self.settings.search,
                                                          search=self.search), "cold")
-        interval = interval_s if interval_s is not None else self.mtbf_s
-        horizon = eq8_horizon_s(interval_s=interval, time_left_s=time_left_s)
+        interval, horizon = self._horizon(cluster, interval_s, time_left_s)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},
                       key=block_sort_key) if in_memory else []
         from_start = False
         if lost or (roll_back and snapshot is not None):
             why = (f"blocks {', '.join(map(str, lost))} were lost on every replica (ranks "
-                   f"{sorted(self.cluster.failed_ranks)} failed): no survivor holds them") if lost else \
+                   f"{sorted(cluster.failed_ranks)} failed): no survivor holds them") if lost else \
                 "the rollback in progress was interrupted"
             if snapshot is not None:
                 try:
-                    drafts = self._rolled_back(drafts, snapshot)
+                    drafts = self._rolled_back(drafts, snapshot, cluster)
                 except SnapshotLost as exc:
                     raise UnrecoverableFailure(f"{why}, and {exc}") from None
             elif start_replay_steps is not None:
@@ -434,8 +469,15 @@ class DecisionCenter:
                            source=source, replaced=self.plan, from_start=from_start,
                            interval_source="the caller (interval_s)" if interval_s is not None else
                            self.failure_model.source)
-        self._commit(decision)
         return decision
+
+    def _horizon(self, cluster: ClusterState, interval_s: float | None,
+                 time_left_s: float | None) -> tuple[float, float]:
+        """Eq. 8's expected interval to the next failure on ``cluster`` (``interval_s`` where
+        given) and its horizon (``policy.eq8_horizon_s``)."""
+        interval = interval_s if interval_s is not None else self.failure_model.expected_interval_s(
+            cluster.alive_devices)
+        return interval, eq8_horizon_s(interval_s=interval, time_left_s=time_left_s)
 
     def _commit(self, decision: Decision) -> None:
         """``decision``'s plan is what the job runs next (settled at once, or once told)."""
@@ -444,16 +486,16 @@ class DecisionCenter:
         if self.settles_at_once:
             self.settle(self.plan)
 
-    def _rolled_back(self, drafts: Drafts, snapshot: SnapshotSource) -> Drafts:
+    def _rolled_back(self, drafts: Drafts, snapshot: SnapshotSource, cluster: ClusterState) -> Drafts:
         """``drafts`` as rollbacks to the snapshot: each plan's transfers move every block from
         where the snapshot is read or rebuilt (the draft's ``restore``), and its transition
         (Eq. 8) is that move, the rebuilds and the steps trained again at the plan's step
         time."""
         rolled = []
         for draft in drafts.drafts:
-            restore, transfers = snapshot.restore(draft.plan, self.cluster)
+            restore, transfers = snapshot.restore(draft.plan, cluster)
             moving_s = restore_time(restore, transfers, model=snapshot.model, profile=self.profile,
-                                    cluster=self.cluster)
+                                    cluster=cluster)
             rolled.append(replace(draft, plan=replace(draft.plan, transfers=transfers), restore=restore,
                                   moving_s=moving_s + snapshot.replayed_steps * draft.estimate.step_time_s))
         return replace(drafts, drafts=tuple(rolled), unchanged=False)

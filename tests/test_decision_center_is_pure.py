@@ -4,8 +4,8 @@ run without an accelerator stack and every decision is unit-testable (DESIGN.md)
 
 Importing is not the whole of it: a module may import inside a function, so the probe
 also drives the center's public methods through every kind of decision (reroute,
-reparallelize, a rollback to an in-memory snapshot, a join, prepared decisions, the
-published program and the snapshot interval) and looks at what they loaded."""
+reparallelize, a rollback to an in-memory snapshot, a join, prepared decisions, a
+straggler priced, the published program and the snapshot interval) and looks at what they loaded."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def test_no_decision_of_the_center_loads_torch():
         center.published()
         center.snapshot_interval(nodes_per_group=config.odyssey.snapshot_parity_nodes)
         center.prepare()
+        center.on_straggler(rank=5, slowdown=2.0)
         record = SnapshotRecord(4, center.plan.generation, center.plan, ((0, 2, 4, 6), (1, 3, 5, 7)))
         lost_rank = center.on_failure(ranks=[5])
         policies = {{c.policy for c in (lost_rank.chosen, *lost_rank.alternatives)}}

@@ -408,3 +408,37 @@ def test_untouched_pipelines_collapse_by_layers_micro_batches_and_links():
     distinct, stands_for = distinct_pipelines(rerouted, ClusterState(world_size=16, devices_per_node=3))
     assert stands_for == (0, 1, 0, 0, 1, 0, 2, 3)  # pipelines 1 and 4 span two nodes
     assert [p.layer_counts for p in distinct.pipelines] == [(2, 2), (2, 2), (1, 3), (1, 3)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dp=st.integers(2, 4), pp=st.integers(1, 3), micro_batches=st.integers(1, 4),
+       decouple=st.booleans(), staggered=st.booleans())
+def test_a_worker_at_slowdown_one_is_priced_exactly_as_without_slowdowns(data, dp, pp, micro_batches, decouple,
+                                                                          staggered):
+    """The straggler pricing (``slowdowns``) changes nothing at a factor of 1, on every
+    kind of plan and pricing: a straggler kept is priced against what every decision prices."""
+    profile = replace(uniform_profile(num_layers=2 * pp, forward_s=1.0, backward_s=2.0, layer_state_bytes=10,
+                                      activation_bytes=1), p2p_bytes=1)
+    plan = symmetric_plan(dp=dp, pp=pp, num_layers=2 * pp, micro_batches_per_pipeline=micro_batches)
+    failed = data.draw(st.sets(st.sampled_from(plan.workers), max_size=1))
+    plan = reroute_plan(plan, failed_workers=failed, profile=profile) if failed else plan
+    worker = data.draw(st.sampled_from(sorted(set(plan.workers) - failed)))
+    cluster = ClusterState(world_size=dp * pp, devices_per_node=2)
+    pricing = Pricing(decouple=decouple, staggered=staggered)
+    assert estimate_plan(plan, profile, cluster, pricing=pricing, slowdowns={worker: 1.0}) == estimate_plan(
+        plan, profile, cluster, pricing=pricing)
+
+
+@pytest.mark.parametrize("failed", [(), (3,)], ids=["failure-free", "rerouted"])
+def test_the_priced_step_rises_with_a_workers_slowdown_and_only_its_pipeline_splits_off(failed):
+    """DP 2 x PP 2 (workers 0 -> 2 and 1 -> 3), worker 2 slowed: every step waits for its
+    ops, so the step gets slower with each factor; the pipelines no longer time alike."""
+    profile = uniform_profile(num_layers=4, forward_s=1.0, backward_s=2.0)
+    plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4)
+    plan = reroute_plan(plan, failed_workers=set(failed), profile=profile) if failed else plan
+    cluster = ClusterState(world_size=4, devices_per_node=8)
+    steps = [estimate_plan(plan, profile, cluster, slowdowns={2: factor}).step_time_s for factor in (1.0, 1.2, 2.0, 4.0)]
+    assert steps == sorted(set(steps)), steps  # strictly rising
+    assert steps[-1] > 2 * steps[0]
+    assert len(distinct_pipelines(plan, cluster, slowdowns={2: 2.0})[0].pipelines) == 2
+    assert len(distinct_pipelines(plan, cluster, slowdowns={2: 1.0})[0].pipelines) == (2 if failed else 1)

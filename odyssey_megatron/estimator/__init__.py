@@ -10,7 +10,7 @@ stage follows Eq. 14 on the real op lists. The closed forms (Eq. 9, 12-14) live 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import sync_time
@@ -67,14 +67,19 @@ def estimate_plan(
     *,
     pricing: Pricing = PLAIN,
     memo: dict | None = None,
+    slowdowns: Mapping[int, float] | None = None,
 ) -> PlanEstimate:
     """Estimate one step of ``plan`` as the runtime runs it (``step_schedule``: with
     ``pricing.decouple`` workers may split their backwards; ``pricing.staggered`` optimizer
     steps price the steady-state period where that pays; ``memo`` as in
     ``timed_step_schedule``); raises ScheduleDeadlock if its op lists cannot run. Pipelines
-    that time alike are simulated once (``estimator.distinct``)."""
-    distinct, stands_for = distinct_pipelines(plan, cluster)
-    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, pricing=pricing, memo=memo)
+    that time alike are simulated once (``estimator.distinct``). ``slowdowns``: workers
+    whose forwards and backwards take that many times their profiled seconds (a straggler
+    at the slowdown ``runtime.control.stragglers`` measured over those ops); their op
+    lists are chosen for that speed too."""
+    distinct, stands_for = distinct_pipelines(plan, cluster, slowdowns=slowdowns)
+    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, pricing=pricing, memo=memo,
+                                             slowdowns=slowdowns)
     peaks = peak_memory(distinct, profile, timing.schedule)
     return PlanEstimate(
         pipeline_time_s=pipeline_s,

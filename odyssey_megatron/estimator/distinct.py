@@ -13,7 +13,7 @@ one on 32 does.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.plan import ExecutionPlan
@@ -38,9 +38,12 @@ def sub_plan(plan: ExecutionPlan, pipelines: Iterable[int]) -> ExecutionPlan:
     )
 
 
-def distinct_pipelines(plan: ExecutionPlan, cluster: ClusterState | None) -> tuple[ExecutionPlan, tuple[int, ...]]:
+def distinct_pipelines(plan: ExecutionPlan, cluster: ClusterState | None, *,
+                       slowdowns: Mapping[int, float] | None = None) -> tuple[ExecutionPlan, tuple[int, ...]]:
     """(``plan`` with its touched pipelines and one pipeline of each class of untouched
-    ones, the index in it of the pipeline that stands for each of ``plan``'s)."""
+    ones, the index in it of the pipeline that stands for each of ``plan``'s). A pipeline
+    with a worker in ``slowdowns`` (slower than the profile says) stands only for those
+    whose workers are slowed alike."""
     touched = touched_pipelines(plan)
     first_of: dict[tuple, int] = {}
     kept: list[int] = []
@@ -51,6 +54,7 @@ def distinct_pipelines(plan: ExecutionPlan, cluster: ClusterState | None) -> tup
             len(pipeline.micro_batches),
             tuple(stage.layers for stage in stages),
             tuple(cluster is None or cluster.same_node(a.worker, b.worker) for a, b in zip(stages, stages[1:])),
+            tuple(slowdowns.get(stage.worker, 1.0) for stage in stages) if slowdowns else (),
         )
         if key not in first_of:
             first_of[key] = len(kept)

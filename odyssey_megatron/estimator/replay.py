@@ -152,10 +152,14 @@ def _one_f_one_b_order(num_micro_batches: int, stage: int, num_stages: int) -> t
             np.array([position for _, position in order], np.int64))
 
 
-def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None) -> OpGraph:
+def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, *,
+             slowdowns: Mapping[int, float] | None = None) -> OpGraph:
     """The ``OpGraph`` of ``plan``'s streams (``stream_sources``; links priced on ``cluster``'s
-    nodes; all on one node without it). Raises ScheduleDeadlock if an op waits for one
-    that no worker runs. Built as arrays, one 1F1B order per stream shape."""
+    nodes; all on one node without it). ``slowdowns``: workers that compute slower than
+    the profile says (a straggler at its measured slowdown), each op they run taking that
+    many times its profiled seconds; links are not stretched. Raises ScheduleDeadlock if
+    an op waits for one that no worker runs. Built as arrays, one 1F1B order per stream
+    shape."""
     sources = stream_sources(plan)
     workers = tuple(sorted(sources))
     num_stages = np.array([p.num_stages for p in plan.pipelines] or [0], np.int64)
@@ -179,14 +183,17 @@ def op_graph(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState |
                       np.where(node[source] == node[worker], p2p_time(profile, same_node=True),
                                p2p_time(profile, same_node=False)))
     times = _stage_seconds(plan, profile, num_stages)
+    whole_s = times[[0, 1, 3]][kind, pipeline, stage]  # by kind: F, whole B, W
+    split_s = times[[0, 2, 3]][kind, pipeline, stage]  # by kind: F, input-gradient B, W
+    if slowdowns:
+        factor = np.array([slowdowns.get(w, 1.0) for w in workers] or [1.0])[worker]
+        whole_s, split_s = whole_s * factor, split_s * factor
     local = {w: i for i, w in enumerate(workers)}
     return OpGraph(
         kind=kind, pipeline=pipeline, stage=stage, micro_batch=micro_batch, workers=workers,
         plan_order=tuple(local[w] for w in sources), num_pipelines=len(plan.pipelines), stream_start=stream_start,
         stream_ops_start=stream_ops_start, worker=worker, forward=kind == 0, dependency=dep, link_s=link_s,
-        consumer=consumer, whole_s=times[[0, 1, 3]][kind, pipeline, stage],  # by kind: F, whole B, W
-        split_s=times[[0, 2, 3]][kind, pipeline, stage],  # by kind: F, input-gradient B, W
-        weight_grad=weight_grad, settles=(kind != 0) | ~last,
+        consumer=consumer, whole_s=whole_s, split_s=split_s, weight_grad=weight_grad, settles=(kind != 0) | ~last,
     )
 
 

@@ -13,6 +13,7 @@ the reroutes of one layout, a small computation."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Mapping
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.decoupled import decoupled_pipelines
@@ -58,26 +59,29 @@ def timed_step_schedule(
     *,
     pricing: Pricing = PLAIN,
     memo: dict | None = None,
+    slowdowns: Mapping[int, float] | None = None,
 ) -> tuple[PipelineTiming, float]:
     """``step_schedule`` and its ``step_time``, which the choice may already have computed.
-    A ``memo`` kept for one decision (one profile and cluster) remembers each choice."""
+    A ``memo`` kept for one decision (one profile and cluster) remembers each choice.
+    ``slowdowns``: workers whose ops take that many times their profiled seconds
+    (``replay.op_graph``): a straggler priced at its measured speed."""
     staggered = pricing.staggered
     if not pricing.decouple:
-        graph = op_graph(plan, profile, cluster)
+        graph = op_graph(plan, profile, cluster, slowdowns=slowdowns)
         timing = simulate_pipelines(plan, profile, cluster, graph=graph)
         return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
     touched = touched_pipelines(plan)
     untouched = set(range(len(plan.pipelines))) - touched
     if not touched or not untouched:
-        return _split_if_faster(plan, profile, cluster, staggered, memo)[:2]
+        return _split_if_faster(plan, profile, cluster, staggered, memo, slowdowns)[:2]
     schedule = {}
     parts = ((sorted(touched), sub_plan(plan, touched)),
              (sorted(untouched), sub_plan(replace(plan, reroutes=()), untouched)))
     for ids, part in parts:  # each part's pipelines are renumbered in order
-        chosen = _split_if_faster(part, profile, cluster, staggered, memo)[0]
+        chosen = _split_if_faster(part, profile, cluster, staggered, memo, slowdowns)[0]
         schedule.update({worker: [op._replace(pipeline=ids[op.pipeline]) for op in ops]
                          for worker, ops in chosen.schedule.items()})
-    graph = op_graph(plan, profile, cluster)
+    graph = op_graph(plan, profile, cluster, slowdowns=slowdowns)
     timing = fixed_order_step(plan, profile, cluster, schedule, graph=graph)
     return timing, step_time(plan, profile, cluster, timing, staggered=staggered, graph=graph)
 
@@ -166,27 +170,30 @@ def _untouched_step(
 
 
 def _split_if_faster(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool, memo: dict | None
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool, memo: dict | None,
+    slowdowns: Mapping[int, float] | None = None,
 ) -> tuple[PipelineTiming, float, bool]:
     """Split op lists if their ``step_time`` beats plain 1F1B's and they fit in memory;
     the chosen timing, its step time, and whether it fits in memory (plain 1F1B may not)."""
     if memo is None:
-        return _choose_split(plan, profile, cluster, staggered)
+        return _choose_split(plan, profile, cluster, staggered, slowdowns)
     # keyed without what the choice never reads, so a plan priced bare (``rerouted_makespan``)
     # and again with its sync and transfers (``estimate_plan``) is chosen once
-    key = (replace(plan, sync_units=(), comm_rounds=(), transfers=()), staggered)
+    key = (replace(plan, sync_units=(), comm_rounds=(), transfers=()), staggered,
+           frozenset((slowdowns or {}).items()))
     if key not in memo:
-        memo[key] = _choose_split(plan, profile, cluster, staggered)
+        memo[key] = _choose_split(plan, profile, cluster, staggered, slowdowns)
     return memo[key]
 
 
 def _choose_split(
-    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool
+    plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, staggered: bool,
+    slowdowns: Mapping[int, float] | None = None,
 ) -> tuple[PipelineTiming, float, bool]:
     """Plain 1F1B, or split op lists (the list scheduler's first step, or with
     ``staggered`` steps its later one) where faster and within memory; plain 1F1B's
     replay is spared where split op lists that fit beat its ``makespan_lower_bound``."""
-    graph = op_graph(plan, profile, cluster)
+    graph = op_graph(plan, profile, cluster, slowdowns=slowdowns)
     decoupled = decoupled_pipelines(plan, profile, cluster, graph=graph, iterations=2 if staggered else 1)
     first_s = step_time(plan, profile, cluster, decoupled.first, staggered=staggered, graph=graph)
     first_fits = _fits_memory(plan, profile, decoupled.first)

@@ -143,6 +143,11 @@ def _draft(policy: str, plan: ExecutionPlan, estimate: PlanEstimate, moving_s: f
                  layout=describe_layout([p.layer_counts for p in plan.pipelines]))
 
 
+def kept_draft(current: ExecutionPlan, estimate: PlanEstimate, *, profile: ModelProfile) -> Draft:
+    """``current`` going on as it runs, priced at ``estimate``: nothing moves, nothing restarts."""
+    return _draft(current.policy, current, estimate, 0.0, 0.0, profile=profile)
+
+
 class _Pricer:
     """What pricing one decision's candidates shares: the current plan and the cluster after
     the failure, the live holdings before anything moves, the settings, one memo (it spares
@@ -235,7 +240,7 @@ def draft_candidates(
     want_reparallelize = settings.policy in ("auto", "reparallelize")
     drafts: list[Draft] = []
     if not affected:
-        kept = _draft(current.policy, current, pricer.estimate(current), 0.0, 0.0, profile=profile)
+        kept = kept_draft(current, pricer.estimate(current), profile=profile)
         if not idle:
             return Drafts(current, (kept,), 0, ("no stage owner failed",), affected=False, unchanged=True,
                           alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
