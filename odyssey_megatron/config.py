@@ -670,8 +670,11 @@ class OdysseyConfig:
     """What ``odyssey train`` does with a straggler, a rank whose ops take over
     ``straggler_slowdown`` times its peers' for ``straggler_steps`` committed steps in a row
     (``runtime.control.stragglers``): report (a console line with its measured slowdown and
-    a ``straggler`` event) or remove (that too, and the rank is failed, so the decision
-    center recovers without it as from any failure)."""
+    a ``straggler`` event) or remove where removing it pays: the decision center prices the
+    current plan with the rank's ops stretched by its slowdown against the plan a failure of
+    it would get, that plan's transition included, by Eq. 8 over the same horizon
+    (``DecisionCenter.on_straggler``); where removal pays the rank is failed and recovered
+    from as any failure, else it trains on, and the line and event give both prices."""
     straggler_slowdown: float = 1.5
     """How many times its peers' op time (per op of its stage's work, against the median
     of its stage's DP peers, or of every rank where its stage has none) makes a rank slow."""

@@ -1,22 +1,25 @@
 """Stragglers from the step reports' op times (``runtime.control.stragglers``) with made-up
-reports, and a straggler's removal through the controller's inbox.
+reports, a straggler's removal through the controller's inbox, and the owner removing one
+only where the decision center prices removal as paying (``DecisionCenter.on_straggler``).
 
 The plan: two pipelines of two stages (workers 0 -> 2 and 1 -> 3), two micro-batches each."""
 
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 import torch.distributed as dist
 
 from helpers import symmetric_plan
+from test_run_endings import RANKS, _owner
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.console import failure_line
 from odyssey_megatron.runtime.control.detector import Cause
 from odyssey_megatron.runtime.control.stragglers import StragglerWatch, straggler_line
-from odyssey_megatron.runtime.protocol.keys import INBOX, kill_orders_key, node_heartbeat_key
+from odyssey_megatron.runtime.protocol.keys import INBOX, applied_key, kill_orders_key, node_heartbeat_key, step_report_key
 from odyssey_megatron.runtime.protocol.messages import (
     KillOrder,
     NodeHeartbeat,
@@ -99,4 +102,45 @@ def test_a_removed_straggler_is_failed_and_killed_by_the_controller_with_its_slo
         controller.remove_straggler(3, generation=0, detail="again")  # failed already: no second failure
         assert controller.next_failure(timeout=0.5) is None
     finally:
+        controller.stop()
+
+
+@pytest.mark.parametrize("slowdown, removed", [(1.5, False), (4.0, True)])
+def test_the_owner_removes_a_straggler_only_where_removal_pays_and_says_why_with_both_prices(tmp_path, slowdown,
+                                                                                            removed):
+    """The tiny recipe's owner (DP 2 x PP 4) with odyssey.straggler=remove: rank 3 (stage 1)
+    at 1.5x leaves a step of bubbles about 11 % slower, less than the 18 % of the plan
+    without it: kept, and it says so. At 4x its steps take 2.7x as long: removed, failed
+    through the controller as a straggler."""
+    config, controller, client, run = _owner(tmp_path / "run", "odyssey.straggler=remove",
+                                             "odyssey.straggler_steps=2", "odyssey.straggler_slowdown=1.2")
+    try:
+        run.publish(run.center.plan, run.center.estimate.step_time_s, snapshot=None, snapshot_interval=0)
+        stages = {stage.worker: (si, stage) for _, si, stage in run.plan.stage_positions()}
+        micro_batches = tuple(range(config.training.num_micro_batches))
+        size = config.training.micro_batch_size
+        for step in range(3):  # a generation's first step is not measured
+            for rank in range(RANKS):
+                si, stage = stages[rank]
+                times = run.center.profile.stage_times(*stage.layers, first=si == 0, last=si == 3)
+                scale = slowdown if rank == 3 else 1.0
+                mine = micro_batches if rank == 0 else ()  # one report carries every micro-batch
+                samples = tuple(range(step * config.training.global_batch_size,
+                                      step * config.training.global_batch_size + size * len(mine)))
+                report = StepReport(rank, mine, tuple(1.0 for _ in mine), samples, 4 * scale * times.forward_s, 4,
+                                    4 * scale * times.backward_s, 4, 0.0, 0, 0.0, 1e-3)
+                client.append(step_report_key(0, step), report.to_json() + "\n")
+            client.add(applied_key(0, step), RANKS)
+            run.collect_commits()
+        controller.record.flush()
+        events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+        [event] = [e for e in events if e["event"] == "straggler"]
+        assert (event["rank"], event["action"], event["removed"]) == (3, "remove", removed), event
+        assert event["slowdown"] == pytest.approx(slowdown)
+        assert (event["kept_step_s"] > event["removed_step_s"]) == removed
+        assert event["transition_s"] > 0 and event["horizon_s"] > 3600 and event["removal_policy"]
+        failure = controller.next_failure(timeout=2.0 if removed else 0.5)
+        assert (failure is not None and (failure.cause, failure.ranks)) == (removed and (Cause.STRAGGLER, (3,)))
+    finally:
+        run.stop_preparing()
         controller.stop()

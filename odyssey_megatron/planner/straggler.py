@@ -50,7 +50,7 @@ class StragglerDecision:
         step and samples/s kept and removed, the removal's transition seconds and policy,
         each one's Eq. 8 score and the horizon."""
         removed = self.removal.chosen if self.removal is not None else None
-        return dict(removed=self.remove, horizon_s=self.horizon_s,
+        return dict(horizon_s=self.horizon_s,
                     kept_step_s=self.kept.estimate.step_time_s, kept_samples_per_s=self.kept.estimate.samples_per_s,
                     kept_score=self.kept.score,
                     removed_step_s=removed.estimate.step_time_s if removed else None,

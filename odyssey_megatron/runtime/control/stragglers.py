@@ -12,7 +12,8 @@ says is not taken for slow. A rank slower than ``threshold`` for ``steps`` commi
 in a row is a straggler, found once until it is fast again.
 
 What the run does with one (``odyssey.straggler``) is the owner's (``training_run``):
-report it, or have it failed like any failure.
+report it, or have it failed like any failure where the decision center says removing it
+pays (``DecisionCenter.on_straggler``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ class Straggler:
                 f"committed steps ({self.first_step}..{self.last_step})")
 
 
-def straggler_line(straggler: Straggler, *, removed: bool) -> str:
-    """The console's line for a straggler found."""
-    then = "removed (odyssey.straggler=remove)" if removed else "it trains on (odyssey.straggler=report)"
-    return f"straggler: rank {straggler.rank}: {straggler.detail}; {then}"
+def straggler_line(straggler: Straggler, *, removed: bool, why: str = "odyssey.straggler=report") -> str:
+    """The console's line for a straggler found: removed or training on, and ``why``."""
+    then = "removed" if removed else "it trains on"
+    return f"straggler: rank {straggler.rank}: {straggler.detail}; {then} ({why})"
 
 
 class StragglerWatch:
@@ -83,6 +84,12 @@ class StragglerWatch:
                 self._found.add(rank)
                 found.append(Straggler(rank, statistics.fmean(s for _, s in run), run[0][0], run[-1][0]))
         return found
+
+    def again(self, rank: int) -> None:
+        """Watch ``rank`` afresh: found again once slow for ``steps`` more steps in a row
+        (one found while its removal could not be priced)."""
+        self._slow.pop(rank, None)
+        self._found.discard(rank)
 
     def slowdowns(self, plan: ExecutionPlan, reports: Iterable[StepReport]) -> dict[int, float]:
         """Each training rank's seconds per predicted second over its peers' median."""

@@ -13,7 +13,8 @@ published last, the steps committed, publishing and committing):
 - stopping on purpose, with a checkpoint of the last committed step (``stop_writer``);
 - pricing the likely next failures in the background (``RunState.start_preparing``),
   folding measured op times into the profile it prices with (``online_profile``), and
-  watching them for stragglers, reported or removed (``stragglers``).
+  watching them for stragglers, reported, or removed where the decision center says that
+  pays (``stragglers``, ``DecisionCenter.on_straggler``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from odyssey_megatron.runtime.control.recovery import Recovery
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunFailed, RunState, forget_steps_from
 from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 from odyssey_megatron.runtime.control.stop_writer import RunStopped, StopWriter
-from odyssey_megatron.runtime.control.stragglers import StragglerWatch, straggler_line
+from odyssey_megatron.planner.straggler import StragglerDecision
+from odyssey_megatron.runtime.control.stragglers import Straggler, StragglerWatch, straggler_line
 from odyssey_megatron.runtime.protocol.keys import RUN_DONE, final_key
 from odyssey_megatron.runtime.protocol.messages import StepReport
 
@@ -131,16 +133,36 @@ class TrainingRun(RunState):
         self.joins.finish(generation, first_step_at=time.time())
 
     def _watch_stragglers(self, generation: int, step: int, reports: list[StepReport]) -> None:
-        """Report each straggler found (console, ``straggler`` event); under
-        ``odyssey.straggler: remove``, have it failed (the recovery prices it as any failure)."""
+        """Report each straggler found (console, ``straggler`` event, W&B); under
+        ``odyssey.straggler: remove``, price removing it (``_priced``) and have it failed
+        where that pays (the recovery then decides it as any failure), else say it was kept,
+        with both prices."""
         remove = self.config.odyssey.straggler == "remove"
         for found in self.stragglers.observe(self.plan, step, reports):
-            console.warning(straggler_line(found, removed=remove))
+            priced = self._priced(found) if remove else None
+            if remove and priced is None:
+                continue
+            removed = priced is not None and priced.remove
+            why = f"odyssey.straggler=remove: {priced.summary}" if priced else "odyssey.straggler=report"
+            console.warning(straggler_line(found, removed=removed, why=why))
             self.controller.record.event("straggler", rank=found.rank, slowdown=found.slowdown,
                                          first_step=found.first_step, last_step=found.last_step,
-                                         generation=generation, action=self.config.odyssey.straggler.value)
-            if remove:
+                                         generation=generation, action=self.config.odyssey.straggler.value,
+                                         removed=removed, **(priced.prices if priced else {}))
+            if removed:
                 self.controller.remove_straggler(found.rank, generation=generation, detail=found.detail)
+
+    def _priced(self, found: Straggler) -> StragglerDecision | None:
+        """Keeping ``found`` against removing it, priced as its failure would be decided
+        (``Recovery``'s snapshot and rollback terms); None while a decision waits for its
+        generation (a join before its step boundary): the rank is watched afresh, and priced
+        once the plan it would be removed from runs."""
+        if self.center.plan is not self.center.settled:
+            self.stragglers.again(found.rank)
+            return None
+        return self.center.on_straggler(rank=found.rank, slowdown=found.slowdown, in_memory=not self.fresh,
+                                        snapshot=self.snapshots.source(self.committed),
+                                        start_replay_steps=self.snapshots.start_replay_steps(self.committed))
 
     def _measured(self, reports: list[StepReport]) -> None:
         """Fold a committed step's op times into the online profile; once its factors have

@@ -45,6 +45,10 @@ JOIN_COLUMNS = ("generation", "workers", "grew", "policy", "decision_source", "s
 _JOIN_METRICS = ("transfer_bytes", "handover_s", "to_first_step_s", "training_ranks")
 _RECOVERY_METRICS = ("detection_s", "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes",
                      "naive_mapping_bytes", "replayed_steps", "replay_s")
+_STRAGGLER_METRICS = ("rank", "slowdown", "removed", "kept_step_s", "kept_samples_per_s", "removed_step_s",
+                      "removed_samples_per_s", "transition_s", "horizon_s")
+"""A ``straggler`` event's fields W&B gets: with ``odyssey.straggler=remove``, whether it was
+removed and both prices (``planner.straggler``); a report-only event has the first three."""
 _END = object()
 
 
@@ -163,7 +167,8 @@ class WandbTrace:
             self._failures += 1
             run.log({"recovery/failures": self._failures, "time_s": time_s})
         elif event == "straggler":
-            run.log({"straggler/rank": record["rank"], "straggler/slowdown": record["slowdown"], "time_s": time_s})
+            run.log({**{f"straggler/{key}": record[key] for key in _STRAGGLER_METRICS
+                        if record.get(key) is not None}, "time_s": time_s})
         elif event == "recovery":
             run.log({**{f"recovery/{key}": record[key] for key in _RECOVERY_METRICS},
                      "recovery/generation": record["generation"], "time_s": time_s})
