@@ -437,7 +437,8 @@ def test_the_priced_step_rises_with_a_workers_slowdown_and_only_its_pipeline_spl
     plan = symmetric_plan(dp=2, pp=2, num_layers=4, micro_batches_per_pipeline=4)
     plan = reroute_plan(plan, failed_workers=set(failed), profile=profile) if failed else plan
     cluster = ClusterState(world_size=4, devices_per_node=8)
-    steps = [estimate_plan(plan, profile, cluster, slowdowns={2: factor}).step_time_s for factor in (1.0, 1.2, 2.0, 4.0)]
+    steps = [estimate_plan(plan, profile, cluster, slowdowns={2: factor}).step_time_s
+             for factor in (1.0, 1.2, 2.0, 4.0)]
     assert steps == sorted(set(steps)), steps  # strictly rising
     assert steps[-1] > 2 * steps[0]
     assert len(distinct_pipelines(plan, cluster, slowdowns={2: 2.0})[0].pipelines) == 2

@@ -19,7 +19,13 @@ from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.console import failure_line
 from odyssey_megatron.runtime.control.detector import Cause
 from odyssey_megatron.runtime.control.stragglers import StragglerWatch, straggler_line
-from odyssey_megatron.runtime.protocol.keys import INBOX, applied_key, kill_orders_key, node_heartbeat_key, step_report_key
+from odyssey_megatron.runtime.protocol.keys import (
+    INBOX,
+    applied_key,
+    kill_orders_key,
+    node_heartbeat_key,
+    step_report_key,
+)
 from odyssey_megatron.runtime.protocol.messages import (
     KillOrder,
     NodeHeartbeat,

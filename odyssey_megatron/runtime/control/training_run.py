@@ -26,6 +26,7 @@ from pathlib import Path
 
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.planner.straggler import StragglerDecision
 from odyssey_megatron.runtime.control.checkpoint_following import CheckpointFollowing
 from odyssey_megatron.runtime.control.console import CONSOLE
 from odyssey_megatron.runtime.control.controller import Controller
@@ -36,7 +37,6 @@ from odyssey_megatron.runtime.control.recovery import Recovery
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunFailed, RunState, forget_steps_from
 from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 from odyssey_megatron.runtime.control.stop_writer import RunStopped, StopWriter
-from odyssey_megatron.planner.straggler import StragglerDecision
 from odyssey_megatron.runtime.control.stragglers import Straggler, StragglerWatch, straggler_line
 from odyssey_megatron.runtime.protocol.keys import RUN_DONE, final_key
 from odyssey_megatron.runtime.protocol.messages import StepReport
