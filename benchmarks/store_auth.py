@@ -13,8 +13,10 @@ Figures, each the median of ``--repeats`` timed loops over the package's ``Signe
 For scale: a store request costs 20-120 us on this machine, a Python relay in front of
 the store 277-964 us.
 
-Measured 2026 (shared 2-core CPU, other sessions' tests beside it, 16,384 ranks):
-see the report of the change that added it; the smoke run prints the same line at 64 ranks.
+Measured 2026 (shared 2-core CPU, other sessions' tests beside it, 16,384 ranks, 3 repeats):
+a 138-byte heartbeat signed and checked in 4.2 us; the plan frame (1,090 B compressed) in
+5 us; signing the whole publication (16,384 op lists, 1.5 MB, and the frame) 27.6 ms; a
+worker's largest op list checked in 3.6 us. The smoke run prints the same line at 64 ranks.
 """
 
 from __future__ import annotations
