@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import datetime
 import time
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
+from odyssey_megatron.runtime.protocol.auth import SECRET_FILE, SignedStore, Signer, read_secret
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.timeouts import Timeouts
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
@@ -75,9 +77,18 @@ def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str, port_out
 
 
 def _launcher_main(config: LaunchConfig, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
-                   restart_workers: int) -> None:
+                   restart_workers: int, run_dir: Path) -> None:
     _log_to_stderr(f"launcher {config.node_rank}")
-    sys.exit(NodeLauncher(config, timeouts=timeouts, target=target, restart_workers=restart_workers).run())
+    sys.exit(NodeLauncher(config, timeouts=timeouts, target=target, secret=read_secret(run_dir / SECRET_FILE),
+                          restart_workers=restart_workers).run())
+
+
+def signed_client(port: int, run_dir: Path, *, timeout_s: float = 10) -> SignedStore:
+    """A client of the controller's store on ``port`` holding the secret of ``run_dir``'s run."""
+    import torch.distributed as dist
+
+    return SignedStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)),
+                       Signer(read_secret(run_dir / SECRET_FILE)))
 
 
 def process_state(pid: int) -> str | None:
@@ -153,7 +164,7 @@ class LocalCluster:
                  "nproc_per_node": str(self.per_node)}
         config = LaunchConfig.resolve(flags, environ={})
         launcher = multiprocessing.get_context("spawn").Process(
-            target=_launcher_main, args=(config, self.timeouts, self.target, self.restart_workers))
+            target=_launcher_main, args=(config, self.timeouts, self.target, self.restart_workers, self.run_dir))
         launcher.start()
         self.launchers.append(launcher)
         return launcher

@@ -31,6 +31,7 @@ FIGURE_LINES = {
     "simulate_goodput.py": r"^\| 70B \| 128 \| paper \| device \| no \| [\d.]+ \| \d+ \| [\d,]+ \|",
     "simulate_grid.py": r"^ +8 +0\.2 +(False|True) +[\d.]+ +[\d. ]+ [\d.]+ +\w+ +[\d.]+",
     "snapshot_overhead.py": r'^\{"snapshot_overhead_pct": -?[\d.]+, .*"rebuild_s": [\d.]+',
+    "store_auth.py": r'^\{"store_auth": \{"small_message_us": [\d.]+, "small_message_bytes": \d+, "ranks": 64',
 }
 """Per benchmark, a line its smoke run prints: the figure it exists for, or its JSON summary."""
 

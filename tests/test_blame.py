@@ -7,13 +7,11 @@ micro-batches each, plain 1F1B: stage 0 runs F0 F1 B0 B1, stage 1 runs F0 B0 F1 
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import replace
 
 import pytest
-import torch.distributed as dist
 
-from control_cases import wait_for
+from control_cases import signed_client, wait_for
 from helpers import symmetric_plan
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.profile import uniform_profile
@@ -156,7 +154,7 @@ def test_the_controller_takes_out_the_rank_a_stall_report_waited_for_not_the_rep
     controller.publish_plan(*_plan_and_program())
     controller.start()
     try:
-        client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client = signed_client(controller.port, tmp_path)
         [beat] = _node_beat(1, HUNG_IN_STAGE_1).values()
         client.queue_push(INBOX, NodeRegistration(0, 10, "h", (0, 1, 2, 3)).to_json())
         for rank in range(4):

@@ -27,7 +27,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from control_cases import ABORT_REQUEST, LocalCluster, alive, process_state, wait_for
+from control_cases import ABORT_REQUEST, LocalCluster, alive, process_state, signed_client, wait_for
 from helpers import symmetric_plan
 from odyssey_megatron.config import OdysseyConfig
 from odyssey_megatron.errors import ConfigError
@@ -40,6 +40,7 @@ from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Detector
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig, first_host
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
+from odyssey_megatron.runtime.protocol.auth import SignedStore, Signer
 from odyssey_megatron.runtime.protocol.keys import (
     INBOX,
     NODE_VIEW,
@@ -79,6 +80,8 @@ from odyssey_megatron.settings import PLAIN
 from odyssey_megatron.timeouts import Timeouts
 
 TIMEOUTS = OdysseyConfig().timeouts
+SECRET = bytes(range(32))
+"""The run's secret where a test makes no controller (``protocol.auth``)."""
 SLACK_S = 1.0
 """Polling (half a beat each at the controller and the launcher) plus scheduling on a
 loaded 2-core machine."""
@@ -139,7 +142,7 @@ def test_a_worker_reporting_an_error_and_a_stopped_one_are_failed_and_killed_by_
         assert len(cluster.events("failure")) == 2 and alive(cluster.workers()[0]["pid"])
         # The controller's store held one heartbeat for the node, none per rank: the
         # launcher forwarded rank 1's stale entry, and rank 0's, which went on changing.
-        store = dist.TCPStore("127.0.0.1", cluster.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        store = signed_client(cluster.port, cluster.run_dir)
         assert not any(store.check([rank_heartbeat_key(r)]) for r in range(3))
         beat = NodeHeartbeat.from_json(store.get(node_heartbeat_key(0)))
         assert {"0", "1"} <= set(beat.seqs)
@@ -206,7 +209,7 @@ def test_a_dead_worker_is_restarted_as_a_joiner_and_a_kill_order_for_its_old_pro
                           and cluster.workers()[1]["pid"], timeout=30, what="rank 1 restarted and registered")
         registered = [e for e in cluster.events("rank_joined") if e["rank"] == 1]
         assert [e["pid"] for e in registered] == [first, second]
-        client = dist.TCPStore("127.0.0.1", cluster.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client = signed_client(cluster.port, cluster.run_dir)
         client.queue_push(kill_orders_key(0), KillOrder(1, first).to_json())  # late, for the old process
         time.sleep(3 * TIMEOUTS.poll_interval)
         assert alive(second)
@@ -384,7 +387,8 @@ def test_a_starting_worker_whose_node_store_answers_late_tries_again_within_its_
     node_store = dist.HashStore()
     timeouts = replace(TIMEOUTS, initial_heartbeat_timeout=2.0)
     launch = WorkerLaunch(rank=3, local_rank=3, node=0, world_size=4, store_host="127.0.0.1", store_port=master.port,
-                          node_store_port=0, node_ranks=(0, 1, 2, 3), launcher_pid=os.getpid(), timeouts=timeouts)
+                          node_store_port=0, node_ranks=(0, 1, 2, 3), launcher_pid=os.getpid(), timeouts=timeouts,
+                          secret=SECRET)
     link = ControllerLink(launch)
     tries = []
 
@@ -411,25 +415,26 @@ def test_a_worker_whose_launcher_is_gone_reports_no_error_of_its_own_and_leaves_
     report, or the node's one failure gets a second cause (CI recorded "error,node"). The
     launcher a zombie its parent has not reaped counts as gone; a live one gets the report."""
     master = _master_store()
+    inbox = SignedStore(master, Signer(SECRET))
     launcher = subprocess.Popen([sys.executable, "-c", "pass"])
     wait_for(lambda: process_state(launcher.pid) == "Z", timeout=10, what="an unreaped exited launcher")
     try:
         for launcher_pid, reported in ((launcher.pid, 0), (os.getpid(), 1)):
             launch = WorkerLaunch(rank=5, local_rank=1, node=1, world_size=8, store_host="127.0.0.1",
                                   store_port=master.port, node_store_port=0, node_ranks=(4, 5, 6, 7),
-                                  launcher_pid=launcher_pid, timeouts=TIMEOUTS)
+                                  launcher_pid=launcher_pid, timeouts=TIMEOUTS, secret=SECRET)
             ControllerLink(launch).report_failure("DistNetworkError: Connection reset by peer")
-            assert master.queue_len(INBOX) == reported
+            assert inbox.queue_len(INBOX) == reported
     finally:
         launcher.wait()
-    assert RankFailureReport.from_json(master.queue_pop(INBOX)).rank == 5
+    assert RankFailureReport.from_json(inbox.queue_pop(INBOX)).rank == 5
 
 
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     launch = WorkerLaunch(rank=0, local_rank=0, node=0, world_size=1, store_host="127.0.0.1",
                           store_port=controller.port, node_store_port=0, node_ranks=(0,), launcher_pid=os.getpid(),
-                          timeouts=TIMEOUTS)
+                          timeouts=TIMEOUTS, secret=controller.secret)
     link = ControllerLink(launch)  # not started: no registration, no heartbeat thread
     link.store = Recording(link.store)
     controller.publish_plan(*_published(0))
@@ -472,7 +477,7 @@ def test_the_controller_turns_inbox_messages_into_failures_records_and_kill_orde
     slow = Timeouts(heartbeat_interval=0.1, heartbeat_timeout=60.0, collective_timeout=90.0, recovery_timeout=120.0)
     controller = Controller(host="127.0.0.1", port=0, timeouts=slow, run_dir=tmp_path)
     controller.start()
-    client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    client = signed_client(controller.port, tmp_path)
     client.set(node_heartbeat_key(0), NodeHeartbeat(0, 1000.0, {"0": 0, "1": 0}, {}, {"0": 20, "1": 21}).to_json())
     for msg in (NodeRegistration(0, 10, "h", (0, 1)), RankRegistration(0, 20, "h", 0), RankRegistration(1, 21, "h", 0)):
         client.queue_push(INBOX, msg.to_json())
@@ -522,11 +527,10 @@ def test_a_launcher_asks_one_request_a_beat_and_reads_the_controllers_heartbeat_
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
     controller.start()
     launcher = NodeLauncher(LaunchConfig(master_port=controller.port, nproc_per_node=2), timeouts=TIMEOUTS,
-                            target=_no_worker)
+                            target=_no_worker, secret=controller.secret)
     try:
-        store = Counting(dist.TCPStore("127.0.0.1", controller.port, is_master=False,
-                                       timeout=datetime.timedelta(seconds=10)))
-        node_store = launcher._node_store.store
+        store = Counting(signed_client(controller.port, tmp_path))
+        node_store = launcher._node_client
         store.store.set(launcher_key(0), launcher._name)
         launcher._beat(store, node_store)
         assert store.requests == ["compare_set", "multi_get"], "the first beat reads the controller's"
@@ -584,7 +588,7 @@ def test_a_launcher_waits_for_the_run_spec_past_the_recovery_timeout_while_the_c
         raise Handed
 
     launcher = NodeLauncher(LaunchConfig(nnodes=2, node_rank=1, master_port=controller.port), timeouts=timeouts,
-                            target=_no_worker, on_run_spec=on_run_spec)
+                            target=_no_worker, secret=controller.secret, on_run_spec=on_run_spec)
     ended: list[str] = []
 
     def run() -> None:
@@ -635,14 +639,13 @@ def test_a_controller_poll_held_for_several_heartbeat_timeouts_fails_no_node_who
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)  # polled here
     store = controller.store.clone()
     launchers = [NodeLauncher(LaunchConfig(nnodes=3, node_rank=n, master_port=controller.port, nproc_per_node=1),
-                              timeouts=TIMEOUTS, target=_no_worker) for n in (1, 2)]
+                              timeouts=TIMEOUTS, target=_no_worker, secret=controller.secret) for n in (1, 2)]
     try:
         for n, launcher in enumerate(launchers, start=1):
-            beats = dist.TCPStore("127.0.0.1", controller.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=TIMEOUTS.heartbeat_timeout))
+            beats = signed_client(controller.port, tmp_path, timeout_s=TIMEOUTS.heartbeat_timeout)
             beats.set(launcher_key(n), launcher._name)
-            launcher._beat(beats, launcher._node_store.store.clone())
-            launcher._start_beating(beats, launcher._node_store.store.clone())
+            launcher._beat(beats, launcher._node_client.clone())
+            launcher._start_beating(beats, launcher._node_client.clone())
             # Not the controller's process, and no ranks: no start-up grace.
             store.queue_push(INBOX, NodeRegistration(n, 100 + n, f"node{n}", ()).to_json())
         for _ in range(2):

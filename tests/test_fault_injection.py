@@ -323,7 +323,7 @@ def _pass_every_point(faults: list[FaultSpec], launches: list[WorkerLaunch]) -> 
 def _launch(rank: int, *, node: int, local_rank: int, launcher_pid: int) -> WorkerLaunch:
     return WorkerLaunch(rank=rank, local_rank=local_rank, node=node, world_size=8, store_host="127.0.0.1",
                         store_port=1, node_store_port=2, node_ranks=(rank,), launcher_pid=launcher_pid,
-                        timeouts=Timeouts(0.1, 1.0, 30.0, 120.0))
+                        timeouts=Timeouts(0.1, 1.0, 30.0, 120.0), secret=bytes(32))
 
 
 def _start(*args, target=_worker) -> mp.Process:

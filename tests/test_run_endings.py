@@ -8,7 +8,6 @@ them instead of failing."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import threading
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from control_cases import signed_client
 from odyssey_megatron.blocks import StageSpec
 from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
@@ -29,6 +28,7 @@ from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause
 from odyssey_megatron.runtime.control.training_run import TrainingRun
+from odyssey_megatron.runtime.protocol.auth import SignedStore
 from odyssey_megatron.runtime.protocol.keys import (
     INBOX,
     RUN_STOP,
@@ -62,7 +62,7 @@ def _owner(run_dir: Path, *overrides: str, run_class=TrainingRun):
     config = load_config(RECIPE, ["odyssey.online_profile=false", "odyssey.snapshot_interval=0", *overrides])
     controller = Controller(host="127.0.0.1", port=0, timeouts=config.odyssey.timeouts, run_dir=run_dir)
     controller.start()
-    client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=WAIT_S))
+    client = signed_client(controller.port, run_dir, timeout_s=WAIT_S)
     host, pid = socket.gethostname(), os.getpid()
     client.queue_push(INBOX, NodeRegistration(0, pid, host, tuple(range(RANKS))).to_json())
     for rank in range(RANKS):
@@ -81,7 +81,7 @@ def _wait(condition, what: str) -> None:
         time.sleep(0.02)
 
 
-def _commit(client: dist.TCPStore, config, *, generation: int, step: int) -> None:
+def _commit(client: SignedStore, config, *, generation: int, step: int) -> None:
     """Every rank counted into ``step`` with its micro-batches reported (one report for all)."""
     train = config.training
     micro_batches = tuple(range(train.num_micro_batches))

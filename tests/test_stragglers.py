@@ -6,12 +6,11 @@ The plan: two pipelines of two stages (workers 0 -> 2 and 1 -> 3), two micro-bat
 
 from __future__ import annotations
 
-import datetime
 import json
 
 import pytest
-import torch.distributed as dist
 
+from control_cases import signed_client
 from helpers import symmetric_plan
 from test_run_endings import RANKS, _owner
 from odyssey_megatron.profile import uniform_profile
@@ -93,7 +92,7 @@ def test_a_removed_straggler_is_failed_and_killed_by_the_controller_with_its_slo
     controller = Controller(host="127.0.0.1", port=0, timeouts=slow, run_dir=tmp_path)
     controller.start()
     try:
-        client = dist.TCPStore("127.0.0.1", controller.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client = signed_client(controller.port, tmp_path)
         client.set(node_heartbeat_key(0), NodeHeartbeat(0, 1000.0, {"2": 0, "3": 0}, {}, {"2": 22, "3": 23}).to_json())
         for msg in (NodeRegistration(0, 10, "h", (2, 3)), RankRegistration(2, 22, "h", 0),
                     RankRegistration(3, 23, "h", 0)):

@@ -31,6 +31,7 @@ from odyssey_megatron.cli import main
 from odyssey_megatron.config import load_config
 from odyssey_megatron.profile_file import profile_json, recipe_measured_for, recipe_profile, write_profile
 from odyssey_megatron.report import PLOTS, phase_seconds
+from odyssey_megatron.runtime.protocol.auth import SECRET_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "llama2_7b" / "tiny_cpu.yaml"
@@ -597,9 +598,10 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
     (as SLURM signals every process of a job step: the fork server too, which once left the
     launcher reading every worker as dead), exits 143, and a second resume trains to the
     end: the failure-free model, and every step committed exactly once over the three runs
-    (the last one at full speed: no signal needs to land in it)."""
+    (the last one at full speed: no signal needs to land in it). Every start signs the
+    store's values with the one secret the first made (``protocol.auth``)."""
     run_dir, slow = tmp_path / "run", slow_device(tmp_path, forward_s=0.1)  # about 4 s a step
-    stops = []
+    stops, secrets = [], []
     for stop, command in ((signal.SIGINT, None), (signal.SIGTERM, ["--resume", str(run_dir)])):
         process = (train(run_dir, data_cache, slow) if command is None else subprocess.Popen(
             [sys.executable, "-m", "odyssey_megatron.cli", "train", *command], stdout=subprocess.PIPE,
@@ -613,6 +615,7 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
         stops.append([e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stop"][-1]["step"])
         assert f"saved as checkpoint/step-{stops[-1]}" in outcome["message"], outcome["message"] + run_logs(run_dir)
         assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == list(range(stops[-1]))
+        secrets.append((run_dir / SECRET_FILE).read_bytes())
     assert 1 <= stops[0] < stops[1] <= STEPS
     command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
                "cluster.emulate_device=null"]
@@ -621,6 +624,8 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
     assert_same_training(run_dir, reference)
     committed = [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "step"]
     assert committed == list(range(STEPS))  # none trained twice, none lost
+    assert secrets == [(run_dir / SECRET_FILE).read_bytes()] * 2
+    assert stat.S_IMODE((run_dir / SECRET_FILE).stat().st_mode) == 0o600
 
 
 def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_committed_step(

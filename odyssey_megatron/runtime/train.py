@@ -13,6 +13,7 @@ parent-death signal follows that thread); the controller's polling and the run's
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.control.stop_signals import StopAtOnce, StopSignals
 from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, RunStopped, TrainingRun, forget_steps_from
 from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
+from odyssey_megatron.runtime.protocol.auth import launcher_secret
 from odyssey_megatron.runtime.protocol.keys import RUN_DONE, RUN_SPEC
 from odyssey_megatron.runtime.protocol.messages import RunSpec
 from odyssey_megatron.timeouts import Timeouts
@@ -64,7 +66,9 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         from odyssey_megatron.runtime.rank.worker import train_worker
 
         timeouts = config.odyssey.timeouts
-        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
+        # As long as the launcher would wait for node 0's store: node 0 makes the secret first.
+        secret = launcher_secret(run_dir, os.environ, wait_s=timeouts.recovery_timeout)
+        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker, secret=secret,
                                 restart_workers=config.odyssey.restart_workers,
                                 on_run_spec=lambda spec: _log_to_run_dir_of(spec, launch.node_rank))
         signals = StopSignals(lambda name, status: launcher.request_stop(name))
@@ -129,7 +133,7 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     signals.install()
     try:
         # A dedicated controller's node has no workers: it only owns the run.
-        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker,
+        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker, secret=controller.secret,
                               restart_workers=config.odyssey.restart_workers).run() if launch.ranks else 0
         while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
             owner.join(timeout=timeouts.heartbeat_interval)

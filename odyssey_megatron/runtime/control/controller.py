@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch.distributed as dist
-
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.control.blame import WaitGraph
 from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.control.store_server import StoreServer
+from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer, controller_secret
 from odyssey_megatron.runtime.protocol.keys import (
     ABORTED,
     CONTROLLER_HEARTBEAT,
@@ -91,7 +90,9 @@ class Controller:
     timeouts: Timeouts
     record: RunRecord
     # -- the store it hosts
-    store: dist.TCPStore
+    secret: bytes
+    """The run's (``protocol.auth``), created in the run directory at its first start."""
+    store: SignedStore
     host: str
     port: int
     # -- detection, on the polling thread
@@ -105,8 +106,10 @@ class Controller:
     def __init__(self, *, host: str, port: int, timeouts: Timeouts, run_dir: Path):
         self.timeouts = timeouts
         self.record = RunRecord(run_dir)
+        self.secret = controller_secret(run_dir)  # before the store opens: a launcher that reached it finds it
         self._server = StoreServer(host, port, timeout=timeouts.recovery_timeout)
-        self.host, self.port, self.store = host, self._server.port, self._server.store
+        self.host, self.port = host, self._server.port
+        self.store = SignedStore(self._server.store, Signer(self.secret))
         self._seq = 0
         self._beating = threading.Lock()
         """The polling thread and the owner (an abort) both beat."""
@@ -222,14 +225,14 @@ class Controller:
         self._aborted = (*self._aborted, generation)[-RECENT_ABORTS:]
         self._ring(self.store, self.detector.live_nodes())
 
-    def _ring(self, store: dist.Store, nodes: list[int]) -> None:
+    def _ring(self, store: SignedStore, nodes: list[int]) -> None:
         """Beat, then ring the launchers of ``nodes`` (``DOORBELL``): each reads that beat
         or a later one at its next beat."""
         self._beat(store)
         if nodes:
             store.multi_set([node_heartbeat_key(n) for n in nodes], [DOORBELL] * len(nodes))
 
-    def _beat(self, store: dist.Store) -> None:
+    def _beat(self, store: SignedStore) -> None:
         with self._beating:
             beat = ControllerHeartbeat(self._seq, time.time(), self._aborted,
                                        {str(n): count for n, count in self._kill_orders.items()})
@@ -248,14 +251,15 @@ class Controller:
             log.exception("controller: polling thread failed; workers will exit when its heartbeat stops")
             self._crash = exc
 
-    def _poll(self, store: dist.Store) -> None:
+    def _poll(self, store: SignedStore) -> None:
         self._beat(store)
         with self._judging:
             workers_changed = False
             for _ in range(store.queue_len(INBOX)):
-                raw = store.queue_pop(INBOX, block=False)
                 try:
-                    workers_changed |= self._take(store, parse_inbox(raw))
+                    workers_changed |= self._take(store, parse_inbox(store.queue_pop(INBOX, block=False)))
+                except ForgedValue:
+                    continue  # refused (logged once): never acted on
                 except ProtocolError as exc:
                     log.warning("controller: dropped a malformed inbox message: %s", exc)
             beats = self._node_beats(store)
@@ -272,7 +276,7 @@ class Controller:
             if workers_changed:
                 self.record.workers(self.detector.workers())
 
-    def _take(self, store: dist.Store, msg: Message) -> bool:
+    def _take(self, store: SignedStore, msg: Message) -> bool:
         """Hand one inbox message to the detector; True if workers.json changes."""
         now, wall = time.monotonic(), time.time()
         if isinstance(msg, NodeRegistration):
@@ -322,16 +326,16 @@ class Controller:
             self._waits = WaitGraph(*published)
         return self._waits
 
-    def _node_beats(self, store: dist.Store) -> dict[str, NodeHeartbeat]:
+    def _node_beats(self, store: SignedStore) -> dict[str, NodeHeartbeat]:
         """Every live node's heartbeat that is new since the last read, in one request."""
         keys = self.detector.heartbeat_keys()
         unseen = [key for key in keys if key not in self._beats_seen]
-        if unseen and not store.check(unseen):  # a sender that broke protocol: multi_get would wait on it
+        if unseen and not store.check(unseen):  # a sender that broke protocol (or a forger): multi_get would wait
             keys = [key for key in keys if key in self._beats_seen or store.check([key])]
         beats = {}
         for key, raw in zip(keys, store.multi_get(keys) if keys else []):
-            if raw == DOORBELL or raw == self._beats_seen.get(key):
-                continue  # rung since its last beat, or no beat since the last read
+            if raw is None or raw == DOORBELL or raw == self._beats_seen.get(key):
+                continue  # forged (refused, logged), rung since its last beat, or no beat since the last read
             self._beats_seen[key] = raw
             try:
                 beats[key] = NodeHeartbeat.from_json(raw)
@@ -339,7 +343,7 @@ class Controller:
                 log.warning("controller: malformed heartbeat under %s: %s", key, exc)
         return beats
 
-    def _report(self, store: dist.Store, failure: Failure) -> None:
+    def _report(self, store: SignedStore, failure: Failure) -> None:
         """Record a failure, order the kill of failed ranks that may still run, fence a lost
         node's launcher, and queue it."""
         self.record.event("failure", **failure.to_record())

@@ -64,6 +64,7 @@ from odyssey_megatron.runtime.control.detector import describe_exit
 from odyssey_megatron.runtime.control.fork_server import start_fork_server
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.store_server import StoreServer
+from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer
 from odyssey_megatron.runtime.protocol.keys import (
     CONTROLLER_HEARTBEAT,
     INBOX,
@@ -118,8 +119,10 @@ class NodeLauncher:
     """The worker's main function, importable by name (spawn pickles it by reference)."""
 
     def __init__(self, config: LaunchConfig, *, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
-                 restart_workers: int = 0, on_run_spec: Optional[Callable[[bytes], None]] = None):
+                 secret: bytes, restart_workers: int = 0, on_run_spec: Optional[Callable[[bytes], None]] = None):
         self.config, self.timeouts, self.target = config, timeouts, target
+        self._secret = secret  # the run's (``protocol.auth``): for every store value, and for its workers
+        self._signer = Signer(secret)
         self.on_run_spec = on_run_spec
         """Given the run's spec (``RUN_SPEC``) before the workers, which read it, start: the
         launcher waits for it, registered and beating, for as long as the controller beats
@@ -136,6 +139,7 @@ class NodeLauncher:
         self._workers: dict[int, multiprocessing.Process] = {}
         self._node_store = StoreServer("127.0.0.1", 0, timeout=timeouts.heartbeat_timeout)
         """The node's store, where its workers beat and read the ``NodeView``."""
+        self._node_client = SignedStore(self._node_store.store, self._signer)
         self._seq = 0
         self._last_beat = b""
         """The node heartbeat this launcher wrote last (``compare_set`` expects it there)."""
@@ -166,14 +170,15 @@ class NodeLauncher:
         node = self.config.node_rank
         try:
             # A launcher may start before node 0's controller: wait for it up to the recovery timeout.
-            store = dist.TCPStore(self.config.master_addr, self.config.master_port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout))
+            store = SignedStore(dist.TCPStore(self.config.master_addr, self.config.master_port, is_master=False,
+                                              timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout)),
+                                self._signer)
             store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             self._joining = store.check([launcher_key(node)])
             store.set(launcher_key(node), self._name)
             beats = store.clone()
             beats.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
-            node_store = self._node_store.store.clone()
+            node_store = self._node_client.clone()
             self._beat(beats, node_store)  # the node's first beat and view, before any worker reads them
             self._start_beating(beats, node_store)
             self._register(store)
@@ -188,7 +193,7 @@ class NodeLauncher:
             why = str(exc).splitlines()[0]
             log.error("node %d: lost the controller (%s); its workers save what they hold, then exit", node, why)
             self._stop_beating()
-            self._relay(self._node_store.store, controller_lost=why)  # at once: they save what they hold
+            self._relay(self._node_client, controller_lost=why)  # at once: they save what they hold
             self._let_workers_exit(within=self.timeouts.collective_timeout)
             return EXIT_CONTROLLER_LOST
         finally:
@@ -204,7 +209,7 @@ class NodeLauncher:
         watch loop sends it)."""
         self._stop_signal = signal_name
 
-    def _register(self, store: dist.Store) -> None:
+    def _register(self, store: SignedStore) -> None:
         store.queue_push(INBOX, NodeRegistration(self.config.node_rank, os.getpid(), socket.gethostname(),
                                                  tuple(self.config.ranks)).to_json())
 
@@ -218,14 +223,15 @@ class NodeLauncher:
                               world_size=self.config.world_size, store_host=self.config.master_addr,
                               store_port=self.config.master_port, node_store_port=self._node_store.port,
                               node_ranks=tuple(self.config.ranks), launcher_pid=os.getpid(),
-                              timeouts=self.timeouts, keeper=self._keeper_paths, joining=joining)
+                              timeouts=self.timeouts, secret=self._secret, keeper=self._keeper_paths,
+                              joining=joining)
         process = self._context.Process(target=self.target, args=(launch,), name=f"odyssey-rank{rank}")
         process.start()
         self._workers[rank] = process
         log.info("node %d: %s rank %d (pid %d)", self.config.node_rank, "started joining" if joining else "started",
                  rank, process.pid)
 
-    def _watch(self, store: dist.Store) -> None:
+    def _watch(self, store: SignedStore) -> None:
         """Until every worker has exited: report exits at once, and act on what the heartbeat
         thread found in the controller's store."""
         next_poll = time.monotonic()
@@ -257,7 +263,7 @@ class NodeLauncher:
         if self._controller.stale(now):
             raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
 
-    def _wait_for_run_spec(self, store: dist.Store) -> bytes:
+    def _wait_for_run_spec(self, store: SignedStore) -> bytes:
         """The run's spec, once node 0 has published it; however long that takes while the
         controller beats."""
         while not store.check([RUN_SPEC]):
@@ -265,7 +271,7 @@ class NodeLauncher:
             time.sleep(self.timeouts.poll_interval)
         return store.get(RUN_SPEC)
 
-    def _register_again(self, store: dist.Store) -> None:
+    def _register_again(self, store: SignedStore) -> None:
         """The controller failed this node as silent, and this launcher lives: kill every
         worker (their exits reach the controller before the registration does), register the
         node again and start its workers afresh as joiners, unless the run is ending."""
@@ -282,7 +288,7 @@ class NodeLauncher:
         self._register(store)
         self._start_workers()
 
-    def _reap(self, store: dist.Store, rank: int, *, restart: bool = True) -> None:
+    def _reap(self, store: SignedStore, rank: int, *, restart: bool = True) -> None:
         process = self._workers.pop(rank)
         process.join()
         exited_at = time.time()
@@ -294,7 +300,7 @@ class NodeLauncher:
             self._restarts[rank] = self._restarts.get(rank, 0) + 1
             self._start_worker(self.config.ranks.index(rank), rank, joining=True)
 
-    def _restartable(self, store: dist.Store, rank: int, exitcode: int) -> bool:
+    def _restartable(self, store: SignedStore, rank: int, exitcode: int) -> bool:
         """Whether a worker that exited with ``exitcode`` starts again: it died (not a clean
         exit, nor one for a lost controller), restarts are left, and the run goes on."""
         return (exitcode not in (0, EXIT_CONTROLLER_LOST) and self._restarts.get(rank, 0) < self.restart_workers
@@ -324,7 +330,7 @@ class NodeLauncher:
             process.join()
         self._workers.clear()
 
-    def _start_beating(self, store: dist.Store, node_store: dist.Store) -> None:
+    def _start_beating(self, store: SignedStore, node_store: SignedStore) -> None:
         """Beat for the node from a thread of its own, so the node lives on while the main
         thread starts workers (the fork server's first start imports the worker's module)."""
         def beat_loop() -> None:
@@ -349,11 +355,11 @@ class NodeLauncher:
         if self._beater is not None:
             self._beater.join()
 
-    def _beat(self, store: dist.Store, node_store: dist.Store) -> None:
+    def _beat(self, store: SignedStore, node_store: SignedStore) -> None:
         """One heartbeat interval with the controller's store, for the whole node: forward
         the workers' beats; if rung (or due), read what concerns the node; relay it back."""
         node = self.config.node_rank
-        workers = self._worker_beats(node_store)
+        workers = _worker_beats(node_store, self.config.ranks, node=node)
         beat = NodeHeartbeat(
             self._seq, time.time(), seqs={str(r): b.seq for r, b in workers.items()},
             generations={str(r): b.generation for r, b in workers.items() if b.generation is not None},
@@ -362,7 +368,7 @@ class NodeLauncher:
             ops_done={str(r): b.ops_done for r, b in workers.items() if b.position() is not None}).to_json().encode()
         self._seq += 1
         rung = store.compare_set(node_heartbeat_key(node), self._last_beat, beat) != beat
-        if rung:  # the doorbell (or another launcher's beat) is there: beat over it before reading
+        if rung:  # the doorbell (or another launcher's beat, or a forged value) is there: beat over it, then read
             store.set(node_heartbeat_key(node), beat)
         self._last_beat = beat
         now = time.monotonic()
@@ -371,16 +377,20 @@ class NodeLauncher:
             self._read_controller(store)
         self._relay(node_store)
 
-    def _read_controller(self, store: dist.Store) -> None:
+    def _read_controller(self, store: SignedStore) -> None:
         """Read the controller's heartbeat and the node's launcher key; take the node's kill
         orders if the heartbeat counts new ones."""
         node = self.config.node_rank
         controller, launching = store.multi_get([CONTROLLER_HEARTBEAT, launcher_key(node)])
+        if launching is not None:  # else forged (refused, logged): who launches the node is as last read
+            self._launching = launching.decode()
+        if controller is None:
+            return  # forged (refused, logged): the controller's next beat is read when due
         controller = ControllerHeartbeat.from_json(controller)
         self._controller.see(controller, time.monotonic())
-        self._launching = launching.decode()
         if self._launching == fenced(self._name):  # take the node's name back first: it is fenced once
-            self._launching = store.compare_set(launcher_key(node), self._launching, self._name).decode()
+            now_there = store.compare_set(launcher_key(node), self._launching, self._name)
+            self._launching = None if now_there is None else now_there.decode()
             if self._launching == self._name:
                 self._fenced.set()
         self._aborted.update(controller.aborted)
@@ -388,23 +398,29 @@ class NodeLauncher:
         if queued > self._kill_orders_seen:  # new orders: take the whole queue
             orders = kill_orders_key(node)
             for _ in range(store.queue_len(orders)):
-                self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
+                try:
+                    self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
+                except ForgedValue:
+                    continue  # refused (logged once): no process is killed on it
             self._kill_orders_seen = queued
 
-    def _worker_beats(self, node_store: dist.Store) -> dict[int, Heartbeat]:
-        """Each of the node's workers' last beat in the node's store (those that beat yet)."""
-        keys = {rank: rank_heartbeat_key(rank) for rank in self.config.ranks}
-        present = {rank: key for rank, key in keys.items() if node_store.check([key])}
-        beats = {}
-        for rank, raw in zip(present, node_store.multi_get(list(present.values())) if present else []):
-            try:
-                beats[rank] = Heartbeat.from_json(raw)
-            except ProtocolError as exc:  # not the controller's fault: that worker's entry waits
-                log.warning("node %d: malformed heartbeat of rank %d: %s", self.config.node_rank, rank, exc)
-        return beats
-
-    def _relay(self, node_store: dist.Store, *, controller_lost: Optional[str] = None) -> None:
+    def _relay(self, node_store: SignedStore, *, controller_lost: Optional[str] = None) -> None:
         """Tell the node's workers what the controller's store said last (``NodeView``)."""
         beat = self._controller.last or Heartbeat(-1, 0.0)
         view = NodeView(beat.seq, beat.sent_at, tuple(sorted(self._aborted)), controller_lost=controller_lost)
         node_store.set(NODE_VIEW, view.to_json())
+
+
+def _worker_beats(node_store: SignedStore, ranks: range, *, node: int) -> dict[int, Heartbeat]:
+    """Each of the node's workers' last beat in the node's store (those that beat yet)."""
+    keys = {rank: rank_heartbeat_key(rank) for rank in ranks}
+    present = {rank: key for rank, key in keys.items() if node_store.exists([key])}
+    beats = {}
+    for rank, raw in zip(present, node_store.multi_get(list(present.values())) if present else []):
+        if raw is None:
+            continue  # forged (refused, logged): that worker's entry waits for its next beat
+        try:
+            beats[rank] = Heartbeat.from_json(raw)
+        except ProtocolError as exc:  # not the controller's fault: that worker's entry waits
+            log.warning("node %d: malformed heartbeat of rank %d: %s", node, rank, exc)
+    return beats

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from odyssey_megatron.timeouts import Timeouts
 
@@ -30,6 +30,9 @@ class WorkerLaunch:
     """Every rank its launcher runs (this one among them)."""
     launcher_pid: int
     timeouts: Timeouts
+    secret: bytes = field(repr=False)
+    """The run's secret (``protocol.auth``): the worker signs and checks every store value
+    with it. Here, not in argv, where ``ps`` would show it."""
     keeper: tuple[tuple[str, ...], ...] = ()
     """The node's keeper memory (``snapshot.keeper``): per local rank, the paths of its two
     data and two parity buffers."""

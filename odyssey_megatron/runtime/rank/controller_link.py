@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from odyssey_megatron.runtime.protocol.auth import SignedStore, Signer
 from odyssey_megatron.runtime.protocol.keys import (
     INBOX,
     NODE_VIEW,
@@ -95,7 +96,7 @@ class ControllerLink:
     before anything else talks to the controller."""
 
     launch: WorkerLaunch
-    store: dist.TCPStore
+    store: SignedStore
     """The worker's main connection (registration, reports, plans); waits up to the recovery timeout."""
     generation: Optional[int]
     """The plan generation the worker has entered, sent with every heartbeat (None while
@@ -122,19 +123,22 @@ class ControllerLink:
         self.on_controller_lost = None
         self.progress = None
         self.published_at_start = -1
-        self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
-        self._beats: Optional[dist.Store] = None
+        self.signer = Signer(launch.secret)
+        self.store = SignedStore(dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
+                                               timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout)),
+                                 self.signer)
+        self._beats: Optional[SignedStore] = None
         self._aborted: frozenset[int] = frozenset()
         """Generations the controller aborted, as the node's view last relayed them."""
         self._seq = 0
         self._thread = threading.Thread(target=self._beat_loop, name="odyssey-heartbeat", daemon=True)
 
-    def _fresh_beats(self) -> dist.Store:
+    def _fresh_beats(self) -> SignedStore:
         """A connection of the heartbeat thread's own to the node's store, waiting at most a
         heartbeat timeout."""
-        return dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
-                             timeout=datetime.timedelta(seconds=self.launch.timeouts.heartbeat_timeout))
+        return SignedStore(dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
+                                         timeout=datetime.timedelta(seconds=self.launch.timeouts.heartbeat_timeout)),
+                           self.signer)
 
     def start(self) -> None:
         """Tie to the launcher, register (after a first heartbeat, so its launcher forwards
@@ -211,7 +215,7 @@ class ControllerLink:
         position = self.progress.position if self.progress is not None else None
         return position if position is not None else (None, None)
 
-    def _beat(self, store: dist.Store) -> None:
+    def _beat(self, store: SignedStore) -> None:
         beat = Heartbeat(self._seq, time.time(), self.generation, self.watching, os.getpid(), *self._position())
         store.set(rank_heartbeat_key(self.launch.rank), beat.to_json())
         self._seq += 1

@@ -25,6 +25,7 @@ from odyssey_megatron.hooks.rendezvous_store import RendezvousStore
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.protocol.auth import SignedStore
 from odyssey_megatron.runtime.protocol.keys import RUN_SPEC
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.runtime.protocol.messages import RunSpec
@@ -57,7 +58,7 @@ class WorkerProcess:
     launch: WorkerLaunch
     link: ControllerLink
     """The heartbeat thread and the controller's plans."""
-    store: dist.Store
+    store: SignedStore
     """The run's store (the controller's)."""
     spec: RunSpec
     config: RecipeConfig
@@ -84,9 +85,9 @@ class WorkerProcess:
     controller_lost: Optional[str]
     """Why the controller is gone, once the heartbeat thread found it so."""
     # -- connections of their own
-    group_store: dist.Store
+    group_store: SignedStore
     """The step ledger's connection: waits no longer than a collective may."""
-    snapshot_store: dist.Store
+    snapshot_store: SignedStore
     """The snapshot thread's connection: it counts in while the training thread may wait on the ledger."""
     rendezvous: RendezvousStore
     """Where the process groups meet: an abort ends a setup that waits for a dead member."""
@@ -156,7 +157,7 @@ class WorkerProcess:
                                                             generation=generation)
         self.group_store = self.store_for_steps()
         self.snapshot_store = self.store_for_steps()
-        self.rendezvous = RendezvousStore(self.store.clone(), guard=self.guard)
+        self.rendezvous = RendezvousStore(self.store.unsigned.clone(), guard=self.guard)  # torch's keys: unsigned
         self.checkpoints = CheckpointWriter(self.run_dir, rank=launch.rank, tp_rank=self.tp_rank, tp_size=self.tp,
                                             model=self.config.model, store=self.store.clone(),
                                             host_buffer=self.accelerator.host_buffer,
@@ -166,18 +167,18 @@ class WorkerProcess:
         self.spare = None
         self.settled = None
 
-    def node_store(self) -> dist.Store:
+    def node_store(self) -> SignedStore:
         """A connection to the node's store (its launcher's), where the node's ranks commit together."""
-        return dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
-                             timeout=self.collective_timeout)
+        return SignedStore(dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
+                                         timeout=self.collective_timeout), self.link.signer)
 
-    def store_for_steps(self) -> dist.Store:
+    def store_for_steps(self) -> SignedStore:
         """A connection of its own that waits no longer than a collective may."""
         store = self.store.clone()
         store.set_timeout(self.collective_timeout)
         return store
 
-    def renew_group_store(self) -> dist.Store:
+    def renew_group_store(self) -> SignedStore:
         """A fresh ``group_store``, after a wait on it ran out: that wait's late answer must
         not be read as the next request's."""
         self.group_store = self.store_for_steps()
