@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import DType, RecipeConfig, config_yaml, load_config, load_recipe
+from odyssey_megatron.config import BatchOnFailure, DType, RecipeConfig, config_yaml, load_config, load_recipe
 from odyssey_megatron.profile_file import emulated_profile, optimizer_bytes_per_rank
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
@@ -511,6 +511,9 @@ def _check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
     if config.model.params_dtype == DType.fp16:
         raise ConfigError("model.params_dtype", "odyssey train runs fp32 or bf16 (fp16 needs loss scaling, "
                                                 "which its executors do not apply)")
+    if config.odyssey.batch_on_failure != BatchOnFailure.keep:
+        raise ConfigError("odyssey.batch_on_failure", "odyssey train keeps the recipe's batch (keep); shrink is "
+                                                      "for odyssey plan and odyssey simulate")
     emulated_profile(config)  # the workers pace their ops to it: refused here, not in every worker
     ranks = config.parallel.num_ranks
     if launch.world_size != ranks:

@@ -264,6 +264,7 @@ def test_scenario_choices_are_enums():
 @pytest.mark.parametrize("build, message", [
     (lambda: OdysseyConfig(policy="sometimes"), "odyssey.policy: must be one of auto, reroute, reparallelize; got 'sometimes'"),
     (lambda: OdysseyConfig(length_sweep="often"), "odyssey.length_sweep: must be one of joins, always, never; got 'often'"),
+    (lambda: OdysseyConfig(batch_on_failure="halve"), "odyssey.batch_on_failure: must be one of keep, shrink; got 'halve'"),
     (lambda: ModelConfig(params_dtype="fp8"), "model.params_dtype: must be one of bf16, fp16, fp32; got 'fp8'"),
     (lambda: ScenarioConfig(systems=["bamboo"]), "systems: must be one of odyssey, oobleck, recycle"),
 ])
