@@ -14,10 +14,15 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.plan import validate_plan
+from odyssey_megatron.planner import FailureRateModel
 from odyssey_megatron.planner.shrink import batch_horizon_s, shrunk_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
 from odyssey_megatron.runtime.control.decision_record import decision_record
+from odyssey_megatron.simulator.engine import run_system
+from odyssey_megatron.simulator.events import FAIL, JOIN, ClusterEvent
+from odyssey_megatron.simulator.odyssey import OdysseySystem
+from odyssey_megatron.simulator.system import SimulationContext
 
 
 def _job(*, dp: int, pp: int, layers: int, per_pipeline: int):
@@ -137,3 +142,30 @@ def test_plan_json_and_the_decision_events_say_what_a_plan_drops(capsys):
     assert record["batch_horizon_s"] == record["horizon_s"]
     assert [c["dropped_samples_per_step"] for c in record["alternatives"] if c["policy"] == "shrink"] == \
         [shrink["dropped_samples_per_step"]]
+
+
+def test_odyssey_shrink_in_the_simulator_counts_the_samples_it_drops_until_a_join_restores_the_batch():
+    """The DP8 x PP2 job of the tests above in the simulator: Odyssey with shrink drops the
+    broken pipeline's 2 micro-batches a step from the failure at 100 s to the join at 1,100 s
+    (counted as replica drop's are), and goes back to the whole batch there; Odyssey that
+    keeps the batch reroutes and drops nothing."""
+    profile = uniform_profile(num_layers=8)
+    context = SimulationContext(
+        profile=profile, num_layers=8, tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=8,
+        num_micro_batches=16, devices_per_node=2, restart_s=100.0, checkpoint_interval_s=1000.0,
+        checkpoint_save_s=0.0, checkpoint_load_s=50.0, pricing=OdysseyConfig().pricing)
+    cluster = ClusterState(world_size=16, devices_per_node=2)
+    events = [ClusterEvent(100.0, FAIL, (1,)), ClusterEvent(1100.0, JOIN, (1,))]
+    timelines = {}
+    for mode in ("keep", "shrink"):
+        system = OdysseySystem(context, settings=OdysseyConfig(batch_on_failure=mode), detection_s=5.0,
+                               decision_s=0.0, failure_model=FailureRateModel(device_mtbf_hours=1e3, learn=False))
+        timelines[mode] = run_system(system, cluster=cluster, events=events, duration_s=2000.0,
+                                     checkpoint_duty=1.0)
+    assert timelines["keep"].dropped_samples == 0.0
+    shrunk = [s for s in timelines["shrink"].segments if s.dropped_per_s > 0]
+    assert [(s.start_s, s.end_s) for s in shrunk] == [(100.0 + 5.0 + 1.0, 1100.0)]
+    assert shrunk[0].samples_per_s == pytest.approx(14 * profile.samples_per_micro_batch / 28.0)
+    assert timelines["shrink"].dropped_samples == pytest.approx(2 * profile.samples_per_micro_batch / 28.0 * 994.0)
+    assert timelines["shrink"].segments[-1].samples_per_s > shrunk[0].samples_per_s
+    assert timelines["shrink"].segments[-1].dropped_per_s == 0.0
