@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from odyssey_megatron import limits
-from odyssey_megatron.config import DType, RecipeConfig, config_yaml, load_config, load_recipe
+from odyssey_megatron.config import BatchOnFailure, DType, RecipeConfig, config_yaml, load_config, load_recipe
 from odyssey_megatron.profile_file import emulated_profile, optimizer_bytes_per_rank
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
@@ -187,6 +187,9 @@ def _candidate_json(c: Candidate) -> dict:
         "est_transition_s": c.transition_s,
         "samples_per_s": c.estimate.samples_per_s,
         "score": c.score,
+        "dropped_micro_batches": c.dropped_micro_batches,
+        "dropped_samples_per_step": c.dropped_samples_per_step,
+        "batch_score": c.batch_score,
     }
 
 
@@ -209,6 +212,9 @@ def decision_json(decision: Decision, published: dict) -> dict:
         "expected_interval_s": decision.expected_interval_s,
         "expected_interval_source": decision.interval_source,
         "horizon_s": decision.horizon_s,
+        "dropped_micro_batches": chosen.dropped_micro_batches,
+        "dropped_samples_per_step": chosen.dropped_samples_per_step,
+        "batch_horizon_s": decision.batch_horizon_s,
         "candidates_considered": decision.candidates_considered,
         "candidates": [_candidate_json(c) for c in decision.alternatives],
         "note": decision.note,
@@ -226,6 +232,10 @@ def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str,
         f"  transition  {c.transition_s:.2f} s  ({len(plan.transfers)} transfers, {moved / GIB:.2f} GiB moved)",
         f"  Eq. 8 score {c.score:.3f}  (over {decision.horizon_s / SECONDS_PER_HOUR:.2f} h; expected time to next "
         f"failure {decision.expected_interval_s / SECONDS_PER_HOUR:.2f} h, from {decision.interval_source})",
+        *([f"  batch       drops {c.dropped_micro_batches} micro-batches ({c.dropped_samples_per_step} samples) a "
+           f"step (odyssey.batch_on_failure=shrink)"] if c.dropped_micro_batches else []),
+        *([f"  smaller batch weighed against the whole one over {decision.batch_horizon_s / SECONDS_PER_HOUR:.2f} h"]
+          if decision.batch_horizon_s else []),
         f"  DP sync     {len(plan.sync_units)} units in {len(plan.comm_rounds)} rounds",
         "  pipelines (stage: worker layers peak GiB):",
     ]
@@ -248,6 +258,7 @@ def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str,
             lines.append(
                 f"  {alt.policy:<13} {alt.layout}: step {alt.estimate.step_time_s:.3f} s, "
                 f"transition {alt.transition_s:.2f} s, score {alt.score:.3f}"
+                + (f", drops {alt.dropped_micro_batches} micro-batches" if alt.dropped_micro_batches else "")
             )
     lines.append(f"search: {decision.search_time_s * 1e3:.1f} ms over {decision.candidates_considered} candidates")
     if decision.note:
@@ -511,6 +522,9 @@ def _check_launch(config: RecipeConfig, launch: LaunchConfig) -> None:
     if config.model.params_dtype == DType.fp16:
         raise ConfigError("model.params_dtype", "odyssey train runs fp32 or bf16 (fp16 needs loss scaling, "
                                                 "which its executors do not apply)")
+    if config.odyssey.batch_on_failure != BatchOnFailure.keep:
+        raise ConfigError("odyssey.batch_on_failure", "odyssey train keeps the recipe's batch (keep); shrink is "
+                                                      "for odyssey plan and odyssey simulate")
     emulated_profile(config)  # the workers pace their ops to it: refused here, not in every worker
     ranks = config.parallel.num_ranks
     if launch.world_size != ranks:

@@ -41,6 +41,7 @@ from odyssey_megatron.typed_yaml import (
 )
 
 __all__ = [
+    "BatchOnFailure",
     "ClusterConfig",
     "DataConfig",
     "DType",
@@ -109,6 +110,11 @@ class LengthSweep(Choice):
     joins = "joins"
     always = "always"
     never = "never"
+
+
+class BatchOnFailure(Choice):
+    keep = "keep"
+    shrink = "shrink"
 
 
 JOIN_PHASES = (FaultPhase.recovery, FaultPhase.transfer, FaultPhase.mid_transfer, FaultPhase.group_setup,
@@ -599,6 +605,14 @@ class OdysseyConfig:
     of them: joins (decisions off the critical path: workers came back and the current plan
     trains while the search runs), always (failures too: better plans, slower decisions) or never
     (the paper's window alone)."""
+    batch_on_failure: BatchOnFailure = BatchOnFailure.keep
+    """What a failure may do to the global batch: keep (every plan trains the recipe's
+    batch: the exact run) or shrink (after a failure Eq. 8 may also choose to drop the
+    broken pipelines' micro-batches, the whole pipelines going on with theirs, as
+    torchft's replica drop does; the samples dropped are reported, and the recipe's
+    batch stays the target every later decision may go back to: ``planner.shrink``).
+    ``odyssey plan`` and ``odyssey simulate`` model it; ``odyssey train`` refuses it (its
+    steps train the recipe's whole batch)."""
     decoupled_weight_grads: bool = True
     """Workers split each backward and run the weight-gradient half when nothing else is
     ready, which moves work (a rerouting peer's adopted work above all) into pipeline
@@ -718,6 +732,7 @@ class OdysseyConfig:
             spec.check(f"odyssey.faults[{index}]")
         self.policy = choice("odyssey.policy", Policy, self.policy)
         self.length_sweep = choice("odyssey.length_sweep", LengthSweep, self.length_sweep)
+        self.batch_on_failure = choice("odyssey.batch_on_failure", BatchOnFailure, self.batch_on_failure)
         self.straggler = choice("odyssey.straggler", StragglerAction, self.straggler)
         require(self.straggler_slowdown > 1.0, "odyssey.straggler_slowdown",
                 f"must be above 1 (a rank that many times slower than its peers is a straggler); "

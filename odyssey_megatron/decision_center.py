@@ -35,6 +35,7 @@ from odyssey_megatron.planner import (
     initial_plan,
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
+from odyssey_megatron.planner.shrink import batch_horizon_s
 from odyssey_megatron.planner.straggler import StragglerDecision, weigh_straggler
 from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
 from odyssey_megatron.profile import ModelProfile
@@ -68,6 +69,7 @@ class DecisionCenter:
         settles_at_once: bool = True,
         model: ModelConfig | None = None,
         failure_model: FailureRateModel | None = None,
+        target_micro_batches: int | None = None,
     ):
         """A job running ``plan`` on ``cluster``. ``search_time_s`` replaces the measured
         search time in every transition (the simulator needs determinism).
@@ -77,7 +79,9 @@ class DecisionCenter:
         ``model``: the job's model, whose blocks its in-memory snapshots share out
         (``snapshot_interval``); a recipe's center has it. ``failure_model``: where Eq. 8's
         failure rate comes from; default ``settings``' prior MTBF, learned from the failures
-        seen where ``settings.learn_failure_rate`` (the simulator gives the scenario's rate)."""
+        seen where ``settings.learn_failure_rate`` (the simulator gives the scenario's rate).
+        ``target_micro_batches``: the recipe's batch, which every decision's reparallelized
+        candidates train (``planner.shrink``); default ``plan``'s."""
         self.plan = plan
         """The plan committed last: what the job runs, or is about to."""
         self.settled = plan
@@ -90,6 +94,8 @@ class DecisionCenter:
         self.settings = settings
         self.model = model
         self.search_time_s = search_time_s
+        self.target_micro_batches = plan.num_micro_batches if target_micro_batches is None else target_micro_batches
+        """The recipe's batch: a plan that trains fewer drops the rest (``odyssey.batch_on_failure``)."""
         self.failure_model = failure_model or FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
                                                                learn=settings.learn_failure_rate)
         self.search = ReparallelizeSearch(profile, max_layer_splits=settings.search.max_layer_splits)
@@ -333,7 +339,7 @@ class DecisionCenter:
             try:
                 prepared[after.failed_workers] = draft_candidates(
                     current=plan, cluster=after, profile=self.profile, settings=self.settings.search,
-                    search=self._prepare_search, interrupted=stale)
+                    search=self._prepare_search, interrupted=stale, target_micro_batches=self.target_micro_batches)
             except UnrecoverableFailure:
                 continue  # decided cold, where the failure gets its one-line reason
             except PricingInterrupted:
@@ -444,7 +450,8 @@ class DecisionCenter:
         started = time.perf_counter()
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=cluster,
                                                          profile=self.profile, settings=self.settings.search,
-                                                         search=self.search), "cold")
+                                                         search=self.search,
+                                                         target_micro_batches=self.target_micro_batches), "cold")
         interval, horizon = self._horizon(cluster, interval_s, time_left_s)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},
@@ -464,7 +471,8 @@ class DecisionCenter:
             else:
                 raise UnrecoverableFailure(why)
         decision = replace(choose(drafts, settings=self.settings.search, interval_s=horizon,
-                                  search_time_s=search_s),
+                                  search_time_s=search_s,
+                                  batch_horizon_s=batch_horizon_s(horizon_s=horizon, time_left_s=time_left_s)),
                            expected_interval_s=interval, horizon_s=horizon,
                            source=source, replaced=self.plan, from_start=from_start,
                            interval_source="the caller (interval_s)" if interval_s is not None else

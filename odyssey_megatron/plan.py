@@ -29,7 +29,9 @@ from typing import Any, Iterable, Iterator, Optional
 from odyssey_megatron.blocks import Block, block_sort_key
 from odyssey_megatron.profile import ModelProfile
 
-POLICIES = ("initial", "reroute", "reparallelize")
+POLICIES = ("initial", "reroute", "reparallelize", "shrink")
+"""How a plan came about; a "shrink" plan trains fewer micro-batches than the recipe's
+batch (``planner.shrink``)."""
 PLAN_FORMAT_VERSION = 2
 """2: stages name workers only (1 also listed launch-time ranks)."""
 

@@ -34,6 +34,7 @@ class SearchSettings:
     dp_search_radius: int
     pp_search_radius: int
     length_sweep: str
+    batch_on_failure: str
     max_layer_splits: int
     storage_bandwidth_gb_s: float
     reroute_restart_s: float

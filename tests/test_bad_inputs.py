@@ -260,6 +260,8 @@ VALUE_CASES = {
     "odyssey.policy=sometimes": plan("odyssey.policy=sometimes", culprit=("odyssey.policy", "auto, reroute")),
     "odyssey.policy=": plan("odyssey.policy=", culprit="odyssey.policy"),
     "odyssey.length_sweep=often": plan("odyssey.length_sweep=often", culprit="odyssey.length_sweep"),
+    "odyssey.batch_on_failure=halve": plan("odyssey.batch_on_failure=halve",
+                                           culprit=("odyssey.batch_on_failure", "keep, shrink")),
     "model.params_dtype=fp8": plan("model.params_dtype=fp8", culprit="model.params_dtype"),
     "cluster.device=tpu": plan("cluster.device=tpu", culprit="cluster.device"),
     "model.spec=gpt5": plan("model.spec=gpt5", culprit="model.spec"),

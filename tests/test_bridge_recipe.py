@@ -166,7 +166,7 @@ def test_errors_about_other_keys_use_bridge_names_too():
     ("train.micro_batch_sise=2", "train.micro_batch_sise: unknown key: not fields of Megatron-Core"),
     ("model.tie_embeddings=true", "model.tie_embeddings: unknown key"),
     ("schedular.lr_warmup_iters=2", "schedular: unknown key"),
-    ("odyssey.polcy=auto", "odyssey.polcy: unknown key; allowed here: checkpoint_interval, checkpoint_restart_penalty_s"),
+    ("odyssey.polcy=auto", "odyssey.polcy: unknown key; allowed here: batch_on_failure, checkpoint_interval, checkpoint_restart_penalty_s"),
     ("cluster.devices_per_nodes=8", "cluster.devices_per_nodes: unknown key"),
     ("dataset.seq_length=128", "dataset.seq_length: must agree with model.seq_length (64), which sets the same; got 128"),
     ("model.bf16=true", "model.bf16: must agree with model.params_dtype ('fp32')"),
@@ -264,6 +264,7 @@ def test_scenario_choices_are_enums():
 @pytest.mark.parametrize("build, message", [
     (lambda: OdysseyConfig(policy="sometimes"), "odyssey.policy: must be one of auto, reroute, reparallelize; got 'sometimes'"),
     (lambda: OdysseyConfig(length_sweep="often"), "odyssey.length_sweep: must be one of joins, always, never; got 'often'"),
+    (lambda: OdysseyConfig(batch_on_failure="halve"), "odyssey.batch_on_failure: must be one of keep, shrink; got 'halve'"),
     (lambda: ModelConfig(params_dtype="fp8"), "model.params_dtype: must be one of bf16, fp16, fp32; got 'fp8'"),
     (lambda: ScenarioConfig(systems=["bamboo"]), "systems: must be one of odyssey, oobleck, recycle"),
 ])

@@ -19,7 +19,7 @@ RECIPE = "recipes/llama2_7b/ascend_910b_32.yaml"
 @pytest.mark.parametrize(
     "override, key, allowed",
     [
-        ("odyssey.polcy=auto", "odyssey.polcy", "unknown key; allowed here: checkpoint_interval, checkpoint_restart_penalty_s, collective_timeout"),
+        ("odyssey.polcy=auto", "odyssey.polcy", "unknown key; allowed here: batch_on_failure, checkpoint_interval, checkpoint_restart_penalty_s"),
         ("odyssey.policy=sometimes", "odyssey.policy", "must be one of auto, reroute, reparallelize"),
         ("model.num_layers=many", "model.num_layers", "expected int"),
         ("model.num_layers=-2", "model.num_layers", "must be > 0"),

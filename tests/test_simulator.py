@@ -294,14 +294,14 @@ def test_with_no_failures_every_system_trains_alike():
     rates = {name: summary.avg_throughput for name, summary in result.summaries.items()}
     ablation = rates.pop("recycle_1f1b")
     assert set(rates) == {"odyssey", "oracle", "oobleck", "recycle", "checkpoint", "replica_drop", "redistribute",
-                          "dp_scale_in", "hot_spares"}
+                          "dp_scale_in", "hot_spares", "odyssey_shrink"}
     assert max(rates.values()) == pytest.approx(min(rates.values()), rel=1e-9)
     assert ablation < min(rates.values())
     goodput = {name: summary.goodput for name, summary in result.summaries.items()}
     assert goodput["odyssey"] == pytest.approx(rates["odyssey"] * 3600 / 32)
     assert goodput["hot_spares"] / goodput["odyssey"] == pytest.approx(0.8)
     assert result.ratios["hot_spares"] == pytest.approx(1.25) and result.ratios["replica_drop"] == pytest.approx(1)
-    assert [s.ettr for s in result.summaries.values()] == [pytest.approx(1 - 20 / 1800)] * 10  # checkpoint saves only
+    assert [s.ettr for s in result.summaries.values()] == [pytest.approx(1 - 20 / 1800)] * 11  # checkpoint saves only
     assert {s.dropped_samples for s in result.summaries.values()} == {0.0}
 
 

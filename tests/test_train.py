@@ -1009,6 +1009,17 @@ def test_fp16_is_refused_before_anything_starts(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_shrinking_batch_is_refused_before_anything_starts(tmp_path, capsys):
+    """Its steps train the recipe's whole batch: a plan that drops micro-batches is for
+    ``odyssey plan`` and ``odyssey simulate``."""
+    assert main(["train", "--config", str(RECIPE), "--run-dir", str(tmp_path / "run"),
+                 "odyssey.batch_on_failure=shrink"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "odyssey: error: odyssey.batch_on_failure: odyssey train keeps the recipe's batch (keep); shrink is for "
+        "odyssey plan and odyssey simulate")
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_emulated_device_that_does_not_exist_is_refused_before_anything_starts(tmp_path, capsys):
     missing = tmp_path / "nowhere.json"
     assert main(["train", "--config", str(RECIPE), "--run-dir", str(tmp_path / "run"),

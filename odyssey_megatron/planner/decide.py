@@ -14,6 +14,7 @@ from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_hold
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.planner.reroute_pricing import RerouteCost
+from odyssey_megatron.planner.shrink import shrunk_plan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync
 from odyssey_megatron.settings import SearchSettings
@@ -44,6 +45,13 @@ class Candidate:
     layout: str
     restore: Optional[Restore] = None
     """A rollback's: where every block comes back from (``Draft.restore``)."""
+    dropped_micro_batches: int = 0
+    """Micro-batches of the recipe's batch the plan trains nowhere each step (``planner.shrink``)."""
+    dropped_samples_per_step: int = 0
+    """Their samples: what each step trains fewer than the recipe's batch."""
+    batch_score: Optional[float] = None
+    """Where a candidate drops micro-batches: Eq. 8 over ``Decision.batch_horizon_s``, for it
+    and for the best candidate of the whole batch, which it is chosen over where higher."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,9 @@ class Decision:
     """No survivor holds some block and no snapshot restores it: the job goes back to its
     start (every block drawn again from the seed, or the checkpoint it resumed from) and
     trains the steps since again; the chosen plan moves nothing."""
+    batch_horizon_s: float = 0.0
+    """Where some candidate drops micro-batches: the seconds it and the best candidate of
+    the whole batch were weighed over (``planner.shrink.batch_horizon_s``); 0 otherwise."""
 
     @property
     def rollback(self) -> Optional[Restore]:
@@ -122,6 +133,9 @@ class Drafts:
     alive_workers: int
     pricing_s: float
     """Seconds spent pricing."""
+    target_micro_batches: int
+    """The recipe's batch in micro-batches: what every reparallelized candidate trains, and
+    what a plan that trains fewer drops (``planner.shrink``)."""
 
 
 def _faster(kept: Draft | None, rival: Draft | None) -> Draft | None:
@@ -155,8 +169,9 @@ class _Pricer:
     considered."""
 
     def __init__(self, *, current: ExecutionPlan, cluster: ClusterState, profile: ModelProfile,
-                 settings: SearchSettings, interrupted: Callable[[], bool]):
+                 settings: SearchSettings, interrupted: Callable[[], bool], target_micro_batches: int):
         self.current = current
+        self.target_micro_batches = target_micro_batches
         self.cluster = cluster
         self.profile = profile
         self.settings = settings
@@ -211,6 +226,7 @@ def draft_candidates(
     settings: SearchSettings,
     search: ReparallelizeSearch | None = None,
     interrupted: Callable[[], bool] = lambda: False,
+    target_micro_batches: int | None = None,
 ) -> Drafts:
     """Every candidate successor of ``current`` on ``cluster``, priced and its transfers
     checked, before Eq. 8 weighs them (the costly part of a decision, and what a decision
@@ -231,9 +247,15 @@ def draft_candidates(
     asked before each pricing (a second at most on a 70B plan of 4,096 ranks) and raises
     PricingInterrupted when true: a decision prepared in advance gives way to the failure
     that makes it stale.
+    With ``odyssey.batch_on_failure: shrink``, a failure also drafts the plan that drops
+    the broken pipelines' micro-batches (``planner.shrink``). ``target_micro_batches``: the
+    recipe's batch, which every reparallelized candidate trains (default: the current
+    plan's, where it trains the whole batch).
     """
     started = time.perf_counter()
-    pricer = _Pricer(current=current, cluster=cluster, profile=profile, settings=settings, interrupted=interrupted)
+    target = current.num_micro_batches if target_micro_batches is None else target_micro_batches
+    pricer = _Pricer(current=current, cluster=cluster, profile=profile, settings=settings, interrupted=interrupted,
+                     target_micro_batches=target)
     affected = bool(pricer.failed & set(current.workers))
     idle = set(cluster.alive_workers) - set(current.workers)
     want_reroute = settings.policy in ("auto", "reroute")
@@ -243,7 +265,8 @@ def draft_candidates(
         kept = kept_draft(current, pricer.estimate(current), profile=profile)
         if not idle:
             return Drafts(current, (kept,), 0, ("no stage owner failed",), affected=False, unchanged=True,
-                          alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
+                          alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started,
+                          target_micro_batches=target)
         pricer.notes.append(f"{len(idle)} idle worker(s) alive")
         drafts.append(_refilled(pricer, kept, idle) if want_reroute else kept)
     reroute = _rerouted(pricer) if affected and want_reroute else None
@@ -254,13 +277,16 @@ def draft_candidates(
             pricer.notes.append("falling back to reparallelize")
         sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
         drafts.extend(_reparallelized(pricer, search, sweep=sweep))
+    if affected and settings.batch_on_failure == "shrink" and (shrunk := _shrunk(pricer)) is not None:
+        drafts.append(shrunk)
     if not drafts:
         raise UnrecoverableFailure("; ".join(pricer.notes) or "no candidate plan")
     for draft in drafts:
         if draft.plan is not current:
             check_transfers(draft.plan, holdings=pricer.holdings, profile=profile, cluster=cluster)
     return Drafts(current, tuple(drafts), pricer.considered, tuple(pricer.notes), affected=affected,
-                  unchanged=False, alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started)
+                  unchanged=False, alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started,
+                  target_micro_batches=target)
 
 
 def _refilled(pricer: _Pricer, kept: Draft, idle: set[int]) -> Draft:
@@ -293,6 +319,23 @@ def _rerouted(pricer: _Pricer) -> Draft | None:
     return reroute
 
 
+def _shrunk(pricer: _Pricer) -> Draft | None:
+    """The whole pipelines going on with their own micro-batches, the broken ones' dropped
+    (``planner.shrink``); None where no pipeline is whole."""
+    plan = shrunk_plan(pricer.current, failed_workers=pricer.failed)
+    if plan is None:
+        pricer.notes.append("no pipeline is whole: nothing to shrink onto")
+        return None
+    pricer.checkpoint()
+    pricer.considered += 1
+    plan = with_sync(plan, pricer.profile)
+    estimate = pricer.estimate(plan)
+    if not estimate.fits_memory:
+        pricer.notes.append("the shrunk plan exceeds the memory budget")
+        return None
+    return _draft("shrink", plan, estimate, 0.0, pricer.settings.reroute_restart_s, profile=pricer.profile)
+
+
 def _alive_dp(current: ExecutionPlan, cluster: ClusterState) -> int | None:
     """Where ``current`` runs broken pipelines (a reroute's), the DP degree the live workers
     give at its mean pipeline length: a second centre of the search's window, as its DP
@@ -318,7 +361,7 @@ def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, swee
         raise ValueError("the reparallelize search was built for another profile")
     window = dict(
         num_workers=len(cluster.alive_workers),
-        num_micro_batches=current.num_micro_batches,
+        num_micro_batches=pricer.target_micro_batches,
         current_dp=len(current.pipelines),
         alive_dp=_alive_dp(current, cluster),
         dp_radius=settings.dp_search_radius,
@@ -351,28 +394,59 @@ def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, swee
 
 
 def choose(drafts: Drafts, *, settings: SearchSettings, interval_s: float,
-           search_time_s: float) -> Decision:
+           search_time_s: float, batch_horizon_s: float | None = None) -> Decision:
     """Score every draft by Eq. 8 and pick the best: throughput, less the transition
     (search time while training is paused, moving state, restarting) and the expected
     cost of a next failure no in-memory recovery survives, over ``interval_s``, the
-    expected time to the next failure. Cheap: a decision prepared in advance is this
-    call with the interval at the time of the failure."""
+    expected time to the next failure. Throughput is the samples a plan trains a second,
+    so a plan that drops micro-batches is charged for them. Where some drafts drop
+    micro-batches (``planner.shrink``), the best of them is chosen over the best plan of the
+    whole batch only where it scores higher over ``batch_horizon_s`` (default
+    ``interval_s``): how long a smaller batch lasts. Cheap: a decision prepared in advance
+    is this call with the interval at the time of the failure."""
     current = drafts.current
     if drafts.unchanged:
         kept = drafts.drafts[0]
-        goes_on = Candidate(kept.policy, current, kept.estimate, 0.0, kept.estimate.samples_per_s, kept.layout)
+        goes_on = Candidate(kept.policy, current, kept.estimate, 0.0, kept.estimate.samples_per_s, kept.layout,
+                            **_dropped(drafts, kept))
         return Decision(goes_on, (), 0, search_time_s, interval_s, "; ".join(drafts.notes))
     paused_search_s = search_time_s if drafts.affected else 0.0
     alive = drafts.alive_workers
-    candidates = []
-    for draft in drafts.drafts:
-        plan = draft.plan
-        transition = paused_search_s + draft.moving_s + draft.restart_s if plan is not current else 0.0
+
+    def score(draft: Draft, transition: float, horizon_s: float) -> float:
         risk = fatal_share(draft.sole_holders, alive) * settings.checkpoint_restart_penalty_s
-        score = policy_score(samples_per_s=draft.estimate.samples_per_s, transition_s=transition,
-                             interval_s=interval_s, risk_s=risk)
-        candidates.append(Candidate(draft.policy, plan, draft.estimate, transition, score, draft.layout,
-                                    draft.restore))
-    candidates.sort(key=lambda c: (-c.score, c.plan is not current, c.policy != "reroute"))
+        return policy_score(samples_per_s=draft.estimate.samples_per_s, transition_s=transition,
+                            interval_s=horizon_s, risk_s=risk)
+
+    priced = []
+    for draft in drafts.drafts:
+        transition = paused_search_s + draft.moving_s + draft.restart_s if draft.plan is not current else 0.0
+        priced.append((draft, transition, score(draft, transition, interval_s)))
+    order = sorted(range(len(priced)), key=lambda i: (-priced[i][2], priced[i][0].plan is not current,
+                                                      priced[i][0].policy != "reroute"))
+    whole = [i for i in order if priced[i][0].plan.num_micro_batches >= drafts.target_micro_batches]
+    smaller = [i for i in order if i not in whole]
+    batch_horizon = 0.0
+    batch_scores: dict[int, float] = {}
+    if smaller:
+        batch_horizon = interval_s if batch_horizon_s is None else batch_horizon_s
+        rivals = smaller + whole[:1]
+        batch_scores = {i: score(priced[i][0], priced[i][1], batch_horizon) for i in rivals}
+        best = max(rivals, key=lambda i: (batch_scores[i], i in whole[:1]))
+        order.remove(best)
+        order.insert(0, best)
+    candidates = [Candidate(draft.policy, draft.plan, draft.estimate, transition, eq8, draft.layout, draft.restore,
+                            batch_score=batch_scores.get(i), **_dropped(drafts, draft))
+                  for i, (draft, transition, eq8) in ((i, priced[i]) for i in order)]
     chosen, *others = candidates
-    return Decision(chosen, tuple(others), drafts.considered, search_time_s, interval_s, "; ".join(drafts.notes))
+    return Decision(chosen, tuple(others), drafts.considered, search_time_s, interval_s, "; ".join(drafts.notes),
+                    batch_horizon_s=batch_horizon)
+
+
+def _dropped(drafts: Drafts, draft: Draft) -> dict:
+    """What ``draft``'s plan trains fewer than the recipe's batch each step, as ``Candidate``
+    records it."""
+    trained = draft.plan.num_micro_batches
+    dropped = max(0, drafts.target_micro_batches - trained)
+    return dict(dropped_micro_batches=dropped,
+                dropped_samples_per_step=dropped * draft.estimate.samples_per_step // trained)

@@ -5,6 +5,10 @@ detection plus the chosen candidate's transition (modelled search time, restorer
 transfer time, restart cost). The in-flight step is lost. When a stage lost every
 replica and no layer survives anywhere, Odyssey too must restart from a checkpoint.
 
+With ``odyssey.batch_on_failure: shrink`` (the scenario's ``odyssey_shrink``) a decision
+may drop the broken pipelines' micro-batches: the samples its steps lack against the
+job's global batch are ``dropped_samples``, counted as replica drop's are.
+
 Eq. 8's failure rate is the scenario's (``scenario_failure_model``): the truth its failures
 are drawn from, where a live run starts from a prior and learns. Without repairs its
 horizon ends with the scenario. The *oracle* is the same system with hindsight: Eq. 8 gets
@@ -118,6 +122,7 @@ class OdysseySystem:
         self.step_s = chosen.estimate.step_time_s
         pause = (self.detection_s if failed else 0.0) + chosen.transition_s
         return Outcome(pause_s=pause, samples_per_s=chosen.estimate.samples_per_s, lost_s=lost,
+                       dropped_per_s=chosen.dropped_samples_per_step / chosen.estimate.step_time_s,
                        note=f"{note}: {chosen.policy} {chosen.layout}",
                        horizon=Horizon(now_s, decision.expected_interval_s,
                                        "hindsight: the scenario's next event, or its end" if self.event_times

@@ -10,6 +10,7 @@ from typing import Callable
 
 from odyssey_megatron import limits
 from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import BatchOnFailure
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.simulator.checkpoint import CheckpointRestartSystem
 from odyssey_megatron.simulator.dp_scale_in import DpScaleInSystem
@@ -142,10 +143,12 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
     costs = config.costs
     duration = config.duration_hours * SECONDS_PER_HOUR
     for name in config.systems:
-        if name in ("odyssey", "oracle"):
+        if name in ("odyssey", "oracle", "odyssey_shrink"):
             # What a checkpoint restart really costs in this scenario.
             penalty = costs.restart_s + costs.checkpoint_load_s + costs.checkpoint_interval_min * 30
             settings = replace(scenario.recipe.odyssey, checkpoint_restart_penalty_s=penalty)
+            if name == "odyssey_shrink":
+                settings = replace(settings, batch_on_failure=BatchOnFailure.shrink)
             yield OdysseySystem(
                 context, settings=settings, detection_s=costs.detection_s,
                 decision_s=costs.decision_s, name=name,

@@ -29,11 +29,14 @@ from odyssey_megatron.typed_yaml import (
 from odyssey_megatron.units import SECONDS_PER_HOUR
 
 SYSTEMS = ("odyssey", "oobleck", "recycle", "recycle_1f1b", "checkpoint", "oracle",
-           "replica_drop", "redistribute", "dp_scale_in", "hot_spares")
+           "replica_drop", "redistribute", "dp_scale_in", "hot_spares", "odyssey_shrink")
 BASELINES = ("oobleck", "recycle", "recycle_1f1b", "checkpoint", "replica_drop", "redistribute", "dp_scale_in",
              "hot_spares")
 """The systems Odyssey is compared with; the others are Odyssey itself and its variants."""
 System = Choice("System", [(name, name) for name in SYSTEMS], module=__name__)
+OPT_IN = ("odyssey_shrink",)
+"""Systems a scenario runs only where its ``systems`` name them: Odyssey with
+``odyssey.batch_on_failure: shrink``, which trains a smaller batch than the others."""
 
 
 class FailureProcess(Choice):
@@ -170,7 +173,9 @@ class ScenarioConfig:
     repairs: RepairConfig = field(default_factory=RepairConfig)
     costs: CostConfig = field(default_factory=CostConfig)
     hot_spares: HotSparesConfig = field(default_factory=HotSparesConfig)
-    systems: List[System] = field(default_factory=lambda: list(System))
+    systems: List[System] = field(default_factory=lambda: [s for s in System if s.value not in OPT_IN])
+    """The systems to simulate; default all but ``OPT_IN``'s. ``odyssey`` decides with the
+    recipe's ``odyssey:`` section, ``odyssey_shrink`` with it and ``batch_on_failure: shrink``."""
     oobleck_tolerated_failures: int = 2
     """Oobleck's f: it needs (f+1) * n0 workers and gives up below that."""
     odyssey_learns_failure_rate: bool = False

@@ -1,7 +1,8 @@
 """A decision as the run directory's events and the W&B trace record it: the policy, the
 alternatives Eq. 8 weighed and the horizon it weighed them over (with where its failure
-rate came from), the bytes moved and, for a rollback, what it trains again.
-Recoveries and joins both record their decisions this way."""
+rate came from), the samples a step drops (``odyssey.batch_on_failure``), the bytes moved
+and, for a rollback, what it trains again. Recoveries and joins both record their
+decisions this way."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def decision_record(decision: Decision, center: DecisionCenter, *, start_step: i
 
     def candidate(c) -> dict:
         return {"policy": c.policy, "layout": c.layout, "step_time_s": c.estimate.step_time_s,
-                "transition_s": c.transition_s, "score": c.score}
+                "transition_s": c.transition_s, "score": c.score, "dropped_samples_per_step": c.dropped_samples_per_step}
 
     plan = decision.chosen.plan
     chosen_bytes, naive_bytes = mapping_bytes(before=decision.replaced, after=plan, cluster=center.cluster,
@@ -30,6 +31,8 @@ def decision_record(decision: Decision, center: DecisionCenter, *, start_step: i
             "search_time_s": decision.search_time_s, "decision_source": decision.source,
             "expected_interval_s": decision.expected_interval_s, "horizon_s": decision.horizon_s,
             "interval_source": decision.interval_source,
+            "dropped_samples_per_step": decision.chosen.dropped_samples_per_step,
+            "batch_horizon_s": decision.batch_horizon_s,
             "start_step": start_step,
             "transfers": len(plan.transfers), "transfer_bytes": sum(t.bytes for t in plan.transfers),
             **_rollback_record(decision, center, committed=committed, start_step=start_step)}
