@@ -243,7 +243,8 @@ class DecisionCenter:
         return weigh_straggler(rank=rank, slowdown=slowdown, current=self.plan, kept=kept, removal=removal,
                                unrecoverable=unrecoverable, alive_workers=len(before.alive_workers),
                                horizon_s=self._horizon(after, interval_s, time_left_s)[1],
-                               profile=self.profile, settings=self.settings.search)
+                               target_micro_batches=self.target_micro_batches, profile=self.profile,
+                               settings=self.settings.search)
 
     def _ranks_of(self, workers: Iterable[int]) -> list[int]:
         return [rank for worker in workers for rank in self.cluster.worker_ranks(worker)]

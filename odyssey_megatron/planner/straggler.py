@@ -74,13 +74,14 @@ class StragglerDecision:
 
 def weigh_straggler(*, rank: int, slowdown: float, current: ExecutionPlan, kept: PlanEstimate,
                     removal: Optional[Decision], unrecoverable: str = "", alive_workers: int, horizon_s: float,
-                    profile: ModelProfile, settings: SearchSettings) -> StragglerDecision:
+                    target_micro_batches: int, profile: ModelProfile, settings: SearchSettings) -> StragglerDecision:
     """Score ``current`` at the straggler's speed (``kept``, its estimate with the rank
     slowed) by Eq. 8 over ``horizon_s`` as ``choose`` scores a plan that goes on (no
     transition; the risk of its sole holders among ``alive_workers``), beside ``removal``,
-    the decision without the rank over the same horizon."""
+    the decision without the rank over the same horizon; ``target_micro_batches``: the
+    recipe's batch, which ``choose`` charges a plan training fewer for (``Drafts``)."""
     going_on = Drafts(current, (kept_draft(current, kept, profile=profile),), 0, (), affected=False, unchanged=False,
-                      alive_workers=alive_workers, pricing_s=0.0)
+                      alive_workers=alive_workers, pricing_s=0.0, target_micro_batches=target_micro_batches)
     scored = choose(going_on, settings=settings, interval_s=horizon_s, search_time_s=0.0).chosen
     return StragglerDecision(rank=rank, slowdown=slowdown, kept=scored, removal=removal,
                              unrecoverable=unrecoverable, horizon_s=horizon_s)
