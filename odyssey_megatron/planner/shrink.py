@@ -10,9 +10,8 @@ trains more samples a second, goes back to it.
 How long a smaller batch lasts is what Eq. 8 must weigh it over. Its deficit does not end
 at the next failure: that failure breaks more pipelines, and only a plan of the whole batch
 ends it, at the transition that dropping saved now. Where no worker comes back, weighing
-it to the next failure alone (the Eq. 8 horizon) buys that saving again at every failure
-and keeps the small batch for the rest of the run (issue 45's 7B node cell: 1,851 ->
-1,826); so a smaller batch and the best plan of the whole batch are weighed against each
+it to the next failure alone buys that saving again at every failure and can keep the
+small batch for the rest of the run (issue 45's trace of the 7B node cell); so a smaller batch and the best plan of the whole batch are weighed against each
 other over the rest of the run (``batch_horizon_s``), and every later failure decides
 again. With repairs a join ends the deficit, where both pay the join's transition: the
 Eq. 8 horizon then.
