@@ -25,7 +25,7 @@ weighed by Eq. 8. It then does the same on the plan rerouted after a first rank 
 before deciding): 17 / 12 / 0 ms for 7B and 68 / 14 / 0 ms for 70B (2026-11-26; 0 ms:
 it had finished), where stopping between cases only waited 2.06 / 1.23 / 1.43 s and
 5.24 / 2.49 / 0.50 s, and the pure-Python replay 7 / 26 / 22 ms and 405 / 532 / 832 ms.
-Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory]
+Run: PYTHONPATH=. .venv/bin/python benchmarks/plan_search.py [--max-ranks 1024] [--memory] [--batch-on-failure shrink]
      [--renamed [--cascade-only]] [--give-way]
 
 Renamed lookups (--renamed --repeats 3, median, 2026-11-26, same machine; "prepare" is
@@ -111,8 +111,9 @@ RANKS = (32, 1024, 4096, 16384)
 DEVICES_PER_NODE = 8
 
 
-def recipe(model: str, ranks: int, *, micro_batches: int | None = None):
-    """``model``'s recipe widened to ``ranks``, with ``micro_batches`` per pipeline (default: MODELS')."""
+def recipe(model: str, ranks: int, *, micro_batches: int | None = None, batch_on_failure: str = "keep"):
+    """``model``'s recipe widened to ``ranks``, with ``micro_batches`` per pipeline (default:
+    MODELS') and ``odyssey.batch_on_failure``."""
     spec, device, tp, pp, per_pipeline = MODELS[model]
     per_pipeline = micro_batches or per_pipeline
     dp = ranks // (tp * pp)
@@ -120,7 +121,7 @@ def recipe(model: str, ranks: int, *, micro_batches: int | None = None):
         f"model.spec={spec}", f"cluster.device={device}", f"cluster.devices_per_node={DEVICES_PER_NODE}",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
         f"parallel.data_parallel_size={dp}", "training.micro_batch_size=1",
-        f"training.global_batch_size={per_pipeline * dp}",
+        f"training.global_batch_size={per_pipeline * dp}", f"odyssey.batch_on_failure={batch_on_failure}",
     ])
 
 
@@ -286,6 +287,8 @@ def main() -> None:
     parser.add_argument("--cascade-only", action="store_true", help="with --renamed: skip time_renamed")
     parser.add_argument("--give-way", action="store_true",
                         help="only how long a stopped prepare keeps a failure waiting, at 4,096 ranks (time_give_way)")
+    parser.add_argument("--batch-on-failure", choices=("keep", "shrink"), default="keep",
+                        help="the table's decisions with odyssey.batch_on_failure (shrink: smaller batches drafted too)")
     parser.add_argument("--smoke", action="store_true",
                         help="CI's check that it runs: the table at its smallest size (32 ranks, one repeat)")
     args = parser.parse_args()
@@ -325,7 +328,7 @@ def main() -> None:
         for ranks in RANKS:
             if ranks > args.max_ranks or ranks < tp * pp:
                 continue
-            config = recipe(model, ranks)
+            config = recipe(model, ranks, batch_on_failure=args.batch_on_failure)
             for kind, failed in failures(ranks, tp).items():
                 repeats = args.repeats
                 cold, _, chosen = time_failure(config, failed, prepared=False, repeats=repeats)

@@ -35,7 +35,7 @@ from odyssey_megatron.planner import (
     initial_plan,
 )
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch
-from odyssey_megatron.planner.shrink import batch_horizon_s
+from odyssey_megatron.planner.shrink import BatchTarget, batch_horizon_s
 from odyssey_megatron.planner.straggler import StragglerDecision, weigh_straggler
 from odyssey_megatron.planner.symmetry import Symmetry, rename_drafts, symmetry
 from odyssey_megatron.profile import ModelProfile
@@ -69,7 +69,7 @@ class DecisionCenter:
         settles_at_once: bool = True,
         model: ModelConfig | None = None,
         failure_model: FailureRateModel | None = None,
-        target_micro_batches: int | None = None,
+        batch_target: BatchTarget | None = None,
     ):
         """A job running ``plan`` on ``cluster``. ``search_time_s`` replaces the measured
         search time in every transition (the simulator needs determinism).
@@ -80,8 +80,8 @@ class DecisionCenter:
         (``snapshot_interval``); a recipe's center has it. ``failure_model``: where Eq. 8's
         failure rate comes from; default ``settings``' prior MTBF, learned from the failures
         seen where ``settings.learn_failure_rate`` (the simulator gives the scenario's rate).
-        ``target_micro_batches``: the recipe's batch, which every decision's reparallelized
-        candidates train (``planner.shrink``); default ``plan``'s."""
+        ``batch_target``: the recipe's batch, which every decision's reparallelized
+        candidates train (``planner.shrink``); default ``plan``'s, the job's plan."""
         self.plan = plan
         """The plan committed last: what the job runs, or is about to."""
         self.settled = plan
@@ -94,7 +94,7 @@ class DecisionCenter:
         self.settings = settings
         self.model = model
         self.search_time_s = search_time_s
-        self.target_micro_batches = plan.num_micro_batches if target_micro_batches is None else target_micro_batches
+        self.batch_target = BatchTarget.of(plan) if batch_target is None else batch_target
         """The recipe's batch: a plan that trains fewer drops the rest (``odyssey.batch_on_failure``)."""
         self.failure_model = failure_model or FailureRateModel(device_mtbf_hours=settings.device_mtbf_hours,
                                                                learn=settings.learn_failure_rate)
@@ -243,7 +243,7 @@ class DecisionCenter:
         return weigh_straggler(rank=rank, slowdown=slowdown, current=self.plan, kept=kept, removal=removal,
                                unrecoverable=unrecoverable, alive_workers=len(before.alive_workers),
                                horizon_s=self._horizon(after, interval_s, time_left_s)[1],
-                               target_micro_batches=self.target_micro_batches, profile=self.profile,
+                               target_micro_batches=self.batch_target.micro_batches, profile=self.profile,
                                settings=self.settings.search)
 
     def _ranks_of(self, workers: Iterable[int]) -> list[int]:
@@ -340,7 +340,7 @@ class DecisionCenter:
             try:
                 prepared[after.failed_workers] = draft_candidates(
                     current=plan, cluster=after, profile=self.profile, settings=self.settings.search,
-                    search=self._prepare_search, interrupted=stale, target_micro_batches=self.target_micro_batches)
+                    search=self._prepare_search, interrupted=stale, target=self.batch_target)
             except UnrecoverableFailure:
                 continue  # decided cold, where the failure gets its one-line reason
             except PricingInterrupted:
@@ -452,7 +452,7 @@ class DecisionCenter:
         drafts, source = prepared() or (draft_candidates(current=self.plan, cluster=cluster,
                                                          profile=self.profile, settings=self.settings.search,
                                                          search=self.search,
-                                                         target_micro_batches=self.target_micro_batches), "cold")
+                                                         target=self.batch_target), "cold")
         interval, horizon = self._horizon(cluster, interval_s, time_left_s)
         search_s = time.perf_counter() - started if self.search_time_s is None else self.search_time_s
         lost = sorted({b for d in drafts.drafts for b in d.plan.blocks_from_nowhere},

@@ -103,23 +103,42 @@ def test_a_smaller_batch_is_weighed_over_the_rest_of_a_run_without_repairs_so_it
     assert kept.chosen.policy == without_repairs.chosen.policy == "reparallelize"
 
 
-def test_the_recipes_batch_stays_the_target_after_a_shrink_and_a_join_or_a_failure_goes_back_to_it():
+def test_the_recipes_batch_stays_the_target_after_a_shrink_and_a_join_goes_back_to_it():
     """After the shrink of the DP8 x PP2 job, every reparallelized candidate trains the 16
-    micro-batches: a second failure reparallelizes onto them (0.444 a second, where
-    dropping two more pipelines trains 0.429), and the repaired worker's join does too."""
+    micro-batches, and the repaired worker's join goes back to them (0.667 samples a second
+    on all 16 workers, where the shrunk plan trains 0.5)."""
     profile, plan = _job(dp=8, pp=2, layers=8, per_pipeline=2)
-    for event in ("failure", "join"):
-        center = _center(plan, profile, world_size=16, mode="shrink")
-        assert center.on_failure(workers=[1], interval_s=1e5).chosen.policy == "shrink"
-        assert center.plan.num_micro_batches == 14 and center.target_micro_batches == 16
-        after = (center.on_failure(workers=[2], interval_s=1e5) if event == "failure"
-                 else center.on_join(workers=[1], interval_s=1e5))
-        assert all(c.plan.num_micro_batches == 16 for c in (after.chosen, *after.alternatives)
-                   if c.policy == "reparallelize")
-        assert after.chosen.policy == "reparallelize" and after.chosen.dropped_micro_batches == 0
-        validate_plan(center.plan, num_micro_batches=16)
-        smaller = [c for c in after.alternatives if c.dropped_micro_batches]
-        assert smaller and all(c.batch_score < after.chosen.batch_score for c in smaller)
+    center = _center(plan, profile, world_size=16, mode="shrink")
+    assert center.on_failure(workers=[1], interval_s=1e5).chosen.policy == "shrink"
+    assert center.plan.num_micro_batches == 14 and center.batch_target.micro_batches == 16
+    joined = center.on_join(workers=[1], interval_s=1e5)
+    assert all(c.plan.num_micro_batches == 16 for c in (joined.chosen, *joined.alternatives)
+               if c.policy == "reparallelize")
+    assert joined.chosen.policy == "reparallelize" and joined.chosen.dropped_micro_batches == 0
+    validate_plan(center.plan, num_micro_batches=16)
+    kept = next(c for c in joined.alternatives if c.dropped_micro_batches)
+    assert kept.plan is joined.replaced and kept.batch_score < joined.chosen.batch_score
+
+
+def test_a_failure_after_a_shrink_weighs_whole_pipelines_re_formed_from_every_survivor_against_the_whole_batch():
+    """A second failure of the shrunk DP8 x PP2 job leaves 14 workers: dropping the second
+    broken pipeline too trains 12 micro-batches on 12 of them; 7 pipelines re-formed from all
+    14, each with the job's share of 2 (what replica drop trains on them), train 14 after the
+    broken pipelines' survivors take the stages they lost (0.5 a second); the best plan of
+    the whole batch, 16 on 14 workers, trains 0.444."""
+    profile, plan = _job(dp=8, pp=2, layers=8, per_pipeline=2)
+    center = _center(plan, profile, world_size=16, mode="shrink")
+    center.on_failure(workers=[1], interval_s=1e5)
+    after = center.on_failure(workers=[2], interval_s=1e5)
+    chosen = after.chosen
+    assert chosen.policy == "shrink" and chosen.plan.num_micro_batches == 14 and len(chosen.plan.pipelines) == 7
+    assert sorted(chosen.plan.workers) == sorted(center.cluster.alive_workers) and chosen.plan.transfers
+    assert chosen.estimate.samples_per_s == pytest.approx(0.5)
+    whole = [c for c in after.alternatives if c.policy == "reparallelize"]
+    assert whole and all(c.plan.num_micro_batches == 16 and c.estimate.samples_per_s < 0.5 for c in whole)
+    weighed = [c for c in after.alternatives if c.batch_score is not None]
+    assert {c.dropped_micro_batches for c in weighed} >= {0, 4} and all(
+        c.batch_score < chosen.batch_score for c in weighed)
 
 
 def test_the_batch_horizon_is_the_runs_rest_without_repairs_and_never_shorter_than_eq8s():

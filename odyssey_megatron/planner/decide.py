@@ -14,7 +14,7 @@ from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_hold
 from odyssey_megatron.planner.reparallelize import ReparallelizeSearch, describe_layout, place_layout
 from odyssey_megatron.planner.reroute import reroute_plan
 from odyssey_megatron.planner.reroute_pricing import RerouteCost
-from odyssey_megatron.planner.shrink import shrunk_plan
+from odyssey_megatron.planner.shrink import BatchTarget, shrunk_plan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync
 from odyssey_megatron.settings import SearchSettings
@@ -169,9 +169,9 @@ class _Pricer:
     considered."""
 
     def __init__(self, *, current: ExecutionPlan, cluster: ClusterState, profile: ModelProfile,
-                 settings: SearchSettings, interrupted: Callable[[], bool], target_micro_batches: int):
+                 settings: SearchSettings, interrupted: Callable[[], bool], target: BatchTarget):
         self.current = current
-        self.target_micro_batches = target_micro_batches
+        self.target = target
         self.cluster = cluster
         self.profile = profile
         self.settings = settings
@@ -226,7 +226,7 @@ def draft_candidates(
     settings: SearchSettings,
     search: ReparallelizeSearch | None = None,
     interrupted: Callable[[], bool] = lambda: False,
-    target_micro_batches: int | None = None,
+    target: BatchTarget | None = None,
 ) -> Drafts:
     """Every candidate successor of ``current`` on ``cluster``, priced and its transfers
     checked, before Eq. 8 weighs them (the costly part of a decision, and what a decision
@@ -247,15 +247,16 @@ def draft_candidates(
     asked before each pricing (a second at most on a 70B plan of 4,096 ranks) and raises
     PricingInterrupted when true: a decision prepared in advance gives way to the failure
     that makes it stale.
-    With ``odyssey.batch_on_failure: shrink``, a failure also drafts the plan that drops
-    the broken pipelines' micro-batches (``planner.shrink``). ``target_micro_batches``: the
-    recipe's batch, which every reparallelized candidate trains (default: the current
-    plan's, where it trains the whole batch).
+    With ``odyssey.batch_on_failure: shrink``, a failure also drafts two plans of a smaller
+    batch (``planner.shrink``): the whole pipelines going on with their own micro-batches,
+    and whole pipelines of the job's shape re-formed from every survivor, each with its
+    share. ``target``: the recipe's batch, which every reparallelized candidate trains
+    (default: ``current``'s, where it is the job's plan).
     """
     started = time.perf_counter()
-    target = current.num_micro_batches if target_micro_batches is None else target_micro_batches
+    target = BatchTarget.of(current) if target is None else target
     pricer = _Pricer(current=current, cluster=cluster, profile=profile, settings=settings, interrupted=interrupted,
-                     target_micro_batches=target)
+                     target=target)
     affected = bool(pricer.failed & set(current.workers))
     idle = set(cluster.alive_workers) - set(current.workers)
     want_reroute = settings.policy in ("auto", "reroute")
@@ -266,7 +267,7 @@ def draft_candidates(
         if not idle:
             return Drafts(current, (kept,), 0, ("no stage owner failed",), affected=False, unchanged=True,
                           alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started,
-                          target_micro_batches=target)
+                          target_micro_batches=target.micro_batches)
         pricer.notes.append(f"{len(idle)} idle worker(s) alive")
         drafts.append(_refilled(pricer, kept, idle) if want_reroute else kept)
     reroute = _rerouted(pricer) if affected and want_reroute else None
@@ -277,8 +278,9 @@ def draft_candidates(
             pricer.notes.append("falling back to reparallelize")
         sweep = settings.length_sweep == "always" or (settings.length_sweep == "joins" and not affected)
         drafts.extend(_reparallelized(pricer, search, sweep=sweep))
-    if affected and settings.batch_on_failure == "shrink" and (shrunk := _shrunk(pricer)) is not None:
-        drafts.append(shrunk)
+    if affected and settings.batch_on_failure == "shrink":
+        shrunk = _shrunk(pricer)
+        drafts.extend(d for d in (shrunk, _reformed(pricer, search, shrunk)) if d is not None)
     if not drafts:
         raise UnrecoverableFailure("; ".join(pricer.notes) or "no candidate plan")
     for draft in drafts:
@@ -286,7 +288,7 @@ def draft_candidates(
             check_transfers(draft.plan, holdings=pricer.holdings, profile=profile, cluster=cluster)
     return Drafts(current, tuple(drafts), pricer.considered, tuple(pricer.notes), affected=affected,
                   unchanged=False, alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started,
-                  target_micro_batches=target)
+                  target_micro_batches=target.micro_batches)
 
 
 def _refilled(pricer: _Pricer, kept: Draft, idle: set[int]) -> Draft:
@@ -336,6 +338,36 @@ def _shrunk(pricer: _Pricer) -> Draft | None:
     return _draft("shrink", plan, estimate, 0.0, pricer.settings.reroute_restart_s, profile=pricer.profile)
 
 
+def _reformed(pricer: _Pricer, search: ReparallelizeSearch | None, shrunk: Draft | None) -> Draft | None:
+    """Whole pipelines of the job's shape re-formed from every survivor, each with the job
+    plan's share of the batch (what torchft's replica drop trains on them), placed with the
+    least weight movement: the broken pipelines' survivors take the stages they lost from
+    peers. Where a node failure breaks one stage of several pipelines (the job's plan is
+    stage-major), this drops as many pipelines' micro-batches as the survivors lack, where
+    ``_shrunk`` drops every broken one. None where that batch is the whole one, no larger
+    than ``shrunk``'s or no layout of it fits."""
+    target, cluster = pricer.target, pricer.cluster
+    micro_batches = target.reformed_micro_batches(len(cluster.alive_workers))
+    if micro_batches >= target.micro_batches or micro_batches <= (shrunk.plan.num_micro_batches if shrunk else 0):
+        return None
+    if search is None:
+        search = ReparallelizeSearch(pricer.profile, max_layer_splits=pricer.settings.max_layer_splits)
+    dp = micro_batches // target.per_pipeline
+    pricer.checkpoint()
+    layouts = search.layouts(num_workers=len(cluster.alive_workers), num_micro_batches=micro_batches, current_dp=dp,
+                             alive_dp=dp, dp_radius=0, pp_radius=pricer.settings.pp_search_radius,
+                             pricing=pricer.settings.pricing, checkpoint=pricer.checkpoint)
+    if not layouts or layouts[0].step_time_s is None:
+        return None
+    pricer.considered += 1
+    pricer.checkpoint()
+    plan = place_layout(layouts[0], current=pricer.current, holdings=pricer.holdings, cluster=cluster,
+                        profile=pricer.profile)
+    plan = replace(plan, policy="shrink")
+    return _draft("shrink", plan, pricer.estimate(plan), pricer.moving_s(plan),
+                  pricer.settings.reparallelize_restart_s, profile=pricer.profile)
+
+
 def _alive_dp(current: ExecutionPlan, cluster: ClusterState) -> int | None:
     """Where ``current`` runs broken pipelines (a reroute's), the DP degree the live workers
     give at its mean pipeline length: a second centre of the search's window, as its DP
@@ -361,7 +393,7 @@ def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, swee
         raise ValueError("the reparallelize search was built for another profile")
     window = dict(
         num_workers=len(cluster.alive_workers),
-        num_micro_batches=pricer.target_micro_batches,
+        num_micro_batches=pricer.target.micro_batches,
         current_dp=len(current.pipelines),
         alive_dp=_alive_dp(current, cluster),
         dp_radius=settings.dp_search_radius,

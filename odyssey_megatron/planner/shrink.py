@@ -10,9 +10,8 @@ trains more samples a second, goes back to it.
 How long a smaller batch lasts is what Eq. 8 must weigh it over. Its deficit does not end
 at the next failure: that failure breaks more pipelines, and only a plan of the whole batch
 ends it, at the transition that dropping saved now. Where no worker comes back, weighing
-it to the next failure alone (the Eq. 8 horizon) buys that saving again at every failure
-and keeps the small batch for the rest of the run (issue 45's 7B node cell: 1,851 ->
-1,826); so a smaller batch and the best plan of the whole batch are weighed against each
+it to the next failure alone buys that saving again at every failure and can keep the
+small batch for the rest of the run (issue 45's trace of the 7B node cell); so a smaller batch and the best plan of the whole batch are weighed against each
 other over the rest of the run (``batch_horizon_s``), and every later failure decides
 again. With repairs a join ends the deficit, where both pay the join's transition: the
 Eq. 8 horizon then.
@@ -20,11 +19,35 @@ Eq. 8 horizon then.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import AbstractSet
 
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids
+
+
+@dataclass(frozen=True)
+class BatchTarget:
+    """The recipe's batch and the job's plan it was first split over: what every plan of
+    the whole batch trains, and the share a pipeline of a smaller batch keeps."""
+
+    micro_batches: int
+    per_pipeline: int
+    """Micro-batches each pipeline of the job's plan trains."""
+    pipeline_workers: int
+    """Workers each pipeline of the job's plan holds."""
+
+    @classmethod
+    def of(cls, plan: ExecutionPlan) -> "BatchTarget":
+        """The target of the job that starts on ``plan`` (the symmetric DP x PP plan)."""
+        dp = len(plan.pipelines)
+        return cls(plan.num_micro_batches, plan.num_micro_batches // dp, max(1, len(plan.workers) // dp))
+
+    def reformed_micro_batches(self, alive_workers: int) -> int:
+        """The batch of as many whole pipelines of the job's shape as ``alive_workers`` form,
+        each with its share: what torchft's replica drop trains on them."""
+        pipelines = min(alive_workers // self.pipeline_workers, self.micro_batches // max(1, self.per_pipeline))
+        return self.per_pipeline * pipelines
 
 
 def shrunk_plan(current: ExecutionPlan, *, failed_workers: AbstractSet[int]) -> ExecutionPlan | None:
