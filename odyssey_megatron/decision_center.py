@@ -143,9 +143,12 @@ class DecisionCenter:
         self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), nodes: Iterable[int] = (),
         at_s: float | None = None, interval_s: float | None = None, time_left_s: float | None = None,
         in_memory: bool = False, snapshot: SnapshotSource | None = None, start_replay_steps: int | None = None,
+        removed: bool = False,
     ) -> Decision:
         """Mark ``ranks`` and every rank of ``workers`` and ``nodes`` failed, decide, and
-        commit the chosen plan.
+        commit the chosen plan. ``removed``: they are stragglers the run takes out, alive
+        (``on_straggler`` priced it): no failure for the learned failure rate, only the
+        device-hours.
 
         The decision starts from what the ranks hold: the settled plan (``settle``). Where
         the plan committed last has not settled (a recovery that failed before its first
@@ -172,7 +175,7 @@ class DecisionCenter:
         goes on (a failure that touched none of its workers; its transfers were made when it
         started): the runtime ended the generation that ran.
         """
-        self._observe(failures=1, at_s=at_s)
+        self._observe(failures=0 if removed else 1, at_s=at_s)
         roll_back = self._rolling_back
         if self.plan is not self.settled:
             self.plan = replace(self.settled, generation=self.plan.generation, transfers=())

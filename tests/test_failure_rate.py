@@ -66,6 +66,17 @@ def test_the_failures_seen_flip_eq8_from_reroute_to_reparallelize():
     assert seen.interval_source == "1 failure(s) seen over 0.2 device-hours"
 
 
+def test_a_straggler_removed_alive_is_no_failure_for_the_rate_only_exposure():
+    """A rank taken out for being slow did not fail: counted as a failure 90 s into a run,
+    it would set the rate at one per 0.2 device-hours and cut every later horizon (a live
+    run's recovery after a removal saw 2.1 s). Its device-hours still count."""
+    center = _center(device_mtbf_hours=0.1)
+    removal = center.on_failure(ranks=[1], at_s=90.0, removed=True)
+    assert removal.interval_source == "the prior odyssey.device_mtbf_hours=0.1"
+    later = center.on_failure(ranks=[2], at_s=180.0)
+    assert later.interval_source == "1 failure(s) seen over 0.375 device-hours"
+
+
 def test_a_run_ending_before_a_reparallelize_pays_back_reroutes():
     """Failures rare (10,000 h a device): reparallelize, over the interval; with a minute
     left and no repairs, Eq. 8 weighs over that minute and reroutes."""

@@ -24,7 +24,7 @@ from odyssey_megatron.estimator.host_memory import budget_problem, run_host_memo
 from odyssey_megatron.planner import Decision
 from odyssey_megatron.runtime.control.console import CONSOLE, recovery_line
 from odyssey_megatron.runtime.control.decision_record import decision_record
-from odyssey_megatron.runtime.control.detector import Failure
+from odyssey_megatron.runtime.control.detector import Cause, Failure
 from odyssey_megatron.runtime.control.run_state import RunState
 from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 
@@ -119,7 +119,8 @@ class Recovery:
         # so it is, the steps since trained again, where no survivor and no snapshot holds some block.
         decision = run.center.on_failure(ranks=ranks, at_s=run.now_s(), in_memory=not run.fresh,
                                          snapshot=self.snapshots.source(committed_before),
-                                         start_replay_steps=self.snapshots.start_replay_steps(committed_before))
+                                         start_replay_steps=self.snapshots.start_replay_steps(committed_before),
+                                         removed=all(f.cause == Cause.STRAGGLER for f in failures))
         log.info("run: generation %d (%s) after ranks %s failed", decision.chosen.plan.generation,
                  decision.chosen.policy, ranks)
         budget = run.config.cluster.host_memory_gib
