@@ -9,7 +9,7 @@ Why values and not connections: a TCPStore client handshakes in C++ before Pytho
 present credentials, the server takes no Unix socket, ``list_keys`` shows every key to
 any client (a secret key name hides nothing), and a Python relay in front of the store
 costs 277-964 us a request against 20-120 us direct. A tag costs microseconds
-(``benchmarks/bench_store_auth.py``).
+(``benchmarks/store_auth.py``).
 
 The tag covers the key with the value, so a value copied to another key (a decision of
 step 3 set as step 4's) is refused too. ``SignedStore`` wraps a store and does both sides:
