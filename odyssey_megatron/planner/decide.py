@@ -350,8 +350,7 @@ def _reformed(pricer: _Pricer, search: ReparallelizeSearch | None, shrunk: Draft
     micro_batches = target.reformed_micro_batches(len(cluster.alive_workers))
     if micro_batches >= target.micro_batches or micro_batches <= (shrunk.plan.num_micro_batches if shrunk else 0):
         return None
-    if search is None:
-        search = ReparallelizeSearch(pricer.profile, max_layer_splits=pricer.settings.max_layer_splits)
+    search = _search_for(pricer, search)
     dp = micro_batches // target.per_pipeline
     pricer.checkpoint()
     layouts = search.layouts(num_workers=len(cluster.alive_workers), num_micro_batches=micro_batches, current_dp=dp,
@@ -366,6 +365,16 @@ def _reformed(pricer: _Pricer, search: ReparallelizeSearch | None, shrunk: Draft
     plan = replace(plan, policy="shrink")
     return _draft("shrink", plan, pricer.estimate(plan), pricer.moving_s(plan),
                   pricer.settings.reparallelize_restart_s, profile=pricer.profile)
+
+
+def _search_for(pricer: _Pricer, search: ReparallelizeSearch | None) -> ReparallelizeSearch:
+    """``search`` (the decision center's, whose memo outlives decisions), or a fresh one
+    for this decision; ValueError where it was built for another profile than the pricing's."""
+    if search is None:
+        return ReparallelizeSearch(pricer.profile, max_layer_splits=pricer.settings.max_layer_splits)
+    if search.profile is not pricer.profile:
+        raise ValueError("the reparallelize search was built for another profile")
+    return search
 
 
 def _alive_dp(current: ExecutionPlan, cluster: ClusterState) -> int | None:
@@ -387,10 +396,7 @@ def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, swee
     reroute, the one the workers alive give (``_alive_dp``); it sweeps every pipeline length too where
     ``sweep`` says or when no layout near the current DP degree fits."""
     current, cluster, profile, settings = pricer.current, pricer.cluster, pricer.profile, pricer.settings
-    if search is None:
-        search = ReparallelizeSearch(profile, max_layer_splits=settings.max_layer_splits)
-    elif search.profile is not profile:
-        raise ValueError("the reparallelize search was built for another profile")
+    search = _search_for(pricer, search)
     window = dict(
         num_workers=len(cluster.alive_workers),
         num_micro_batches=pricer.target.micro_batches,
