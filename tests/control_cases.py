@@ -24,7 +24,7 @@ from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
-from odyssey_megatron.runtime.protocol.auth import SECRET_FILE, SignedStore, Signer, read_secret
+from odyssey_megatron.runtime.protocol.auth import SECRET_FILE, SignedStore, Signer, connect_signed, read_secret
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.timeouts import Timeouts
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
@@ -85,10 +85,8 @@ def _launcher_main(config: LaunchConfig, timeouts: Timeouts, target: Callable[[W
 
 def signed_client(port: int, run_dir: Path, *, timeout_s: float = 10) -> SignedStore:
     """A client of the controller's store on ``port`` holding the secret of ``run_dir``'s run."""
-    import torch.distributed as dist
-
-    return SignedStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)),
-                       Signer(read_secret(run_dir / SECRET_FILE)))
+    return connect_signed("127.0.0.1", port, timeout=datetime.timedelta(seconds=timeout_s),
+                          signer=Signer(read_secret(run_dir / SECRET_FILE)))
 
 
 def process_state(pid: int) -> str | None:

@@ -64,7 +64,7 @@ from odyssey_megatron.runtime.control.detector import describe_exit
 from odyssey_megatron.runtime.control.fork_server import start_fork_server
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.store_server import StoreServer
-from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer
+from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer, connect_signed
 from odyssey_megatron.runtime.protocol.keys import (
     CONTROLLER_HEARTBEAT,
     INBOX,
@@ -170,9 +170,8 @@ class NodeLauncher:
         node = self.config.node_rank
         try:
             # A launcher may start before node 0's controller: wait for it up to the recovery timeout.
-            store = SignedStore(dist.TCPStore(self.config.master_addr, self.config.master_port, is_master=False,
-                                              timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout)),
-                                self._signer)
+            store = connect_signed(self.config.master_addr, self.config.master_port, signer=self._signer,
+                                   timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout))
             store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             self._joining = store.check([launcher_key(node)])
             store.set(launcher_key(node), self._name)

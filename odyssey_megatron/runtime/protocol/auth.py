@@ -62,8 +62,8 @@ from typing import Any, Mapping, Optional
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.runtime.protocol.messages import ProtocolError
 
-__all__ = ["SECRET_ENV", "SECRET_FILE", "ForgedValue", "SignedStore", "Signer", "controller_secret",
-           "launcher_secret", "read_secret"]
+__all__ = ["SECRET_ENV", "SECRET_FILE", "ForgedValue", "SignedStore", "Signer", "connect_signed",
+           "controller_secret", "launcher_secret", "read_secret"]
 
 SECRET_FILE = "run-secret"
 """In the run directory: the run's secret, 64 hex digits, readable by its owner alone."""
@@ -309,6 +309,14 @@ class SignedStore:
     def _timeout_s(self) -> float:
         timeout = getattr(self._store, "timeout", None)
         return timeout.total_seconds() if timeout is not None else 0.0
+
+
+def connect_signed(host: str, port: int, *, timeout: datetime.timedelta, signer: Signer) -> SignedStore:
+    """A client of the store at ``host:port`` (its requests wait up to ``timeout``), every
+    value signed and checked under ``signer``."""
+    import torch.distributed as dist
+
+    return SignedStore(dist.TCPStore(host, port, is_master=False, timeout=timeout), signer)
 
 
 def _timed_out(why: str) -> None:

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from odyssey_megatron.runtime.protocol.auth import SignedStore, Signer
+from odyssey_megatron.runtime.protocol.auth import SignedStore, Signer, connect_signed
 from odyssey_megatron.runtime.protocol.keys import (
     INBOX,
     NODE_VIEW,
@@ -124,9 +124,8 @@ class ControllerLink:
         self.progress = None
         self.published_at_start = -1
         self.signer = Signer(launch.secret)
-        self.store = SignedStore(dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
-                                               timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout)),
-                                 self.signer)
+        self.store = connect_signed(launch.store_host, launch.store_port, signer=self.signer,
+                                    timeout=datetime.timedelta(seconds=launch.timeouts.recovery_timeout))
         self._beats: Optional[SignedStore] = None
         self._aborted: frozenset[int] = frozenset()
         """Generations the controller aborted, as the node's view last relayed them."""
@@ -136,9 +135,8 @@ class ControllerLink:
     def _fresh_beats(self) -> SignedStore:
         """A connection of the heartbeat thread's own to the node's store, waiting at most a
         heartbeat timeout."""
-        return SignedStore(dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
-                                         timeout=datetime.timedelta(seconds=self.launch.timeouts.heartbeat_timeout)),
-                           self.signer)
+        return connect_signed("127.0.0.1", self.launch.node_store_port, signer=self.signer,
+                              timeout=datetime.timedelta(seconds=self.launch.timeouts.heartbeat_timeout))
 
     def start(self) -> None:
         """Tie to the launcher, register (after a first heartbeat, so its launcher forwards

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import RecipeConfig, recipe_from_yaml
@@ -25,7 +24,7 @@ from odyssey_megatron.hooks.rendezvous_store import RendezvousStore
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
-from odyssey_megatron.runtime.protocol.auth import SignedStore
+from odyssey_megatron.runtime.protocol.auth import SignedStore, connect_signed
 from odyssey_megatron.runtime.protocol.keys import RUN_SPEC
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
 from odyssey_megatron.runtime.protocol.messages import RunSpec
@@ -169,8 +168,8 @@ class WorkerProcess:
 
     def node_store(self) -> SignedStore:
         """A connection to the node's store (its launcher's), where the node's ranks commit together."""
-        return SignedStore(dist.TCPStore("127.0.0.1", self.launch.node_store_port, is_master=False,
-                                         timeout=self.collective_timeout), self.link.signer)
+        return connect_signed("127.0.0.1", self.launch.node_store_port, timeout=self.collective_timeout,
+                              signer=self.link.signer)
 
     def store_for_steps(self) -> SignedStore:
         """A connection of its own that waits no longer than a collective may."""
