@@ -72,7 +72,7 @@ def test_an_op_takes_the_profiles_time_and_a_longer_one_overruns():
         work = torch.randn(64, 64)
         work @ work  # the first product sets up the BLAS library
         clock.resume()
-        start, ends = time.monotonic(), []
+        start, ends, timeline = time.monotonic(), [], []
         for op in ops:
             time.sleep(0.005)  # host work between ops, which a device's timeline does not see
             with clock.compute(op):
@@ -80,16 +80,21 @@ def test_an_op_takes_the_profiles_time_and_a_longer_one_overruns():
                 work @ work
                 real = time.monotonic() - real
             ends.append(time.monotonic() - start)
+            timeline.append(clock._free_at - start)
             assert real < 0.01, "the real work is a small part of the op's time"
     finally:
         torch.set_num_threads(threads)
     # F, then B without its weight-gradient part, then the W op
-    for end, expected in zip(ends, (0.05, 0.05 + 0.06, 0.05 + 0.06 + 0.04)):
-        assert expected <= end <= expected + SLACK_S, ends
+    # on the timeline exactly (a late wake-up of the host's sleep, which a loaded machine
+    # gives, delays the host only: the next op still ends at its own time), and never early
+    for end, on_timeline, expected in zip(ends, timeline, (0.05, 0.05 + 0.06, 0.05 + 0.06 + 0.04)):
+        assert expected <= end, ends
+        assert on_timeline == pytest.approx(expected, abs=0.002), timeline
     assert clock.overruns == 0
     with clock.compute(Op(FORWARD, 0, 0, 1)):
         time.sleep(0.08)
-    assert clock.overruns == 1 and 0.03 <= clock.worst_overrun_s <= 0.03 + SLACK_S
+    # overran by what passed its 0.05 s, not by the op's whole 0.08 s (however late the sleep wakes)
+    assert clock.overruns == 1 and 0.03 <= clock.worst_overrun_s < 0.08, clock.worst_overrun_s
 
 
 def test_emulated_steps_take_the_estimated_time():
