@@ -13,20 +13,35 @@ in a row is a straggler, found once until it is fast again.
 
 What the run does with one (``odyssey.straggler``) is the owner's (``training_run``):
 report it, or have it failed like any failure where the decision center says removing it
-pays (``DecisionCenter.on_straggler``).
+pays (``DecisionCenter.on_straggler``). One it priced and kept (``kept``) is offered for
+pricing again while still slow: once its slowdown has grown by ``REPRICE_SLOWDOWN_GROWTH``
+over the one it was priced at, and once a new plan (a recovery's or a join's) runs. A rank
+fast again, or out of the plan, is forgotten.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
+from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE
 from odyssey_megatron.runtime.protocol.messages import StepReport
 
-__all__ = ["Straggler", "StragglerWatch", "straggler_line"]
+__all__ = ["REPRICE_SLOWDOWN_GROWTH", "Straggler", "StragglerWatch", "straggler_line"]
+
+REPRICE_SLOWDOWN_GROWTH = 2 * REPRICE_CHANGE
+"""Relative growth of a kept straggler's slowdown (averaged over ``straggler_steps``) over
+the one it was priced at that has it priced again: 1.5x is priced again from 1.8x. A
+slowdown is the ratio of two measured times (its own and its peers' median), so its noise is
+about twice that of one online-profile factor, which re-prices at ``REPRICE_CHANGE``."""
+
+
+def _slower(slowdown: float, priced: float) -> bool:
+    """Whether a kept straggler at ``slowdown`` is priced again for having slowed since ``priced``."""
+    return slowdown > priced * (1 + REPRICE_SLOWDOWN_GROWTH)
 
 
 @dataclass(frozen=True)
@@ -37,23 +52,36 @@ class Straggler:
     first_step: int
     last_step: int
     """The committed steps it was slow in, in a row."""
+    priced_slowdown: float | None = None
+    priced_generation: int | None = None
+    """Where it was priced and kept before: the slowdown it was priced at, in which generation."""
 
     @property
     def detail(self) -> str:
         return (f"its ops took {self.slowdown:.2f}x its peers' time for {self.last_step - self.first_step + 1} "
                 f"committed steps ({self.first_step}..{self.last_step})")
 
+    @property
+    def repriced(self) -> str | None:
+        """Why it is priced again (None the first time)."""
+        if self.priced_slowdown is None:
+            return None
+        return (f"priced again: kept at {self.priced_slowdown:.2f}x in generation {self.priced_generation}, "
+                + ("slower since" if _slower(self.slowdown, self.priced_slowdown) else "a new plan runs"))
+
 
 def straggler_line(straggler: Straggler, *, removed: bool, why: str = "odyssey.straggler=report") -> str:
-    """The console's line for a straggler found: removed or training on, and ``why``."""
+    """The console's line for a straggler found or priced again: removed or training on,
+    and ``why``."""
     then = "removed" if removed else "it trains on"
-    return f"straggler: rank {straggler.rank}: {straggler.detail}; {then} ({why})"
+    again = f"; {straggler.repriced}" if straggler.repriced else ""
+    return f"straggler: rank {straggler.rank}: {straggler.detail}{again}; {then} ({why})"
 
 
 class StragglerWatch:
     """Measures every committed step (not a generation's first: it allocates) with
     ``observe``; ``profile`` predicts each stage's op times (the starting profile: only
-    ratios between ranks matter)."""
+    ratios between ranks matter). Call ``kept`` for each straggler priced and kept."""
 
     threshold: float
     steps: int
@@ -64,32 +92,48 @@ class StragglerWatch:
         """Rank -> (step, slowdown) of the committed steps in a row it has been slow in."""
         self._found: set[int] = set()
         """Ranks found stragglers that have not been fast since."""
+        self._kept: dict[int, tuple[float, int]] = {}
+        """Rank -> (slowdown, generation) it was last priced and kept at."""
 
     def observe(self, plan: ExecutionPlan, step: int, reports: Iterable[StepReport]) -> list[Straggler]:
-        """Fold committed ``step`` of ``plan`` in; the ranks newly found stragglers."""
+        """Fold committed ``step`` of ``plan`` in; the ranks newly found stragglers, and the
+        kept ones to price again (slower by ``REPRICE_SLOWDOWN_GROWTH``, or under a new plan)."""
         slowdowns = self.slowdowns(plan, reports)
         found = []
-        for rank in list(self._slow):
+        for rank in set(self._slow) | self._found:
             if rank not in slowdowns:
-                del self._slow[rank]
+                self.again(rank)
         for rank, slowdown in slowdowns.items():
             if slowdown <= self.threshold:
-                self._slow.pop(rank, None)
-                self._found.discard(rank)
+                self.again(rank)
                 continue
             run = self._slow.setdefault(rank, [])
             run.append((step, slowdown))
             del run[:-self.steps]
-            if len(run) == self.steps and rank not in self._found:
+            if len(run) < self.steps:
+                continue
+            straggler = Straggler(rank, statistics.fmean(s for _, s in run), run[0][0], run[-1][0])
+            if rank not in self._found:
                 self._found.add(rank)
-                found.append(Straggler(rank, statistics.fmean(s for _, s in run), run[0][0], run[-1][0]))
+                found.append(straggler)
+            elif rank in self._kept:
+                priced, generation = self._kept[rank]
+                if _slower(straggler.slowdown, priced) or plan.generation != generation:
+                    del self._kept[rank]  # until priced and kept again
+                    found.append(replace(straggler, priced_slowdown=priced, priced_generation=generation))
         return found
+
+    def kept(self, straggler: Straggler, *, generation: int) -> None:
+        """``straggler`` was priced and kept in ``generation``: priced again once slower by
+        ``REPRICE_SLOWDOWN_GROWTH`` or under another plan."""
+        self._kept[straggler.rank] = (straggler.slowdown, generation)
 
     def again(self, rank: int) -> None:
         """Watch ``rank`` afresh: found again once slow for ``steps`` more steps in a row
-        (one found while its removal could not be priced)."""
+        (one fast again, out of the plan, or found while its removal could not be priced)."""
         self._slow.pop(rank, None)
         self._found.discard(rank)
+        self._kept.pop(rank, None)
 
     def slowdowns(self, plan: ExecutionPlan, reports: Iterable[StepReport]) -> dict[int, float]:
         """Each training rank's seconds per predicted second over its peers' median."""

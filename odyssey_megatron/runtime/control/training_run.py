@@ -136,7 +136,7 @@ class TrainingRun(RunState):
         """Report each straggler found (console, ``straggler`` event, W&B); under
         ``odyssey.straggler: remove``, price removing it (``_priced``) and have it failed
         where that pays (the recovery then decides it as any failure), else say it was kept,
-        with both prices."""
+        with both prices, and price it again when the watch offers it (slower, or a new plan)."""
         remove = self.config.odyssey.straggler == "remove"
         for found in self.stragglers.observe(self.plan, step, reports):
             priced = self._priced(found) if remove else None
@@ -148,9 +148,13 @@ class TrainingRun(RunState):
             self.controller.record.event("straggler", rank=found.rank, slowdown=found.slowdown,
                                          first_step=found.first_step, last_step=found.last_step,
                                          generation=generation, action=self.config.odyssey.straggler.value,
-                                         removed=removed, **(priced.prices if priced else {}))
+                                         removed=removed, priced_slowdown=found.priced_slowdown,
+                                         priced_generation=found.priced_generation,
+                                         **(priced.prices if priced else {}))
             if removed:
                 self.controller.remove_straggler(found.rank, generation=generation, detail=found.detail)
+            elif priced is not None:
+                self.stragglers.kept(found, generation=generation)
 
     def _priced(self, found: Straggler) -> StragglerDecision | None:
         """Keeping ``found`` against removing it, priced as its failure would be decided

@@ -46,9 +46,10 @@ _JOIN_METRICS = ("transfer_bytes", "handover_s", "to_first_step_s", "training_ra
 _RECOVERY_METRICS = ("detection_s", "to_plan_s", "to_first_step_s", "transfer_bytes", "mapping_bytes",
                      "naive_mapping_bytes", "replayed_steps", "replay_s")
 _STRAGGLER_METRICS = ("rank", "slowdown", "removed", "kept_step_s", "kept_samples_per_s", "removed_step_s",
-                      "removed_samples_per_s", "transition_s", "horizon_s")
+                      "removed_samples_per_s", "transition_s", "horizon_s", "priced_slowdown")
 """A ``straggler`` event's fields W&B gets: with ``odyssey.straggler=remove``, whether it was
-removed and both prices (``planner.straggler``); a report-only event has the first three."""
+removed and both prices (``planner.straggler``), and for a kept one priced again the slowdown
+it was kept at; a report-only event has the first three."""
 _END = object()
 
 
