@@ -16,22 +16,36 @@ and on whether the old communicator is healthy:
   (reported upstream in 2026, pytorch #194679): below 2.31, that shrink; from 2.31 on, a
   fresh rendezvous.
 - A world that gains a rank (a joiner, a replacement node) cannot come from a shrink or a
-  split: a fresh rendezvous.
+  split: a fresh rendezvous. Nor can a shrink make a world that loses none (torch refuses
+  an empty exclusion).
+- Where the group must become the world's default one (a generation's world: every other
+  group is made from it), only a shrink's does; a split's is a subgroup beside a parent
+  that stays the default: a fresh rendezvous instead of a split.
 
 NCCL's shrink leaves the old communicator allocated (``ncclCommAbort`` is still needed),
 so ``survivor_group`` aborts it once the new one exists.
+
+Entering a generation (``runtime.rank.entering``), survivors whose every rank still holds
+the last generation's healthy default group (one that ended without an abort: an abort
+frees NCCL's communicators) take the next world from it (``next_world``); gloo always meets
+afresh.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d  # the shrink flags: torch.distributed does not export them
 
-__all__ = ["GroupSource", "group_source", "runtime_nccl_version", "survivor_group", "torch_offers"]
+from odyssey_megatron.hooks.process_groups import RankMap
+
+__all__ = ["GroupSource", "KeptWorld", "group_source", "keeps_parent", "next_world", "runtime_nccl_version",
+           "survivor_group", "torch_offers"]
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +73,30 @@ class GroupSource(enum.Enum):
 
 
 def group_source(*, backend: str, nccl_version: Optional[NcclVersion], parent_healthy: bool, gains_ranks: bool,
-                 offered: frozenset[str]) -> GroupSource:
+                 loses_ranks: bool, as_default: bool, offered: frozenset[str]) -> GroupSource:
     """Where the survivors' communicator comes from (pure: see the module's rules).
     ``nccl_version``: the NCCL that runs (None: none); ``parent_healthy``: no member of the
-    old world died; ``gains_ranks``: the new world has a rank the old one lacked;
+    old world died; ``gains_ranks`` / ``loses_ranks``: the new world has a rank the old one
+    lacked / lacks one the old one had; ``as_default``: it becomes the default group;
     ``offered``: which of ``shrink_group`` and ``split_group`` this torch has."""
     if backend != "nccl" or nccl_version is None or gains_ranks:
         return GroupSource.rendezvous
-    can_shrink = "shrink_group" in offered and nccl_version >= SHRINK_FROM
+    can_shrink = loses_ranks and "shrink_group" in offered and nccl_version >= SHRINK_FROM
     if not parent_healthy:
         return GroupSource.shrink_abort if can_shrink and nccl_version < SHRINK_ABORT_HANGS_FROM \
             else GroupSource.rendezvous
     if can_shrink:
         return GroupSource.shrink
-    if "split_group" in offered and nccl_version >= SPLIT_FROM:
+    if not as_default and "split_group" in offered and nccl_version >= SPLIT_FROM:
         return GroupSource.split
     return GroupSource.rendezvous
+
+
+def keeps_parent(*, backend: str, nccl_version: Optional[NcclVersion], offered: frozenset[str]) -> bool:
+    """Whether a generation that ended without an abort keeps its default group for the
+    next one: a next world that only loses ranks could shrink it."""
+    return group_source(backend=backend, nccl_version=nccl_version, parent_healthy=True, gains_ranks=False,
+                        loses_ranks=True, as_default=True, offered=offered) is not GroupSource.rendezvous
 
 
 def torch_offers() -> frozenset[str]:
@@ -102,11 +124,42 @@ def survivor_group(source: GroupSource, *, parent: dist.ProcessGroup, excluded: 
     if source is GroupSource.split:
         group = dist.split_group(parent, split_ranks=[survivors])
     else:
-        flags = dist.SHRINK_ABORT if source is GroupSource.shrink_abort else dist.SHRINK_DEFAULT
+        flags = c10d.SHRINK_ABORT if source is GroupSource.shrink_abort else c10d.SHRINK_DEFAULT
         group = dist.shrink_group(sorted(excluded), group=parent, shrink_flags=flags)
     try:
         parent.abort()  # ncclCommAbort: NCCL's shrink leaves the old communicator's memory allocated
     except Exception as exc:  # noqa: BLE001 - the new group exists; the failure is said, not dropped
         log.warning("aborting the old communicator after its %s failed: %s: %s", source.value,
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    return group
+
+
+@dataclass(frozen=True)
+class KeptWorld:
+    """A generation's default group, kept past its healthy end (``keeps_parent``), and its world."""
+
+    group: dist.ProcessGroup
+    ranks: RankMap
+
+
+def next_world(kept: KeptWorld, *, ranks: RankMap, held_everywhere: bool, backend: str,
+               nccl_version: Optional[NcclVersion], offered: frozenset[str]) -> Optional[dist.ProcessGroup]:
+    """A generation's default group (world ``ranks``) from the last generation's, ``kept``,
+    where ``group_source`` says it can come from it; else None: the kept group is destroyed
+    and the caller meets afresh. Called by every rank of ``ranks``; ``held_everywhere``:
+    each of them kept its last generation's group."""
+    parent, parent_ranks = kept.group, kept.ranks
+    old, new = set(parent_ranks.workers), set(ranks.workers)
+    source = group_source(backend=backend, nccl_version=nccl_version, parent_healthy=True,
+                          gains_ranks=bool(new - old), loses_ranks=bool(old - new), as_default=True,
+                          offered=offered) if held_everywhere else GroupSource.rendezvous
+    tp = ranks.tensor_parallel_size
+    excluded = [parent_ranks.rank(w, k) for w in sorted(old - new) for k in range(tp)]
+    survivors = [parent_ranks.rank(w, k) for w in ranks.workers if w in old for k in range(tp)]
+    group = survivor_group(source, parent=parent, excluded=excluded, survivors=survivors)
+    if group is None:
+        dist.destroy_process_group(parent)
+    else:
+        log.info("generation's world of %d ranks from a %s of the last one's %d", ranks.world_size, source.value,
+                 parent_ranks.world_size)
     return group

@@ -103,6 +103,12 @@ def arrived_key(generation: int) -> str:
     return generation_prefix(generation) + "arrived"
 
 
+def kept_world_key(generation: int) -> str:
+    """Counter: arriving ranks that kept the last generation's default group
+    (``survivor_groups.next_world``): where every rank did, the new world may shrink it."""
+    return generation_prefix(generation) + "kept-world"
+
+
 def all_arrived_key(generation: int) -> str:
     """Set by the rank whose arrival completes ``arrived_key`` (``ALL_ARRIVED``), or by the
     controller when it ends the generation first (``ABORTED``): arriving ranks wait on it,

@@ -1,7 +1,9 @@
 """Entering a plan generation, for a rank whose role in it is to send blocks or to train.
 
-The rank counts in and waits for every participant, joins a fresh process group among
-them (on the generation's store prefix), takes the state it starts from, checks that
+The rank counts in and waits for every participant, joins a process group among them (a
+shrink of the last generation's where every participant kept it and the backend can,
+``survivor_groups.next_world``; else a fresh one on the generation's store prefix), takes
+the state it starts from, checks that
 every block it holds has taken exactly the committed steps, and moves the blocks the
 plan's transfers name, checking that those it receives have too. Until the first step of the run (or of a resumed run) commits, no
 trained state exists: a worker entering a generation then (``PlanPublished.fresh``) draws
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from odyssey_megatron.blocks import StageSpec, worker_blocks
 from odyssey_megatron.hooks.process_groups import RankMap
+from odyssey_megatron.hooks.survivor_groups import next_world, runtime_nccl_version, torch_offers
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.phases import Phase
 from odyssey_megatron.runtime.checkpoint import load_checkpoint
@@ -28,6 +31,7 @@ from odyssey_megatron.runtime.protocol.keys import (
     abort_key,
     all_arrived_key,
     arrived_key,
+    kept_world_key,
     process_group_prefix,
 )
 from odyssey_megatron.runtime.protocol.liveness import missed_beat
@@ -49,10 +53,7 @@ def enter(generation: Generation, role: Role) -> None:
     if plan.generation > 0:
         process.injector.fire(Phase.recovery, generation.step)
     _wait_all_arrived(generation, ranks.world_size)
-    dist.init_process_group(process.accelerator.backend, rank=rank, world_size=ranks.world_size,
-                            store=dist.PrefixStore(process_group_prefix(plan.generation), process.rendezvous),
-                            timeout=process.collective_timeout,
-                            **process.accelerator.group_options(process.device))
+    _join_world(generation)
     process.guard.track([dist.distributed_c10d._get_default_group()])
     if published.restore is not None:
         generation.phase = Phase.restore
@@ -76,11 +77,34 @@ def enter(generation: Generation, role: Role) -> None:
     generation.set_aside(needed, held=held)
 
 
+def _join_world(generation: Generation) -> None:
+    """Make the generation's default group: from the world kept from the last generation
+    where every rank kept it (counted in before arriving), else by a fresh rendezvous."""
+    process, number, ranks = generation.process, generation.plan.generation, generation.ranks
+    kept, process.kept_world = process.kept_world, None
+    group = None
+    if kept is not None:
+        group = next_world(kept, ranks=ranks, backend=process.accelerator.backend,
+                           held_everywhere=process.store.add(kept_world_key(number), 0) == ranks.world_size,
+                           nccl_version=runtime_nccl_version(), offered=torch_offers())
+    if group is None:
+        dist.init_process_group(process.accelerator.backend, rank=generation.rank, world_size=ranks.world_size,
+                                store=dist.PrefixStore(process_group_prefix(number), process.rendezvous),
+                                timeout=process.collective_timeout,
+                                **process.accelerator.group_options(process.device))
+    elif group.rank() != generation.rank:
+        raise RuntimeError(f"the shrunk world made this rank {group.rank()}; generation {number} names it "
+                           f"{generation.rank}")
+
+
 def _wait_all_arrived(generation: Generation, world_size: int) -> None:
-    """Count this rank in and wait for the generation's every rank, or its abort."""
+    """Count this rank in (and whether it kept the last world) and wait for the
+    generation's every rank, or its abort."""
     process, number = generation.process, generation.plan.generation
     if process.store.check([abort_key(number)]):  # a rank that comes late counts in nowhere
         raise GenerationEnded("the controller ended the generation before this rank arrived")
+    if process.kept_world is not None:
+        process.store.add(kept_world_key(number), 1)
     everyone = all_arrived_key(number)
     if process.store.add(arrived_key(number), 1) == world_size:
         process.store.compare_set(everyone, "", ALL_ARRIVED)

@@ -13,7 +13,8 @@ Blocks held before the generation that its stage does not train stay aside (``sp
 until the generation's first step commits: until then the controller plans from the last
 settled generation, whose blocks they may be. Leaving, the worker keeps its blocks, drops
 the stage model and lets go of its process groups (held until their operations have surely
-ended).
+ended), but for the default group of a generation it entered and that ended without an
+abort, where the backend could shrink it into the next world (``survivor_groups``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from odyssey_megatron.hooks.process_groups import PlanGroups, RankMap, build_plan_groups
+from odyssey_megatron.hooks.survivor_groups import KeptWorld, keeps_parent, runtime_nccl_version, torch_offers
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.phases import Phase
 from odyssey_megatron.plan import ExecutionPlan
@@ -181,6 +183,21 @@ class Generation:
             time.sleep(process.timeouts.poll_interval)
         raise GenerationEnded("the controller ended the generation")
 
+    def _keep_or_destroy_world(self, *, abandoned: bool) -> None:
+        """Keep this generation's default group for the next one's shrink where the
+        generation made it and ended without an abort (``keeps_parent``); else destroy the
+        world there is (a world kept from an earlier generation this rank did not enter too)."""
+        process = self.process
+        world = dist.distributed_c10d._get_default_group()
+        entered = self.ranks is not None and process.kept_world is None  # ``entering`` took the kept one
+        healthy = entered and not abandoned and not process.guard.aborted
+        if healthy and keeps_parent(backend=process.accelerator.backend, nccl_version=runtime_nccl_version(),
+                                    offered=torch_offers()):
+            process.kept_world = KeptWorld(world, self.ranks)
+            return
+        process.kept_world = None
+        dist.destroy_process_group()
+
     def leave(self, *, abandoned: bool) -> None:
         """Keep the blocks, drop the stage model and let go of every process group (the
         guard's reaper drops their last references, off this thread)."""
@@ -199,6 +216,6 @@ class Generation:
             self.groups.destroy()
             self.groups = None
         if dist.is_initialized():
-            dist.destroy_process_group()
+            self._keep_or_destroy_world(abandoned=abandoned)
         gc.collect()  # the stage's reference cycles: milliseconds, with the process's long-lived objects frozen
         process.guard.done_leaving()  # the guard's reaper drops the groups' last references

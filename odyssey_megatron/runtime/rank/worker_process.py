@@ -22,6 +22,7 @@ from odyssey_megatron.hooks.collective_guard import CollectiveGuard, prepare_bac
 from odyssey_megatron.hooks.lr_schedule import LrSchedule
 from odyssey_megatron.hooks.rendezvous_store import RendezvousStore
 from odyssey_megatron.hooks.stage_optimizer import optimizer_config
+from odyssey_megatron.hooks.survivor_groups import KeptWorld
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.protocol.auth import SignedStore, connect_signed
@@ -100,6 +101,9 @@ class WorkerProcess:
     """Blocks held before this generation that its stage does not train (``Generation``)."""
     admitted: bool
     """A joiner is admitted by the first generation that names it (``PlanPublished.joined``)."""
+    kept_world: Optional[KeptWorld]
+    """The last generation's default group, kept where the next world may shrink it
+    (``Generation.leave``, ``entering``); None: the next generation meets afresh."""
     settled: Optional[ExecutionPlan]
     """The plan of the last generation whose first step this worker saw commit (None: none
     yet): whose blocks the ranks hold, and the writers of a save without the controller
@@ -164,6 +168,7 @@ class WorkerProcess:
         self.state = TrainingState() if launch.joining else None
         self.admitted = not launch.joining
         self.spare = None
+        self.kept_world = None
         self.settled = None
 
     def node_store(self) -> SignedStore:
