@@ -23,6 +23,12 @@ each figure one JSON line, the process exiting 1 when any check fails.
 - ``nccl_abort_in_flight``: in the NCCL world above, how long each abort of an all-reduce
   in flight took to end it. Fails past ``ABORT_LIMIT_S``; skipped with fewer than two
   devices (NCCL cannot put two ranks on one device).
+- ``nccl_shrink``: a world of every device (four at most) that loses its last rank and takes
+  the survivors' world from a real ``dist.shrink_group`` of the healthy NCCL communicator,
+  through the call a generation's entry makes (``survivor_groups.next_world``): the
+  shrink's seconds, and an all-reduce on the new default group. Fails if the survivors'
+  group is not the default one or its sum is wrong; skipped with fewer than two devices,
+  or on an NCCL that cannot shrink (the runtime meets afresh there).
 
 On a CPU machine every check runs on gloo and the CPU (small figures; the recipe's layer
 is large), which is what tests use; ``--dry-run`` lists the checks and exits 0.
@@ -268,6 +274,93 @@ def check_recovery_memory(args: argparse.Namespace) -> bool:
     return passed
 
 
+SHRINK_WORLD = 4
+"""The most devices the shrink check's world takes."""
+
+
+def _shrinking_rank(rank: int, world: int, port: int, results) -> None:
+    """One rank of an NCCL world whose last rank is lost: the survivors shrink the world
+    (``next_world``) and all-reduce on it; the lost rank waits for that, then leaves."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from odyssey_megatron.hooks.process_groups import RankMap
+        from odyssey_megatron.hooks.survivor_groups import KeptWorld, next_world, runtime_nccl_version, torch_offers
+
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=WORLD_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl", rank=rank, world_size=world, store=dist.PrefixStore("shrink", store),
+                                timeout=timeout, device_id=device)
+        dist.all_reduce(torch.ones(1, device=device))  # the communicator is up and healthy
+        torch.cuda.synchronize(device)
+        lost = world - 1
+        if rank == lost:  # a removed rank takes no part in the shrink, nor tears its communicator down
+            store.wait(["shrunk"])
+            results.put((rank, "ok", {}))
+            return
+        began = time.monotonic()
+        group = next_world(KeptWorld(dist.distributed_c10d._get_default_group(), RankMap.identity(world, 1)),
+                           ranks=RankMap.identity(lost, 1), held_everywhere=True, backend="nccl",
+                           nccl_version=runtime_nccl_version(), offered=torch_offers())
+        shrink_s = time.monotonic() - began
+        if group is None:
+            raise RuntimeError("next_world made no group from the healthy NCCL world")
+        total = torch.ones(1, device=device)
+        dist.all_reduce(total)  # on the new default group
+        torch.cuda.synchronize(device)
+        figures = {"shrink_s": shrink_s, "rank_after": group.rank(), "size_after": group.size(),
+                   "default": group is dist.distributed_c10d._get_default_group(), "sum": total.item()}
+        if store.add("survivors", 1) == lost:
+            store.set("shrunk", "1")
+        dist.destroy_process_group()
+        results.put((rank, "ok", figures))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it as the check's failure
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+
+
+def check_nccl_shrink(args: argparse.Namespace) -> bool:
+    from odyssey_megatron.hooks.survivor_groups import keeps_parent, runtime_nccl_version, torch_offers
+
+    accelerator = _accelerator()
+    if accelerator.backend != "nccl" or accelerator.device_count < 2:
+        return _emit("nccl_shrink", "skipped",
+                     reason=f"{accelerator.device_count} {accelerator.device_type} device(s): NCCL needs two")
+    version = runtime_nccl_version()
+    if not keeps_parent(backend="nccl", nccl_version=version, offered=torch_offers()):
+        return _emit("nccl_shrink", "skipped", nccl_version=version,
+                     reason="this NCCL or torch cannot shrink a communicator: survivors meet afresh")
+    import torch.distributed as dist
+
+    world = min(accelerator.device_count, SHRINK_WORLD)
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_shrinking_rank, args=(r, world, store.port, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = {}
+        while len(got) < world:
+            rank, status, payload = results.get(timeout=2 * WORLD_TIMEOUT_S)
+            if status == "error":
+                return _emit("nccl_shrink", "failed", nccl_version=version, error=f"rank {rank}: {payload}")
+            got[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    survivors = [got[rank] for rank in range(world - 1)]
+    ok = all(f["default"] and f["size_after"] == world - 1 and f["rank_after"] == rank and f["sum"] == world - 1
+             for rank, f in enumerate(survivors))
+    return _emit("nccl_shrink", "ok" if ok else "failed", nccl_version=version, world_before=world,
+                 world_after=world - 1, shrink_s=[f["shrink_s"] for f in survivors], survivors=survivors)
+
+
 CHECKS: dict[str, tuple[str, Callable[[argparse.Namespace], bool]]] = {
     "stage_step_time": ("a Llama-2 7B layer stage on the device: measured vs the estimator's price", check_stage_step_time),
     "snapshot_copy": ("a layer's state copied into pinned host memory on a side stream: bandwidth and overlap",
@@ -275,6 +368,8 @@ CHECKS: dict[str, tuple[str, Callable[[argparse.Namespace], bool]]] = {
     "recovery_memory": (f"device memory, live tensors and groups after {RECOVERIES} in-process recoveries of a "
                         "2-rank world (gloo on one device; NCCL where two exist, with nccl_abort_in_flight)",
                         check_recovery_memory),
+    "nccl_shrink": (f"a world of up to {SHRINK_WORLD} GPUs losing its last rank, the survivors' world from a real "
+                    "NCCL shrink of the healthy communicator (survivor_groups.next_world)", check_nccl_shrink),
 }
 """Each check's name, what it shows, and the function that runs it and prints its lines."""
 
