@@ -10,6 +10,7 @@ and time are one tensor-parallel shard's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from odyssey_megatron.blocks import EMBEDDING, OUTPUT, Block, StageSpec, stage_blocks
@@ -158,6 +159,16 @@ class ModelProfile:
             weight_grad_s = None if cost.weight_grad_s is None else cost.weight_grad_s * backward
             return replace(cost, forward_s=cost.forward_s * forward, backward_s=cost.backward_s * backward,
                            weight_grad_s=weight_grad_s)
+
+        return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
+                       output=block(self.output))
+
+    def optimizer_sharded(self, share: float) -> "ModelProfile":
+        """This profile with each block's optimizer state a rank keeps cut to ``share`` of it
+        (rounded up): what the distributed optimizer keeps per rank on average
+        (``optimizer_shards.owned_share``), so every memory check counts the sharded state."""
+        def block(cost: BlockCost) -> BlockCost:
+            return replace(cost, optimizer_bytes=math.ceil(cost.optimizer_bytes * share))
 
         return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
                        output=block(self.output))
