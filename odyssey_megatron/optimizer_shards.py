@@ -7,21 +7,26 @@ Megatron-Core's ``DistributedOptimizer`` (ZeRO-1) shards exactly that state, the
 and moments, across the DP group; weights and gradients stay whole on every rank, the
 gradients are reduce-scattered and the stepped weights all-gathered.
 
-Here the state is sharded by block, the unit recovery already moves (``restorer``'s
-``Transfer``), and every block's state has ``REPLICAS`` owners among the workers holding
-it (all of them where fewer hold it):
+Here each block's state (its tensors flattened in ``blocks.state_entries`` order, as a
+transfer sends them) is cut into one contiguous range per worker holding the block, and
+every range has ``REPLICAS`` owners among them (all of them where fewer hold it): range i
+is kept by holders i and i+1 (cyclically), so each holder keeps two neighbouring ranges.
+Whole blocks as shards would be uneven (34 blocks of Llama-2 7B over 16 peers: five blocks
+on some, four on others, 17% above the share), ranges are exact; and the restorer still
+thinks in blocks, the unit recovery moves (``restorer``'s ``Transfer``): block b's ranges
+and who keeps each.
 
 - gradients are still summed on every holder (``hooks.grad_sync``'s all-reduce, so the
   global norm and clipping are unchanged);
-- each owner steps its blocks; both owners compute the identical Adam update from the
+- each owner steps its ranges; both owners compute the identical Adam update from the
   identical gradient and state, so their copies stay equal with no traffic between them;
-- the stepped weights go from an owner to the holders that do not own the block: an
+- the stepped weights go from an owner to the holders that do not own the range: an
   all-gather of the weights over the unit, as Megatron's, which the estimator prices
   (``estimator.communication.param_gather_time``).
 
-A single failure then loses no optimizer state: every block's second owner survives
-and becomes the source a reroute or reparallelization moves it from; only losing both
-owners of a block falls back to the snapshot, then the disk.
+A single failure then loses no optimizer state: each of its ranges' other owner
+survives and is the source a reroute or reparallelization moves it from; only losing
+both owners of a range (two neighbouring holders) falls back to the snapshot, then the disk.
 
 Why replicas, not parity (REFT, paper 004, ``snapshot.parity``), by bytes for P
 parameters of a stage and a DP group of n: two replicas keep 12 P (2 / n) bytes of
@@ -33,44 +38,46 @@ re-encoded every step: an XOR reduction of the fp32 state, about 12 P (n - 2) / 
 bytes of traffic per rank (10.3 P for n = 8), five times the 2 P of the bf16 weight
 all-gather the sharding needs anyway, while the second owner of a replica computes its
 copy for free from the gradient it already has. A recovery from parity also reads n - 1
-survivors and XORs them; from a replica it is one block move. Replicas it is.
+survivors and XORs them; from a replica it is one move from the surviving owner.
+Replicas it is.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Sequence, TypeVar
+from typing import Sequence
 
-__all__ = ["REPLICAS", "owned_share", "shard_owners"]
+__all__ = ["REPLICAS", "fullest_share", "owned_ranges", "owned_share"]
 
 REPLICAS = 2
-"""Owners of each block's optimizer state: one failure loses none of it."""
-
-Block = TypeVar("Block", bound=Hashable)
-"""A ``blocks.Block``; this module stands below the block geometry (the recipe's keys read it)."""
+"""Owners of each range of a block's optimizer state: one failure loses none of it."""
 
 
 def owned_share(holders: int) -> float:
-    """The share of their blocks' optimizer state each of ``holders`` workers keeps on
-    average: ``REPLICAS`` copies spread over them (all of it for one or two holders)."""
+    """The share of a block's optimizer state each of its ``holders`` keeps: ``REPLICAS``
+    copies spread evenly over them (all of it for one or two holders)."""
     if holders < 1:
         raise ValueError(f"holders must be >= 1; got {holders}")
     return min(REPLICAS, holders) / holders
 
 
-def shard_owners(state_bytes: Mapping[Block, int], holders: Sequence[int]) -> dict[Block, tuple[int, ...]]:
-    """The owners of each block's optimizer state among ``holders`` (the workers that hold
-    every block of ``state_bytes``, its optimizer bytes, in model order): the largest blocks
-    first (model order among equals), each to the ``min(REPLICAS, len(holders))``
-    least-loaded holders (the lower worker on a tie), so every holder keeps about
-    ``owned_share`` of the bytes. Every holder computes the same answer from the same plan."""
+def owned_ranges(numel: int, holders: Sequence[int]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """The [start, end) element ranges of a block's flattened optimizer state (``numel``
+    elements) each of ``holders`` keeps: one near-equal range per holder in worker order,
+    range i kept by holders i and i+1 (cyclically), so every element has
+    ``min(REPLICAS, len(holders))`` owners and every holder about ``owned_share`` of them.
+    Every holder computes the same answer from the same plan."""
     workers = sorted(set(holders))
     if not workers:
         raise ValueError("a block needs at least one holder")
-    load = {worker: 0 for worker in workers}
-    owners: dict[Block, tuple[int, ...]] = {}
-    for block in sorted(state_bytes, key=lambda b: -state_bytes[b]):  # stable: model order among equals
-        chosen = sorted(workers, key=lambda w: (load[w], w))[:REPLICAS]
-        for worker in chosen:
-            load[worker] += state_bytes[block]
-        owners[block] = tuple(sorted(chosen))
-    return owners
+    n = len(workers)
+    if n <= REPLICAS:
+        return {worker: ((0, numel),) for worker in workers}
+    bounds = [numel * i // n for i in range(n + 1)]
+    return {worker: tuple((bounds[r], bounds[r + 1]) for r in sorted({(i - 1) % n, i}))
+            for i, worker in enumerate(workers)}
+
+
+def fullest_share(numel: int, holders: int) -> int:
+    """Of a block's ``numel`` elements of optimizer state, how many the fullest of its
+    ``holders`` keeps (``owned_ranges``): what its memory must hold."""
+    return max(sum(end - start for start, end in kept) for kept in owned_ranges(numel, range(holders)).values())

@@ -10,11 +10,11 @@ and time are one tensor-parallel shard's.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from odyssey_megatron.blocks import EMBEDDING, OUTPUT, Block, StageSpec, stage_blocks
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.optimizer_shards import fullest_share
 from odyssey_megatron.specs.devices import DeviceSpec
 
 # Megatron mixed precision with a distributed-optimizer-free Adam: fp32 main grads,
@@ -163,12 +163,12 @@ class ModelProfile:
         return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
                        output=block(self.output))
 
-    def optimizer_sharded(self, share: float) -> "ModelProfile":
-        """This profile with each block's optimizer state a rank keeps cut to ``share`` of it
-        (rounded up): what the distributed optimizer keeps per rank on average
-        (``optimizer_shards.owned_share``), so every memory check counts the sharded state."""
+    def optimizer_sharded(self, holders: int) -> "ModelProfile":
+        """This profile with each block's optimizer state cut to what the fullest of its
+        ``holders`` DP peers keeps under the distributed optimizer
+        (``optimizer_shards.fullest_share``), so every memory check counts the sharded state."""
         def block(cost: BlockCost) -> BlockCost:
-            return replace(cost, optimizer_bytes=math.ceil(cost.optimizer_bytes * share))
+            return replace(cost, optimizer_bytes=fullest_share(cost.optimizer_bytes, holders))
 
         return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
                        output=block(self.output))

@@ -167,13 +167,13 @@ def recipe_profile(config: RecipeConfig) -> ModelProfile:
     """The profile the recipe's plans are priced with: the file ``odyssey.profile`` names
     (``profile_file``; ConfigError if it is bad or measured for another model), else the
     analytic profile of its model on ``cluster.device``; with ``odyssey.distributed_optimizer``
-    each rank's optimizer state is the share it keeps at the recipe's DP size."""
+    each rank's optimizer state is what it keeps at the recipe's DP size."""
     if config.odyssey.profile is not None:
         profile = recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
     else:
         profile = analytic_recipe_profile(config, device=config.cluster.device)
     if config.odyssey.distributed_optimizer:
-        return profile.optimizer_sharded(owned_share(config.parallel.data_parallel_size))
+        return profile.optimizer_sharded(config.parallel.data_parallel_size)
     return profile
 
 
