@@ -523,7 +523,7 @@ class BridgeRecipe:
         if self.distributed_optimizer is not None:
             full, sharded = optimizer_bytes
             lines.append(f"{self.distributed_optimizer}: true shards the optimizer state (fp32 master weights and "
-                         f"Adam moments) over the data-parallel peers, each block's on {REPLICAS} of them: "
+                         f"Adam moments) over the data-parallel peers, every part on {REPLICAS} of them: "
                          f"{sharded / GIB:.1f} GiB per rank here instead of {full / GIB:.1f} GiB; plan and simulate "
                          "price it, odyssey train does not run it yet")
         return lines

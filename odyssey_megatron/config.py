@@ -621,8 +621,8 @@ class OdysseyConfig:
     op lists."""
     distributed_optimizer: bool = False
     """Shard each stage's optimizer state (fp32 master weights and Adam moments) across its
-    data-parallel peers as Megatron-Core's distributed optimizer does, every block's state
-    on two of them so one failure loses none (``optimizer_shards``); a Bridge recipe's
+    data-parallel peers as Megatron-Core's distributed optimizer does, every range of a
+    block's state on two of them so one failure loses none (``optimizer_shards``); a Bridge recipe's
     use_distributed_optimizer sets it. ``odyssey plan`` and ``odyssey simulate`` price the
     memory it frees and the weight all-gather it adds; ``odyssey train`` turns it off and
     says so (its ranks keep a full copy, ``runtime.train.as_trained``)."""

@@ -442,7 +442,7 @@ def test_the_live_run_keeps_a_full_optimizer_copy_and_says_so(caplog):
 def test_the_sharded_optimizer_state_is_named_with_its_size_and_plans_a_layout_a_full_copy_does_not_fit(capsys):
     assert _notes(NESTED)[-1] == (
         "optimizer.use_distributed_optimizer: true shards the optimizer state (fp32 master weights and Adam moments) "
-        "over the data-parallel peers, each block's on 2 of them: 4.7 GiB per rank here instead of 37.7 GiB; plan "
+        "over the data-parallel peers, every part on 2 of them: 4.7 GiB per rank here instead of 37.7 GiB; plan "
         "and simulate price it, odyssey train does not run it yet")
     one_tp = ["plan", "--config", NESTED, "model.transformer.tensor_model_parallel_size=1"]
     code, _, err = run([*one_tp, *NO_DISTRIBUTED_OPTIMIZER], capsys)
@@ -453,6 +453,11 @@ def test_the_sharded_optimizer_state_is_named_with_its_size_and_plans_a_layout_a
         "optimizer.use_distributed_optimizer: true would shard it); raise "
         "model.transformer.pipeline_model_parallel_size or model.transformer.tensor_model_parallel_size, or use "
         "devices with more memory")
+    code, _, err = run([*one_tp, "odyssey.memory_budget_gib=40"], capsys)
+    assert code == 2 and err.strip().splitlines()[-1].endswith(
+        "fits the memory budget of 40.0 GiB per device; each rank holds 4.7 GiB of optimizer state, sharded by "
+        "optimizer.use_distributed_optimizer; raise model.transformer.pipeline_model_parallel_size or "
+        "model.transformer.tensor_model_parallel_size, or use devices with more memory")
     code, out, err = run([*one_tp, "--json"], capsys)  # 32 DP peers keep 2/32 of it each: Bridge's layout fits
     assert code == 0, err
     plan = json.loads(out)
