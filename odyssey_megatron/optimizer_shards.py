@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["REPLICAS", "fullest_share", "owned_ranges", "owned_share"]
+__all__ = ["REPLICAS", "first_owned_range", "fullest_share", "owned_ranges", "owned_share"]
 
 REPLICAS = 2
 """Owners of each range of a block's optimizer state: one failure loses none of it."""
@@ -81,3 +81,13 @@ def fullest_share(numel: int, holders: int) -> int:
     """Of a block's ``numel`` elements of optimizer state, how many the fullest of its
     ``holders`` keeps (``owned_ranges``): what its memory must hold."""
     return max(sum(end - start for start, end in kept) for kept in owned_ranges(numel, range(holders)).values())
+
+
+def first_owned_range(numel: int, holders: Sequence[int], worker: int) -> tuple[int, int]:
+    """With more than ``REPLICAS`` holders, the range ``worker`` is the first owner of
+    (range i of holder i, in worker order):
+    the part it sends in the weight all-gather and counts in the global gradient norm, so
+    each element is sent and counted once."""
+    workers = sorted(set(holders))
+    i, n = workers.index(worker), len(workers)
+    return numel * i // n, numel * (i + 1) // n

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from odyssey_megatron.optimizer_shards import REPLICAS, fullest_share, owned_ranges, owned_share
+from odyssey_megatron.optimizer_shards import REPLICAS, first_owned_range, fullest_share, owned_ranges, owned_share
 
 
 @pytest.mark.parametrize("numel", [1, 7, 1000, 4096 * 11008])
@@ -24,6 +24,10 @@ def test_every_element_has_two_owners_and_each_holder_keeps_its_share(numel, hol
                     owners[element] += 1
     if owners is not None:
         assert set(owners) == {min(REPLICAS, len(holders))}
+    if len(holders) > REPLICAS:  # each element sent and counted once, by one of its owners
+        first = sorted(first_owned_range(numel, holders, worker) for worker in holders)
+        assert [start for start, _ in first] == [0] + [end for _, end in first[:-1]] and first[-1][1] == numel
+        assert all(first_owned_range(numel, holders, w) in ranges[w] for w in holders)
     if len(holders) > 1:  # any one holder lost: every element still has an owner
         for lost in holders:
             left = sorted(r for worker, kept in ranges.items() if worker != lost for r in kept)
