@@ -170,6 +170,20 @@ def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
                    settings=runner_settings(model, schedule="megatron"))
 
 
+def test_the_distributed_optimizer_refuses_a_staggered_step():
+    from odyssey_megatron.hooks.process_groups import RankMap
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+    from runtime_cases import SEED, runner_settings, tiny_model
+
+    plan = symmetric_plan(dp=3, pp=1, num_layers=2, micro_batches_per_pipeline=1)
+    program = replace(step_program(plan, uniform_profile(num_layers=2)), staggered_optimizer=True)
+    ranks, model = RankMap.identity(3, 1), tiny_model(2)
+    with pytest.raises(ValueError, match="a staggered optimizer step cannot run with the distributed optimizer"):
+        PlanRunner(plan=plan, program=program, rank=0, ranks=ranks,
+                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED),
+                   settings=runner_settings(model, distributed_optimizer=True))
+
+
 def test_auto_takes_megatrons_schedule_only_for_plain_1f1b_and_megatron_is_refused_elsewhere():
     """``resolve_schedule`` is pure: each reason Megatron's 1F1B cannot run a step, alone."""
     from odyssey_megatron.hooks.process_groups import RankMap
