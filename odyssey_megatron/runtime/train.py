@@ -89,8 +89,8 @@ def as_trained(config: RecipeConfig) -> RecipeConfig:
     """``config`` as the live run trains and prices it, each change said in one log line:
     the optimizer steps after its step commits (a staggered rank would step before its
     step commits; the live run commits every step first, and its decisions price that), and
-    every rank keeps a full copy of its optimizer state (the ranks do not train sharded
-    state yet, nor recover it from a block's second owner: nothing is lost)."""
+    every rank keeps a full copy of its optimizer state (snapshots, checkpoints and recovery
+    read whole blocks, so the live worker does not shard it yet: nothing is lost)."""
     odyssey = config.odyssey
     if odyssey.staggered_optimizer:
         log.info("odyssey train: the optimizer steps after each step commits (odyssey.staggered_optimizer "
