@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from odyssey_megatron.bridge_fields import (BRIDGE_VERSIONS, REQUIRED, checked_sections, closest_version, encode,
                                             megatron_core_version, section_fields, transformer_fields)
 from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.optimizer_shards import REPLICAS
 from odyssey_megatron.units import GIB
 
 __all__ = ["BridgeRecipe", "is_bridge_recipe"]
@@ -489,6 +490,12 @@ class BridgeRecipe:
                               "Hugging Face config.json for the architecture")
         for target, value in {**BRIDGE_OPTIMIZER_DEFAULTS, **BRIDGE_SCHEDULER_DEFAULTS}.items():
             values.setdefault(target, value)
+        if distributed_optimizer is not None:
+            if own.get("odyssey", {}).get("distributed_optimizer", True) is not True:
+                raise ConfigError("odyssey.distributed_optimizer", f"must agree with {distributed_optimizer} (true), "
+                                                                   "which sets the same; leave it out")
+            values["odyssey.distributed_optimizer"] = True
+            names["odyssey.distributed_optimizer"] = distributed_optimizer
         out = {section: own[section] for section in OWN_SECTIONS if section in own}
         for target, value in values.items():
             section, _, key = target.partition(".")
@@ -505,9 +512,8 @@ class BridgeRecipe:
 
     def notes(self, optimizer_bytes: tuple[float, float]) -> list[str]:
         """The lines to print once the recipe is read: what the plugin does not use, and what
-        a full optimizer copy per rank costs where the recipe asked for a distributed one
-        (``optimizer_bytes``: a full copy's bytes per rank and a sharded one's,
-        ``profile_file.optimizer_bytes_per_rank``)."""
+        the distributed optimizer the recipe asked for holds per rank (``optimizer_bytes``:
+        a full copy's bytes per rank and a sharded one's, ``profile_file.optimizer_bytes_per_rank``)."""
         sections = [name for name in self.ignored if "." not in name]
         keys = [name for name in self.ignored if "." in name]
         parts = ([f"sections {', '.join(sections)}"] if sections else []) + ([f"keys {', '.join(keys)}"] if keys else [])
@@ -516,21 +522,21 @@ class BridgeRecipe:
         lines = [f"Megatron-Bridge recipe: not used by the odyssey plugin: {'; '.join(parts)}"] if parts else []
         if self.distributed_optimizer is not None:
             full, sharded = optimizer_bytes
-            lines.append(f"{self.distributed_optimizer}: true is not applied: the plugin keeps a full copy of the "
-                         f"optimizer state on every rank (fp32 master weights and Adam moments, {full / GIB:.1f} GiB "
-                         f"per rank here, where Megatron's distributed optimizer would hold {sharded / GIB:.1f} GiB)")
+            lines.append(f"{self.distributed_optimizer}: true shards the optimizer state (fp32 master weights and "
+                         f"Adam moments) over the data-parallel peers, every part on {REPLICAS} of them: "
+                         f"{sharded / GIB:.1f} GiB per rank here instead of {full / GIB:.1f} GiB; plan and simulate "
+                         "price it, odyssey train does not run it yet")
         return lines
 
     def plan_error(self, problem: str, optimizer_bytes: tuple[float, float]) -> ConfigError:
-        """No plan of the recipe's layout fits memory: say so in Bridge's keys, with the cause
-        (``optimizer_bytes`` as ``notes`` takes them)."""
+        """No plan of the recipe's layout fits memory: say so in Bridge's keys, with the
+        optimizer state each rank holds (``optimizer_bytes`` as ``notes`` takes them)."""
         pp, tp = self.names["parallel.pipeline_model_parallel_size"], self.names["parallel.tensor_model_parallel_size"]
-        cause = ""
-        if self.distributed_optimizer is not None:
-            full, sharded = optimizer_bytes
-            cause = (f"; each rank holds a full copy of the optimizer state ({full / GIB:.1f} GiB; "
-                     f"{self.distributed_optimizer} would shard it to {sharded / GIB:.1f} GiB, which the plugin "
-                     "does not do yet)")
+        full, sharded = optimizer_bytes
+        cause = (f"; each rank holds {sharded / GIB:.1f} GiB of optimizer state, sharded by {self.distributed_optimizer}"
+                 if self.distributed_optimizer is not None else
+                 f"; each rank holds a full copy of the optimizer state ({full / GIB:.1f} GiB; "
+                 "optimizer.use_distributed_optimizer: true would shard it)")
         return ConfigError(pp, f"{problem}{cause}; raise {pp} or {tp}, or use devices with more memory")
 
 

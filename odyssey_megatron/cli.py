@@ -202,6 +202,7 @@ def decision_json(decision: Decision, published: dict) -> dict:
         "est_step_time_s": chosen.estimate.step_time_s,
         "est_pipeline_time_s": chosen.estimate.pipeline_time_s,
         "est_sync_time_s": chosen.estimate.sync_time_s,
+        "est_param_gather_time_s": chosen.estimate.param_gather_time_s,
         "est_transition_s": chosen.transition_s,
         "est_peak_memory_bytes": [list(stages) for stages in chosen.estimate.peak_memory_bytes],
         "memory_budget_bytes": chosen.estimate.memory_budget_bytes,
@@ -228,6 +229,7 @@ def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str,
     lines = [
         f"after failure of {failed}: {c.policy} (plan generation {plan.generation}), layout {c.layout}",
         f"  step time   {est.step_time_s:.3f} s = pipeline {est.pipeline_time_s:.3f} s + DP sync {est.sync_time_s:.3f} s"
+        + (f" + weight all-gather {est.param_gather_time_s:.3f} s" if est.param_gather_time_s else "") +
         f"  ({est.samples_per_s:.2f} samples/s, {est.tokens_per_s:,.0f} tokens/s)",
         f"  transition  {c.transition_s:.2f} s  ({len(plan.transfers)} transfers, {moved / GIB:.2f} GiB moved)",
         f"  Eq. 8 score {c.score:.3f}  (over {decision.horizon_s / SECONDS_PER_HOUR:.2f} h; expected time to next "

@@ -619,6 +619,13 @@ class OdysseyConfig:
     bubbles (paper 003's Decoupled BackProp), where that is faster and fits in memory;
     every plan, failure-free or rerouted, gets the same choice. False keeps plain 1F1B
     op lists."""
+    distributed_optimizer: bool = False
+    """Shard each stage's optimizer state (fp32 master weights and Adam moments) across its
+    data-parallel peers as Megatron-Core's distributed optimizer does, every range of a
+    block's state on two of them so one failure loses none (``optimizer_shards``); a Bridge recipe's
+    use_distributed_optimizer sets it. ``odyssey plan`` and ``odyssey simulate`` price the
+    memory it frees and the weight all-gather it adds; ``odyssey train`` turns it off and
+    says so (its ranks keep a full copy, ``runtime.train.as_trained``)."""
     staggered_optimizer: bool = True
     """Each rank steps its optimizer as soon as its own DP peers are done instead of after
     the global gradient norm, so stages that finish early start the next step early
@@ -782,7 +789,8 @@ class OdysseyConfig:
     @property
     def pricing(self) -> Pricing:
         """How plans are priced and run (``settings.Pricing``)."""
-        return Pricing(decouple=self.decoupled_weight_grads, staggered=self.staggered_optimizer)
+        return Pricing(decouple=self.decoupled_weight_grads, staggered=self.staggered_optimizer,
+                       distributed_optimizer=self.distributed_optimizer)
 
     @property
     def search(self) -> SearchSettings:

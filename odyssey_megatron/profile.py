@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from odyssey_megatron.blocks import EMBEDDING, OUTPUT, Block, StageSpec, stage_blocks
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.optimizer_shards import fullest_share
 from odyssey_megatron.specs.devices import DeviceSpec
 
 # Megatron mixed precision with a distributed-optimizer-free Adam: fp32 main grads,
@@ -158,6 +159,16 @@ class ModelProfile:
             weight_grad_s = None if cost.weight_grad_s is None else cost.weight_grad_s * backward
             return replace(cost, forward_s=cost.forward_s * forward, backward_s=cost.backward_s * backward,
                            weight_grad_s=weight_grad_s)
+
+        return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
+                       output=block(self.output))
+
+    def optimizer_sharded(self, holders: int) -> "ModelProfile":
+        """This profile with each block's optimizer state cut to what the fullest of its
+        ``holders`` DP peers keeps under the distributed optimizer
+        (``optimizer_shards.fullest_share``), so every memory check counts the sharded state."""
+        def block(cost: BlockCost) -> BlockCost:
+            return replace(cost, optimizer_bytes=fullest_share(cost.optimizer_bytes, holders))
 
         return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
                        output=block(self.output))

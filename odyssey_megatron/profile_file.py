@@ -39,6 +39,7 @@ from odyssey_megatron import limits
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.input_files import read_text
+from odyssey_megatron.optimizer_shards import owned_share
 from odyssey_megatron.profile import BlockCost, ModelProfile, analytic_profile
 from odyssey_megatron.specs import DEVICE_SPECS, device_spec
 from odyssey_megatron.units import GIB
@@ -165,10 +166,15 @@ def recipe_profile_file(path: str | Path, config: RecipeConfig, *, key: str) -> 
 def recipe_profile(config: RecipeConfig) -> ModelProfile:
     """The profile the recipe's plans are priced with: the file ``odyssey.profile`` names
     (``profile_file``; ConfigError if it is bad or measured for another model), else the
-    analytic profile of its model on ``cluster.device``."""
+    analytic profile of its model on ``cluster.device``; with ``odyssey.distributed_optimizer``
+    each rank's optimizer state is what it keeps at the recipe's DP size."""
     if config.odyssey.profile is not None:
-        return recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
-    return analytic_recipe_profile(config, device=config.cluster.device)
+        profile = recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
+    else:
+        profile = analytic_recipe_profile(config, device=config.cluster.device)
+    if config.odyssey.distributed_optimizer:
+        return profile.optimizer_sharded(config.parallel.data_parallel_size)
+    return profile
 
 
 def analytic_recipe_profile(config: RecipeConfig, *, device: str) -> ModelProfile:
@@ -285,14 +291,14 @@ def _value(hint: Any, value: Any, where: str, *, positive: bool) -> Any:
 
 
 def optimizer_bytes_per_rank(config: RecipeConfig) -> tuple[float, float]:
-    """Bytes of optimizer state per rank: a full copy of its stage's (what the plugin keeps),
-    and what Megatron's distributed optimizer would hold (sharded over the DP ranks)."""
+    """Bytes of optimizer state per rank: a full copy of its stage's, and what the
+    distributed optimizer keeps (``optimizer_shards.owned_share`` of it)."""
     from odyssey_megatron.blocks import EMBEDDING, OUTPUT
 
     profile = analytic_recipe_profile(config, device=config.cluster.device)
     blocks = [EMBEDDING, *range(profile.num_layers), OUTPUT]
     full = sum(profile.block(block).optimizer_bytes for block in blocks) / config.parallel.pipeline_model_parallel_size
-    return full, full / config.parallel.data_parallel_size
+    return full, full * owned_share(config.parallel.data_parallel_size)
 
 
 def emulated_profile(config: RecipeConfig) -> ModelProfile | None:

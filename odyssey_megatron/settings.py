@@ -19,6 +19,9 @@ class Pricing:
     """Split backwards where they pay (``odyssey.decoupled_weight_grads``)."""
     staggered: bool = False
     """Staggered optimizer steps where they pay (``odyssey.staggered_optimizer``)."""
+    distributed_optimizer: bool = False
+    """Optimizer state sharded over DP peers: the stepped weights are all-gathered after
+    every step (``odyssey.distributed_optimizer``)."""
 
 
 PLAIN = Pricing()

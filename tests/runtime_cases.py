@@ -95,11 +95,12 @@ def reference(rank: int, world_size: int, num_layers: int, num_micro_batches: in
 
 def run_plan(
     rank: int, world_size: int, published: str, workers: tuple[int, ...], schedule: str, tie_embeddings: bool,
-    overlap: bool,
+    overlap: bool, distributed_optimizer: bool = False,
 ) -> dict:
     """Train STEPS steps of the ``published`` plan (its JSON alone: the plan and its step
     program) on this rank; report losses, first-step grads (synced and clipped;
-    staggered: synced, and clipped only later, if at all), final params."""
+    staggered: synced, and clipped only later, if at all), final params, and how many
+    elements the optimizer steps here against the stage's parameters."""
     from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
 
     plan, program = read_published(json.loads(published))
@@ -110,7 +111,8 @@ def run_plan(
         rank=rank,
         ranks=ranks,
         state=initial_state(plan=plan, rank=rank, ranks=ranks, model=model, seed=SEED),
-        settings=runner_settings(model, schedule=schedule, overlap_grad_sync=overlap),
+        settings=runner_settings(model, schedule=schedule, overlap_grad_sync=overlap,
+                                 distributed_optimizer=distributed_optimizer),
     )
     source, losses, first_grads, early = data(), [], None, []
     for step in range(STEPS):
@@ -131,6 +133,8 @@ def run_plan(
         "weight_grad_ops": sum(op.kind == "W" for op in runner.ops),
         "started_during_backward": early,
         "retaken_steps": runner.retaken_steps,
+        "stepped_elements": (sum(p.numel() for p in runner.optimizer.megatron.get_parameters()),
+                             sum(p.numel() for p in runner.model.parameters())),
     }
 
 

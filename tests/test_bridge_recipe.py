@@ -417,19 +417,53 @@ def test_fp16_is_refused_in_one_line_saying_why(overrides, key, capsys):
         load_config(FLAT, ["mixed_precision=bf16_with_fp8_delayed_scaling_mixed"])
 
 
-def test_a_distributed_optimizer_is_named_with_its_cost_and_the_memory_error_names_bridges_keys(capsys):
+NO_DISTRIBUTED_OPTIMIZER = ["optimizer.use_distributed_optimizer=false", "ddp.use_distributed_optimizer=false"]
+
+
+def test_bridges_distributed_optimizer_turns_on_the_sharded_state_and_agrees_with_the_odyssey_key():
+    assert load_config(FLAT).odyssey.distributed_optimizer is True
+    assert load_config(FLAT, NO_DISTRIBUTED_OPTIMIZER).odyssey.distributed_optimizer is False
+    assert load_config(FLAT, ["odyssey.distributed_optimizer=true"]).odyssey.distributed_optimizer is True
+    with pytest.raises(ConfigError, match=r"^odyssey.distributed_optimizer: must agree with "
+                                          r"optimizer.use_distributed_optimizer \(true\), which sets the same"):
+        load_config(FLAT, ["odyssey.distributed_optimizer=false"])
+
+
+def test_the_live_run_keeps_a_full_optimizer_copy_and_says_so(caplog):
+    from odyssey_megatron.runtime.train import as_trained
+
+    with caplog.at_level("WARNING", logger="odyssey_megatron.runtime.train"):
+        trained = as_trained(load_config(FLAT))
+    assert trained.odyssey.distributed_optimizer is False and not trained.odyssey.staggered_optimizer
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.levelname == "WARNING"] == [
+        "odyssey train: every rank keeps a full copy of its optimizer state"]
+
+
+def test_the_sharded_optimizer_state_is_named_with_its_size_and_plans_a_layout_a_full_copy_does_not_fit(capsys):
     assert _notes(NESTED)[-1] == (
-        "optimizer.use_distributed_optimizer: true is not applied: the plugin keeps a full copy of the optimizer "
-        "state on every rank (fp32 master weights and Adam moments, 37.7 GiB per rank here, where Megatron's "
-        "distributed optimizer would hold 2.4 GiB)")
-    code, _, err = run(["plan", "--config", NESTED, "model.transformer.tensor_model_parallel_size=1"], capsys)
+        "optimizer.use_distributed_optimizer: true shards the optimizer state (fp32 master weights and Adam moments) "
+        "over the data-parallel peers, every part on 2 of them: 4.7 GiB per rank here instead of 37.7 GiB; plan "
+        "and simulate price it, odyssey train does not run it yet")
+    one_tp = ["plan", "--config", NESTED, "model.transformer.tensor_model_parallel_size=1"]
+    code, _, err = run([*one_tp, *NO_DISTRIBUTED_OPTIMIZER], capsys)
     assert code == 2
     assert err.strip().splitlines()[-1] == (
         "odyssey: error: model.transformer.pipeline_model_parallel_size: no split of 32 layers over 1 stages fits the "
         "memory budget of 76.0 GiB per device; each rank holds a full copy of the optimizer state (75.3 GiB; "
-        "optimizer.use_distributed_optimizer would shard it to 2.4 GiB, which the plugin does not do yet); raise "
+        "optimizer.use_distributed_optimizer: true would shard it); raise "
         "model.transformer.pipeline_model_parallel_size or model.transformer.tensor_model_parallel_size, or use "
         "devices with more memory")
+    code, _, err = run([*one_tp, "odyssey.memory_budget_gib=40"], capsys)
+    assert code == 2 and err.strip().splitlines()[-1].endswith(
+        "fits the memory budget of 40.0 GiB per device; each rank holds 4.7 GiB of optimizer state, sharded by "
+        "optimizer.use_distributed_optimizer; raise model.transformer.pipeline_model_parallel_size or "
+        "model.transformer.tensor_model_parallel_size, or use devices with more memory")
+    code, out, err = run([*one_tp, "--json"], capsys)  # 32 DP peers keep 2/32 of it each: Bridge's layout fits
+    assert code == 0, err
+    plan = json.loads(out)
+    peaks = [peak for stages in plan["est_peak_memory_bytes"] for peak in stages]
+    assert len(peaks) == 32 and max(peaks) <= plan["memory_budget_bytes"]
+    assert plan["est_param_gather_time_s"] > 0
 
 
 def test_plan_on_a_dump_prints_its_answer_with_no_warning_lines_above_it():

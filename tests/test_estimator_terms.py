@@ -2,7 +2,8 @@
 step scales with the parameter bytes of the rank that holds the most, the global norm's
 all-reduce spans every training rank (and hides behind a staggered step), a fixed cost
 per op is paid by every op (twice by a split backward), all-reduces use the profiler's
-fit, and a measured weight-gradient share moves work from B to W."""
+fit, a measured weight-gradient share moves work from B to W, and the distributed
+optimizer keeps its share of the state and all-gathers the stepped weights."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator import estimate_plan
-from odyssey_megatron.estimator.communication import sync_time
+from odyssey_megatron.estimator.communication import param_gather_time, sync_time
 from odyssey_megatron.estimator.optimizer import norm_allreduce_time, optimizer_time
 from odyssey_megatron.estimator.replay import op_graph
 from odyssey_megatron.profile import BlockCost, analytic_profile, uniform_profile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.settings import Pricing
 from odyssey_megatron.schedules.ops import BACKWARD, FORWARD, WEIGHT_GRAD, Op
 from odyssey_megatron.specs.devices import device_spec
 
@@ -67,6 +69,21 @@ def test_sync_uses_the_profilers_all_reduce_fit_within_a_node():
     assert sync_time(plan, fitted, node) == pytest.approx(2 * 0.1 + 80 / 40)
     apart = ClusterState(world_size=2, devices_per_node=1)  # no faster than the inter-node link
     assert sync_time(plan, fitted, apart) == pytest.approx(2 * 0.1 + 80 / 10)
+
+
+def test_the_distributed_optimizer_keeps_its_share_of_the_state_and_all_gathers_the_weights():
+    profile = profile_of(2, intra_node_bandwidth=100.0, inter_node_bandwidth=100.0, link_latency_s=0.5)
+    profile = replace(profile, layers=tuple(replace(layer, optimizer_bytes=120) for layer in profile.layers))
+    plan = with_sync(symmetric_plan(dp=4, pp=1, num_layers=2, micro_batches_per_pipeline=1), profile)
+    # 200 parameter bytes over 4 ranks: each receives 3/4 of them, after 3 latencies
+    assert param_gather_time(plan, profile) == pytest.approx(3 * 0.5 + 150 / 100)
+    full = estimate_plan(plan, profile)
+    sharded = estimate_plan(plan, profile.optimizer_sharded(4), pricing=Pricing(distributed_optimizer=True))
+    assert sharded.param_gather_time_s == pytest.approx(3 * 0.5 + 150 / 100) and full.param_gather_time_s == 0
+    assert sharded.step_time_s == pytest.approx(full.step_time_s + sharded.param_gather_time_s)
+    # two layers of 120 optimizer bytes, each of the 4 ranks keeping half: 120 fewer bytes a rank
+    assert [m - 120 for m in full.peak_memory_bytes[0]] == list(sharded.peak_memory_bytes[0])
+    assert all(peak == sharded.peak_memory_bytes[0][0] for stages in sharded.peak_memory_bytes for peak in stages)
 
 
 def test_every_op_pays_the_fixed_cost_and_a_split_backward_pays_it_twice():

@@ -17,10 +17,11 @@ PACKAGE = REPO / "odyssey_megatron"
 FLOORS: list[tuple[str, str]] = [
     ("odyssey_megatron runtime units errors",
      "words every room uses: the package docstrings, units and the one user-error type"),
-    ("input_files limits typed_yaml specs timeouts settings bridge_fields bridge_recipe run_dir run_lock file_trust "
-     "plotting runtime.checkpoint_index",
+    ("input_files limits typed_yaml specs timeouts settings optimizer_shards bridge_fields bridge_recipe run_dir "
+     "run_lock file_trust plotting runtime.checkpoint_index",
      "facts and files with no notion of a job: bounded reads, size limits, typed YAML with one-line errors, "
-     "shipped specs, timeouts and settings views, Megatron-Bridge's layout, files written whole and trusted, one "
+     "shipped specs, timeouts and settings views, who keeps which optimizer shard, Megatron-Bridge's layout, files "
+     "written whole and trusted, one "
      "controller per run directory, the plotting backend, which checkpoints a run directory holds"),
     ("cluster",
      "which ranks live, and which workers and nodes hold them: the arithmetic every room asks"),

@@ -46,13 +46,15 @@ def published_json(plan, profile, *, decouple=True, staggered=False) -> str:
     return dumps(publish(plan, step_program(plan, profile, pricing=Pricing(decouple=decouple, staggered=staggered))))
 
 
-def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True, staggered=False):
+def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, decouple=True, staggered=False,
+           distributed_optimizer=False):
     """Runs each rank from the published JSON alone; Megatron's 1F1B is published plain."""
     profile = replace(uniform_profile(num_layers=plan.num_layers), tie_embeddings=tie_embeddings)
     published = published_json(plan, profile, decouple=decouple and schedule != "megatron", staggered=staggered)
     expected = run_world(reference, 1, plan.num_layers, plan.num_micro_batches, tie_embeddings)[0]
     world = len(workers) * plan.tensor_parallel_size
-    results = run_world(run_plan, world, published, tuple(workers), schedule, tie_embeddings, overlap)
+    results = run_world(run_plan, world, published, tuple(workers), schedule, tie_embeddings, overlap,
+                        distributed_optimizer)
     for step in range(len(expected["losses"])):
         got = {}
         for r in results:
@@ -62,7 +64,8 @@ def _check(plan, workers, schedule="auto", tie_embeddings=False, overlap=False, 
             assert got[m] == pytest.approx(loss, rel=1e-6)
     seen = set()
     for r in results:
-        for kind in ("grads", "params"):
+        # Sharded, clipping scales the ranges this peer steps, not the gradients it does not use.
+        for kind in ("params",) if distributed_optimizer else ("grads", "params"):
             for name, value in r[kind].items():
                 value = torch.from_numpy(value)
                 full = torch.from_numpy(expected[kind][name])
@@ -105,6 +108,16 @@ def test_rerouted_dp4_pp2_after_one_failure(decouple, staggered):
     assert max(r["ops"] for r in results) > min(r["ops"] for r in results), "peers ran extra micro-batches"
     split = sorted(r["weight_grad_ops"] for r in results)
     assert split == ([3] * 4 + [4] * 3 if decouple else [0] * 7), "every worker splits all its backwards"
+
+
+def test_the_distributed_optimizer_over_three_dp_peers_trains_the_reference_model():
+    """Each peer steps 2/3 of every tensor (two owners a range), counts its first-owned
+    range in the norm and all-gathers the stepped weights: the final weights are the
+    single-process run's, on every peer."""
+    results = _check(symmetric_plan(dp=3, pp=1, num_layers=2, micro_batches_per_pipeline=2), range(3),
+                     distributed_optimizer=True)
+    for stepped, held in (r["stepped_elements"] for r in results):
+        assert stepped == pytest.approx(held * 2 / 3, abs=100), "each peer keeps two of three ranges"
 
 
 def test_rerouted_tensor_parallel_with_tied_embeddings_and_split_backwards():
@@ -155,6 +168,20 @@ def test_megatron_schedule_refuses_a_pipeline_whose_stage_ranks_descend():
         PlanRunner(plan=plan, program=step_program(plan, uniform_profile(num_layers=4)), rank=0, ranks=ranks,
                    state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED),
                    settings=runner_settings(model, schedule="megatron"))
+
+
+def test_the_distributed_optimizer_refuses_a_staggered_step():
+    from odyssey_megatron.hooks.process_groups import RankMap
+    from odyssey_megatron.runtime.rank.plan_runner import PlanRunner, initial_state
+    from runtime_cases import SEED, runner_settings, tiny_model
+
+    plan = symmetric_plan(dp=3, pp=1, num_layers=2, micro_batches_per_pipeline=1)
+    program = replace(step_program(plan, uniform_profile(num_layers=2)), staggered_optimizer=True)
+    ranks, model = RankMap.identity(3, 1), tiny_model(2)
+    with pytest.raises(ValueError, match="a staggered optimizer step cannot run with the distributed optimizer"):
+        PlanRunner(plan=plan, program=program, rank=0, ranks=ranks,
+                   state=initial_state(plan=plan, rank=0, ranks=ranks, model=model, seed=SEED),
+                   settings=runner_settings(model, distributed_optimizer=True))
 
 
 def test_auto_takes_megatrons_schedule_only_for_plain_1f1b_and_megatron_is_refused_elsewhere():

@@ -180,7 +180,7 @@ RECIPE_KEYS = {
     "odyssey.policy": ["reroute", "reparallelize"], "odyssey.device_mtbf_hours": [],
     "odyssey.learn_failure_rate": ["false"], "odyssey.dp_search_radius": [], "odyssey.pp_search_radius": [],
     "odyssey.length_sweep": ["always", "never"], "odyssey.decoupled_weight_grads": ["false"],
-    "odyssey.staggered_optimizer": ["false"], "odyssey.max_layer_splits": [], "odyssey.memory_budget_gib": [],
+    "odyssey.staggered_optimizer": ["false"], "odyssey.distributed_optimizer": ["true"], "odyssey.max_layer_splits": [], "odyssey.memory_budget_gib": [],
     "odyssey.reroute_restart_s": [], "odyssey.reparallelize_restart_s": [], "odyssey.storage_bandwidth_gb_s": [],
     "odyssey.checkpoint_restart_penalty_s": [], "odyssey.heartbeat_interval": ["0.05", "0.01"],
     "odyssey.heartbeat_timeout": ["0.2", "5"], "odyssey.collective_timeout": ["10"], "odyssey.recovery_timeout": ["600"],

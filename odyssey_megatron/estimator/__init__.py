@@ -2,7 +2,8 @@
 
 Step time = pipeline time from the op-list programme (Eq. 10-11; with staggered optimizer
 steps its steady-state period) + DP gradient sync in coloured rounds + the optimizer
-phase (the global norm's all-reduce and Adam, ``estimator.optimizer``). Peak memory per
+phase (the global norm's all-reduce and Adam, ``estimator.optimizer``) + with the
+distributed optimizer the weight all-gather after it. Peak memory per
 stage follows Eq. 14 on the real op lists. The closed forms (Eq. 9, 12-14) live in
 ``closed_form`` for textbook checks.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.estimator.communication import sync_time
+from odyssey_megatron.estimator.communication import param_gather_time, sync_time
 from odyssey_megatron.estimator.distinct import distinct_pipelines
 from odyssey_megatron.estimator.memory import peak_memory
 from odyssey_megatron.estimator.optimizer import optimizer_time
@@ -38,10 +39,12 @@ class PlanEstimate:
     memory_budget_bytes: int
     samples_per_step: int
     tokens_per_sample: int
+    param_gather_time_s: float = 0.0
+    """The distributed optimizer's weight all-gather after the step (``Pricing.distributed_optimizer``)."""
 
     @property
     def step_time_s(self) -> float:
-        return self.pipeline_time_s + self.sync_time_s + self.optimizer_time_s
+        return self.pipeline_time_s + self.sync_time_s + self.optimizer_time_s + self.param_gather_time_s
 
     @property
     def max_peak_memory_bytes(self) -> int:
@@ -93,4 +96,5 @@ def estimate_plan(
         memory_budget_bytes=profile.memory_budget_bytes,
         samples_per_step=plan.num_micro_batches * profile.samples_per_micro_batch,
         tokens_per_sample=profile.tokens_per_sample,
+        param_gather_time_s=param_gather_time(plan, profile, cluster) if pricing.distributed_optimizer else 0.0,
     )

@@ -20,11 +20,18 @@ Megatron computes the norm and steps; the clipping multiplication is done here (
 
 Each step's learning rate and weight decay are Megatron's ``OptimizerParamScheduler``'s for
 the committed step (``hooks.lr_schedule``): ``set_step`` before the step is taken.
+
+With ``sharded_units`` (the distributed optimizer, ``optimizer_shards``) the optimizer
+steps only the ranges of each tensor this worker keeps in a sync unit of more than two
+holders: a view of the tensor's range (fp32 models only so far; bf16 would step an fp32
+master of the range), with the range's moments alone. Each range's first owner alone
+counts it in the global norm, and after the step every holder's first-owned ranges are
+all-gathered over the unit, so every holder ends the step with the whole stepped weights.
 """
 
 from __future__ import annotations
 
-from typing import Collection
+from typing import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +46,7 @@ from odyssey_megatron.hooks.grad_sync import block_of, clip_scale
 from odyssey_megatron.hooks.lr_schedule import LrSchedule, StepScheduler
 from odyssey_megatron.hooks.model import global_name, is_tied
 from odyssey_megatron.hooks.training_state import BlockState, TrainingState
+from odyssey_megatron.optimizer_shards import REPLICAS, first_owned_range, owned_ranges
 
 __all__ = ["StageOptimizer", "optimizer_config"]
 
@@ -60,18 +68,29 @@ class StageOptimizer:
 
     def __init__(self, state: TrainingState, gpt: torch.nn.Module, stage: StageSpec, *, config: OptimizerConfig,
                  lr_schedule: LrSchedule, counted_blocks: Collection[Block], norm_group: dist.ProcessGroup | None,
-                 tp_group: dist.ProcessGroup):
+                 tp_group: dist.ProcessGroup, worker: int | None = None,
+                 sharded_units: Sequence[tuple[dist.ProcessGroup, Sequence[int], Sequence[Block]]] = ()):
         """Loads ``gpt`` (built for ``stage``, parameters uninitialised) from ``state``, which
         must hold exactly the stage's blocks, with every parameter's shape. The global norm
         counts the blocks in ``counted_blocks`` here and sums over ``norm_group``. Steps
         take ``lr_schedule``'s rates (``set_step``); ``config``'s lr and weight decay are its
-        step 0's."""
+        step 0's. ``sharded_units``: (group, holders, blocks) of each sync unit of more than
+        ``REPLICAS`` holders whose optimizer state this ``worker`` shards with the others."""
         tied = is_tied(gpt)
         located = {name: (global_name(name, stage.layers[0], tied=tied), block_of(name, stage, tied=tied))
                    for name, _ in gpt.named_parameters()}
         _check_blocks(state, stage, located)
         self._masters: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         """(model parameter, its fp32 master) where the model is not fp32."""
+        self._views: list[tuple[torch.nn.Parameter, tuple[int, int], torch.nn.Parameter]] = []
+        """(fp32 model parameter, a range of it, the view of that range the optimizer steps)."""
+        shard_of = {block: holders for _, holders, blocks in sharded_units for block in blocks}
+        if any(len(set(holders)) <= REPLICAS or worker not in holders for holders in shard_of.values()):
+            raise ValueError(f"sharded units need more than {REPLICAS} holders, this worker ({worker}) among them")
+        self._gathers = [(group, sorted(set(holders)), [p for name, p in gpt.named_parameters()
+                                                       if located[name][1] in set(blocks)])
+                         for group, holders, blocks in sharded_units]
+        """(group, holders, parameters) of each sharded unit, for the all-gather after a step."""
         self._located: list[tuple[str, Block, torch.nn.Parameter]] = []
         """(global name, block, the parameter the optimizer steps) per stage parameter."""
         overrides = get_standard_config_overrides(config)
@@ -85,6 +104,24 @@ class StageOptimizer:
                 if tuple(weights.shape) != tuple(param.shape):
                     raise ValueError(f"training state block {block!r}: param/{full} has shape "
                                      f"{tuple(weights.shape)}, the stage needs {tuple(param.shape)}")
+                wd_mult = min([1.0] + [o.get("wd_mult", 1.0) for key, o in overrides.items() if key.matches(param, name)])
+                if block in shard_of:
+                    if param.dtype != torch.float32:
+                        raise ValueError(f"the distributed optimizer shards fp32 models only so far; {full} is "
+                                         f"{param.dtype}")
+                    param.data = weights.to(param.device)
+                    holders, numel = shard_of[block], param.numel()
+                    counted_range = first_owned_range(numel, holders, worker)
+                    for start, end in owned_ranges(numel, holders)[worker]:
+                        stepped = torch.nn.Parameter(param.data.view(-1)[start:end])
+                        self._views.append((param, (start, end), stepped))
+                        copy_tensor_model_parallel_attributes(stepped, param)
+                        stepped.shared = (start, end) != counted_range
+                        self._located.append((full, block, stepped))
+                        moments.append((stepped, source.step, source.exp_avg[full].reshape(-1)[start:end].clone(),
+                                        source.exp_avg_sq[full].reshape(-1)[start:end].clone()))
+                        groups.setdefault(wd_mult, []).append(stepped)
+                    continue
                 if param.dtype == torch.float32:
                     param.data = weights.to(param.device)
                     stepped = param
@@ -96,7 +133,6 @@ class StageOptimizer:
                 stepped.shared = block not in counted_blocks
                 self._located.append((full, block, stepped))
                 moments.append((stepped, source.step, source.exp_avg[full], source.exp_avg_sq[full]))
-                wd_mult = min([1.0] + [o.get("wd_mult", 1.0) for key, o in overrides.items() if key.matches(param, name)])
                 groups.setdefault(wd_mult, []).append(stepped)
         adam = torch.optim.AdamW(
             [{"params": params, "weight_decay": config.weight_decay * wd_mult, "wd_mult": wd_mult}
@@ -113,6 +149,7 @@ class StageOptimizer:
         self.megatron.grad_stats_parallel_group = norm_group
         self.megatron.tp_group = tp_group
         self.scheduler = StepScheduler(self.megatron, lr_schedule)
+        self._worker = worker
 
     @property
     def adam(self) -> torch.optim.Optimizer:
@@ -124,9 +161,12 @@ class StageOptimizer:
 
     def grads_to_masters(self) -> None:
         """Call once per step after the gradients are synced and before the optimizer
-        clips and steps: bf16 masters take the model's gradients in fp32."""
+        clips and steps: bf16 masters take the model's gradients in fp32, and the ranges
+        stepped take their part of them."""
         for param, master in self._masters:
             master.grad = None if param.grad is None else param.grad.float()
+        for param, (start, end), view in self._views:
+            view.grad = None if param.grad is None else param.grad.view(-1)[start:end]
         self.megatron.prepare_grads()
 
     def clip(self) -> float:
@@ -170,6 +210,8 @@ class StageOptimizer:
         """Step with the gradients as they are (clipped already, or speculatively unclipped),
         at the rates of the step last given to ``set_step``."""
         self.megatron.step_with_ready_grads()
+        for group, holders, params in self._gathers:
+            _gather_first_owned(group, holders, params, holders.index(self._worker))
 
     def _publish(self) -> None:
         with torch.no_grad():
@@ -177,7 +219,11 @@ class StageOptimizer:
                 param.copy_(master)
 
     def state(self) -> TrainingState:
-        """The stage's blocks as trained so far: the tensors the optimizer steps, not copies."""
+        """The stage's blocks as trained so far: the tensors the optimizer steps, not copies.
+        Not with sharded units: their state is spread over the unit's holders."""
+        if self._gathers:
+            raise RuntimeError("the distributed optimizer's state is sharded over DP peers: snapshots, checkpoints, "
+                               "block transfers and recovery do not take it yet")
         blocks: dict[Block, BlockState] = {}
         for full, block, stepped in self._located:
             moments = self.adam.state[stepped]
@@ -189,6 +235,26 @@ class StageOptimizer:
             state.exp_avg[full] = moments["exp_avg"]
             state.exp_avg_sq[full] = moments["exp_avg_sq"]
         return TrainingState(blocks)
+
+
+def _gather_first_owned(group: dist.ProcessGroup, holders: Sequence[int], params: Sequence[torch.Tensor],
+                        me: int) -> None:
+    """All-gather every holder's first-owned range of each of ``params`` (the unit's, in
+    the same order on every holder) into every holder's tensors, padded to one size."""
+    n = len(holders)
+    spans = [[first_owned_range(p.numel(), holders, worker) for p in params] for worker in holders]
+    size = max(sum(end - start for start, end in own) for own in spans)
+    mine = torch.cat([p.detach().view(-1)[start:end] for p, (start, end) in zip(params, spans[me])])
+    flat = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+    flat[:mine.numel()] = mine
+    gathered = [torch.empty_like(flat) for _ in range(n)]
+    dist.all_gather(gathered, flat, group=group)
+    with torch.no_grad():
+        for j, own in enumerate(spans):
+            offset = 0
+            for p, (start, end) in zip(params, own):
+                p.view(-1)[start:end].copy_(gathered[j][offset:offset + end - start])
+                offset += end - start
 
 
 def _check_blocks(state: TrainingState, stage: StageSpec, located: dict[str, tuple[str, Block]]) -> None:

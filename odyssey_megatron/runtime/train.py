@@ -39,7 +39,7 @@ from odyssey_megatron.runtime.protocol.keys import RUN_DONE, RUN_SPEC
 from odyssey_megatron.runtime.protocol.messages import RunSpec
 from odyssey_megatron.timeouts import Timeouts
 
-__all__ = ["TrainOutcome", "train_node"]
+__all__ = ["TrainOutcome", "as_trained", "train_node"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,25 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         return _control_run(config, launch, run_dir=run_dir, resume=resume)
 
 
+def as_trained(config: RecipeConfig) -> RecipeConfig:
+    """``config`` as the live run trains and prices it, each change said in one log line:
+    the optimizer steps after its step commits (a staggered rank would step before its
+    step commits; the live run commits every step first, and its decisions price that), and
+    every rank keeps a full copy of its optimizer state (snapshots, checkpoints and recovery
+    read whole blocks, so the live worker does not shard it yet: nothing is lost)."""
+    odyssey = config.odyssey
+    if odyssey.staggered_optimizer:
+        log.info("odyssey train: the optimizer steps after each step commits (odyssey.staggered_optimizer "
+                 "is for odyssey plan and simulate)")
+        odyssey = replace(odyssey, staggered_optimizer=False)
+    if odyssey.distributed_optimizer:
+        log.warning("odyssey train: every rank keeps a full copy of its optimizer state "
+                    "(odyssey.distributed_optimizer, which a Bridge recipe's use_distributed_optimizer sets, is "
+                    "priced by odyssey plan and simulate; the live run does not shard it yet)")
+        odyssey = replace(odyssey, distributed_optimizer=False)
+    return replace(config, odyssey=odyssey)
+
+
 def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
                  resume: Optional[tuple[int, Path]]) -> TrainOutcome:
     """Node 0's part, the run directory locked: the controller, the run's owner and the
@@ -93,12 +112,7 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
 
     timeouts = config.odyssey.timeouts
     log_node_to(run_dir, 0)
-    if config.odyssey.staggered_optimizer:
-        # A staggered rank steps before the global norm, so before its step commits: the
-        # live run commits every step first, and its decisions price exactly that step.
-        log.info("odyssey train: the optimizer steps after each step commits (odyssey.staggered_optimizer "
-                 "is for odyssey plan and simulate)")
-        config = replace(config, odyssey=replace(config.odyssey, staggered_optimizer=False))
+    config = as_trained(config)
     start_step = 0
     if resume is not None:
         start_step = resume[0]

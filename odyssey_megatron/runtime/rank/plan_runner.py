@@ -31,6 +31,7 @@ from odyssey_megatron.hooks.process_groups import RankMap, build_plan_groups, me
 from odyssey_megatron.hooks.stage_optimizer import StageOptimizer
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.hooks.weight_grad import split_linear_backward
+from odyssey_megatron.optimizer_shards import REPLICAS
 from odyssey_megatron.phases import Phase
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan
 from odyssey_megatron.hooks.op_clock import OpClock
@@ -127,6 +128,9 @@ class RunnerSettings:
     (``runtime.rank.op_timers``): each op's seconds, for the online profile."""
     collective_timeout: datetime.timedelta | None = None
     """The plan's process groups' timeout (``build_plan_groups``)."""
+    distributed_optimizer: bool = False
+    """Shard the optimizer state of each sync unit of more than two holders over them
+    (``optimizer_shards``); fault-free only: the state cannot be snapshotted, saved or moved yet."""
 
 
 class PlanRunner:
@@ -153,6 +157,10 @@ class PlanRunner:
             raise ValueError(f"step program of generation {program.generation} given for plan generation "
                              f"{plan.generation}")
         self.plan, self.worker, self.tp_rank = plan, ranks.worker(rank), rank % plan.tensor_parallel_size
+        if settings.distributed_optimizer and program.staggered_optimizer:
+            raise ValueError("a staggered optimizer step cannot run with the distributed optimizer (its weight "
+                             "all-gather waits for the step); publish the step program with "
+                             "odyssey.staggered_optimizer=false")
         runs_megatron = resolve_schedule(settings.schedule, plan=plan, program=program, worker=self.worker,
                                          ranks=ranks, emulated=settings.emulation is not None) == "megatron"
         self._speculative: StaggeredStep | None = None
@@ -174,7 +182,11 @@ class PlanRunner:
             state, self.model, self.stage, config=replace(settings.optimizer, timers=settings.op_timers),
             lr_schedule=settings.lr_schedule,
             counted_blocks={b for b, owner in block_owners(plan).items() if owner == self.worker},
-            norm_group=self.groups.norm_group, tp_group=self.groups.pg_collection.tp)
+            norm_group=self.groups.norm_group, tp_group=self.groups.pg_collection.tp, worker=self.worker,
+            sharded_units=[(self.groups.unit_groups[index], unit.workers, unit.blocks)
+                           for index, unit in enumerate(plan.sync_units)
+                           if settings.distributed_optimizer and self.worker in unit.workers
+                           and len(unit.workers) > REPLICAS])
         self.params = parameters_by_block(self.model, self.stage)
         self.ops = list(program.ops_of(self.worker))
         self.clock = OpClock() if settings.emulation is None else settings.emulation.clock(
