@@ -169,6 +169,23 @@ class RankRegistration(Message):
 
 
 @dataclass(frozen=True)
+class RankReattached(Message):
+    """A worker that outlived its controller and saved what it holds, announcing itself to a
+    restarted controller: where it stands, for ``runtime.control.reattach`` to judge."""
+
+    KIND = "rank_reattached"
+    rank: int
+    pid: int
+    epoch: int
+    """The controller start it last followed (0: the run's first): a survivor of an earlier
+    start is told apart from the lost controller's."""
+    generation: int
+    """The last plan generation it ran."""
+    committed_step: int
+    """The steps its blocks have taken, all committed."""
+
+
+@dataclass(frozen=True)
 class NodeRegistration(Message):
     """A node launcher announcing itself and the ranks it will start, after its first heartbeat."""
 

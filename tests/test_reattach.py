@@ -1,0 +1,93 @@
+"""A restarted controller takes back the survivors of the lost one only where they can carry
+the run on from memory: every block held by a whole reattached worker, one committed step
+for all; anyone else is refused (told to exit), and a disagreement sends the run to disk."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from helpers import asymmetric_plan
+from odyssey_megatron.cluster import ClusterState
+from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.runtime.control.reattach import judge_reattachments
+from odyssey_megatron.runtime.protocol.messages import ProtocolError, RankReattached
+
+MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                    vocab_size=128, seq_length=16, params_dtype="fp32")
+# Two pipelines of two stages; pipeline d's stages on workers 2d and 2d+1, so node 1
+# (ranks 2 and 3) holds a whole replica of the model and node 0 the other.
+PLAN = replace(asymmetric_plan([(2, 2), (2, 2)], [2, 2], worker_of=lambda d, s: 2 * d + s), generation=3)
+CLUSTER = ClusterState(world_size=4, tensor_parallel_size=1, devices_per_node=2)
+
+
+def reattached(rank: int, *, step: int = 2, epoch: int = 0, generation: int = 3, pid: int | None = None):
+    return RankReattached(rank=rank, pid=pid or 1000 + rank, epoch=epoch, generation=generation,
+                          committed_step=step)
+
+
+def judge(*reports, plan=PLAN, cluster=CLUSTER, epoch=0):
+    return judge_reattachments(reports, plan=plan, epoch=epoch, cluster=cluster, model=MODEL)
+
+
+def test_a_whole_replica_at_one_step_goes_on_from_memory():
+    outcome = judge(reattached(2), reattached(3))
+    assert outcome.from_memory and outcome.step == 2
+    assert outcome.accepted == (2, 3) and outcome.refused == {}
+
+
+def test_survivors_at_different_steps_send_the_run_to_disk_and_are_all_refused():
+    outcome = judge(reattached(2, step=2), reattached(3, step=3))
+    assert not outcome.from_memory and outcome.accepted == ()
+    assert "different committed steps (2, 3)" in outcome.why
+    assert set(outcome.refused) == {2, 3}
+
+
+def test_a_stage_no_survivor_holds_sends_the_run_to_disk():
+    outcome = judge(reattached(2))  # stage 1's only surviving replica, rank 3, did not come back
+    assert not outcome.from_memory and "no whole reattached worker holds" in outcome.why
+    assert set(outcome.refused) == {2}
+
+
+def test_no_survivor_in_the_grace_resumes_from_disk():
+    outcome = judge()
+    assert not outcome.from_memory and outcome.why == "no survivor reattached" and outcome.refused == {}
+
+
+@pytest.mark.parametrize("stray, why", [
+    (reattached(1, epoch=1), "followed controller start 1, not the lost one (0)"),
+    (reattached(1, generation=2), "ran generation 2, not the last plan's (3)"),
+])
+def test_a_stray_survivor_is_refused_while_the_others_go_on(stray, why):
+    outcome = judge(reattached(2), reattached(3), stray)
+    assert outcome.from_memory and outcome.accepted == (2, 3)
+    assert outcome.refused == {1: why}
+
+
+def test_a_rank_announced_by_two_processes_is_refused():
+    outcome = judge(reattached(2), reattached(3), reattached(3, pid=77))
+    assert not outcome.from_memory
+    assert outcome.refused[3] == "announced by two processes (pids 77, 1003)"
+
+
+def test_a_rank_outside_the_plan_is_refused():  # pipeline 0 left the plan
+    three_workers = replace(asymmetric_plan([(2, 2)], [4], worker_of=lambda d, s: 2 + s), generation=3)
+    outcome = judge(reattached(0), reattached(2), reattached(3), plan=three_workers)
+    assert outcome.from_memory and outcome.refused == {0: "not in generation 3's plan"}
+
+
+def test_a_tp_group_counts_only_whole():
+    cluster = ClusterState(world_size=8, tensor_parallel_size=2, devices_per_node=4)
+    plan = replace(PLAN, tensor_parallel_size=2)
+    outcome = judge(reattached(4), reattached(5), reattached(6), cluster=cluster, plan=plan)
+    assert not outcome.from_memory and "no whole reattached worker holds" in outcome.why
+    outcome = judge(*(reattached(r) for r in (4, 5, 6, 7)), cluster=cluster, plan=plan)
+    assert outcome.from_memory and outcome.accepted == (4, 5, 6, 7)
+
+
+def test_the_announcement_is_type_checked():
+    assert RankReattached.from_json(reattached(2).to_json()) == reattached(2)
+    with pytest.raises(ProtocolError, match="committed_step"):
+        RankReattached.from_json('{"kind": "rank_reattached", "rank": 2, "pid": 1, "epoch": 0, '
+                                 '"generation": 3, "committed_step": "2"}')
