@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["CHECKS", "main"]
 
@@ -157,7 +157,7 @@ def _live_tensors() -> int:
     return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))  # no __instancecheck__ hooks
 
 
-def _recovering_rank(rank: int, port: int, backend: str, device_type: str, results) -> None:
+def _recovering_rank(rank: int, port: int, results, backend: str, device_type: str) -> None:
     """One rank of a 2-rank world that recovers ``RECOVERIES`` times: per recovery, the
     seconds the abort took to end rank 0's all-reduce (which rank 1 never joins; it leaves
     once rank 0 was aborted), and what this rank holds once both left: device bytes, live
@@ -223,22 +223,22 @@ def _recovering_rank(rank: int, port: int, backend: str, device_type: str, resul
         results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
 
 
-def _recovering_world(backend: str, device_type: str) -> dict[int, list[dict]]:
-    """Both ranks' figures, or raises RuntimeError with a rank's error."""
+def _spawned_world(target: Callable, world: int, *args, timeout_s: float) -> dict[int, Any]:
+    """Run ``target(rank, port, results, *args)`` on ``world`` spawned ranks around a store
+    hosted here: each rank's figures, or RuntimeError with a rank's error."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_recovering_rank, args=(r, store.port, backend, device_type, results))
-             for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, store.port, results, *args)) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
         got = {}
-        while len(got) < 2:
-            rank, status, payload = results.get(timeout=RECOVERIES * WORLD_TIMEOUT_S)
+        while len(got) < world:
+            rank, status, payload = results.get(timeout=timeout_s)
             if status == "error":
                 raise RuntimeError(f"rank {rank}: {payload}")
             got[rank] = payload
@@ -257,7 +257,7 @@ def check_recovery_memory(args: argparse.Namespace) -> bool:
         worlds.append(("nccl", "cuda"))
     passed = True
     for backend, device_type in worlds:
-        got = _recovering_world(backend, device_type)
+        got = _spawned_world(_recovering_rank, 2, backend, device_type, timeout_s=RECOVERIES * WORLD_TIMEOUT_S)
         grew = {rank: {key: figures[-1][key] - figures[0][key] for key in ("allocated", "tensors", "groups", "held")}
                 for rank, figures in got.items()}
         ok = all(change <= 0 for changes in grew.values() for change in changes.values())
@@ -278,7 +278,7 @@ SHRINK_WORLD = 4
 """The most devices the shrink check's world takes."""
 
 
-def _shrinking_rank(rank: int, world: int, port: int, results) -> None:
+def _shrinking_rank(rank: int, port: int, results, world: int) -> None:
     """One rank of an NCCL world whose last rank is lost: the survivors shrink the world
     (``next_world``) and all-reduce on it; the lost rank waits for that, then leaves."""
     try:
@@ -332,28 +332,11 @@ def check_nccl_shrink(args: argparse.Namespace) -> bool:
     if not keeps_parent(backend="nccl", nccl_version=version, offered=torch_offers()):
         return _emit("nccl_shrink", "skipped", nccl_version=version,
                      reason="this NCCL or torch cannot shrink a communicator: survivors meet afresh")
-    import torch.distributed as dist
-
     world = min(accelerator.device_count, SHRINK_WORLD)
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_shrinking_rank, args=(r, world, store.port, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
     try:
-        got = {}
-        while len(got) < world:
-            rank, status, payload = results.get(timeout=2 * WORLD_TIMEOUT_S)
-            if status == "error":
-                return _emit("nccl_shrink", "failed", nccl_version=version, error=f"rank {rank}: {payload}")
-            got[rank] = payload
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+        got = _spawned_world(_shrinking_rank, world, world, timeout_s=2 * WORLD_TIMEOUT_S)
+    except RuntimeError as exc:
+        return _emit("nccl_shrink", "failed", nccl_version=version, error=str(exc))
     survivors = [got[rank] for rank in range(world - 1)]
     ok = all(f["default"] and f["size_after"] == world - 1 and f["rank_after"] == rank and f["sum"] == world - 1
              for rank, f in enumerate(survivors))
