@@ -677,6 +677,11 @@ class OdysseyConfig:
     """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
     abandoned; longer than collective_timeout, so a collective stuck inside a recovery
     fails within it and the decision restarts with the new survivors."""
+    controller_reattach_s: float = 300.0
+    """Seconds the workers and launchers that lost the controller wait, once they saved
+    what they hold, keeping it in memory for a controller restarted on node 0
+    (``odyssey train --resume``) to reattach to and train on from; past it they exit. 0:
+    they exit right after the save."""
     profile: Optional[str] = None
     """A profile JSON file (``odyssey profile`` writes one, ``profile_file`` describes it)
     the decision center prices plans with, instead of the analytic profile of
@@ -777,14 +782,15 @@ class OdysseyConfig:
         require(self.heartbeat_interval >= 0.01, "odyssey.heartbeat_interval",
                 f"must be >= 0.01 (10 ms; shorter floods the store); got {self.heartbeat_interval}")
         require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", *TIMEOUT_ORDER,
-                        "initial_heartbeat_timeout")
+                        "initial_heartbeat_timeout", "controller_reattach_s")
         self.timeouts  # checks their order
 
     @property
     def timeouts(self) -> Timeouts:
         """The runtime's timeouts, shortest first (``odyssey_megatron.timeouts``)."""
         return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER},
-                        initial_heartbeat_timeout=self.initial_heartbeat_timeout)
+                        initial_heartbeat_timeout=self.initial_heartbeat_timeout,
+                        controller_reattach_s=self.controller_reattach_s)
 
     @property
     def pricing(self) -> Pricing:

@@ -30,12 +30,19 @@ class Timeouts:
     """The heartbeat timeout of a worker that has not entered its first plan generation yet
     (starting: imports, data, the first stage build), and of a node's launcher until every
     worker of it has registered; at least ``heartbeat_timeout``."""
+    controller_reattach_s: float = 300.0
+    """How long workers and launchers that lost the controller, their held blocks saved,
+    keep their memory and wait for a restarted controller to reattach to (0: they exit
+    after the save)."""
 
     def __post_init__(self) -> None:
         if not self.initial_heartbeat_timeout >= self.heartbeat_timeout:
             raise ConfigError("odyssey.initial_heartbeat_timeout",
                               f"must be at least odyssey.heartbeat_timeout ({self.heartbeat_timeout}); "
                               f"got {self.initial_heartbeat_timeout}")
+        if not self.controller_reattach_s >= 0:
+            raise ConfigError("odyssey.controller_reattach_s",
+                              f"must be >= 0 seconds (0: exit after the save); got {self.controller_reattach_s}")
         for shorter, longer in zip(TIMEOUT_ORDER, TIMEOUT_ORDER[1:]):
             a, b = getattr(self, shorter), getattr(self, longer)
             if not a < b:

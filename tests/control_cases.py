@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import datetime
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -25,7 +26,7 @@ from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.protocol.auth import SECRET_FILE, SignedStore, Signer, connect_signed, read_secret
-from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
+from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, WorkerLaunch
 from odyssey_megatron.timeouts import Timeouts
 from odyssey_megatron.runtime.rank.controller_link import ControllerLink
 from odyssey_megatron.schedules.program import publish, read_published
@@ -40,19 +41,29 @@ def _log_to_stderr(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s: %(message)s")
 
 
-def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None, aborts: Path | None = None) -> None:
+def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None, aborts: Path | None = None,
+                reattaching: bool = False) -> None:
     """Register, heartbeat, adopt plan generation 0, then wait; ``reporting_rank`` reports
     an error of its own instead and hangs. When the controller aborts generation 0, the
-    worker writes the time it heard of it to ``aborts/<rank>``."""
+    worker writes the time it heard of it to ``aborts/<rank>``. ``reattaching``: once the
+    controller is lost, it reattaches to a restarted one (as having committed step 0) and
+    waits again, else it exits as the real worker does."""
     _log_to_stderr(f"rank {launch.rank}")
     link = ControllerLink(launch)
     if aborts is not None:
         link.on_abort = lambda generation: _note(aborts / str(launch.rank), repr(time.time()))
+    lost = threading.Event()
+    if reattaching:
+        link.on_controller_lost = lambda why: lost.set()
     link.start()
     link.generation = link.watching = link.wait_plan(newer_than=-1).plan.generation
     if launch.rank == reporting_rank:
         link.report_failure("RuntimeError: injected")
-    time.sleep(LIFETIME_S)
+    deadline = time.monotonic() + LIFETIME_S
+    while lost.wait(max(0.0, deadline - time.monotonic())):
+        lost.clear()
+        if not link.reattach(epoch=0, generation=link.generation, committed_step=0):
+            os._exit(EXIT_CONTROLLER_LOST)
 
 
 def _note(path: Path, text: str) -> None:
@@ -62,11 +73,15 @@ def _note(path: Path, text: str) -> None:
     partial_path.rename(path)
 
 
-def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str, port_out: multiprocessing.Queue) -> None:
+def _controller_main(run_dir: Path, timeouts: Timeouts, plan_json: str | None, port_out: multiprocessing.Queue,
+                     port: int = 0) -> None:
+    """A controller on ``port`` (0: any free one) that publishes ``plan_json`` (None: no plan,
+    as a restarted controller waits for the survivors first)."""
     _log_to_stderr("controller")
-    controller = Controller(host="127.0.0.1", port=0, timeouts=timeouts, run_dir=run_dir)
+    controller = Controller(host="127.0.0.1", port=port, timeouts=timeouts, run_dir=run_dir)
     controller.start()
-    controller.publish_plan(*read_published(json.loads(plan_json)))
+    if plan_json is not None:
+        controller.publish_plan(*read_published(json.loads(plan_json)))
     port_out.put(controller.port)
     deadline = time.monotonic() + LIFETIME_S
     while not (run_dir / ABORT_REQUEST).exists() and time.monotonic() < deadline:
@@ -117,11 +132,12 @@ class LocalCluster:
     started by ``with`` and every process of it killed on leaving."""
 
     def __init__(self, run_dir: Path, *, nodes: int, per_node: int, timeouts: Timeouts,
-                 reporting_rank: int | None = None, restart_workers: int = 0, aborts: Path | None = None):
+                 reporting_rank: int | None = None, restart_workers: int = 0, aborts: Path | None = None,
+                 reattaching: bool = False):
         self.run_dir, self.nodes, self.per_node, self.timeouts = run_dir, nodes, per_node, timeouts
         self.restart_workers = restart_workers
         self.port: int | None = None
-        self.target = partial(idle_worker, reporting_rank=reporting_rank, aborts=aborts)
+        self.target = partial(idle_worker, reporting_rank=reporting_rank, aborts=aborts, reattaching=reattaching)
         self.controller: multiprocessing.Process | None = None
         self.launchers: list[multiprocessing.Process] = []
 
@@ -155,6 +171,16 @@ class LocalCluster:
         for row in workers.values():  # a worker outlives its launcher only if the test failed
             if row["pid"] is not None and alive(row["pid"]):
                 os.kill(row["pid"], signal.SIGKILL)
+
+    def restart_controller(self) -> None:
+        """Start a controller again on the same port and run directory (the lost one's
+        secret), publishing nothing."""
+        context = multiprocessing.get_context("spawn")
+        port_out = context.Queue()
+        self.controller = context.Process(target=_controller_main,
+                                          args=(self.run_dir, self.timeouts, None, port_out, self.port))
+        self.controller.start()
+        port_out.get(timeout=60)  # its store is open
 
     def start_launcher(self, node: int) -> multiprocessing.Process:
         """Start node ``node``'s launcher (again, for a replacement node), in its own process group."""

@@ -21,8 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from dataclasses import replace
+import zlib
 
 import pytest
 import torch.distributed as dist
@@ -194,6 +194,35 @@ def test_a_killed_launcher_is_one_node_failure_and_a_lost_controller_takes_every
         print(f"controller SIGKILL -> workers gone: {workers_gone * 1000:.0f} ms, "
               f"launcher gone: {(time.monotonic() - killed_at) * 1000:.0f} ms")
         assert cluster.launchers[0].exitcode == EXIT_CONTROLLER_LOST
+
+
+@pytest.mark.timeout(300)
+def test_a_controller_restarted_within_the_window_is_reattached_to_by_every_launcher_and_worker(tmp_path):
+    """``odyssey.controller_reattach_s``: the controller is SIGKILLed; its launchers and
+    workers outlive it, and a controller started again on the same port and run directory
+    (the same secret) has every node registered again and every worker announce itself
+    (``RankReattached``) from the same process, which then beats to it."""
+    timeouts = replace(TIMEOUTS, controller_reattach_s=60.0)
+    with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=timeouts, reattaching=True) as cluster:
+        before = {rank: row["pid"] for rank, row in cluster.workers().items()}
+        cluster.controller.kill()
+        cluster.controller.join()
+        time.sleep(timeouts.heartbeat_timeout)  # the launchers find it gone; the workers keep their memory
+        assert all(alive(pid) for pid in before.values()) and all(p.is_alive() for p in cluster.launchers)
+        restarted_at = time.time()
+        cluster.restart_controller()
+        wait_for(lambda: len([e for e in cluster.events("rank_reattached") if e["time"] > restarted_at]) == 4,
+                 timeout=30, what="every worker reattached")
+        reattached = [e for e in cluster.events("rank_reattached") if e["time"] > restarted_at]
+        assert {e["rank"]: e["pid"] for e in reattached} == before
+        assert {(e["generation"], e["epoch"], e["committed_step"]) for e in reattached} == {(0, 0, 0)}
+        nodes = {e["node"] for e in cluster.events("node_joined") if e["time"] > restarted_at}
+        assert nodes == {0, 1}
+        wait_for(lambda: {r: (w["state"], w["pid"]) for r, w in cluster.workers().items()}
+                 == {r: ("alive", pid) for r, pid in before.items()}, timeout=10, what="the restarted workers.json")
+        time.sleep(2 * timeouts.heartbeat_timeout)  # beating to the restarted controller: no one failed
+        assert not [e for e in cluster.events("failure") if e["time"] > restarted_at]
+        assert all(alive(pid) for pid in before.values())
 
 
 @pytest.mark.timeout(300)

@@ -62,6 +62,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     ProtocolError,
     RankExit,
     RankFailureReport,
+    RankReattached,
     RankRegistration,
     StaleGenerationError,
     StopRequested,
@@ -129,6 +130,8 @@ class Controller:
         self._waits: Optional[WaitGraph] = None
         """The newest generation's wait graph, made at its first stall report (the polling thread's)."""
         self.stop_request = None
+        self._reattached: list[RankReattached] = []
+        """Survivors of a lost controller that announced themselves to this one (``reattached``)."""
         self._failures: queue.Queue[Failure] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="odyssey-controller", daemon=True)
@@ -138,6 +141,11 @@ class Controller:
 
     def start(self) -> None:
         self._thread.start()
+
+    def reattached(self) -> list[RankReattached]:
+        """The announcements of survivors of a lost controller so far, in arrival order, for
+        ``runtime.control.reattach`` to judge."""
+        return list(self._reattached)
 
     def stop(self) -> None:
         """Stop polling, after taking in what is still in the inbox (the last exits), and
@@ -312,6 +320,11 @@ class Controller:
                 self._report(store, failure)
         elif isinstance(msg, StopRequested):
             self.request_stop(f"{msg.signal} on node {msg.node}", status=128 + signal.Signals[msg.signal].value)
+            return False
+        elif isinstance(msg, RankReattached):
+            self._reattached.append(msg)
+            self.record.event("rank_reattached", rank=msg.rank, pid=msg.pid, epoch=msg.epoch,
+                              generation=msg.generation, committed_step=msg.committed_step)
             return False
         elif isinstance(msg, NodeLeft):
             self.detector.node_left(msg)

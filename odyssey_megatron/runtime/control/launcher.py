@@ -31,8 +31,12 @@ launcher key in one request; that heartbeat names the generations lately aborted
 counts the node's kill orders, so only a new order costs a further read (its ranks, hung
 or failed: a failed worker never comes back into a collective). It relays to the workers
 what they need back (``NodeView``). When the controller's heartbeat stops, or its store is
-gone, the launcher tells its workers, gives them the collective timeout to save what
-they hold and exit (``runtime.rank.controller_link``), kills those left and exits. Its
+gone, the launcher tells its workers, which save what they hold
+(``runtime.rank.controller_link``). Then, for the collective timeout plus
+``odyssey.controller_reattach_s``, it keeps them and the node's keeper (the in-memory
+snapshots) and looks for a controller restarted at the same address: found, it takes the
+node's launcher key, registers the node again and beats to it, and its workers reattach
+(``RankReattached``). Past the window, it kills the workers left and exits. Its
 workers die with it when it is killed (see ``runtime.rank.controller_link``), so a lost
 node leaves no orphans either.
 
@@ -184,7 +188,14 @@ class NodeLauncher:
             if self.on_run_spec is not None:
                 self.on_run_spec(self._wait_for_run_spec(store))
             self._start_workers()
-            self._watch(store)
+            while True:
+                try:
+                    self._watch(store)
+                    break
+                except (dist.DistError, ProtocolError, _ControllerLost) as exc:
+                    store = self._reattach(str(exc).splitlines()[0])
+                    if store is None:
+                        return EXIT_CONTROLLER_LOST
         except _Replaced as exc:
             log.error("node %d: %s; killing its workers", node, exc)
             return EXIT_REPLACED
@@ -202,6 +213,54 @@ class NodeLauncher:
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
         log.info("node %d: all workers exited", node)
         return 0
+
+    def _reattach(self, why: str) -> Optional[SignedStore]:
+        """The controller is lost while the workers run: they save what they hold; wait the
+        window for a restarted controller's store at the same address, and once it beats,
+        take the node's launcher key, beat and register the node again there. The store,
+        or None past the window (the workers left are killed on the way out)."""
+        node, timeouts = self.config.node_rank, self.timeouts
+        log.error("node %d: lost the controller (%s); its workers save what they hold, then wait up to %g s for a "
+                  "restarted controller", node, why, timeouts.controller_reattach_s)
+        self._stop_beating()
+        self._relay(self._node_client, controller_lost=why)  # at once: they save what they hold
+        lost_wall = time.time()
+        deadline = time.monotonic() + timeouts.collective_timeout + timeouts.controller_reattach_s
+        while self._workers and time.monotonic() < deadline:
+            if timeouts.controller_reattach_s > 0 and (store := self._restarted_store(lost_wall)) is not None:
+                break
+            self._reap_exited(timeout=timeouts.heartbeat_interval)
+        else:
+            return None
+        store.set(launcher_key(node), self._name)
+        self._launching, self._controller_lost, self._last_beat = self._name, None, b""
+        self._next_read, self._kill_orders_seen = -math.inf, 0  # the restarted controller counts its own orders
+        self._controller = HeartbeatWatch(timeouts.controller_silence, time.monotonic())
+        self._beating = threading.Event()
+        beats = store.clone()
+        beats.set_timeout(datetime.timedelta(seconds=timeouts.heartbeat_timeout))
+        node_store = self._node_client.clone()
+        self._beat(beats, node_store)  # relays the restarted controller's beat: the workers reattach
+        self._start_beating(beats, node_store)
+        self._register(store)
+        log.warning("node %d: reattached to the restarted controller", node)
+        return store
+
+    def _restarted_store(self, lost_wall: float) -> Optional[SignedStore]:
+        """The restarted controller's store, once it beats there (a beat sent after the
+        loss); else None."""
+        try:
+            store = connect_signed(self.config.master_addr, self.config.master_port, signer=self._signer,
+                                   timeout=datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
+            store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
+            if not store.check([CONTROLLER_HEARTBEAT]):
+                return None
+            beat = store.get(CONTROLLER_HEARTBEAT)
+        except (dist.DistError, ProtocolError):
+            return None
+        if beat is None or ControllerHeartbeat.from_json(beat).sent_at <= lost_wall:
+            return None  # forged (refused, logged), or the lost controller's last beat
+        return store
 
     def request_stop(self, signal_name: str) -> None:
         """Ask the controller to stop the run (from the main thread's signal handler; the
@@ -317,10 +376,14 @@ class NodeLauncher:
         killed after): workers that lost the controller save their blocks first."""
         deadline = time.monotonic() + within
         while self._workers and time.monotonic() < deadline:
-            by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
-            for sentinel in multiprocessing.connection.wait(list(by_sentinel), timeout=deadline - time.monotonic()):
-                process = self._workers.pop(by_sentinel[sentinel])
-                process.join()
+            self._reap_exited(timeout=deadline - time.monotonic())
+
+    def _reap_exited(self, *, timeout: float) -> None:
+        """Forget the workers that exit within ``timeout`` seconds (no controller to tell)."""
+        by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
+        for sentinel in multiprocessing.connection.wait(list(by_sentinel), timeout=max(0.0, timeout)):
+            process = self._workers.pop(by_sentinel[sentinel])
+            process.join()
 
     def _kill_all(self) -> None:
         for process in self._workers.values():

@@ -293,7 +293,8 @@ class StopOrder(Message):
 
 
 _INBOX_KINDS = {cls.KIND: cls for cls in (RankRegistration, NodeRegistration, RankExit, RankFailureReport,
-                                          CollectiveStalled, StragglerRemoved, NodeLeft, StopRequested)}
+                                          CollectiveStalled, StragglerRemoved, NodeLeft, StopRequested,
+                                          RankReattached)}
 
 
 def parse_inbox(text: str | bytes) -> Message:
@@ -345,3 +346,6 @@ class RunSpec(Message):
     """Where workers write their part of ``final.pt`` (a filesystem every node sees)."""
     resume: Optional[str] = None
     """A checkpoint directory the first generation loads its blocks from; None: the seed."""
+    epoch: int = 0
+    """The controller's start (0: the run's first; each ``--resume`` counts one more): a
+    worker that outlives it names it when it reattaches (``RankReattached``)."""

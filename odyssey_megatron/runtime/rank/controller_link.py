@@ -11,9 +11,11 @@ the controller's heartbeat too; when the launcher found the controller's store g
 that heartbeat stops changing for the collective timeout (``Timeouts.controller_silence``:
 longer than a worker's, as the controller's process is busier), the controller is gone:
 the thread calls ``on_controller_lost`` (the worker aborts its generation and saves what
-it holds, which is committed state) and ends the process if the worker has not within
-the collective timeout (``os._exit``: the training thread may be blocked where no
-exception reaches it). A lost node leaves no orphans either: every beat checks that the
+it holds, which is committed state) and ends the process if the worker has not
+reattached within the collective timeout plus ``Timeouts.controller_reattach_s``
+(``os._exit``: the training thread may be blocked where no exception reaches it). It
+beats on meanwhile: a worker that saved waits in that window (``reattach``) for its
+launcher to find a restarted controller, then announces itself to it (``RankReattached``). A lost node leaves no orphans either: every beat checks that the
 launcher still runs. (The kernel's parent-death signal, which the worker also asks for,
 fires only when its parent, the launcher's fork server, exits; and that server waits for
 its workers to close their copies of the pipe it watches for the launcher's end.)
@@ -52,6 +54,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     NodeView,
     ProtocolError,
     RankFailureReport,
+    RankReattached,
     RankRegistration,
 )
 from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, read_plan
@@ -130,6 +133,11 @@ class ControllerLink:
         self._aborted: frozenset[int] = frozenset()
         """Generations the controller aborted, as the node's view last relayed them."""
         self._seq = 0
+        self._lost_at: Optional[tuple[float, float]] = None
+        """(monotonic, wall) time the controller was found lost, until a restarted one is
+        reattached to."""
+        self._view: Optional[NodeView] = None
+        """The node's view as the heartbeat thread last read it."""
         self._thread = threading.Thread(target=self._beat_loop, name="odyssey-heartbeat", daemon=True)
 
     def _fresh_beats(self) -> SignedStore:
@@ -145,9 +153,44 @@ class ControllerLink:
         self._first_beat()
         if self.store.check([PUBLISHED_GENERATION]):
             self.published_at_start = int(self.store.get(PUBLISHED_GENERATION))
+        self._register()
+        self._thread.start()
+
+    def _register(self) -> None:
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
                                                       self.launch.node).to_json())
-        self._thread.start()
+
+    def reattach(self, *, epoch: int, generation: int, committed_step: int) -> bool:
+        """After the controller's loss, the held blocks saved: wait (to the end of the
+        window) for the launcher to relay a restarted controller's beat, connect to its
+        store (same address, same secret), register again and announce where this worker
+        stands; False where no controller came back in time."""
+        lost_at, lost_wall = self._lost_at
+        deadline = lost_at + self._window()
+        while time.monotonic() < deadline:
+            view = self._view
+            if view is not None and view.controller_lost is None and view.controller_sent_at > lost_wall:
+                try:
+                    self.store = connect_signed(self.launch.store_host, self.launch.store_port, signer=self.signer,
+                                                timeout=datetime.timedelta(seconds=self.launch.timeouts.recovery_timeout))
+                    self._register()
+                    self.store.queue_push(INBOX, RankReattached(self.launch.rank, os.getpid(), epoch, generation,
+                                                                committed_step).to_json())
+                except dist.DistError as exc:  # it went again: wait on while the window lasts
+                    log.warning("rank %d: could not reattach: %s", self.launch.rank, str(exc).splitlines()[0])
+                    time.sleep(self.launch.timeouts.poll_interval)
+                    continue
+                log.warning("rank %d: reattached to the restarted controller (generation %d, step %d)",
+                            self.launch.rank, generation, committed_step)
+                self._lost_at = None
+                return True
+            time.sleep(self.launch.timeouts.poll_interval)
+        return False
+
+    def _window(self) -> float:
+        """From the controller's loss to this process's end, unless it reattached: the save's
+        time (a collective timeout), then the reattach window."""
+        return self.launch.timeouts.collective_timeout + self.launch.timeouts.controller_reattach_s
 
     def _first_beat(self) -> None:
         """Connect to the node's store and beat, trying again on a timeout for as long as a
@@ -228,9 +271,11 @@ class ControllerLink:
             next_beat = max(next_beat + timeouts.heartbeat_interval, time.monotonic())
             try:
                 self._beat(self._beats)
-                view = NodeView.from_json(self._beats.get(NODE_VIEW))
-                if view.controller_lost is not None:
+                view = self._view = NodeView.from_json(self._beats.get(NODE_VIEW))
+                if self._lost_at is None and view.controller_lost is not None:
                     self._controller_lost(f"its launcher lost it: {view.controller_lost}")
+                if self._lost_at is not None:  # watched afresh once a restarted controller is reattached to
+                    controller = HeartbeatWatch(timeouts.controller_silence, time.monotonic())
                 controller.see(view.controller_beat(), time.monotonic())
                 self._aborted = frozenset(view.aborted)
                 generation = self.watching
@@ -247,19 +292,24 @@ class ControllerLink:
                     self._beats = self._fresh_beats()  # a late answer must not be read as the next one's
                 except dist.DistError as lost:
                     self._controller_lost(f"its node's store unreachable: {str(lost).splitlines()[0]}")
-            if controller.stale(time.monotonic()):
+            if self._lost_at is None and controller.stale(time.monotonic()):
                 self._controller_lost(f"no controller heartbeat for over {timeouts.controller_silence} s")
+            if self._lost_at is not None and time.monotonic() > self._lost_at[0] + self._window():
+                self._exit("no controller reattached to within the collective timeout and "
+                           "odyssey.controller_reattach_s")
             if not _alive(self.launch.launcher_pid):
                 self._exit(f"its launcher (pid {self.launch.launcher_pid}) is gone")
 
     def _controller_lost(self, why: str) -> None:
-        """Hand the loss to the worker, give it the collective timeout to save and exit."""
+        """Hand the loss to the worker, once per loss: it saves, then waits the reattach
+        window (``reattach``); the heartbeat loop ends the process past the window."""
+        if self._lost_at is not None:
+            return
         if self.on_controller_lost is None:
             self._exit(f"controller lost ({why})")
         log.error("rank %d: controller lost (%s); saving what this rank holds", self.launch.rank, why)
+        self._lost_at = (time.monotonic(), time.time())
         self.on_controller_lost(why)
-        time.sleep(self.launch.timeouts.collective_timeout)
-        self._exit("the save after the controller's loss did not end within the collective timeout")
 
     def _exit(self, why: str) -> None:
         log.error("rank %d: %s; exiting", self.launch.rank, why)

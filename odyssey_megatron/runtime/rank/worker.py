@@ -100,7 +100,9 @@ class Worker:
         while True:
             if process.controller_lost is not None:
                 save_held(process)
-                return EXIT_CONTROLLER_LOST
+                if not self._reattached():
+                    return EXIT_CONTROLLER_LOST
+                continue
             try:
                 published = self._next_plan()
             except dist.DistError:
@@ -159,6 +161,21 @@ class Worker:
         if following == RUN_DONE:
             return None
         return following
+
+    def _reattached(self) -> bool:
+        """With the controller lost and the held blocks saved: whether a restarted controller
+        was reattached to within the window (``odyssey.controller_reattach_s``), the worker
+        announcing the last generation it ran and the committed step its blocks hold. Blocks
+        at different steps cannot go on from memory: the worker exits after its save."""
+        process = self.process
+        steps = {process.state.blocks[block].step for block in process.state.held()} if process.state else set()
+        if process.timeouts.controller_reattach_s == 0 or len(steps) != 1 or self.generation < 0:
+            return False
+        if not process.link.reattach(epoch=process.spec.epoch, generation=self.generation,
+                                     committed_step=steps.pop()):
+            return False
+        process.reconnected()
+        return True
 
     def _wait_controller_lost(self) -> bool:
         """After a store error: whether the heartbeat thread finds the controller gone."""

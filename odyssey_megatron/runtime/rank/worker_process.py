@@ -188,6 +188,16 @@ class WorkerProcess:
         self.group_store = self.store_for_steps()
         return self.group_store
 
+    def reconnected(self) -> None:
+        """After reattaching to a restarted controller (``ControllerLink.reattach``): every
+        connection to the run's store anew, to the restarted one."""
+        self.store = self.link.store
+        self.group_store = self.store_for_steps()
+        self.snapshot_store = self.store_for_steps()
+        self.rendezvous = RendezvousStore(self.store.unsigned.clone(), guard=self.guard)
+        self.checkpoints.store = self.store.clone()
+        self.controller_lost = None
+
     def _on_controller_lost(self, why: str) -> None:
         """On the heartbeat thread: end the generation; the training thread saves and exits."""
         self.controller_lost = why
