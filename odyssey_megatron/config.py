@@ -677,11 +677,12 @@ class OdysseyConfig:
     """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
     abandoned; longer than collective_timeout, so a collective stuck inside a recovery
     fails within it and the decision restarts with the new survivors."""
-    controller_reattach_s: float = 300.0
+    controller_reattach_s: float = 0.0
     """Seconds the workers and launchers that lost the controller wait, once they saved
-    what they hold, keeping it in memory for a controller restarted on node 0
-    (``odyssey train --resume``) to reattach to and train on from; past it they exit. 0:
-    they exit right after the save."""
+    what they hold, keeping it in memory for a controller restarted at the same address to
+    reattach to (they announce themselves to it, ``RankReattached``); past it they exit.
+    0 (the default until ``odyssey train --resume`` takes survivors back: a resume from
+    disk must not meet them): they exit right after the save."""
     profile: Optional[str] = None
     """A profile JSON file (``odyssey profile`` writes one, ``profile_file`` describes it)
     the decision center prices plans with, instead of the analytic profile of

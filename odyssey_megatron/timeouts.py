@@ -30,7 +30,7 @@ class Timeouts:
     """The heartbeat timeout of a worker that has not entered its first plan generation yet
     (starting: imports, data, the first stage build), and of a node's launcher until every
     worker of it has registered; at least ``heartbeat_timeout``."""
-    controller_reattach_s: float = 300.0
+    controller_reattach_s: float = 0.0
     """How long workers and launchers that lost the controller, their held blocks saved,
     keep their memory and wait for a restarted controller to reattach to (0: they exit
     after the save)."""

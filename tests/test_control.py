@@ -36,6 +36,7 @@ from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan, Transf
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.run_dir import read_jsonl
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Detector
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig, first_host
@@ -457,6 +458,17 @@ def test_a_worker_whose_launcher_is_gone_reports_no_error_of_its_own_and_leaves_
     finally:
         launcher.wait()
     assert RankFailureReport.from_json(inbox.queue_pop(INBOX)).rank == 5
+
+
+def test_each_start_of_a_run_s_controller_counts_one_epoch_more(tmp_path):
+    """The epoch a reattaching worker names (``RankReattached``) is the controller start it
+    followed: the run directory's ``controller_started`` events count them."""
+    for epoch in (0, 1):
+        controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
+        controller.start()
+        controller.stop()
+        assert controller.epoch == epoch
+    assert [e["epoch"] for e in read_jsonl(tmp_path / "events.jsonl", key="events")] == [0, 1]
 
 
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):

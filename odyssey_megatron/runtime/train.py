@@ -138,7 +138,8 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     center = DecisionCenter.from_recipe(config, settles_at_once=False)
     config = _with_checkpoint_interval(config, center, controller)
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
-                                           None if resume is None else str(resume[1])).to_json())
+                                           None if resume is None else str(resume[1]),
+                                           epoch=controller.epoch).to_json())
     run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir, start_step=start_step)
     outcome: list[TrainOutcome] = []
     owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)

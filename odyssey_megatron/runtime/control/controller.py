@@ -33,6 +33,7 @@ from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.runtime.control.blame import WaitGraph
 from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
+from odyssey_megatron.run_dir import read_jsonl
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.control.store_server import StoreServer
 from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer, controller_secret
@@ -107,6 +108,10 @@ class Controller:
     def __init__(self, *, host: str, port: int, timeouts: Timeouts, run_dir: Path):
         self.timeouts = timeouts
         self.record = RunRecord(run_dir)
+        self.epoch = sum(e["event"] == "controller_started" for e in read_jsonl(self.record.events_path, key="--resume")
+                         ) if self.record.events_path.is_file() else 0
+        """This controller's start in the run (0: its first; each ``--resume`` one more): the
+        workers name it when they reattach to a later start (``RankReattached``)."""
         self.secret = controller_secret(run_dir)  # before the store opens: a launcher that reached it finds it
         self._server = StoreServer(host, port, timeout=timeouts.recovery_timeout)
         self.host, self.port = host, self._server.port
@@ -136,7 +141,7 @@ class Controller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="odyssey-controller", daemon=True)
         self._crash: Optional[BaseException] = None
-        self.record.event("controller_started", host=host, port=self.port)
+        self.record.event("controller_started", host=host, port=self.port, epoch=self.epoch)
         log.info("controller: store on %s:%d", host, self.port)
 
     def start(self) -> None:

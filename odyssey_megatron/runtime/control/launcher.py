@@ -220,8 +220,9 @@ class NodeLauncher:
         take the node's launcher key, beat and register the node again there. The store,
         or None past the window (the workers left are killed on the way out)."""
         node, timeouts = self.config.node_rank, self.timeouts
-        log.error("node %d: lost the controller (%s); its workers save what they hold, then wait up to %g s for a "
-                  "restarted controller", node, why, timeouts.controller_reattach_s)
+        log.error("node %d: lost the controller (%s); its workers save what they hold, %s", node, why,
+                  f"then wait up to {timeouts.controller_reattach_s:g} s for a restarted controller"
+                  if timeouts.controller_reattach_s > 0 else "then exit")
         self._stop_beating()
         self._relay(self._node_client, controller_lost=why)  # at once: they save what they hold
         lost_wall = time.time()
