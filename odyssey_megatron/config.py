@@ -677,12 +677,6 @@ class OdysseyConfig:
     """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
     abandoned; longer than collective_timeout, so a collective stuck inside a recovery
     fails within it and the decision restarts with the new survivors."""
-    controller_reattach_s: float = 0.0
-    """Seconds the workers and launchers that lost the controller wait, once they saved
-    what they hold, keeping it in memory for a controller restarted at the same address to
-    reattach to (they announce themselves to it, ``RankReattached``); past it they exit.
-    0 (the default until ``odyssey train --resume`` takes survivors back: a resume from
-    disk must not meet them): they exit right after the save."""
     profile: Optional[str] = None
     """A profile JSON file (``odyssey profile`` writes one, ``profile_file`` describes it)
     the decision center prices plans with, instead of the analytic profile of
@@ -783,15 +777,14 @@ class OdysseyConfig:
         require(self.heartbeat_interval >= 0.01, "odyssey.heartbeat_interval",
                 f"must be >= 0.01 (10 ms; shorter floods the store); got {self.heartbeat_interval}")
         require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", *TIMEOUT_ORDER,
-                        "initial_heartbeat_timeout", "controller_reattach_s")
+                        "initial_heartbeat_timeout")
         self.timeouts  # checks their order
 
     @property
     def timeouts(self) -> Timeouts:
         """The runtime's timeouts, shortest first (``odyssey_megatron.timeouts``)."""
         return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER},
-                        initial_heartbeat_timeout=self.initial_heartbeat_timeout,
-                        controller_reattach_s=self.controller_reattach_s)
+                        initial_heartbeat_timeout=self.initial_heartbeat_timeout)
 
     @property
     def pricing(self) -> Pricing:

@@ -33,7 +33,7 @@ or failed: a failed worker never comes back into a collective). It relays to the
 what they need back (``NodeView``). When the controller's heartbeat stops, or its store is
 gone, the launcher tells its workers, which save what they hold
 (``runtime.rank.controller_link``). Then, for the collective timeout plus
-``odyssey.controller_reattach_s``, it keeps them and the node's keeper (the in-memory
+``Timeouts.controller_reattach_s``, it keeps them and the node's keeper (the in-memory
 snapshots) and looks for a controller restarted at the same address: found, it takes the
 node's launcher key, registers the node again and beats to it, and its workers reattach
 (``RankReattached``). Past the window, it kills the workers left and exits. Its

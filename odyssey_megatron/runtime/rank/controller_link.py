@@ -296,7 +296,7 @@ class ControllerLink:
                 self._controller_lost(f"no controller heartbeat for over {timeouts.controller_silence} s")
             if self._lost_at is not None and time.monotonic() > self._lost_at[0] + self._window():
                 self._exit("no controller reattached to within the collective timeout and "
-                           "odyssey.controller_reattach_s")
+                           "its reattach window")
             if not _alive(self.launch.launcher_pid):
                 self._exit(f"its launcher (pid {self.launch.launcher_pid}) is gone")
 

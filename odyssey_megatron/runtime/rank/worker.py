@@ -164,7 +164,7 @@ class Worker:
 
     def _reattached(self) -> bool:
         """With the controller lost and the held blocks saved: whether a restarted controller
-        was reattached to within the window (``odyssey.controller_reattach_s``), the worker
+        was reattached to within the window (``Timeouts.controller_reattach_s``), the worker
         announcing the last generation it ran and the committed step its blocks hold. Blocks
         at different steps cannot go on from memory: the worker exits after its save."""
         process = self.process
