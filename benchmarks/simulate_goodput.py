@@ -4,23 +4,24 @@ Llama-2 7B (Ascend 910B, TP1 x PP4, 8 micro-batches per pipeline) and 70B (H100,
 PP8, 64 per pipeline) at 1,024 and 16,384 devices; failure rates from Llama 3's 16k-GPU
 run (419 unexpected interruptions in 54 days on 16,384 GPUs: 1.97e-5 per GPU-hour) and
 from paper 001 (10 % per device-hour); device or node failures; without and with repairs
-(mean 2 h). Every cell runs every system on the same seeded events. Durations: long
-enough to hold --failures expected failure events and --repair-times mean repair times
-(with and without repairs alike, so the two rows cover the same hours), at most a week;
-the hours column says what each cell covers. Cells with the same inputs (with and
+(mean 2 h). Every cell runs every system on the same seeded events. Durations scale with
+the rate (``cell_hours``): the shortest time that holds --failures expected failure events
+and --repairs expected completed repairs (with and without repairs alike, so the two rows
+cover the same hours), at most a week; the hours column says what each cell covers. Cells with the same inputs (with and
 without repairs, where no repair comes within the cell) are simulated once. --cells
 picks cells by label (e.g. "7B 1024 L3 node"), to re-run part of the grid.
 Prints goodput (samples per device-hour paid) per system; like against like, Odyssey's
 goodput over the best batch-keeping system's and Odyssey with the opt-in smaller batch
 (odyssey_shrink) over replica drop's; the samples each batch-shrinking system dropped, and
 the ETTR; writes a markdown table and a figure of goodput relative to Odyssey per cell.
-Run: .venv/bin/python benchmarks/simulate_goodput.py [--jobs 2] [--failures 4] [--repair-times 3] [--out runs/goodput]
+Run: .venv/bin/python benchmarks/simulate_goodput.py [--jobs 2] [--failures 4] [--repairs 4] [--out runs/goodput]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -46,19 +47,37 @@ MEAN_REPAIR_H = 2.0
 """The scenario's repairs.mean_hours (configs/scenarios/paper_32npu.yaml's default)."""
 
 
-def cell_hours(devices: int, rate: float, *, failures: float, repair_times: float) -> float:
-    """Hours a cell covers: enough for ``failures`` expected failure events (a node fails
-    8x as often as a device, with 1/8 as many units: the same count either way) and for
-    ``repair_times`` mean repairs, at most a week."""
-    return min(WEEK_H, max(failures / (devices * rate), repair_times * MEAN_REPAIR_H))
+def expected_repairs(hours: float, events_per_hour: float) -> float:
+    """Repairs (exponential, mean MEAN_REPAIR_H) expected to complete within ``hours`` of
+    failures at ``events_per_hour``: each failure at t is back by ``hours`` with
+    probability 1 - exp(-(hours - t) / mean)."""
+    return events_per_hour * (hours - MEAN_REPAIR_H * (1.0 - math.exp(-hours / MEAN_REPAIR_H)))
+
+
+def cell_hours(devices: int, rate: float, *, failures: float, repairs: float) -> float:
+    """Hours a cell covers, scaled with the rate: the shortest time in which ``failures``
+    failure events are expected (a node fails 8x as often as a device, with 1/8 as many
+    units: the same count either way) and ``repairs`` repairs are expected to complete,
+    at most a week. With and without repairs alike, so the two rows cover the same hours."""
+    events_per_hour = devices * rate
+    if events_per_hour * WEEK_H < failures or expected_repairs(WEEK_H, events_per_hour) < repairs:
+        return WEEK_H
+    low, high = 0.0, WEEK_H  # both counts grow with the hours: bisect for the shortest
+    for _ in range(60):
+        middle = (low + high) / 2
+        if events_per_hour * middle >= failures and expected_repairs(middle, events_per_hour) >= repairs:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def scenario_of(model: str, devices: int, rate: float, unit: str, repairs: bool, *, failures: float,
-                repair_times: float, seed: int):
+                expected_repairs: float, seed: int):
     """A cell's scenario and the hours it covers."""
     recipe, model_parallel, per_pipeline = MODELS[model]
     dp = devices // model_parallel
-    hours = cell_hours(devices, rate, failures=failures, repair_times=repair_times)
+    hours = cell_hours(devices, rate, failures=failures, repairs=expected_repairs)
     scenario = load_scenario("configs/scenarios/paper_32npu.yaml", [
         f"recipe={recipe}",
         f"recipe_overrides=[parallel.data_parallel_size={dp},training.global_batch_size={per_pipeline * dp}]",
@@ -91,7 +110,8 @@ def distinct_cells(cells, **lengths) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--failures", type=float, default=4.0, help="expected failure events a cell holds at least")
-    parser.add_argument("--repair-times", type=float, default=3.0, help="mean repair times a cell covers at least")
+    parser.add_argument("--repairs", type=float, default=4.0,
+                        help="repairs a cell is expected to hold at least (where a week can hold them)")
     parser.add_argument("--cells", nargs="*", default=None,
                         help="only the cells with these labels, as the figure names them (e.g. '7B 1k L3 n')")
     parser.add_argument("--seed", type=int, default=0)
@@ -103,14 +123,14 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     if args.smoke:
-        args.failures, args.repair_times = 1.0, 0.0
+        args.failures, args.repairs = 1.0, 0.0
         cells = list(itertools.product(MODELS, (128,), (PAPER_RATE,), ("device",), (False,)))
     else:
         cells = list(itertools.product(MODELS, (1024, 16384), (LLAMA3_RATE, PAPER_RATE), ("device", "node"),
                                        (False, True)))
     if args.cells is not None:
         cells = [c for c in cells if label(*c) in args.cells]
-    lengths = dict(failures=args.failures, repair_times=args.repair_times, seed=args.seed)
+    lengths = dict(failures=args.failures, expected_repairs=args.repairs, seed=args.seed)
     same_as = distinct_cells(cells, **lengths)
     distinct = sorted(dict.fromkeys(same_as.values()), key=lambda c: -c[1])  # the long 16,384-device cells first
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
