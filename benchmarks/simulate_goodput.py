@@ -23,9 +23,10 @@ import argparse
 import itertools
 import math
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.simulator.run import scenario_events, simulate
 from odyssey_megatron.simulator.scenario import load_scenario
 
@@ -96,15 +97,21 @@ def cell(model: str, devices: int, rate: float, unit: str, repairs: bool, **leng
     return hours, failures, result.summaries, result.ratios, time.perf_counter() - started
 
 
-def distinct_cells(cells, **lengths) -> dict:
+def distinct_cells(cells, **lengths) -> tuple[dict, dict]:
     """Each cell -> the first cell with the same inputs, simulated once for both: with and
     without repairs differ only in their events, the same where no repair comes within the
-    hours a cell covers."""
-    inputs = {c: (*c[:4], tuple(scenario_events(scenario_of(*c, **lengths)[0]))) for c in cells}
-    first = {}
+    hours a cell covers; and each cell past what a simulation lives through in bounded
+    time (``limits.check_simulation_size``) -> why, not simulated."""
+    inputs, refused = {}, {}
     for c in cells:
+        try:
+            inputs[c] = (*c[:4], tuple(scenario_events(scenario_of(*c, **lengths)[0])))
+        except ConfigError as exc:
+            refused[c] = str(exc)
+    first = {}
+    for c in inputs:
         first.setdefault(inputs[c], c)
-    return {c: first[inputs[c]] for c in cells}
+    return {c: first[inputs[c]] for c in inputs}, refused
 
 
 def main() -> None:
@@ -131,35 +138,45 @@ def main() -> None:
     if args.cells is not None:
         cells = [c for c in cells if label(*c) in args.cells]
     lengths = dict(failures=args.failures, expected_repairs=args.repairs, seed=args.seed)
-    same_as = distinct_cells(cells, **lengths)
+    same_as, refused = distinct_cells(cells, **lengths)
+    for c, why in refused.items():
+        print(f"not simulated: {label(*c)}: {why}")
+    cells = [c for c in cells if c in same_as]
     distinct = sorted(dict.fromkeys(same_as.values()), key=lambda c: -c[1])  # the long 16,384-device cells first
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {c: pool.submit(cell, *c, **lengths) for c in distinct}
-        results = [futures[same_as[c]].result() for c in cells]
     header = ("| model | devices | rate | unit | repairs | hours | failures | "
               + " | ".join(SYSTEMS) + " | best batch-keeping | odyssey/best | ETTR odyssey / best | "
               "odyssey_shrink/replica_drop | dropped samples |")
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for (model, devices, rate, unit, repairs), (hours, failures, summaries, ratios, _) in zip(cells, results):
-        best = max(BATCH_KEEPING, key=lambda s: summaries[s].goodput)
-        ratio = ratios[best]
-        drop = summaries["replica_drop"].goodput
-        shrink_ratio = f"{summaries['odyssey_shrink'].goodput / drop:.3f}" if drop > 0 else "-"
-        rate_name = "Llama 3" if rate == LLAMA3_RATE else "paper"
-        lines.append(f"| {model} | {devices:,} | {rate_name} | {unit} | {'yes' if repairs else 'no'} | {hours:.2f} | "
-                     f"{failures} | " + " | ".join(f"{summaries[s].goodput:,.0f}" for s in SYSTEMS)
-                     + f" | {best} | {'-' if ratio is None else f'{ratio:.3f}'} | "
-                     f"{summaries['odyssey'].ettr:.3f} / {summaries[best].ettr:.3f} | {shrink_ratio} | "
-                     f"{dropped(summaries)} |")
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(cell, *c, **lengths): c for c in distinct}
+        for done in as_completed(futures):  # each row as its cell ends: a long grid shows its progress
+            print(f"{done.result()[4]:.0f} s: {row(futures[done], done.result())}", flush=True)
+        result_of = {c: f.result() for f, c in futures.items()}
+    results = [result_of[same_as[c]] for c in cells]
+    lines = [header, "|" + "---|" * (header.count("|") - 1)] + [row(c, r) for c, r in zip(cells, results)]
     table = "\n".join(lines)
     print("goodput: samples trained per device-hour paid (spares included)")
     print(table)
-    print(f"simulated {len(distinct)} distinct cells in {sum(futures[c].result()[4] for c in distinct):.0f} s "
+    print(f"simulated {len(distinct)} distinct cells in {sum(r[4] for r in result_of.values()):.0f} s "
           f"of cell time, {time.perf_counter() - started:.0f} s of wall time")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table + "\n")
     draw(cells, results, args.out / "goodput.png")
     print(f"wrote {args.out / 'table.md'} and {args.out / 'goodput.png'}")
+
+
+def row(cell_inputs, result) -> str:
+    """A cell's line of the table."""
+    model, devices, rate, unit, repairs = cell_inputs
+    hours, failures, summaries, ratios, _ = result
+    best = max(BATCH_KEEPING, key=lambda s: summaries[s].goodput)
+    ratio = ratios[best]
+    drop = summaries["replica_drop"].goodput
+    shrink_ratio = f"{summaries['odyssey_shrink'].goodput / drop:.3f}" if drop > 0 else "-"
+    rate_name = "Llama 3" if rate == LLAMA3_RATE else "paper"
+    return (f"| {model} | {devices:,} | {rate_name} | {unit} | {'yes' if repairs else 'no'} | {hours:.2f} | "
+            f"{failures} | " + " | ".join(f"{summaries[s].goodput:,.0f}" for s in SYSTEMS)
+            + f" | {best} | {'-' if ratio is None else f'{ratio:.3f}'} | "
+            f"{summaries['odyssey'].ettr:.3f} / {summaries[best].ettr:.3f} | {shrink_ratio} | {dropped(summaries)} |")
 
 
 def label(model: str, devices: int, rate: float, unit: str, repairs: bool) -> str:

@@ -49,6 +49,8 @@ def test_each_benchmark_runs_at_its_smallest_size_and_prints_its_figure(name, tm
                           text=True, timeout=SMOKE_TIMEOUT_S, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert re.search(FIGURE_LINES[name], done.stdout, re.M), done.stdout[-4000:]
+    if name == "simulate_goodput.py":  # the grid's figure, drawn from its smallest grid
+        assert (tmp_path / "goodput.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_every_goodput_cell_is_the_shortest_that_holds_several_failures_and_repairs():
@@ -70,3 +72,16 @@ def test_every_goodput_cell_is_the_shortest_that_holds_several_failures_and_repa
     assert grid.cell_hours(1024, grid.LLAMA3_RATE, failures=4, repairs=4) == grid.WEEK_H
     assert grid.cell_hours(1024, grid.PAPER_RATE, failures=4, repairs=4) == pytest.approx(0.409, abs=1e-3)
     assert grid.cell_hours(16384, grid.PAPER_RATE, failures=4, repairs=4) == pytest.approx(0.0996, abs=1e-3)
+
+
+def test_a_goodput_cell_past_the_simulation_size_limit_is_reported_not_simulated():
+    """Paper 001's rate on 7B's 16,384 workers: the shortest cell holding 4 repairs holds
+    163 node failures, 2.7 M worker-events, past the simulator's bound; the grid names it
+    and goes on with the others (it once ended the whole grid in a traceback)."""
+    spec = importlib.util.spec_from_file_location("simulate_goodput", BENCHMARKS / "simulate_goodput.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    big, small = ("7B", 16384, grid.PAPER_RATE, "node", False), ("7B", 1024, grid.PAPER_RATE, "node", False)
+    same_as, refused = grid.distinct_cells([big, small], failures=4, expected_repairs=4, seed=0)
+    assert same_as == {small: small}
+    assert list(refused) == [big] and "163 events on 16,384 workers" in refused[big]
