@@ -156,6 +156,15 @@ class ExecutionPlan:
             if stage.worker is not None
         }
 
+    def holder_counts(self, profile: ModelProfile) -> dict[Block, int]:
+        """How many live stage owners hold each block: its sync unit's size, over which
+        the distributed optimizer shards the block's state (``optimizer_shards``)."""
+        counts: dict[Block, int] = {}
+        for blocks in self.holdings(profile).values():
+            for block in blocks:
+                counts[block] = counts.get(block, 0) + 1
+        return counts
+
     def executor(self, pipeline: int, stage: int, micro_batch: int) -> int:
         """The worker that runs ``micro_batch`` of ``pipeline`` at ``stage``."""
         owner = self.pipelines[pipeline].stages[stage].worker

@@ -11,10 +11,11 @@ and time are one tensor-parallel shard's.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
 
 from odyssey_megatron.blocks import EMBEDDING, OUTPUT, Block, StageSpec, stage_blocks
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.optimizer_shards import fullest_share
+from odyssey_megatron.optimizer_shards import fullest_share, owned_share
 from odyssey_megatron.specs.devices import DeviceSpec
 
 # Megatron mixed precision with a distributed-optimizer-free Adam: fp32 main grads,
@@ -173,9 +174,15 @@ class ModelProfile:
         return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
                        output=block(self.output))
 
-    def optimizer_s(self, blocks) -> float:
-        """Seconds of an optimizer step over ``blocks`` (the blocks a rank holds)."""
-        return sum(self.block(b).param_bytes for b in blocks) * self.optimizer_s_per_param_byte
+    def optimizer_s(self, blocks: Iterable[Block], holders: Mapping[Block, int] | None = None) -> float:
+        """Seconds of an optimizer step over ``blocks`` (the blocks a rank holds). With
+        ``holders`` (the distributed optimizer: each block's holder count in the plan,
+        ``ExecutionPlan.holder_counts``) a rank steps only its owned ranges of each block,
+        ``optimizer_shards.owned_share`` of it."""
+        def share(block: Block) -> float:
+            return 1.0 if holders is None else owned_share(holders.get(block, 1))
+
+        return sum(self.block(b).param_bytes * share(b) for b in blocks) * self.optimizer_s_per_param_byte
 
     def allreduce_link(self, *, spans_nodes: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the ring all-reduce model: the profiler's fit within a

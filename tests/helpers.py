@@ -36,6 +36,13 @@ def asymmetric_plan(
                           policy=policy if worker_of is None else "initial")
 
 
+def lost_last_pipeline(plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` (one stage a pipeline) with its last pipeline's stage failed: every block
+    has one holder fewer."""
+    *kept, last = plan.pipelines
+    return replace(plan, pipelines=(*kept, replace(last, stages=(replace(last.stages[0], worker=None),))))
+
+
 def costly_edges_profile(num_layers: int, *, tie_embeddings: bool = False, budget: int = 1 << 62) -> ModelProfile:
     """Identical layers (F=1, B=2, 100 B of state, 1 B of activations) and a costly
     embedding and head, so stage copies of first and last stages differ."""

@@ -14,12 +14,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import symmetric_plan
+from helpers import lost_last_pipeline, symmetric_plan
 from odyssey_megatron.cli import dumps
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import load_config
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.estimator.optimizer import optimizer_time
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.profile import BlockCost, ModelProfile
@@ -95,6 +96,20 @@ def test_an_op_takes_the_profiles_time_and_a_longer_one_overruns():
         time.sleep(0.08)
     # overran by what passed its 0.05 s, not by the op's whole 0.08 s (however late the sleep wakes)
     assert clock.overruns == 1 and 0.03 <= clock.worst_overrun_s < 0.08, clock.worst_overrun_s
+
+
+def test_the_emulated_adam_step_is_the_estimators_owned_share_under_the_distributed_optimizer():
+    """Three holders of a layer, one failed: each survivor pads Adam to the seconds
+    ``optimizer_time`` prices for it (the share at the plan's two holders: all of it), and
+    with all three holders 2/3 of the layer."""
+    profile = known_profile(1, forward_s=0.0, optimizer_s_per_layer=0.03)
+    whole = symmetric_plan(dp=3, pp=1, num_layers=1, micro_batches_per_pipeline=1)
+    for plan, adam_s in ((whole, 0.02), (lost_last_pipeline(whole), 0.03)):
+        clock = EmulatedClock(profile=profile, cluster=ClusterState(world_size=3), plan=plan,
+                              ranks=RankMap.identity(3, 1), worker=0, ops=[], device=torch.device("cpu"),
+                              distributed_optimizer=True)
+        assert clock._adam_s == pytest.approx(adam_s)
+        assert clock._adam_s == pytest.approx(optimizer_time(plan, profile, None, staggered=True, sharded=True))
 
 
 def test_emulated_steps_take_the_estimated_time():

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import asymmetric_plan, symmetric_plan
+from helpers import asymmetric_plan, lost_last_pipeline, symmetric_plan
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator import estimate_plan
@@ -84,6 +84,20 @@ def test_the_distributed_optimizer_keeps_its_share_of_the_state_and_all_gathers_
     # two layers of 120 optimizer bytes, each of the 4 ranks keeping half: 120 fewer bytes a rank
     assert [m - 120 for m in full.peak_memory_bytes[0]] == list(sharded.peak_memory_bytes[0])
     assert all(peak == sharded.peak_memory_bytes[0][0] for stages in sharded.peak_memory_bytes for peak in stages)
+
+
+def test_the_distributed_optimizer_steps_each_ranks_owned_share_at_the_plans_holder_count():
+    profile = profile_of(2, optimizer_s_per_param_byte=1e-3)
+    plan = symmetric_plan(dp=4, pp=1, num_layers=2, micro_batches_per_pipeline=1)
+    # 200 parameter bytes a rank = 0.2 s of Adam; sharded over 4 holders each steps 2/4 of it
+    assert optimizer_time(plan, profile, None, staggered=True) == pytest.approx(0.2)
+    assert optimizer_time(plan, profile, None, staggered=True, sharded=True) == pytest.approx(0.1)
+    # after a failure the blocks have 3 holders: each survivor steps 2/3 of them
+    after = optimizer_time(lost_last_pipeline(plan), profile, None, staggered=True, sharded=True)
+    assert after == pytest.approx(0.2 * 2 / 3)
+    full = estimate_plan(plan, profile)
+    sharded = estimate_plan(plan, profile, pricing=Pricing(distributed_optimizer=True))
+    assert full.optimizer_time_s - sharded.optimizer_time_s == pytest.approx(0.1)
 
 
 def test_every_op_pays_the_fixed_cost_and_a_split_backward_pays_it_twice():

@@ -87,7 +87,8 @@ def estimate_plan(
     return PlanEstimate(
         pipeline_time_s=pipeline_s,
         sync_time_s=sync_time(plan, profile, cluster),
-        optimizer_time_s=optimizer_time(plan, profile, cluster, staggered=pipeline_s < timing.makespan_s),
+        optimizer_time_s=optimizer_time(plan, profile, cluster, staggered=pipeline_s < timing.makespan_s,
+                                        sharded=pricing.distributed_optimizer),
         peak_memory_bytes=tuple(
             tuple(peaks.get(kept.worker) if stage.worker is not None else None
                   for stage, kept in zip(p.stages, distinct.pipelines[stands_for[pi]].stages))

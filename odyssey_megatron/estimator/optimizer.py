@@ -28,12 +28,15 @@ def norm_allreduce_time(plan: ExecutionPlan, profile: ModelProfile, cluster: Clu
 
 
 def optimizer_time(plan: ExecutionPlan, profile: ModelProfile, cluster: ClusterState | None, *,
-                   staggered: bool) -> float:
-    """Seconds from the end of the DP sync to the end of the slowest rank's Adam step.
+                   staggered: bool, sharded: bool = False) -> float:
+    """Seconds from the end of the DP sync to the end of the slowest rank's Adam step;
+    ``sharded`` (the distributed optimizer): each rank steps its owned ranges of each
+    block, their share at the block's holder count in ``plan``.
     Each distinct stage (layers and pipeline position) is priced once: at scale thousands
     of ranks hold the same blocks."""
     stages = {(stage.layers, si == 0, si == len(p.stages) - 1)
               for p in plan.pipelines for si, stage in enumerate(p.stages) if stage.worker is not None}
-    adam_s = max((profile.optimizer_s(profile.stage_blocks(start, end, first=first, last=last))
+    holders = plan.holder_counts(profile) if sharded else None
+    adam_s = max((profile.optimizer_s(profile.stage_blocks(start, end, first=first, last=last), holders)
                   for (start, end), first, last in stages), default=0.0)
     return adam_s + (0.0 if staggered else norm_allreduce_time(plan, profile, cluster))

@@ -1,6 +1,9 @@
-"""The failure-free plan: Megatron's symmetric DP x PP layout."""
+"""The failure-free plan: Megatron's symmetric DP x PP layout, in Megatron's rank order or
+with each pipeline on whole nodes."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids
@@ -47,3 +50,16 @@ def initial_plan(
         pipelines=pipelines,
     )
     return with_sync(plan, profile)
+
+
+def node_aligned(plan: ExecutionPlan, profile: ModelProfile) -> ExecutionPlan:
+    """``plan`` (``initial_plan``'s) with pipeline d's stage s on worker d * PP + s: each
+    pipeline on consecutive workers, so on whole nodes, as torchft deploys replica groups.
+    Its stages send activations within a node and its gradients are all-reduced across
+    nodes; a node failure takes out the pipelines on that node, not one stage of many."""
+    pipelines = tuple(
+        replace(pipeline, stages=tuple(replace(stage, worker=d * len(pipeline.stages) + s)
+                                       for s, stage in enumerate(pipeline.stages)))
+        for d, pipeline in enumerate(plan.pipelines)
+    )
+    return with_sync(replace(plan, pipelines=pipelines), profile)

@@ -37,6 +37,7 @@ from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan, transfer_time
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids
+from odyssey_megatron.planner.initial import node_aligned
 from odyssey_megatron.restorer import live_holdings, plan_transfers, with_sync
 from odyssey_megatron.simulator.restart import time_since_checkpoint
 from odyssey_megatron.simulator.system import (
@@ -52,16 +53,9 @@ from odyssey_megatron.simulator.system import (
 
 def replica_layout(context: SimulationContext) -> ExecutionPlan:
     """The job's plan with its pipelines placed per ``context.replica_placement``: as it is
-    (stage-major), or each pipeline on consecutive workers, so on whole nodes."""
+    (stage-major), or each pipeline on whole nodes (``planner.initial.node_aligned``)."""
     plan = initial_layout(context)
-    if context.replica_placement != NODE_ALIGNED:
-        return plan
-    pp = context.pipeline_parallel_size
-    pipelines = tuple(
-        replace(pipeline, stages=tuple(replace(stage, worker=d * pp + s) for s, stage in enumerate(pipeline.stages)))
-        for d, pipeline in enumerate(plan.pipelines)
-    )
-    return with_sync(replace(plan, pipelines=pipelines), context.profile)
+    return node_aligned(plan, context.profile) if context.replica_placement == NODE_ALIGNED else plan
 
 
 class ReplicaSystem:

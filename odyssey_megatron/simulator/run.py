@@ -154,7 +154,8 @@ def _systems(scenario: Scenario, context: SimulationContext, events: list[Cluste
                 decision_s=costs.decision_s, name=name,
                 event_times=[e.time_s for e in events] if name == "oracle" else None, horizon_s=duration,
                 failure_model=scenario_failure_model(config.failures, learn=config.odyssey_learns_failure_rate),
-                repairs=config.repairs.enabled,
+                repairs=config.repairs.enabled, mean_repair_s=config.repairs.mean_hours * SECONDS_PER_HOUR,
+                failure_unit=str(config.failures.unit),
             )
         elif name in ("recycle", "recycle_1f1b"):
             yield ReCycleSystem(context, detection_s=costs.detection_s, name=name, decoupled=name == "recycle",

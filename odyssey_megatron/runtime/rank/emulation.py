@@ -61,7 +61,7 @@ class EmulatedClock(OpClock):
     ops (Python, allocation, posting sends) is absorbed as long as the padding covers it."""
 
     def __init__(self, *, profile: ModelProfile, cluster: ClusterState, plan: ExecutionPlan, ranks: RankMap,
-                 worker: int, ops: Sequence[Op], device: torch.device):
+                 worker: int, ops: Sequence[Op], device: torch.device, distributed_optimizer: bool = False):
         split = any(op.kind == WEIGHT_GRAD for op in ops)
         self._seconds: dict[tuple[str, int, int], float] = {}
         for pi, si, stage in plan.stage_positions():
@@ -73,7 +73,8 @@ class EmulatedClock(OpClock):
                         for rank in range(ranks.world_size)}
         self._sync_s = {index: unit_sync_time(unit, profile, cluster) for index, unit in enumerate(plan.sync_units)}
         self._norm_s = norm_allreduce_time(plan, profile, cluster)
-        self._adam_s = profile.optimizer_s(plan.holdings(profile).get(worker, ()))
+        self._adam_s = profile.optimizer_s(plan.holdings(profile).get(worker, ()),
+                                           plan.holder_counts(profile) if distributed_optimizer else None)
         self._device = device
         self._free_at = time.monotonic()
         """When the worker's last op ends on the emulated timeline."""
@@ -159,10 +160,11 @@ class DeviceEmulation:
     cluster: ClusterState
 
     def clock(self, *, plan: ExecutionPlan, ranks: RankMap, worker: int, ops: Sequence[Op],
-              device: torch.device) -> EmulatedClock:
-        """The clock of ``worker``, running ``ops`` of ``plan``."""
+              device: torch.device, distributed_optimizer: bool = False) -> EmulatedClock:
+        """The clock of ``worker``, running ``ops`` of ``plan`` (its Adam step over its owned
+        ranges alone with the ``distributed_optimizer``, as ``estimator.optimizer`` prices it)."""
         return EmulatedClock(profile=self.profile, cluster=self.cluster, plan=plan, ranks=ranks, worker=worker,
-                             ops=ops, device=device)
+                             ops=ops, device=device, distributed_optimizer=distributed_optimizer)
 
 
 def recipe_emulation(config: RecipeConfig) -> DeviceEmulation | None:

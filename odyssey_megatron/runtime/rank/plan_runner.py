@@ -190,7 +190,8 @@ class PlanRunner:
         self.params = parameters_by_block(self.model, self.stage)
         self.ops = list(program.ops_of(self.worker))
         self.clock = OpClock() if settings.emulation is None else settings.emulation.clock(
-            plan=plan, ranks=ranks, worker=self.worker, ops=self.ops, device=settings.device)
+            plan=plan, ranks=ranks, worker=self.worker, ops=self.ops, device=settings.device,
+            distributed_optimizer=settings.distributed_optimizer)
         self.grad_sync = LayerGradSync(
             plan=plan, worker=self.worker, params=self.params, unit_groups=self.groups.unit_groups,
             overlap=settings.overlap_grad_sync, clock=self.clock,
