@@ -21,8 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch.distributed as dist
@@ -199,7 +199,7 @@ def test_a_killed_launcher_is_one_node_failure_and_a_lost_controller_takes_every
 
 @pytest.mark.timeout(300)
 def test_a_controller_restarted_within_the_window_is_reattached_to_by_every_launcher_and_worker(tmp_path):
-    """``odyssey.controller_reattach_s``: the controller is SIGKILLed; its launchers and
+    """``Timeouts.controller_reattach_s``: the controller is SIGKILLed; its launchers and
     workers outlive it, and a controller started again on the same port and run directory
     (the same secret) has every node registered again and every worker announce itself
     (``RankReattached``) from the same process, which then beats to it."""
@@ -573,12 +573,12 @@ def test_a_launcher_asks_one_request_a_beat_and_reads_the_controllers_heartbeat_
         store = Counting(signed_client(controller.port, tmp_path))
         node_store = launcher._node_client
         store.store.set(launcher_key(0), launcher._name)
-        launcher._beat(store, node_store)
+        launcher._tie.beat(store, node_store)
         assert store.requests == ["compare_set", "multi_get"], "the first beat reads the controller's"
         store.requests.clear()
         started = time.monotonic()
         for _ in range(3):
-            launcher._beat(store, node_store)
+            launcher._tie.beat(store, node_store)
         assert time.monotonic() - started < TIMEOUTS.heartbeat_timeout
         assert store.requests == ["compare_set"] * 3
         # A node beside the controller is never found silent: the test beats when it likes.
@@ -589,7 +589,7 @@ def test_a_launcher_asks_one_request_a_beat_and_reads_the_controllers_heartbeat_
 
         controller.abort(5)
         store.requests.clear()
-        launcher._beat(store, node_store)
+        launcher._tie.beat(store, node_store)
         assert store.requests == ["compare_set", "set", "multi_get"], "rung: beat over the bell, then read"
         assert NodeView.from_json(node_store.get(NODE_VIEW)).aborted == (5,)
         assert NodeHeartbeat.from_json(store.store.get(node_heartbeat_key(0))).seq == 4, "its fifth beat"
@@ -597,11 +597,11 @@ def test_a_launcher_asks_one_request_a_beat_and_reads_the_controllers_heartbeat_
         store.store.queue_push(INBOX, RankFailureReport(1, None, "boom", 5.0).to_json())
         assert controller.next_failure(timeout=10).ranks == (1,)  # its kill order queued, node 0 rung
         store.requests.clear()
-        launcher._beat(store, node_store)
+        launcher._tie.beat(store, node_store)
         assert store.requests == ["compare_set", "set", "multi_get", "queue_len", "queue_pop"]
-        assert list(launcher._kill_orders) == [KillOrder(1, 4242)]
+        assert list(launcher._tie.kill_orders) == [KillOrder(1, 4242)]
         store.requests.clear()
-        launcher._beat(store, node_store)
+        launcher._tie.beat(store, node_store)
         assert store.requests == ["compare_set"]
     finally:
         controller.stop()
@@ -684,9 +684,7 @@ def test_a_controller_poll_held_for_several_heartbeat_timeouts_fails_no_node_who
     try:
         for n, launcher in enumerate(launchers, start=1):
             beats = signed_client(controller.port, tmp_path, timeout_s=TIMEOUTS.heartbeat_timeout)
-            beats.set(launcher_key(n), launcher._name)
-            launcher._beat(beats, launcher._node_client.clone())
-            launcher._start_beating(beats, launcher._node_client.clone())
+            launcher._tie.attach(beats, launcher._node_client)
             # Not the controller's process, and no ranks: no start-up grace.
             store.queue_push(INBOX, NodeRegistration(n, 100 + n, f"node{n}", ()).to_json())
         for _ in range(2):
@@ -704,7 +702,7 @@ def test_a_controller_poll_held_for_several_heartbeat_timeouts_fails_no_node_who
         assert len(late) == 2 and all(" 3." in line for line in late), late
     finally:
         for launcher in launchers:
-            launcher._stop_beating()
+            launcher._tie.stop()
             launcher._keeper.close()
 
 

@@ -20,17 +20,10 @@ waits, registered and beating, for as long as the controller beats.
 
 It waits on the workers' process sentinels, so an exit is seen at once and reported to the
 controller's inbox. It serves its node's own store on the loopback address, where its
-workers beat, and a thread talks to the controller's store for the whole node, one
-request per heartbeat interval, so that store's load grows with nodes, not ranks: it
-writes the node's heartbeat carrying each worker's last beat (``NodeHeartbeat``: the
-node's silence is how the controller learns the node is lost, a worker's stale entry that
-the worker hangs) with ``compare_set`` against its previous one, which tells it whether
-anyone wrote there since: the controller's ``DOORBELL``, or a launcher that replaced this
-one. Then, or every heartbeat timeout, it reads the controller's heartbeat with the node's
-launcher key in one request; that heartbeat names the generations lately aborted and
-counts the node's kill orders, so only a new order costs a further read (its ranks, hung
-or failed: a failed worker never comes back into a collective). It relays to the workers
-what they need back (``NodeView``). When the controller's heartbeat stops, or its store is
+workers beat, and one thread talks to the controller's store for the whole node
+(``runtime.control.node_tie``): the node's heartbeat, the controller's, the node's kill
+orders (its ranks, hung or failed: a failed worker never comes back into a collective)
+and the view relayed to the workers (``NodeView``). When the controller's heartbeat stops, or its store is
 gone, the launcher tells its workers, which save what they hold
 (``runtime.rank.controller_link``). Then, for the collective timeout plus
 ``Timeouts.controller_reattach_s``, it keeps them and the node's keeper (the in-memory
@@ -50,15 +43,12 @@ fork server with them.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import socket
-import threading
 import time
 from typing import Callable, Optional
 
@@ -67,32 +57,25 @@ import torch.distributed as dist
 from odyssey_megatron.runtime.control.detector import describe_exit
 from odyssey_megatron.runtime.control.fork_server import start_fork_server
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
+from odyssey_megatron.runtime.control.node_tie import NodeTie
 from odyssey_megatron.runtime.control.store_server import StoreServer
-from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer, connect_signed
+from odyssey_megatron.runtime.protocol.auth import SignedStore, Signer, connect_signed
 from odyssey_megatron.runtime.protocol.keys import (
     CONTROLLER_HEARTBEAT,
     INBOX,
-    NODE_VIEW,
     RUN_DONE,
     RUN_SPEC,
     RUN_STOP,
     fenced,
-    kill_orders_key,
     launcher_key,
     launcher_name,
-    node_heartbeat_key,
-    rank_heartbeat_key,
 )
 from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, EXIT_REPLACED, WorkerLaunch
-from odyssey_megatron.runtime.protocol.liveness import HeartbeatWatch, missed_beat
 from odyssey_megatron.runtime.protocol.messages import (
     ControllerHeartbeat,
-    Heartbeat,
     KillOrder,
-    NodeHeartbeat,
     NodeLeft,
     NodeRegistration,
-    NodeView,
     ProtocolError,
     RankExit,
     StopRequested,
@@ -144,26 +127,8 @@ class NodeLauncher:
         self._node_store = StoreServer("127.0.0.1", 0, timeout=timeouts.heartbeat_timeout)
         """The node's store, where its workers beat and read the ``NodeView``."""
         self._node_client = SignedStore(self._node_store.store, self._signer)
-        self._seq = 0
-        self._last_beat = b""
-        """The node heartbeat this launcher wrote last (``compare_set`` expects it there)."""
-        self._next_read = -math.inf
-        """Monotonic time by which the controller's heartbeat is read again, unless rung first."""
-        self._beating = threading.Event()
-        """Set when the node's heartbeat thread must stop."""
-        self._beater: threading.Thread | None = None
-        # What the heartbeat thread found in the controller's store, for the main thread:
-        self._controller = HeartbeatWatch(timeouts.controller_silence, time.monotonic())
-        self._controller_lost: Optional[str] = None
-        self._launching: Optional[str] = None
-        """Who the node's launcher key names now."""
-        self._fenced = threading.Event()
-        """Set when the controller failed this node while this launcher lives: it registers again."""
-        self._kill_orders: collections.deque[KillOrder] = collections.deque()
-        self._kill_orders_seen = 0
-        """Kill orders for the node the controller's heartbeat counted when the queue was last read."""
-        self._aborted: set[int] = set()
-        """Generations the controller aborted, as its heartbeats named them."""
+        self._tie = NodeTie(node=config.node_rank, ranks=config.ranks, name=self._name, timeouts=timeouts)
+        """The heartbeat thread: what it finds in the controller's store is for the main thread."""
         self._stop_signal: str | None = None
         """A stop signal this node's main process received, until sent to the controller."""
         self._keeper = NodeKeeper(len(config.ranks))
@@ -178,12 +143,7 @@ class NodeLauncher:
                                    timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout))
             store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
             self._joining = store.check([launcher_key(node)])
-            store.set(launcher_key(node), self._name)
-            beats = store.clone()
-            beats.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
-            node_store = self._node_client.clone()
-            self._beat(beats, node_store)  # the node's first beat and view, before any worker reads them
-            self._start_beating(beats, node_store)
+            self._tie.attach(store, self._node_client)
             self._register(store)
             if self.on_run_spec is not None:
                 self.on_run_spec(self._wait_for_run_spec(store))
@@ -202,13 +162,13 @@ class NodeLauncher:
         except (dist.DistError, ProtocolError, _ControllerLost) as exc:
             why = str(exc).splitlines()[0]
             log.error("node %d: lost the controller (%s); its workers save what they hold, then exit", node, why)
-            self._stop_beating()
-            self._relay(self._node_client, controller_lost=why)  # at once: they save what they hold
+            self._tie.stop()
+            self._tie.relay(self._node_client, controller_lost=why)  # at once: they save what they hold
             self._let_workers_exit(within=self.timeouts.collective_timeout)
             return EXIT_CONTROLLER_LOST
         finally:
             self._kill_all()
-            self._stop_beating()
+            self._tie.stop()
             self._keeper.close()
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
         log.info("node %d: all workers exited", node)
@@ -223,8 +183,8 @@ class NodeLauncher:
         log.error("node %d: lost the controller (%s); its workers save what they hold, %s", node, why,
                   f"then wait up to {timeouts.controller_reattach_s:g} s for a restarted controller"
                   if timeouts.controller_reattach_s > 0 else "then exit")
-        self._stop_beating()
-        self._relay(self._node_client, controller_lost=why)  # at once: they save what they hold
+        self._tie.stop()
+        self._tie.relay(self._node_client, controller_lost=why)  # at once: they save what they hold
         lost_wall = time.time()
         deadline = time.monotonic() + timeouts.collective_timeout + timeouts.controller_reattach_s
         while self._workers and time.monotonic() < deadline:
@@ -233,16 +193,7 @@ class NodeLauncher:
             self._reap_exited(timeout=timeouts.heartbeat_interval)
         else:
             return None
-        store.set(launcher_key(node), self._name)
-        self._launching, self._controller_lost, self._last_beat = self._name, None, b""
-        self._next_read, self._kill_orders_seen = -math.inf, 0  # the restarted controller counts its own orders
-        self._controller = HeartbeatWatch(timeouts.controller_silence, time.monotonic())
-        self._beating = threading.Event()
-        beats = store.clone()
-        beats.set_timeout(datetime.timedelta(seconds=timeouts.heartbeat_timeout))
-        node_store = self._node_client.clone()
-        self._beat(beats, node_store)  # relays the restarted controller's beat: the workers reattach
-        self._start_beating(beats, node_store)
+        self._tie.attach(store, self._node_client)  # relays the restarted controller's beat: the workers reattach
         self._register(store)
         log.warning("node %d: reattached to the restarted controller", node)
         return store
@@ -304,22 +255,22 @@ class NodeLauncher:
                 continue
             next_poll = max(next_poll + self.timeouts.poll_interval, now)
             self._check_controller(now)
-            if self._launching not in (None, self._name, fenced(self._name)):
-                raise _Replaced(f"replaced by launcher {self._launching}")
-            if self._fenced.is_set():
-                self._fenced.clear()
+            if self._tie.launching not in (None, self._name, fenced(self._name)):
+                raise _Replaced(f"replaced by launcher {self._tie.launching}")
+            if self._tie.fenced.is_set():
+                self._tie.fenced.clear()
                 self._register_again(store)
             if self._stop_signal is not None:
                 store.queue_push(INBOX, StopRequested(self.config.node_rank, self._stop_signal, time.time()).to_json())
                 self._stop_signal = None
-            while self._kill_orders:
-                self._kill(self._kill_orders.popleft())
+            while self._tie.kill_orders:
+                self._kill(self._tie.kill_orders.popleft())
 
     def _check_controller(self, now: float) -> None:
         """_ControllerLost if the heartbeat thread found the controller gone or silent."""
-        if self._controller_lost is not None:
-            raise _ControllerLost(self._controller_lost)
-        if self._controller.stale(now):
+        if self._tie.controller_lost is not None:
+            raise _ControllerLost(self._tie.controller_lost)
+        if self._tie.controller.stale(now):
             raise _ControllerLost(f"no controller heartbeat for over {self.timeouts.controller_silence} s")
 
     def _wait_for_run_spec(self, store: SignedStore) -> bytes:
@@ -392,98 +343,3 @@ class NodeLauncher:
         for process in self._workers.values():
             process.join()
         self._workers.clear()
-
-    def _start_beating(self, store: SignedStore, node_store: SignedStore) -> None:
-        """Beat for the node from a thread of its own, so the node lives on while the main
-        thread starts workers (the fork server's first start imports the worker's module)."""
-        def beat_loop() -> None:
-            nonlocal store
-            while not self._beating.wait(self.timeouts.heartbeat_interval):
-                try:
-                    self._beat(store, node_store)
-                except (dist.DistError, ProtocolError) as exc:
-                    if not missed_beat(exc):
-                        self._controller_lost = f"store unreachable: {str(exc).splitlines()[0]}"
-                        return
-                    store = store.clone()  # a late answer must not be read as the next request's
-                    store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
-
-        self._beater = threading.Thread(target=beat_loop, name="odyssey-node-heartbeat", daemon=True)
-        self._beater.start()
-
-    def _stop_beating(self) -> None:
-        """Stop and join the heartbeat thread: a daemon thread inside a store call when the
-        interpreter exits aborts the process (C++ terminate) instead of exiting with its status."""
-        self._beating.set()
-        if self._beater is not None:
-            self._beater.join()
-
-    def _beat(self, store: SignedStore, node_store: SignedStore) -> None:
-        """One heartbeat interval with the controller's store, for the whole node: forward
-        the workers' beats; if rung (or due), read what concerns the node; relay it back."""
-        node = self.config.node_rank
-        workers = _worker_beats(node_store, self.config.ranks, node=node)
-        beat = NodeHeartbeat(
-            self._seq, time.time(), seqs={str(r): b.seq for r, b in workers.items()},
-            generations={str(r): b.generation for r, b in workers.items() if b.generation is not None},
-            pids={str(r): b.pid for r, b in workers.items() if b.pid is not None},
-            steps={str(r): b.step for r, b in workers.items() if b.position() is not None},
-            ops_done={str(r): b.ops_done for r, b in workers.items() if b.position() is not None}).to_json().encode()
-        self._seq += 1
-        rung = store.compare_set(node_heartbeat_key(node), self._last_beat, beat) != beat
-        if rung:  # the doorbell (or another launcher's beat, or a forged value) is there: beat over it, then read
-            store.set(node_heartbeat_key(node), beat)
-        self._last_beat = beat
-        now = time.monotonic()
-        if rung or now >= self._next_read:
-            self._next_read = now + self.timeouts.heartbeat_timeout
-            self._read_controller(store)
-        self._relay(node_store)
-
-    def _read_controller(self, store: SignedStore) -> None:
-        """Read the controller's heartbeat and the node's launcher key; take the node's kill
-        orders if the heartbeat counts new ones."""
-        node = self.config.node_rank
-        controller, launching = store.multi_get([CONTROLLER_HEARTBEAT, launcher_key(node)])
-        if launching is not None:  # else forged (refused, logged): who launches the node is as last read
-            self._launching = launching.decode()
-        if controller is None:
-            return  # forged (refused, logged): the controller's next beat is read when due
-        controller = ControllerHeartbeat.from_json(controller)
-        self._controller.see(controller, time.monotonic())
-        if self._launching == fenced(self._name):  # take the node's name back first: it is fenced once
-            now_there = store.compare_set(launcher_key(node), self._launching, self._name)
-            self._launching = None if now_there is None else now_there.decode()
-            if self._launching == self._name:
-                self._fenced.set()
-        self._aborted.update(controller.aborted)
-        queued = controller.kill_orders.get(str(node), 0)
-        if queued > self._kill_orders_seen:  # new orders: take the whole queue
-            orders = kill_orders_key(node)
-            for _ in range(store.queue_len(orders)):
-                try:
-                    self._kill_orders.append(KillOrder.from_json(store.queue_pop(orders, block=False)))
-                except ForgedValue:
-                    continue  # refused (logged once): no process is killed on it
-            self._kill_orders_seen = queued
-
-    def _relay(self, node_store: SignedStore, *, controller_lost: Optional[str] = None) -> None:
-        """Tell the node's workers what the controller's store said last (``NodeView``)."""
-        beat = self._controller.last or Heartbeat(-1, 0.0)
-        view = NodeView(beat.seq, beat.sent_at, tuple(sorted(self._aborted)), controller_lost=controller_lost)
-        node_store.set(NODE_VIEW, view.to_json())
-
-
-def _worker_beats(node_store: SignedStore, ranks: range, *, node: int) -> dict[int, Heartbeat]:
-    """Each of the node's workers' last beat in the node's store (those that beat yet)."""
-    keys = {rank: rank_heartbeat_key(rank) for rank in ranks}
-    present = {rank: key for rank, key in keys.items() if node_store.exists([key])}
-    beats = {}
-    for rank, raw in zip(present, node_store.multi_get(list(present.values())) if present else []):
-        if raw is None:
-            continue  # forged (refused, logged): that worker's entry waits for its next beat
-        try:
-            beats[rank] = Heartbeat.from_json(raw)
-        except ProtocolError as exc:  # not the controller's fault: that worker's entry waits
-            log.warning("node %d: malformed heartbeat of rank %d: %s", node, rank, exc)
-    return beats
