@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Optional
 
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.run_dir import read_jsonl
 from odyssey_megatron.runtime.control.blame import WaitGraph
 from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
-from odyssey_megatron.run_dir import read_jsonl
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.control.store_server import StoreServer
 from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer, controller_secret

@@ -158,9 +158,7 @@ class WorkerProcess:
         link.on_controller_lost = self._on_controller_lost
         link.on_abort = lambda generation: self.guard.abort(f"the controller ended generation {generation}",
                                                             generation=generation)
-        self.group_store = self.store_for_steps()
-        self.snapshot_store = self.store_for_steps()
-        self.rendezvous = RendezvousStore(self.store.unsigned.clone(), guard=self.guard)  # torch's keys: unsigned
+        self._connect(self.store)
         self.checkpoints = CheckpointWriter(self.run_dir, rank=launch.rank, tp_rank=self.tp_rank, tp_size=self.tp,
                                             model=self.config.model, store=self.store.clone(),
                                             host_buffer=self.accelerator.host_buffer,
@@ -188,13 +186,20 @@ class WorkerProcess:
         self.group_store = self.store_for_steps()
         return self.group_store
 
-    def reconnected(self) -> None:
-        """After reattaching to a restarted controller (``ControllerLink.reattach``): every
-        connection to the run's store anew, to the restarted one."""
-        self.store = self.link.store
+    def _connect(self, store: SignedStore) -> None:
+        """The connections to the run's store this process holds beside ``store`` itself:
+        the step and snapshot stores, and torch's rendezvous (its keys unsigned)."""
+        self.store = store
         self.group_store = self.store_for_steps()
         self.snapshot_store = self.store_for_steps()
-        self.rendezvous = RendezvousStore(self.store.unsigned.clone(), guard=self.guard)
+        self.rendezvous = RendezvousStore(store.unsigned.clone(), guard=self.guard)
+
+    def reconnected(self) -> None:
+        """After reattaching to a restarted controller (``ControllerLink.reattach``): every
+        connection to the run's store anew, to the restarted one (the fault injector's and
+        the checkpoint writer's too)."""
+        self._connect(self.link.store)
+        self.injector.store = self.store
         self.checkpoints.store = self.store.clone()
         self.controller_lost = None
 
