@@ -677,6 +677,13 @@ class OdysseyConfig:
     """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
     abandoned; longer than collective_timeout, so a collective stuck inside a recovery
     fails within it and the decision restarts with the new survivors."""
+    controller_reattach_s: float = 0.0
+    """Seconds the survivors of a lost controller (every other node's launcher and
+    workers, their held blocks saved) keep their memory and wait for a restarted one:
+    ``odyssey train --resume`` on the controller's node within this window takes them
+    back and trains on from their memory with no committed step lost, where they hold
+    every block at one committed step (``runtime.control.reattaching``); else it refuses
+    them (they exit) and resumes from disk. 0: they exit after their save."""
     profile: Optional[str] = None
     """A profile JSON file (``odyssey profile`` writes one, ``profile_file`` describes it)
     the decision center prices plans with, instead of the analytic profile of
@@ -776,15 +783,18 @@ class OdysseyConfig:
             require_at_most("odyssey", self, 2.0**20, "a PiB per device", "memory_budget_gib")
         require(self.heartbeat_interval >= 0.01, "odyssey.heartbeat_interval",
                 f"must be >= 0.01 (10 ms; shorter floods the store); got {self.heartbeat_interval}")
+        require(self.controller_reattach_s >= 0, "odyssey.controller_reattach_s",
+                f"must be >= 0 seconds (0: survivors of a lost controller exit); got {self.controller_reattach_s}")
         require_at_most("odyssey", self, limits.MAX_SECONDS, "a year, in seconds", *TIMEOUT_ORDER,
-                        "initial_heartbeat_timeout")
+                        "initial_heartbeat_timeout", "controller_reattach_s")
         self.timeouts  # checks their order
 
     @property
     def timeouts(self) -> Timeouts:
         """The runtime's timeouts, shortest first (``odyssey_megatron.timeouts``)."""
         return Timeouts(**{name: getattr(self, name) for name in TIMEOUT_ORDER},
-                        initial_heartbeat_timeout=self.initial_heartbeat_timeout)
+                        initial_heartbeat_timeout=self.initial_heartbeat_timeout,
+                        controller_reattach_s=self.controller_reattach_s)
 
     @property
     def pricing(self) -> Pricing:

@@ -206,6 +206,18 @@ class DecisionCenter:
         self.plan = self.settled = plan
         self._rolling_back = False
 
+    def continue_from(self, plan: ExecutionPlan, *, away: Iterable[int] = ()) -> None:
+        """A restarted controller's job: ``plan`` (the lost controller's last) is what the
+        ranks it took back hold, and ``away`` are ranks it did not take back outside that
+        plan: failed here, so they are offered back once they return (``on_join``). The
+        plan's own ranks that did not come back are failed by a decision (``on_failure``)."""
+        away = set(away)
+        used = {r for w in plan.workers for r in self.cluster.worker_ranks(w)}
+        if away & used:
+            raise ValueError(f"ranks {sorted(away & used)} are in the plan continued from: fail them by a decision")
+        self.settle(plan)
+        self.cluster = self.cluster.fail_ranks(away)
+
     def on_join(self, *, ranks: Iterable[int] = (), workers: Iterable[int] = (), at_s: float | None = None,
                 interval_s: float | None = None, time_left_s: float | None = None) -> Decision:
         """Mark repaired or replacement ``ranks`` (and every rank of ``workers``) alive,

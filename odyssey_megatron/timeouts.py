@@ -33,10 +33,7 @@ class Timeouts:
     controller_reattach_s: float = 0.0
     """How long workers and launchers that lost the controller, their held blocks saved,
     keep their memory and wait for a restarted controller to reattach to (0: they exit
-    after the save). Not a recipe key yet, and 0 in every run ``odyssey train`` starts:
-    a restarted controller does not take survivors back yet (``--resume`` resumes from
-    disk, and must not meet survivors registering into it), so only the control-plane
-    test of the survivors' side sets it."""
+    after the save): the recipe's ``odyssey.controller_reattach_s``."""
 
     def __post_init__(self) -> None:
         if not self.initial_heartbeat_timeout >= self.heartbeat_timeout:
@@ -44,7 +41,7 @@ class Timeouts:
                               f"must be at least odyssey.heartbeat_timeout ({self.heartbeat_timeout}); "
                               f"got {self.initial_heartbeat_timeout}")
         if not self.controller_reattach_s >= 0:
-            raise ValueError(f"controller_reattach_s must be >= 0 seconds; got {self.controller_reattach_s}")
+            raise ConfigError("odyssey.controller_reattach_s", f"must be >= 0 seconds; got {self.controller_reattach_s}")
         for shorter, longer in zip(TIMEOUT_ORDER, TIMEOUT_ORDER[1:]):
             a, b = getattr(self, shorter), getattr(self, longer)
             if not a < b:

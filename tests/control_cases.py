@@ -47,7 +47,7 @@ def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None, abor
     an error of its own instead and hangs. When the controller aborts generation 0, the
     worker writes the time it heard of it to ``aborts/<rank>``. ``reattaching``: once the
     controller is lost, it reattaches to a restarted one (as having committed step 0) and
-    waits again, else it exits as the real worker does."""
+    waits again where the verdict takes it back, else it exits as the real worker does."""
     _log_to_stderr(f"rank {launch.rank}")
     link = ControllerLink(launch)
     if aborts is not None:
@@ -62,8 +62,11 @@ def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None, abor
     deadline = time.monotonic() + LIFETIME_S
     while lost.wait(max(0.0, deadline - time.monotonic())):
         lost.clear()
-        if not link.reattach(epoch=0, generation=link.generation, committed_step=0):
+        verdict = link.reattach(epoch=0, generation=link.generation, committed_step=0)
+        if verdict is None:
             os._exit(EXIT_CONTROLLER_LOST)
+        if not verdict.accepted:
+            os._exit(0)
 
 
 def _note(path: Path, text: str) -> None:

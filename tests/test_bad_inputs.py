@@ -219,6 +219,8 @@ VALUE_CASES = {
     "odyssey.heartbeat_timeout=0.1": plan("odyssey.heartbeat_timeout=0.1",
                                           culprit=("odyssey.heartbeat_timeout", "odyssey.heartbeat_interval")),
     "odyssey.heartbeat_timeout=-1": plan("odyssey.heartbeat_timeout=-1", culprit="odyssey.heartbeat_timeout"),
+    "odyssey.controller_reattach_s=-1": plan("odyssey.controller_reattach_s=-1",
+                                             culprit=("odyssey.controller_reattach_s", ">= 0")),
     "odyssey.collective_timeout=0.5": plan("odyssey.collective_timeout=0.5",
                                            culprit=("odyssey.collective_timeout", "odyssey.heartbeat_timeout")),
     "odyssey.recovery_timeout=30": plan("odyssey.recovery_timeout=30",

@@ -54,6 +54,7 @@ from odyssey_megatron.runtime.protocol.keys import (
     plan_key,
     plan_ops_key,
     rank_heartbeat_key,
+    reattach_verdict_key,
     successor_key,
 )
 from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, EXIT_REPLACED, WorkerLaunch
@@ -69,7 +70,9 @@ from odyssey_megatron.runtime.protocol.messages import (
     ProtocolError,
     RankExit,
     RankFailureReport,
+    RankReattached,
     RankRegistration,
+    ReattachVerdict,
     StaleGenerationError,
     StopOrder,
 )
@@ -202,7 +205,8 @@ def test_a_controller_restarted_within_the_window_is_reattached_to_by_every_laun
     """``Timeouts.controller_reattach_s``: the controller is SIGKILLed; its launchers and
     workers outlive it, and a controller started again on the same port and run directory
     (the same secret) has every node registered again and every worker announce itself
-    (``RankReattached``) from the same process, which then beats to it."""
+    (``RankReattached``) from the same process, which then beats to it and waits for its
+    verdict (``ReattachVerdict``): taken back, it lives on; refused, it exits 0 (no failure)."""
     timeouts = replace(TIMEOUTS, controller_reattach_s=60.0)
     with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=timeouts, reattaching=True) as cluster:
         before = {rank: row["pid"] for rank, row in cluster.workers().items()}
@@ -221,9 +225,14 @@ def test_a_controller_restarted_within_the_window_is_reattached_to_by_every_laun
         assert nodes == {0, 1}
         wait_for(lambda: {r: (w["state"], w["pid"]) for r, w in cluster.workers().items()}
                  == {r: ("alive", pid) for r, pid in before.items()}, timeout=10, what="the restarted workers.json")
+        client = signed_client(cluster.port, cluster.run_dir)
+        for rank in before:
+            client.set(reattach_verdict_key(rank), ReattachVerdict(rank, 1, rank != 3, "" if rank != 3 else
+                                                                   "refused by the test").to_json())
+        wait_for(lambda: cluster.workers()[3]["state"] == "exited", timeout=10, what="rank 3 refused and exited")
         time.sleep(2 * timeouts.heartbeat_timeout)  # beating to the restarted controller: no one failed
         assert not [e for e in cluster.events("failure") if e["time"] > restarted_at]
-        assert all(alive(pid) for pid in before.values())
+        assert all(alive(pid) for rank, pid in before.items() if rank != 3) and not alive(before[3])
 
 
 @pytest.mark.timeout(300)
@@ -469,6 +478,23 @@ def test_each_start_of_a_run_s_controller_counts_one_epoch_more(tmp_path):
         controller.stop()
         assert controller.epoch == epoch
     assert [e["epoch"] for e in read_jsonl(tmp_path / "events.jsonl", key="events")] == [0, 1]
+
+
+def test_a_survivor_announcing_itself_after_the_judgement_is_refused_at_once(tmp_path):
+    """Survivors are judged together (``SurvivorInbox.close``): one whose announcement
+    comes later is refused by the polling thread, with the reason in its verdict, and is
+    not among those judged."""
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)  # polled here
+    store = controller.store.clone()
+    store.queue_push(INBOX, RankReattached(4, 100, 0, 3, 7).to_json())
+    controller._poll(store)
+    assert [r.rank for r in controller.survivors.close()] == [4]
+    assert not store.check([reattach_verdict_key(4)])  # the judgement answers it
+    store.queue_push(INBOX, RankReattached(5, 101, 0, 3, 7).to_json())
+    controller._poll(store)
+    verdict = ReattachVerdict.from_json(store.get(reattach_verdict_key(5)))
+    assert (verdict.accepted, verdict.epoch, verdict.why) == (False, 0, "announced itself after the survivors were judged")
+    assert [r.rank for r in controller.survivors.reports()] == [4]
 
 
 def test_plans_are_published_in_generation_order_and_a_stale_one_is_refused(tmp_path):

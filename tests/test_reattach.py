@@ -4,14 +4,22 @@ for all; anyone else is refused (told to exit), and a disagreement sends the run
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from helpers import asymmetric_plan
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.config import ModelConfig, OdysseyConfig
+from odyssey_megatron.decision_center import DecisionCenter
+from odyssey_megatron.estimator.program import step_program
+from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.runtime.control.detector import Cause
 from odyssey_megatron.runtime.control.reattach import judge_reattachments
+from odyssey_megatron.runtime.control.reattaching import LostStart, continuation, lost_start
+from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.runtime.protocol.messages import ProtocolError, RankReattached
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -91,3 +99,56 @@ def test_the_announcement_is_type_checked():
     with pytest.raises(ProtocolError, match="committed_step"):
         RankReattached.from_json('{"kind": "rank_reattached", "rank": 2, "pid": 1, "epoch": 0, '
                                  '"generation": 3, "committed_step": "2"}')
+
+
+def _write_events(run_dir: Path, events: list[dict]) -> None:
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def _lost_run(run_dir: Path, *, ended: bool = False) -> None:
+    """A run directory whose first controller start published generations 0 to 3 and was
+    lost (unless ``ended``), and whose second start has just begun."""
+    (run_dir / "plan-3.json").write_text(json.dumps(publish(PLAN, step_program(PLAN, uniform_profile(num_layers=4)))))
+    _write_events(run_dir, [
+        {"event": "controller_started", "time": 1.0, "epoch": 0},
+        *({"event": "plan", "time": 2.0 + g, "generation": g} for g in range(4)),
+        {"event": "step", "time": 9.0, "step": 2},
+        *([{"event": "run_end", "time": 9.5, "status": 1}] if ended else []),
+        {"event": "controller_started", "time": 20.0, "epoch": 1}])
+
+
+def test_the_lost_start_is_the_last_before_this_one_with_its_last_plan_and_last_record(tmp_path):
+    _lost_run(tmp_path)
+    lost = lost_start(tmp_path, epoch=1)
+    assert (lost.epoch, lost.plan, lost.last_record_at) == (0, PLAN, 9.0)
+    assert lost_start(tmp_path, epoch=0) is None  # a first start follows nobody
+
+
+def test_a_start_that_ended_or_left_no_plan_on_disk_was_not_lost(tmp_path):
+    _lost_run(tmp_path, ended=True)
+    assert lost_start(tmp_path, epoch=1) is None
+    _lost_run(tmp_path)
+    (tmp_path / "plan-3.json").unlink()  # lost before it wrote its last plan: its survivors ran one not on disk
+    assert lost_start(tmp_path, epoch=1) is None
+
+
+def _continued(accepted: tuple[int, ...]):
+    center = DecisionCenter(plan=PLAN, cluster=CLUSTER, profile=uniform_profile(num_layers=4),
+                            settings=OdysseyConfig().decisions, settles_at_once=False, model=MODEL)
+    center.settle(replace(PLAN, generation=0))  # the restarted controller's own starting plan, replaced
+    outcome = judge(*(reattached(r) for r in accepted))
+    lost = LostStart(0, PLAN, 9.0)
+    return center, continuation(lost, outcome, center, node=0, here=(0, 1))
+
+
+def test_the_run_goes_on_from_the_lost_plan_and_node_0s_ranks_fail_with_its_process():
+    center, continuing = _continued((2, 3))
+    assert continuing.plan == PLAN and center.settled == PLAN
+    lost = continuing.lost
+    assert (lost.cause, lost.ranks, lost.node, lost.node_ranks, lost.failed_at) == (Cause.NODE, (0, 1), 0, (0, 1), 9.0)
+    assert center.cluster.failed_ranks == frozenset()  # failed by the recovery's decision, not beforehand
+
+
+def test_where_every_rank_of_the_lost_plan_came_back_nothing_fails():
+    center, continuing = _continued((0, 1, 2, 3))
+    assert continuing.lost is None and center.settled == PLAN

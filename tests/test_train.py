@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from odyssey_megatron.cli import main
 from odyssey_megatron.config import load_config
 from odyssey_megatron.profile_file import profile_json, recipe_measured_for, recipe_profile, write_profile
 from odyssey_megatron.report import PLOTS, phase_seconds
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.protocol.auth import SECRET_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -628,26 +630,62 @@ def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeat
     assert stat.S_IMODE((run_dir / SECRET_FILE).stat().st_mode) == 0o600
 
 
-def test_the_run_goes_on_without_node_0s_workers_and_a_dead_controller_loses_no_committed_step(
-        tmp_path, data_cache, reference):
-    """Two nodes of 4 ranks (DP 8: each holds the whole model). All four workers of node 0,
-    which hosts the controller, are killed in one instant in step 1: node 0's launcher has
-    no worker left, and the controller trains on with node 1's. Once step 2 committed,
-    node 0's process is killed (SIGKILL): the controller is gone. Node 1's workers find it
-    gone, write their share of what they hold (each block once, shared out over the four
-    replicas as the snapshots are, as of the steps they applied, all committed) and exit 75. ``--resume`` on one node continues from the newest step those parts hold
-    whole, and the run ends with the failure-free model, every step's samples recorded
-    once (a step the controller did not live to record is filled in; one a rank could not
-    learn had committed is trained again)."""
-    run_dir = _node_0_killed_after_step_2(
-        tmp_path, data_cache, faults("{rank: 0, with_ranks: [1, 2, 3], step: 1, phase: forward, action: kill}"))
-    assert [r["failed_ranks"] for r in recoveries(run_dir)] == [[0, 1, 2, 3]]
-    saved = sorted(run_dir.glob("checkpoint/step-*/rank-*.json"))
-    assert {p.name for p in saved} == {f"rank-{r}.json" for r in range(4, 8)}  # node 1's four workers
-    written = [block for p in saved for block in json.loads(p.read_text())["blocks"]]
-    assert sorted(written) == sorted(set(written)) and len(written) == 10  # each block once, shared out
-    _resume_on_one_node(run_dir)
-    assert_same_training(run_dir, reference, controller_killed=True)
+def test_a_controller_restarted_within_the_window_takes_the_survivors_back_and_loses_no_committed_step(
+        tmp_path, data_cache, long_reference):
+    """Two nodes of 4 ranks (DP 8: each holds the whole model), survivors waiting 120 s
+    for a restarted controller (``odyssey.controller_reattach_s``). Once step 2 committed,
+    node 0's process (the controller, its launcher and its four workers) is SIGKILLed.
+    Node 1's workers save what they hold and wait; ``odyssey train --resume`` on node 0
+    takes them back, the same processes, at the step they hold (``reattachment``), recovers
+    from node 0's loss on them, and grows back onto node 0's new workers. Node 1's command
+    never ends in between; the run ends on all 8 ranks with the failure-free model, every
+    step committed once from the step the survivors held on."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
+              "cluster.devices_per_node=4", "odyssey.online_profile=false", "--nnodes", "2", "--master-port", str(port)]
+    node0 = train(run_dir, data_cache, *common, "odyssey.controller_reattach_s=120",
+                  slow_device(tmp_path, forward_s=0.02), node_rank=0, steps=GROWING_STEPS)
+    node1 = train(run_dir, data_cache, *common, "odyssey.controller_reattach_s=120",
+                  slow_device(tmp_path, forward_s=0.02), node_rank=1, steps=GROWING_STEPS)
+    ended1: list[tuple[int, str, str]] = []  # read from the start: a full pipe would stall node 1's launcher
+    reader = threading.Thread(target=lambda: ended1.append(finish(node1)), daemon=True)
+    reader.start()
+    restarted = None
+    try:
+        wait_for_step(run_dir, 2, nodes=(node0,))
+        os.killpg(node0.pid, signal.SIGKILL)
+        finish(node0)
+        first = {e["rank"]: e["pid"] for e in events(run_dir, "rank_joined") if e["rank"] >= 4}
+        deadline = time.monotonic() + 60
+        while latest_checkpoint(run_dir) is None:  # node 1's save
+            assert time.monotonic() < deadline and node1.poll() is None, run_logs(run_dir)
+            time.sleep(0.1)
+        assert node1.poll() is None, run_logs(run_dir)
+        restarted = subprocess.Popen(
+            [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir), "--nnodes", "2",
+             "--master-port", str(port), "--node-rank", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+        status, _, err = finish(restarted)
+        reader.join(RUN_TIMEOUT_S)
+        [(status1, _, err1)] = ended1
+    finally:
+        for process in (node0, node1, restarted):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    assert status1 == 0, err1[-4000:]
+    [taken] = events(run_dir, "reattachment")
+    assert taken["accepted"] == [4, 5, 6, 7] and not taken["refused"], taken
+    assert {e["rank"]: e["pid"] for e in events(run_dir, "rank_reattached")} == first  # the same processes
+    resumed_plans = [e for e in events(run_dir, "plan") if e["time"] > taken["time"]]
+    assert resumed_plans[0]["start_step"] == taken["step"] >= 2  # from the step they held: none lost
+    [recovery] = [r for r in recoveries(run_dir) if r["time"] > taken["time"]]
+    assert recovery["failed_ranks"] == [0, 1, 2, 3], recovery
+    assert any(j["grew"] and j["ranks"] == [0, 1, 2, 3] for j in events(run_dir, "join")), events(run_dir, "join")
+    assert resumed_plans[-1]["workers"] == list(range(8))
+    assert_same_training(run_dir, long_reference, controller_killed=True)
+    committed = [e["step"] for e in events(run_dir, "step") if e["time"] > taken["time"]]
+    assert committed == list(range(taken["step"], GROWING_STEPS))
 
 
 def _node_0_killed_after_step_2(tmp_path: Path, data_cache: Path, *args: str) -> Path:

@@ -32,7 +32,14 @@ from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
 from odyssey_megatron.runtime.control.stop_signals import StopAtOnce, StopSignals
-from odyssey_megatron.runtime.control.training_run import SAMPLES, RunFailed, RunStopped, TrainingRun, forget_steps_from
+from odyssey_megatron.runtime.control.reattaching import resumed_at
+from odyssey_megatron.runtime.control.training_run import (
+    SAMPLES,
+    RunFailed,
+    RunStopped,
+    TrainingRun,
+    forget_steps_from,
+)
 from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
 from odyssey_megatron.runtime.protocol.auth import launcher_secret
 from odyssey_megatron.runtime.protocol.keys import RUN_DONE, RUN_SPEC
@@ -113,11 +120,7 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     timeouts = config.odyssey.timeouts
     log_node_to(run_dir, 0)
     config = as_trained(config)
-    start_step = 0
-    if resume is not None:
-        start_step = resume[0]
-        forget_steps_from(run_dir / SAMPLES, start_step)
-    else:
+    if resume is None:
         write_text(run_dir / "config.yaml", config_yaml(config))
     # The store opens, and the controller beats, before the data is prepared (minutes for a
     # real corpus): the other nodes' launchers connect and wait for the run's spec meanwhile.
@@ -133,23 +136,31 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     except BaseException:
         controller.stop()
         raise
-    if resume is not None:
-        _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
     center = DecisionCenter.from_recipe(config, settles_at_once=False)
+    start_step, continuing = 0, None
+    if resume is not None:
+        start_step, continuing = resumed_at(controller, center, config, run_dir, checkpoint=resume,
+                                            node=launch.node_rank, here=launch.ranks)
+        forget_steps_from(run_dir / SAMPLES, start_step)
+        _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
     config = _with_checkpoint_interval(config, center, controller)
     controller.store.set(RUN_SPEC, RunSpec(config_yaml(config), prepared.to_json(), str(run_dir.resolve()),
                                            None if resume is None else str(resume[1]),
                                            epoch=controller.epoch).to_json())
-    run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir, start_step=start_step)
+    run = TrainingRun(config=config, controller=controller, center=center, run_dir=run_dir, start_step=start_step,
+                      continuing=continuing)
     outcome: list[TrainOutcome] = []
     owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)
     owner.start()
     signals = StopSignals(lambda name, status: controller.request_stop(f"{name} on node 0", status=status))
     signals.install()
     try:
+        if continuing is not None:  # this node's workers join the survivors' run, once it is under way
+            _wait_published(controller, continuing.plan.generation + 1, owner)
         # A dedicated controller's node has no workers: it only owns the run.
         status = NodeLauncher(launch, timeouts=timeouts, target=train_worker, secret=controller.secret,
-                              restart_workers=config.odyssey.restart_workers).run() if launch.ranks else 0
+                              restart_workers=config.odyssey.restart_workers,
+                              joining=continuing is not None).run() if launch.ranks else 0
         while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
             owner.join(timeout=timeouts.heartbeat_interval)
         if not outcome:
@@ -168,6 +179,12 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         return replace(outcome[0], wandb_dir=trace.finish())
     except RuntimeError as exc:
         return replace(outcome[0], wandb_error=str(exc))
+
+
+def _wait_published(controller: Controller, generation: int, owner: threading.Thread) -> None:
+    """Until ``generation`` is published (or the owner ended first)."""
+    while controller.published_generation < generation and owner.is_alive():
+        time.sleep(controller.timeouts.poll_interval)
 
 
 def _with_checkpoint_interval(config: RecipeConfig, center: DecisionCenter, controller: Controller) -> RecipeConfig:

@@ -36,6 +36,7 @@ from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.control.store_server import StoreServer
+from odyssey_megatron.runtime.control.survivor_inbox import SurvivorInbox
 from odyssey_megatron.runtime.protocol.auth import ForgedValue, SignedStore, Signer, controller_secret
 from odyssey_megatron.runtime.protocol.keys import (
     ABORTED,
@@ -135,8 +136,8 @@ class Controller:
         self._waits: Optional[WaitGraph] = None
         """The newest generation's wait graph, made at its first stall report (the polling thread's)."""
         self.stop_request = None
-        self._reattached: list[RankReattached] = []
-        """Survivors of a lost controller that announced themselves to this one (``reattached``)."""
+        self.survivors = SurvivorInbox(self.record, epoch=self.epoch)
+        """Survivors of a lost controller that announced themselves to this one."""
         self._failures: queue.Queue[Failure] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="odyssey-controller", daemon=True)
@@ -147,10 +148,12 @@ class Controller:
     def start(self) -> None:
         self._thread.start()
 
-    def reattached(self) -> list[RankReattached]:
-        """The announcements of survivors of a lost controller so far, in arrival order, for
-        ``runtime.control.reattach`` to judge."""
-        return list(self._reattached)
+    def continue_after(self, generation: int) -> None:
+        """Number the plans from ``generation + 1`` on: the survivors this controller took
+        back ran ``generation`` under the lost controller, and wait for what follows it."""
+        if self.published_generation != -1:
+            raise RuntimeError(f"generation {self.published_generation} is published already")
+        self.published_generation = generation
 
     def stop(self) -> None:
         """Stop polling, after taking in what is still in the inbox (the last exits), and
@@ -327,9 +330,7 @@ class Controller:
             self.request_stop(f"{msg.signal} on node {msg.node}", status=128 + signal.Signals[msg.signal].value)
             return False
         elif isinstance(msg, RankReattached):
-            self._reattached.append(msg)
-            self.record.event("rank_reattached", rank=msg.rank, pid=msg.pid, epoch=msg.epoch,
-                              generation=msg.generation, committed_step=msg.committed_step)
+            self.survivors.announced(store, msg)
             return False
         elif isinstance(msg, NodeLeft):
             self.detector.node_left(msg)

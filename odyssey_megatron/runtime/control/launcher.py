@@ -106,7 +106,11 @@ class NodeLauncher:
     """The worker's main function, importable by name (spawn pickles it by reference)."""
 
     def __init__(self, config: LaunchConfig, *, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
-                 secret: bytes, restart_workers: int = 0, on_run_spec: Optional[Callable[[bytes], None]] = None):
+                 secret: bytes, restart_workers: int = 0, on_run_spec: Optional[Callable[[bytes], None]] = None,
+                 joining: bool = False):
+        """``joining``: the run is under way (node 0 of a run a restarted controller goes on
+        with from its survivors' memory); a launcher that finds the node's launcher key
+        taken knows it by itself."""
         self.config, self.timeouts, self.target = config, timeouts, target
         self._secret = secret  # the run's (``protocol.auth``): for every store value, and for its workers
         self._signer = Signer(secret)
@@ -120,7 +124,7 @@ class NodeLauncher:
         self._restarts: dict[int, int] = {}
         self._name = launcher_name(socket.gethostname(), os.getpid())
         """What this launcher writes under the node's launcher key."""
-        self._joining = False
+        self._joining = joining
         """The run was under way when this launcher started: its workers join it."""
         self._context = None
         self._workers: dict[int, multiprocessing.Process] = {}
@@ -142,7 +146,7 @@ class NodeLauncher:
             store = connect_signed(self.config.master_addr, self.config.master_port, signer=self._signer,
                                    timeout=datetime.timedelta(seconds=self.timeouts.recovery_timeout))
             store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
-            self._joining = store.check([launcher_key(node)])
+            self._joining = self._joining or store.check([launcher_key(node)])
             self._tie.attach(store, self._node_client)
             self._register(store)
             if self.on_run_spec is not None:

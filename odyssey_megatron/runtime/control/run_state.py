@@ -70,8 +70,11 @@ class RunState:
     is recorded."""
 
     def __init__(self, *, config: RecipeConfig, controller: Controller, center: DecisionCenter, run_dir: Path,
-                 start_step: int = 0):
+                 start_step: int = 0, in_memory: bool = False):
+        """``in_memory``: the ranks hold the trained state of ``start_step`` in memory (the
+        survivors a restarted controller took back), not the seed's or a checkpoint's."""
         self.config, self.controller, self.center = config, controller, center
+        self.in_memory_at_start = in_memory
         self.store = controller.store.clone()
         self.run_dir = Path(run_dir)
         self.timeouts = controller.timeouts
@@ -99,8 +102,9 @@ class RunState:
 
     @property
     def fresh(self) -> bool:
-        """No step committed since this invocation started: no trained state exists."""
-        return self.committed == self.first_step
+        """No step committed since this invocation started, from the seed or a checkpoint:
+        no trained state exists in memory."""
+        return self.committed == self.first_step and not self.in_memory_at_start
 
     @property
     def settled(self) -> bool:

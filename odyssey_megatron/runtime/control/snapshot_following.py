@@ -104,10 +104,11 @@ class SnapshotFollowing:
         """Where no snapshot can restore a lost block (``source`` is None): the steps a
         rollback to the run's start trains again, rolling back from ``committed_before``;
         None where a disk checkpoint newer than the start holds more (``--resume`` from
-        it loses fewer steps)."""
+        it loses fewer steps), or where the run started from the memory of survivors a
+        restarted controller took back (their start is in no seed or checkpoint they load)."""
         run = self.run
         checkpoint = latest_checkpoint(run.run_dir)
-        if checkpoint is not None and checkpoint[0] > run.first_step:
+        if run.in_memory_at_start or (checkpoint is not None and checkpoint[0] > run.first_step):
             return None
         return committed_before - run.first_step
 

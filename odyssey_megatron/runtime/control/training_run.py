@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Optional
 
 from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.planner.straggler import StragglerDecision
 from odyssey_megatron.runtime.control.checkpoint_following import CheckpointFollowing
-from odyssey_megatron.runtime.control.console import CONSOLE
+from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Failure
 from odyssey_megatron.runtime.control.growing_back import GrowingBack
 from odyssey_megatron.runtime.control.online_profile import REPRICE_CHANGE, OnlineProfile, Scales
+from odyssey_megatron.runtime.control.reattaching import Continuation
 from odyssey_megatron.runtime.control.recovery import Recovery
 from odyssey_megatron.runtime.control.run_state import SAMPLES, RunFailed, RunState, forget_steps_from
 from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
@@ -49,13 +51,15 @@ console = logging.getLogger(CONSOLE)
 
 class TrainingRun(RunState):
     def __init__(self, *, config: RecipeConfig, controller: Controller, center: DecisionCenter, run_dir: Path,
-                 start_step: int = 0):
+                 start_step: int = 0, continuing: Optional[Continuation] = None):
         """``center`` must be told when each plan settles (``settles_at_once=False``): a
-        recovery can fail before its first step."""
+        recovery can fail before its first step. ``continuing``: the run goes on from the
+        memory of the survivors a restarted controller took back, at ``start_step``."""
         if center.settles_at_once:
             raise ValueError("the live run's decision center settles plans when told (settles_at_once=False)")
         super().__init__(config=config, controller=controller, center=center, run_dir=run_dir,
-                         start_step=start_step)
+                         start_step=start_step, in_memory=continuing is not None)
+        self.continuing = continuing
         self.online = OnlineProfile(center.profile) if config.odyssey.online_profile else None
         """Measured op times folded into the decision center's profile."""
         self._priced_scales = Scales()
@@ -83,8 +87,11 @@ class TrainingRun(RunState):
         return final
 
     def _train(self) -> Path:
-        self.publish(self.center.plan, self.center.estimate.step_time_s, snapshot=self.snapshots.kept,
-                     snapshot_interval=self.snapshots.interval)
+        if self.continuing is None:
+            self.publish(self.center.plan, self.center.estimate.step_time_s, snapshot=self.snapshots.kept,
+                         snapshot_interval=self.snapshots.interval)
+        else:
+            self._continue(self.continuing)
         while not self._final_written():
             self.collect_commits()
             self.stop.stop_if_asked()
@@ -100,6 +107,22 @@ class TrainingRun(RunState):
 
         return merge_final_parts(self.run_dir, ranks=self.training_ranks(self.plan),
                                  tied=self.config.model.tie_embeddings)
+
+    def _continue(self, continuing: Continuation) -> None:
+        """The first generation after the lost controller's last: that plan again, where every
+        rank of it came back, else a recovery from the failure of those that did not."""
+        plan = continuing.plan
+        self.controller.continue_after(plan.generation)
+        self.plan = plan
+        self.start_steps[plan.generation] = self.committed
+        if continuing.lost is not None:
+            self.controller.record.event("failure", **continuing.lost.to_record())
+            console.warning(failure_line(continuing.lost))
+            self.recovery.recover(continuing.lost)
+            return
+        self.center.settle(replace(plan, generation=plan.generation + 1, transfers=()))
+        self.publish(self.center.plan, self.center.estimate.step_time_s, snapshot=None,
+                     snapshot_interval=self.snapshots.interval)
 
     def _on_failure(self, failure: Failure) -> None:
         """Recover from ``failure``, unless it touches nothing the running generation uses

@@ -157,6 +157,12 @@ def stopped_key(rank: int) -> str:
     return f"run/stopped/{rank}"
 
 
+def reattach_verdict_key(rank: int) -> str:
+    """Set by a restarted controller for a survivor of the lost one that announced itself
+    (``RankReattached``): its ``ReattachVerdict``, taken back or refused."""
+    return f"run/reattach/{rank}"
+
+
 def decided_key(generation: int, step: int) -> str:
     """Whether ``step`` committed (``step_ledger``): set once its counter decided it, by the
     rank that completed it or by the controller that froze it."""

@@ -186,6 +186,21 @@ class RankReattached(Message):
 
 
 @dataclass(frozen=True)
+class ReattachVerdict(Message):
+    """A restarted controller's answer to a ``RankReattached`` (``reattach_verdict_key``):
+    the survivor trains on from its memory under this controller start, or is refused and
+    exits (its held blocks are saved: the run resumes from disk)."""
+
+    KIND = "reattach_verdict"
+    rank: int
+    epoch: int
+    """The restarted controller's start, which an accepted survivor follows from now on."""
+    accepted: bool
+    why: str
+    """Why it is refused; empty where it is taken back."""
+
+
+@dataclass(frozen=True)
 class NodeRegistration(Message):
     """A node launcher announcing itself and the ranks it will start, after its first heartbeat."""
 

@@ -44,6 +44,7 @@ from odyssey_megatron.runtime.protocol.keys import (
     RUN_DONE,
     RUN_STOP,
     rank_heartbeat_key,
+    reattach_verdict_key,
     successor_key,
 )
 from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, WorkerLaunch
@@ -56,6 +57,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     RankFailureReport,
     RankReattached,
     RankRegistration,
+    ReattachVerdict,
 )
 from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished, read_plan
 from odyssey_megatron.runtime.rank.op_timers import OpTimers
@@ -160,11 +162,13 @@ class ControllerLink:
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
                                                       self.launch.node).to_json())
 
-    def reattach(self, *, epoch: int, generation: int, committed_step: int) -> bool:
+    def reattach(self, *, epoch: int, generation: int, committed_step: int) -> Optional[ReattachVerdict]:
         """After the controller's loss, the held blocks saved: wait (to the end of the
         window) for the launcher to relay a restarted controller's beat, connect to its
-        store (same address, same secret), register again and announce where this worker
-        stands; False where no controller came back in time."""
+        store (same address, same secret), register again, announce where this worker
+        stands, and wait for the restarted controller's verdict (it judges every survivor
+        together: ``runtime.control.reattaching``). None where no controller came back in
+        time, or none answered within the recovery timeout after the window."""
         lost_at, lost_wall = self._lost_at
         deadline = lost_at + self._window()
         while time.monotonic() < deadline:
@@ -180,12 +184,26 @@ class ControllerLink:
                     log.warning("rank %d: could not reattach: %s", self.launch.rank, str(exc).splitlines()[0])
                     time.sleep(self.launch.timeouts.poll_interval)
                     continue
-                log.warning("rank %d: reattached to the restarted controller (generation %d, step %d)",
+                log.warning("rank %d: announced itself to the restarted controller (generation %d, step %d)",
                             self.launch.rank, generation, committed_step)
-                self._lost_at = None
-                return True
+                self._lost_at = None  # the restarted controller is watched from now on
+                return self._verdict(wait_s=deadline - time.monotonic() + self.launch.timeouts.recovery_timeout)
             time.sleep(self.launch.timeouts.poll_interval)
-        return False
+        return None
+
+    def _verdict(self, *, wait_s: float) -> Optional[ReattachVerdict]:
+        """The restarted controller's verdict on this worker, waiting up to ``wait_s``
+        (it waits for every survivor before it judges); None if it went again meanwhile."""
+        key = reattach_verdict_key(self.launch.rank)
+        deadline = time.monotonic() + wait_s
+        try:
+            while not self.store.check([key]):
+                if time.monotonic() > deadline or self._lost_at is not None:
+                    return None
+                time.sleep(self.launch.timeouts.poll_interval)
+            return ReattachVerdict.from_json(self.store.get(key))
+        except dist.DistError:
+            return None
 
     def _window(self) -> float:
         """From the controller's loss to this process's end, unless it reattached: the save's

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import time
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -100,8 +101,9 @@ class Worker:
         while True:
             if process.controller_lost is not None:
                 save_held(process)
-                if not self._reattached():
-                    return EXIT_CONTROLLER_LOST
+                ended = self._reattach()
+                if ended is not None:
+                    return ended
                 continue
             try:
                 published = self._next_plan()
@@ -162,20 +164,29 @@ class Worker:
             return None
         return following
 
-    def _reattached(self) -> bool:
-        """With the controller lost and the held blocks saved: whether a restarted controller
-        was reattached to within the window (``Timeouts.controller_reattach_s``), the worker
-        announcing the last generation it ran and the committed step its blocks hold. Blocks
-        at different steps cannot go on from memory: the worker exits after its save."""
+    def _reattach(self) -> Optional[int]:
+        """With the controller lost and the held blocks saved: reattach to a restarted
+        controller within the window (``Timeouts.controller_reattach_s``), announcing the
+        last generation the worker ran and the committed step its blocks hold. None where
+        it took the worker back (it trains on from memory, under the restarted controller's
+        start), else the exit status: 0 where it refused the worker (the run resumes from
+        disk, the worker's part of it saved), ``EXIT_CONTROLLER_LOST`` where none came
+        back. Blocks at different steps cannot go on from memory: the worker exits after
+        its save."""
         process = self.process
         steps = {process.state.blocks[block].step for block in process.state.held()} if process.state else set()
         if process.timeouts.controller_reattach_s == 0 or len(steps) != 1 or self.generation < 0:
-            return False
-        if not process.link.reattach(epoch=process.spec.epoch, generation=self.generation,
-                                     committed_step=steps.pop()):
-            return False
-        process.reconnected()
-        return True
+            return EXIT_CONTROLLER_LOST
+        verdict = process.link.reattach(epoch=process.spec.epoch, generation=self.generation,
+                                        committed_step=steps.pop())
+        if verdict is None:
+            return EXIT_CONTROLLER_LOST
+        if not verdict.accepted:
+            log.warning("rank %d: the restarted controller refused it (%s); its blocks are saved, exiting",
+                        process.launch.rank, verdict.why)
+            return 0
+        process.reconnected(epoch=verdict.epoch)
+        return None
 
     def _wait_controller_lost(self) -> bool:
         """After a store error: whether the heartbeat thread finds the controller gone."""

@@ -9,6 +9,7 @@ import datetime
 import gc
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -194,10 +195,12 @@ class WorkerProcess:
         self.snapshot_store = self.store_for_steps()
         self.rendezvous = RendezvousStore(store.unsigned.clone(), guard=self.guard)
 
-    def reconnected(self) -> None:
-        """After reattaching to a restarted controller (``ControllerLink.reattach``): every
-        connection to the run's store anew, to the restarted one (the fault injector's and
-        the checkpoint writer's too)."""
+    def reconnected(self, *, epoch: int) -> None:
+        """After the restarted controller of start ``epoch`` took this worker back
+        (``ControllerLink.reattach``): every connection to the run's store anew, to the
+        restarted one (the fault injector's and the checkpoint writer's too), and its start
+        named from now on (should it be lost too)."""
+        self.spec = replace(self.spec, epoch=epoch)
         self._connect(self.link.store)
         self.injector.store = self.store
         self.checkpoints.store = self.store.clone()
