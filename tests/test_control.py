@@ -206,7 +206,8 @@ def test_a_controller_restarted_within_the_window_is_reattached_to_by_every_laun
     workers outlive it, and a controller started again on the same port and run directory
     (the same secret) has every node registered again and every worker announce itself
     (``RankReattached``) from the same process, which then beats to it and waits for its
-    verdict (``ReattachVerdict``): taken back, it lives on; refused, it exits 0 (no failure)."""
+    verdict (``ReattachVerdict``): taken back, it lives on; refused, it exits 0 (no failure),
+    and a launcher whose workers were all refused exits 75 (its command is to start again)."""
     timeouts = replace(TIMEOUTS, controller_reattach_s=60.0)
     with LocalCluster(tmp_path, nodes=2, per_node=2, timeouts=timeouts, reattaching=True) as cluster:
         before = {rank: row["pid"] for rank, row in cluster.workers().items()}
@@ -226,13 +227,16 @@ def test_a_controller_restarted_within_the_window_is_reattached_to_by_every_laun
         wait_for(lambda: {r: (w["state"], w["pid"]) for r, w in cluster.workers().items()}
                  == {r: ("alive", pid) for r, pid in before.items()}, timeout=10, what="the restarted workers.json")
         client = signed_client(cluster.port, cluster.run_dir)
-        for rank in before:
-            client.set(reattach_verdict_key(rank), ReattachVerdict(rank, 1, rank != 3, "" if rank != 3 else
+        for rank in before:  # node 0's taken back, node 1's refused
+            client.set(reattach_verdict_key(rank), ReattachVerdict(rank, 1, rank < 2, "" if rank < 2 else
                                                                    "refused by the test").to_json())
-        wait_for(lambda: cluster.workers()[3]["state"] == "exited", timeout=10, what="rank 3 refused and exited")
+        cluster.launchers[1].join(timeout=10)
+        assert cluster.launchers[1].exitcode == EXIT_CONTROLLER_LOST  # its command is to be started again
         time.sleep(2 * timeouts.heartbeat_timeout)  # beating to the restarted controller: no one failed
         assert not [e for e in cluster.events("failure") if e["time"] > restarted_at]
-        assert all(alive(pid) for rank, pid in before.items() if rank != 3) and not alive(before[3])
+        assert {r: w["state"] for r, w in cluster.workers().items()} == {0: "alive", 1: "alive", 2: "exited",
+                                                                         3: "exited"}
+        assert all(alive(before[r]) for r in (0, 1)) and cluster.launchers[0].is_alive()
 
 
 @pytest.mark.timeout(300)

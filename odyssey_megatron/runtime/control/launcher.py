@@ -29,7 +29,9 @@ gone, the launcher tells its workers, which save what they hold
 ``Timeouts.controller_reattach_s``, it keeps them and the node's keeper (the in-memory
 snapshots) and looks for a controller restarted at the same address: found, it takes the
 node's launcher key, registers the node again and beats to it, and its workers reattach
-(``RankReattached``). Past the window, it kills the workers left and exits. Its
+(``RankReattached``); where all of them are refused, it exits once they have
+(``EXIT_CONTROLLER_LOST``: the run resumes from disk, and the node's command must be
+started again). Past the window, it kills the workers left and exits. Its
 workers die with it when it is killed (see ``runtime.rank.controller_link``), so a lost
 node leaves no orphans either.
 
@@ -126,6 +128,9 @@ class NodeLauncher:
         """What this launcher writes under the node's launcher key."""
         self._joining = joining
         """The run was under way when this launcher started: its workers join it."""
+        self._reattached = False
+        """It reattached to a restarted controller: workers that then all exit before the run
+        is done were refused (``runtime.control.reattaching``)."""
         self._context = None
         self._workers: dict[int, multiprocessing.Process] = {}
         self._node_store = StoreServer("127.0.0.1", 0, timeout=timeouts.heartbeat_timeout)
@@ -175,6 +180,10 @@ class NodeLauncher:
             self._tie.stop()
             self._keeper.close()
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
+        if self._reattached and not store.check([RUN_DONE]):
+            log.error("node %d: the restarted controller refused its workers (their blocks are saved) and resumes "
+                      "from disk: start this node's command again to take part", node)
+            return EXIT_CONTROLLER_LOST
         log.info("node %d: all workers exited", node)
         return 0
 
@@ -199,6 +208,7 @@ class NodeLauncher:
             return None
         self._tie.attach(store, self._node_client)  # relays the restarted controller's beat: the workers reattach
         self._register(store)
+        self._reattached = True
         log.warning("node %d: reattached to the restarted controller", node)
         return store
 
