@@ -74,10 +74,10 @@ def test_a_slowdown_must_last_its_steps_in_a_row_and_a_rank_fast_again_may_be_fo
     assert found == [[], [], [], [3], [], [], [], [3]]
 
 
-def test_a_kept_straggler_is_priced_again_once_slower_by_the_margin_or_under_a_new_plan_and_forgotten_once_fast():
+def test_a_kept_straggler_is_priced_again_once_slower_by_the_margin_under_a_new_plan_or_profile_and_forgotten_once_fast():
     """Kept at 1.6x: 1.8x (under 1.6 x 1.2) is noise; 1.95x over two steps is slower, priced
-    again; kept there, the next generation's plan prices it again; fast once, it is found
-    afresh, as a first find."""
+    again; kept there, the next generation's plan prices it again, and so does a rescaled
+    profile; fast once, it is found afresh, as a first find."""
     assert REPRICE_SLOWDOWN_GROWTH == pytest.approx(0.2)
     watch = StragglerWatch(PROFILE, threshold=1.5, steps=2)
     rank_3_at = lambda x: _reports({0: 1.0, 1: 1.0, 2: 1.0, 3: x})  # noqa: E731
@@ -99,9 +99,14 @@ def test_a_kept_straggler_is_priced_again_once_slower_by_the_margin_or_under_a_n
     [new_plan] = watch.observe(recovered, 9, rank_3_at(2.1))  # step 8, the generation's first, is not measured
     assert new_plan.priced_generation == 0 and new_plan.repriced.endswith("a new plan runs")
     watch.kept(new_plan, generation=1)
-    assert watch.observe(recovered, 10, rank_3_at(1.1)) == []  # fast again: forgotten
-    assert watch.observe(recovered, 11, rank_3_at(3.0)) == []
-    [afresh] = watch.observe(recovered, 12, rank_3_at(3.0))
+    watch.profile_rescaled()  # the decision center prices with measured op times now
+    [rescaled] = watch.observe(recovered, 10, rank_3_at(2.1))
+    assert rescaled.priced_generation == 1 and rescaled.repriced.endswith("the profile was rescaled")
+    watch.kept(rescaled, generation=1)
+    assert watch.observe(recovered, 11, rank_3_at(2.1)) == []  # priced with this profile already
+    assert watch.observe(recovered, 12, rank_3_at(1.1)) == []  # fast again: forgotten
+    assert watch.observe(recovered, 13, rank_3_at(3.0)) == []
+    [afresh] = watch.observe(recovered, 14, rank_3_at(3.0))
     assert afresh.priced_slowdown is None
 
 

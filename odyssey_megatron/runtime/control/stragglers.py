@@ -15,8 +15,9 @@ What the run does with one (``odyssey.straggler``) is the owner's (``training_ru
 report it, or have it failed like any failure where the decision center says removing it
 pays (``DecisionCenter.on_straggler``). One it priced and kept (``kept``) is offered for
 pricing again while still slow: once its slowdown has grown by ``REPRICE_SLOWDOWN_GROWTH``
-over the one it was priced at, and once a new plan (a recovery's or a join's) runs. A rank
-fast again, or out of the plan, is forgotten.
+over the one it was priced at, once a new plan (a recovery's or a join's) runs, and once
+the decision center prices with a rescaled profile (``profile_rescaled``: both prices
+move). A rank fast again, or out of the plan, is forgotten.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Straggler:
     priced_slowdown: float | None = None
     priced_generation: int | None = None
     """Where it was priced and kept before: the slowdown it was priced at, in which generation."""
+    priced_again_because: str | None = None
+    """Why it is offered for pricing again: slower since, a new plan, or a rescaled profile."""
 
     @property
     def detail(self) -> str:
@@ -67,7 +70,7 @@ class Straggler:
         if self.priced_slowdown is None:
             return None
         return (f"priced again: kept at {self.priced_slowdown:.2f}x in generation {self.priced_generation}, "
-                + ("slower since" if _slower(self.slowdown, self.priced_slowdown) else "a new plan runs"))
+                f"{self.priced_again_because}")
 
 
 def straggler_line(straggler: Straggler, *, removed: bool, why: str = "odyssey.straggler=report") -> str:
@@ -92,8 +95,10 @@ class StragglerWatch:
         """Rank -> (step, slowdown) of the committed steps in a row it has been slow in."""
         self._found: set[int] = set()
         """Ranks found stragglers that have not been fast since."""
-        self._kept: dict[int, tuple[float, int]] = {}
-        """Rank -> (slowdown, generation) it was last priced and kept at."""
+        self._kept: dict[int, tuple[float, int, int]] = {}
+        """Rank -> (slowdown, generation, profile) it was last priced and kept at."""
+        self._profile = 0
+        """How many times the decision center's profile was rescaled (``profile_rescaled``)."""
 
     def observe(self, plan: ExecutionPlan, step: int, reports: Iterable[StepReport]) -> list[Straggler]:
         """Fold committed ``step`` of ``plan`` in; the ranks newly found stragglers, and the
@@ -117,16 +122,25 @@ class StragglerWatch:
                 self._found.add(rank)
                 found.append(straggler)
             elif rank in self._kept:
-                priced, generation = self._kept[rank]
-                if _slower(straggler.slowdown, priced) or plan.generation != generation:
+                priced, generation, profile = self._kept[rank]
+                because = ("slower since" if _slower(straggler.slowdown, priced) else
+                           "a new plan runs" if plan.generation != generation else
+                           "the profile was rescaled" if profile != self._profile else None)
+                if because is not None:
                     del self._kept[rank]  # until priced and kept again
-                    found.append(replace(straggler, priced_slowdown=priced, priced_generation=generation))
+                    found.append(replace(straggler, priced_slowdown=priced, priced_generation=generation,
+                                         priced_again_because=because))
         return found
 
     def kept(self, straggler: Straggler, *, generation: int) -> None:
         """``straggler`` was priced and kept in ``generation``: priced again once slower by
-        ``REPRICE_SLOWDOWN_GROWTH`` or under another plan."""
-        self._kept[straggler.rank] = (straggler.slowdown, generation)
+        ``REPRICE_SLOWDOWN_GROWTH``, under another plan, or with a rescaled profile."""
+        self._kept[straggler.rank] = (straggler.slowdown, generation, self._profile)
+
+    def profile_rescaled(self) -> None:
+        """The decision center prices with a rescaled profile (``online_profile``): each kept
+        straggler's prices have moved, so it is offered for pricing again at its next slow step."""
+        self._profile += 1
 
     def again(self, rank: int) -> None:
         """Watch ``rank`` afresh: found again once slow for ``steps`` more steps in a row

@@ -199,6 +199,7 @@ class TrainingRun(RunState):
             return
         self.stop_preparing()
         self.center.use_profile(self.online.profile())
+        self.stragglers.profile_rescaled()
         self._priced_scales = self.online.scales
         self.controller.record.event("profile", generation=self.plan.generation, step=self.committed - 1,
                                      **asdict(self.online.scales), estimated_step_s=self.center.estimate.step_time_s)
