@@ -57,6 +57,10 @@ class ClusterState:
     def worker_ranks(self, worker: int) -> tuple[int, ...]:
         return tuple(self.rank(worker, k) for k in range(self.tensor_parallel_size))
 
+    def ranks_of(self, workers: Iterable[int]) -> list[int]:
+        """Every rank of ``workers``, worker by worker."""
+        return [rank for worker in workers for rank in self.worker_ranks(worker)]
+
     def worker_of(self, rank: int) -> int:
         return rank // self.tensor_parallel_size
 

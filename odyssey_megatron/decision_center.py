@@ -180,7 +180,7 @@ class DecisionCenter:
         if self.plan is not self.settled:
             self.plan = replace(self.settled, generation=self.plan.generation, transfers=())
         before = self.cluster
-        self.cluster = self.cluster.fail_ranks([*ranks, *self._ranks_of(workers)]).fail_nodes(nodes)
+        self.cluster = self.cluster.fail_ranks([*ranks, *self.cluster.ranks_of(workers)]).fail_nodes(nodes)
         decision = self._decide(interval_s, time_left_s, prepared=lambda: self._prepared_drafts(before),
                                 in_memory=in_memory,
                                 snapshot=snapshot, roll_back=roll_back, start_replay_steps=start_replay_steps)
@@ -212,7 +212,7 @@ class DecisionCenter:
         plan: failed here, so they are offered back once they return (``on_join``). The
         plan's own ranks that did not come back are failed by a decision (``on_failure``)."""
         away = set(away)
-        used = {r for w in plan.workers for r in self.cluster.worker_ranks(w)}
+        used = set(self.cluster.ranks_of(plan.workers))
         if away & used:
             raise ValueError(f"ranks {sorted(away & used)} are in the plan continued from: fail them by a decision")
         self.settle(plan)
@@ -226,7 +226,7 @@ class DecisionCenter:
         exposure, not a failure. Where Eq. 8 keeps the current plan, the decision's plan is
         the current one itself (``Decision.replaced``)."""
         self._observe(failures=0, at_s=at_s)
-        self.cluster = self.cluster.repair_ranks([*ranks, *self._ranks_of(workers)])
+        self.cluster = self.cluster.repair_ranks([*ranks, *self.cluster.ranks_of(workers)])
         decision = self._decide(interval_s, time_left_s)
         self._commit(decision)
         return decision
@@ -260,9 +260,6 @@ class DecisionCenter:
                                horizon_s=self._horizon(after, interval_s, time_left_s)[1],
                                target_micro_batches=self.batch_target.micro_batches, profile=self.profile,
                                settings=self.settings.search)
-
-    def _ranks_of(self, workers: Iterable[int]) -> list[int]:
-        return [rank for worker in workers for rank in self.cluster.worker_ranks(worker)]
 
     def use_profile(self, profile: ModelProfile) -> None:
         """Price from now on with ``profile`` (the online profile's measured times): the

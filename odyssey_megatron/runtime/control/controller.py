@@ -5,8 +5,8 @@ A daemon thread polls twice per heartbeat interval: it writes the controller's o
 heartbeat (workers and launchers save and exit when it stops, after
 ``odyssey.controller_reattach_s`` unless a restarted controller takes them back, so a lost
 controller leaves no orphans), drains the inbox (survivors of a lost controller
-announcing themselves go to ``SurvivorInbox``), reads every live node's heartbeat (which carries its workers'
-beats, ``NodeHeartbeat``) in one round trip, and only then judges silence, on the clock
+announcing themselves go to ``SurvivorInbox``), reads every live node's heartbeat (which
+carries its workers' beats, ``NodeHeartbeat``) in one round trip, and only then judges silence, on the clock
 of that read, so a late poll (this process stopped, a GC pause, swap) is logged and
 blamed on no node (``Detector.looked``). It turns the detector's verdicts into
 ``events.jsonl`` records, kill orders for the failed ranks' launchers, fencing of a lost

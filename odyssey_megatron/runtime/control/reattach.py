@@ -1,12 +1,13 @@
 """Whom a restarted controller takes back after the controller was lost, and from which step.
 
 When node 0's controller is lost, the other nodes' workers save what they hold (the
-deduplicated stop save, ``runtime.rank.stopping``), then wait ``odyssey.controller_reattach_s``
-for a restarted controller, each announcing itself with a ``RankReattached``
-(``runtime.control.reattaching`` waits for them and answers). This module is the pure judgement of those announcements against the lost controller's
-last plan: training goes on from the survivors' memory only where every block of the
-model is held by a whole reattached worker (all its TP ranks) and every accepted survivor
-holds one and the same committed step. Otherwise the run resumes from the disk checkpoint
+deduplicated stop save, ``runtime.rank.stopping``), then wait
+``odyssey.controller_reattach_s`` for a restarted controller, each announcing itself with a
+``RankReattached`` (``runtime.control.reattaching`` waits for them and answers). This module
+is the pure judgement of those announcements against the lost controller's last plan:
+training goes on from the survivors' memory only where every block of the model is held by
+a whole reattached worker (all its TP ranks) and every accepted survivor holds one and the
+same committed step. Otherwise the run resumes from the disk checkpoint
 as before, and every survivor is refused: a refused survivor must exit (it is fenced),
 never be left running beside ranks that load the checkpoint.
 

@@ -89,7 +89,7 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
     judge and answer each. Said in the console and recorded (``reattachment``)."""
     timeouts = controller.timeouts
     gone = set(gone)
-    expected = {r for w in lost.plan.workers for r in cluster.worker_ranks(w)} - gone
+    expected = set(cluster.ranks_of(lost.plan.workers)) - gone
     deadline = lost.last_record_at + timeouts.collective_timeout + window_s
     console.info("controller start %d lost at generation %d: waiting up to %.0f s for its %d survivors to reattach",
                  lost.epoch, lost.plan.generation, max(0.0, deadline - time.time()), len(expected))
@@ -127,16 +127,17 @@ def continuation(lost: LostStart, reattachment: Reattachment, center: DecisionCe
     it failed until it returns; that plan's ranks that did not come back fail together,
     as node ``node``'s loss where they are all ``here`` (its ranks, lost with its process)."""
     cluster, plan, back, here = center.cluster, lost.plan, set(reattachment.accepted), set(here)
-    used = {r for w in plan.workers for r in cluster.worker_ranks(w)}
+    used = set(cluster.ranks_of(plan.workers))
     center.continue_from(plan, away=set(range(cluster.world_size)) - used - back)
     missing = tuple(sorted(used - back))
     if not missing:
         return Continuation(plan, None)
-    with_node = set(missing) <= here
-    failure = Failure(Cause.NODE if with_node else Cause.HEARTBEAT, missing, node if with_node else None,
-                      lost.last_record_at, time.time(),
-                      "lost with the controller's process" if with_node else "not taken back by the restarted controller",
-                      node_ranks=tuple(sorted(here)) if with_node else ())
+    if set(missing) <= here:
+        failure = Failure(Cause.NODE, missing, node, lost.last_record_at, time.time(),
+                          "lost with the controller's process", node_ranks=tuple(sorted(here)))
+    else:
+        failure = Failure(Cause.HEARTBEAT, missing, None, lost.last_record_at, time.time(),
+                          "not taken back by the restarted controller")
     return Continuation(plan, failure)
 
 

@@ -117,8 +117,7 @@ class RunState:
         return time.monotonic() - self.started
 
     def training_ranks(self, plan: ExecutionPlan) -> list[int]:
-        cluster = self.center.cluster
-        return [r for w in plan.workers for r in cluster.worker_ranks(w)]
+        return self.center.cluster.ranks_of(plan.workers)
 
     def running_ranks(self) -> set[int]:
         """Every rank the generation published last uses: its participants' (a rollback's
