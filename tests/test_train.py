@@ -717,14 +717,36 @@ def _resume_on_one_node(run_dir: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-4000:]
 
 
+def _interrupted_while_waiting_for_survivors(run_dir: Path) -> tuple[int, str]:
+    """``odyssey train --resume`` on node 0 of 2, survivors awaited for 60 s, sent SIGINT
+    once it says it waits for them: its (status, terminal output)."""
+    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir), "--nnodes", "2",
+               "--node-rank", "0", "--master-port", str(_free_port()), "odyssey.controller_reattach_s=60"]
+    restarted = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                 start_new_session=True)
+    lines: list[str] = []
+    try:
+        for line in restarted.stdout:
+            lines.append(line)
+            if "survivors to reattach" in line:
+                restarted.send_signal(signal.SIGINT)
+                break
+        lines.extend(restarted.communicate(timeout=60)[0])
+    finally:
+        if restarted.poll() is None:
+            os.killpg(restarted.pid, signal.SIGKILL)
+    return restarted.returncode, "".join(lines)
+
+
 def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the_other_node_fills_in(
         tmp_path, data_cache, reference):
     """Two nodes of 4 ranks (DP 8), node 0 hosting the controller: node 0's whole process
     group is SIGKILLed once step 2 committed, its four workers with it, though the plan
     chose them to write half the blocks. Node 1's workers save their share, find no claim
     of the dead writers' blocks, fill them in, and exit 75: the step they took is a whole
-    checkpoint, and ``--resume`` goes on from it (not from the start) to the failure-free
-    model."""
+    checkpoint. A restart within a window, Ctrl-C'd while it waits for survivors that do not
+    come, ends untrained with one line; ``--resume`` then goes on from the checkpoint (not
+    from the start) to the failure-free model."""
     run_dir = _node_0_killed_after_step_2(tmp_path, data_cache)
     [directory] = sorted(run_dir.glob("checkpoint/step-*"))
     step = int(directory.name.removeprefix("step-"))
@@ -732,6 +754,11 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
     assert {name for name in parts if "fill" not in name} == {f"rank-{r}.json" for r in range(4, 8)}, parts
     assert any("fill" in name for name in parts), parts  # the dead writers' share, written by node 1
     assert len({b for blocks in parts.values() for b in blocks}) == 10, parts  # every block
+    status, err = _interrupted_while_waiting_for_survivors(run_dir)
+    assert status == 130 and "Traceback" not in err, err[-4000:]
+    assert (f"stopped (SIGINT on node 0) before this start trained; resume from the checkpoint of step {step}"
+            in err), err[-4000:]
+    assert events(run_dir, "reattachment")[-1]["why"] == "the restarted controller was stopped (SIGINT on node 0)"
     _resume_on_one_node(run_dir)
     assert events(run_dir, "plan")[-1]["start_step"] == step >= 2
     assert_same_training(run_dir, reference, controller_killed=True)

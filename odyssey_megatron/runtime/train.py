@@ -115,8 +115,6 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
                  resume: Optional[tuple[int, Path]]) -> TrainOutcome:
     """Node 0's part, the run directory locked: the controller, the run's owner and the
     node's launcher, to the run's outcome."""
-    from odyssey_megatron.runtime.rank.worker import train_worker
-
     timeouts = config.odyssey.timeouts
     log_node_to(run_dir, 0)
     config = as_trained(config)
@@ -131,16 +129,49 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     controller.record.subscribe(trace)
     trace.start()
     controller.start()
+    # From here a stop signal is the run's, also while the data is prepared or a restarted
+    # controller waits for the lost one's survivors: this start then ends before it trains.
+    signals = StopSignals(lambda name, status: controller.request_stop(f"{name} on node 0", status=status))
+    signals.install()
     try:
-        prepared = _prepare_data(config)
+        outcome = _owned_to_the_end(config, launch, controller, run_dir=run_dir, resume=resume)
+    except StopAtOnce as stop:  # this node's workers are killed; the others go with the controller
+        checkpoint = latest_checkpoint(run_dir)
+        outcome = TrainOutcome(stop.status, f"{stop}: nothing saved past {_resume_hint(run_dir, checkpoint)}")
     except BaseException:
         controller.stop()
         raise
+    finally:
+        signals.restore()
+    controller.record.event("run_end", status=outcome.status, message=outcome.message)
+    controller.stop()
+    write_json(run_dir / "outcome.json", {"status": outcome.status, "message": outcome.message,
+                                          "resume": outcome.resume})
+    try:
+        return replace(outcome, wandb_dir=trace.finish())
+    except RuntimeError as exc:
+        return replace(outcome, wandb_error=str(exc))
+
+
+def _owned_to_the_end(config: RecipeConfig, launch: LaunchConfig, controller: Controller, *, run_dir: Path,
+                      resume: Optional[tuple[int, Path]]) -> TrainOutcome:
+    """Node 0 from its started controller to the run's outcome: the data prepared, where a
+    resume goes on from, the run's owner in its thread and this node's launcher."""
+    from odyssey_megatron.runtime.rank.worker import train_worker
+
+    timeouts = config.odyssey.timeouts
+    prepared = _prepare_data(config)
     center = DecisionCenter.from_recipe(config, settles_at_once=False)
     start_step, continuing = 0, None
     if resume is not None:
         start_step, continuing = resumed_at(controller, center, config, run_dir, checkpoint=resume,
                                             node=launch.node_rank, here=launch.ranks)
+    if controller.stop_request is not None:  # asked before anything trained: nothing new to save
+        reason, status = controller.stop_request
+        checkpoint = latest_checkpoint(run_dir)
+        return TrainOutcome(status, f"stopped ({reason}) before this start trained; {_resume_hint(run_dir, checkpoint)}",
+                            resume=_resume_command(run_dir) if checkpoint else None)
+    if resume is not None:
         forget_steps_from(run_dir / SAMPLES, start_step)
         _record_steps_the_controller_missed(run_dir / SAMPLES, start_step, prepared, config)
     config = _with_checkpoint_interval(config, center, controller)
@@ -152,33 +183,18 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     outcome: list[TrainOutcome] = []
     owner = threading.Thread(target=_own_run, args=(run, outcome), name="odyssey-run", daemon=True)
     owner.start()
-    signals = StopSignals(lambda name, status: controller.request_stop(f"{name} on node 0", status=status))
-    signals.install()
-    try:
-        if continuing is not None:  # this node's workers join the survivors' run, once it is under way
-            _wait_published(controller, continuing.plan.generation + 1, owner)
-        # A dedicated controller's node has no workers: it only owns the run.
-        status = NodeLauncher(launch, timeouts=timeouts, target=train_worker, secret=controller.secret,
-                              restart_workers=config.odyssey.restart_workers,
-                              joining=continuing is not None).run() if launch.ranks else 0
-        while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
-            owner.join(timeout=timeouts.heartbeat_interval)
-        if not outcome:
-            outcome.append(TrainOutcome(1, f"the workers ended (launcher status {status}) before the run did"))
-        _wait_other_nodes(controller, timeouts)
-    except StopAtOnce as stop:  # this node's workers are killed; the others go with the controller
-        checkpoint = latest_checkpoint(run_dir)
-        outcome[:] = [TrainOutcome(stop.status, f"{stop}: nothing saved past {_resume_hint(run_dir, checkpoint)}")]
-    finally:
-        signals.restore()
-    controller.record.event("run_end", status=outcome[0].status, message=outcome[0].message)
-    controller.stop()
-    write_json(run_dir / "outcome.json", {"status": outcome[0].status, "message": outcome[0].message,
-                                          "resume": outcome[0].resume})
-    try:
-        return replace(outcome[0], wandb_dir=trace.finish())
-    except RuntimeError as exc:
-        return replace(outcome[0], wandb_error=str(exc))
+    if continuing is not None:  # this node's workers join the survivors' run, once it is under way
+        _wait_published(controller, continuing.plan.generation + 1, owner)
+    # A dedicated controller's node has no workers: it only owns the run.
+    status = NodeLauncher(launch, timeouts=timeouts, target=train_worker, secret=controller.secret,
+                          restart_workers=config.odyssey.restart_workers,
+                          joining=continuing is not None).run() if launch.ranks else 0
+    while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
+        owner.join(timeout=timeouts.heartbeat_interval)
+    if not outcome:
+        outcome.append(TrainOutcome(1, f"the workers ended (launcher status {status}) before the run did"))
+    _wait_other_nodes(controller, timeouts)
+    return outcome[0]
 
 
 def _wait_published(controller: Controller, generation: int, owner: threading.Thread) -> None:

@@ -8,7 +8,8 @@ announce themselves (``RankReattached``); the restarted controller waits until a
 them did, or until the window the survivors wait in is over, judges them together
 (``reattach.judge_reattachments``) and answers each (``ReattachVerdict``). Taken back,
 they train on from memory; refused, they exit, their blocks saved, and the run resumes
-from the disk checkpoint. One who announces itself after the judgement is refused.
+from the disk checkpoint. One who announces itself after the judgement is refused; a
+stop signal while the controller waits refuses them all, and that start ends untrained.
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
     console.info("controller start %d lost at generation %d: waiting up to %.0f s for its %d survivors to reattach",
                  lost.epoch, lost.plan.generation, max(0.0, deadline - time.time()), len(expected))
     while time.time() < deadline and not expected <= {r.rank for r in controller.survivors.reports()}:
+        if controller.stop_request is not None:  # a stop signal: this start ends before it trains
+            why = f"the restarted controller was stopped ({controller.stop_request[0]})"
+            refused = refuse_all(controller, why=why)
+            controller.record.event("reattachment", lost_epoch=lost.epoch, generation=lost.plan.generation,
+                                    step=None, accepted=[], refused={str(r): why for r in refused}, why=why)
+            console.warning("took back no survivor of controller start %d: %s", lost.epoch, why)
+            return Reattachment(None, (), why=why)
         time.sleep(timeouts.poll_interval)
     reattachment = judge_reattachments(controller.survivors.close(), plan=lost.plan, epoch=lost.epoch,
                                        cluster=cluster, model=model)
@@ -113,11 +121,13 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
     return reattachment
 
 
-def refuse_all(controller: Controller, *, why: str) -> None:
-    """Take no survivor back (this start resumes from disk): refuse each that announced
-    itself so far, and every later one (``SurvivorInbox.close``)."""
-    for report in controller.survivors.close():
-        controller.survivors.answer(controller.store, ReattachVerdict(report.rank, controller.epoch, False, why))
+def refuse_all(controller: Controller, *, why: str) -> list[int]:
+    """Take no survivor back (this start resumes from disk, or ends): refuse each that
+    announced itself so far, and every later one (``SurvivorInbox.close``). The ranks refused."""
+    refused = [report.rank for report in controller.survivors.close()]
+    for rank in refused:
+        controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, False, why))
+    return refused
 
 
 def continuation(lost: LostStart, reattachment: Reattachment, center: DecisionCenter, *, node: int,
