@@ -449,3 +449,21 @@ def test_a_fault_with_ranks_needs_the_store(launcher):
         with pytest.raises(ValueError, match="give the injector the store"):
             FaultInjector(faults, rank=rank, node=0, local_rank=rank, launcher_pid=launcher.pid)
     FaultInjector(faults, rank=2, node=0, local_rank=2, launcher_pid=launcher.pid)  # not in it: no store needed
+
+
+def test_a_rank_killed_with_another_publishes_its_pid_again_in_a_restarted_controllers_store():
+    """The rank that kills ``with_ranks`` reads their pids from the run's store: after a
+    restarted controller took the ranks back (``WorkerProcess.reconnected``), from its store,
+    which never saw the pids published in the lost one's; without this it waited out the
+    store's timeout there (120 s, measured in a reattached run) before it killed anyone."""
+    import torch.distributed as dist
+
+    spec = fault(rank=2, step=4, phase="forward", action="kill", with_ranks=[3])
+    lost, restarted = dist.HashStore(), dist.HashStore()
+    injector = FaultInjector([spec], rank=3, node=1, local_rank=1, launcher_pid=1, store=lost)
+    assert lost.get(pid_key(3)) == str(os.getpid()).encode()
+    injector.follow(restarted)
+    assert restarted.get(pid_key(3)) == str(os.getpid()).encode() and injector.store is restarted
+    killer = FaultInjector([spec], rank=2, node=1, local_rank=0, launcher_pid=1, store=lost)
+    killer.follow(restarted)
+    assert not restarted.check([pid_key(2)])  # the killer publishes nothing: no one kills it

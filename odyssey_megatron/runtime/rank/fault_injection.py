@@ -81,7 +81,9 @@ class FaultInjector:
         together = [spec for spec in faults if rank in spec.with_ranks or (spec.rank == rank and spec.with_ranks)]
         if together and store is None:
             raise ValueError(f"rank {rank}: a fault kills ranks together ({together[0]}): give the injector the store")
-        if any(rank in spec.with_ranks for spec in together):
+        self._killed_by_another = any(rank in spec.with_ranks for spec in together)
+        """A spec of another rank kills this one with it: its pid is in the store."""
+        if self._killed_by_another:
             store.set(pid_key(rank), str(os.getpid()))
 
     @classmethod
@@ -91,6 +93,13 @@ class FaultInjector:
         run's store (the controller's)."""
         return cls(faults, rank=launch.rank, node=launch.node, local_rank=launch.local_rank,
                    launcher_pid=launch.launcher_pid, store=store)
+
+    def follow(self, store: dist.Store) -> None:
+        """Use ``store`` from now on (a restarted controller's, ``WorkerProcess.reconnected``),
+        publishing this rank's pid there again for the rank that would kill it with itself."""
+        self.store = store
+        if self._killed_by_another:
+            store.set(pid_key(self.rank), str(os.getpid()))
 
     def slowdown(self, step: int) -> float:
         """How many times its own time each op of ``step`` takes on this rank: the factors
