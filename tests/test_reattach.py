@@ -12,13 +12,16 @@ import pytest
 
 from helpers import asymmetric_plan
 from odyssey_megatron.cluster import ClusterState
-from odyssey_megatron.config import ModelConfig, OdysseyConfig
+from odyssey_megatron.config import ModelConfig, OdysseyConfig, load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator.program import step_program
 from odyssey_megatron.profile import uniform_profile
+from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause
 from odyssey_megatron.runtime.control.reattach import judge_reattachments
 from odyssey_megatron.runtime.control.reattaching import LostStart, continuation, lost_start
+from odyssey_megatron.runtime.control.run_state import RunState
+from odyssey_megatron.runtime.control.snapshot_following import SnapshotFollowing
 from odyssey_megatron.schedules.program import publish
 from odyssey_megatron.runtime.protocol.messages import ProtocolError, RankReattached
 
@@ -33,6 +36,11 @@ CLUSTER = ClusterState(world_size=4, tensor_parallel_size=1, devices_per_node=2)
 def reattached(rank: int, *, step: int = 2, epoch: int = 0, generation: int = 3, pid: int | None = None):
     return RankReattached(rank=rank, pid=pid or 1000 + rank, epoch=epoch, generation=generation,
                           committed_step=step)
+
+
+def idle(rank: int, *, generation: int = 3) -> RankReattached:
+    """A survivor idle in the lost plan's generation: it holds no block."""
+    return RankReattached(rank=rank, pid=1000 + rank, epoch=0, generation=generation, committed_step=None)
 
 
 def judge(*reports, plan=PLAN, cluster=CLUSTER, epoch=0):
@@ -79,10 +87,28 @@ def test_a_rank_announced_by_two_processes_is_refused():
     assert outcome.refused[3] == "announced by two processes (pids 77, 1003)"
 
 
-def test_a_rank_outside_the_plan_is_refused():  # pipeline 0 left the plan
-    three_workers = replace(asymmetric_plan([(2, 2)], [4], worker_of=lambda d, s: 2 + s), generation=3)
-    outcome = judge(reattached(0), reattached(2), reattached(3), plan=three_workers)
-    assert outcome.from_memory and outcome.refused == {0: "not in generation 3's plan"}
+ONE_PIPELINE = replace(asymmetric_plan([(2, 2)], [4], worker_of=lambda d, s: 2 + s), generation=3)
+"""Pipeline 0 left the plan: ranks 0 and 1 idle in generation 3."""
+
+
+def test_an_idle_survivor_is_taken_back_as_a_joiner_beside_the_others():
+    outcome = judge(idle(0), reattached(2), reattached(3), plan=ONE_PIPELINE)
+    assert outcome.from_memory and outcome.accepted == (2, 3) and outcome.joiners == (0,)
+    assert outcome.refused == {}
+
+
+def test_a_survivor_whose_blocks_do_not_match_its_part_in_the_plan_is_refused():
+    outcome = judge(reattached(0), reattached(2), reattached(3), plan=ONE_PIPELINE)
+    assert outcome.from_memory and outcome.refused == {0: "holds blocks, though not in generation 3's plan"}
+    outcome = judge(idle(0), reattached(2), idle(3), plan=ONE_PIPELINE)
+    assert not outcome.from_memory
+    assert outcome.refused[3] == "holds no block of generation 3's plan, which it is in"
+
+
+def test_idle_survivors_are_refused_with_the_others_where_the_run_resumes_from_disk():
+    outcome = judge(idle(0), reattached(2), plan=ONE_PIPELINE)  # stage 1's only holder did not come back
+    assert not outcome.from_memory and outcome.joiners == ()
+    assert set(outcome.refused) == {0, 2} and outcome.refused[0].startswith("the run resumes from disk")
 
 
 def test_a_tp_group_counts_only_whole():
@@ -152,3 +178,35 @@ def test_the_run_goes_on_from_the_lost_plan_and_node_0s_ranks_fail_with_its_proc
 def test_where_every_rank_of_the_lost_plan_came_back_nothing_fails():
     center, continuing = _continued((0, 1, 2, 3))
     assert continuing.lost is None and center.settled == PLAN
+
+
+def test_an_idle_survivor_taken_back_is_failed_until_the_run_offers_it_back():
+    """The decision center counts a joiner out (``continue_from``'s ``away``): being alive, it
+    is then offered back at the next take-back (``GrowingBack``), as a returning worker is."""
+    center = DecisionCenter(plan=PLAN, cluster=CLUSTER, profile=uniform_profile(num_layers=4),
+                            settings=OdysseyConfig().decisions, settles_at_once=False, model=MODEL)
+    outcome = judge(idle(0), idle(1), reattached(2), reattached(3), plan=ONE_PIPELINE)
+    continuing = continuation(LostStart(0, ONE_PIPELINE, 9.0), outcome, center, node=0, here=())
+    assert continuing.lost is None and center.settled == ONE_PIPELINE
+    assert center.cluster.failed_workers == frozenset({0, 1})
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_stage_lost_before_the_first_snapshot_after_a_reattach_rolls_back_to_the_survivors_save(tmp_path, saved):
+    """Survivors taken back at step 3 train on to step 5, and a stage is lost before any
+    snapshot: where their save of step 3 is a complete checkpoint (``Continuation.saved``),
+    the run rolls back to it, and the next plan has every rank load it (fresh); where it is
+    not, nothing can rebuild step 3 and the failure has no start to roll back to."""
+    config = load_config(Path(__file__).resolve().parents[1] / "recipes/llama2_7b/tiny_cpu.yaml",
+                         ["cluster.devices_per_node=2"])
+    center = DecisionCenter.from_recipe(config)
+    controller = Controller(host="127.0.0.1", port=0, timeouts=config.odyssey.timeouts, run_dir=tmp_path)
+    run = RunState(config=config, controller=controller, center=center, run_dir=tmp_path, start_step=3,
+                   in_memory=True, start_rebuildable=saved)
+    following = SnapshotFollowing(run)
+    assert not run.fresh  # the survivors' memory holds step 3
+    run.plan, run.committed = center.plan, 5
+    assert following.start_replay_steps(5) == (2 if saved else None)
+    if saved:
+        following.roll_back_to_start()
+        assert run.committed == 3 and run.fresh

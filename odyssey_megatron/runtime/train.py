@@ -164,8 +164,8 @@ def _owned_to_the_end(config: RecipeConfig, launch: LaunchConfig, controller: Co
     center = DecisionCenter.from_recipe(config, settles_at_once=False)
     start_step, continuing = 0, None
     if resume is not None:
-        start_step, continuing = resumed_at(controller, center, config, run_dir, checkpoint=resume,
-                                            node=launch.node_rank, here=launch.ranks)
+        start_step, resume, continuing = resumed_at(controller, center, config, run_dir, checkpoint=resume,
+                                                    node=launch.node_rank, here=launch.ranks)
     if controller.stop_request is not None:  # asked before anything trained: nothing new to save
         reason, status = controller.stop_request
         checkpoint = latest_checkpoint(run_dir)

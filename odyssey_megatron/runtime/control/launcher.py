@@ -129,8 +129,10 @@ class NodeLauncher:
         self._joining = joining
         """The run was under way when this launcher started: its workers join it."""
         self._reattached = False
-        """It reattached to a restarted controller: workers that then all exit before the run
-        is done were refused (``runtime.control.reattaching``)."""
+        """It reattached to a restarted controller (``runtime.control.reattaching``)."""
+        self._refused: list[int] = []
+        """Ranks of this node that exited 0 after the reattach while the run went on: the
+        restarted controller refused them."""
         self._context = None
         self._workers: dict[int, multiprocessing.Process] = {}
         self._node_store = StoreServer("127.0.0.1", 0, timeout=timeouts.heartbeat_timeout)
@@ -180,7 +182,7 @@ class NodeLauncher:
             self._tie.stop()
             self._keeper.close()
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
-        if self._reattached and not store.check([RUN_DONE]):
+        if self._refused and not store.check([RUN_DONE]):
             log.error("node %d: the restarted controller refused its workers (their blocks are saved) and resumes "
                       "from disk: start this node's command again to take part", node)
             return EXIT_CONTROLLER_LOST
@@ -316,6 +318,8 @@ class NodeLauncher:
         process = self._workers.pop(rank)
         process.join()
         exited_at = time.time()
+        if self._reattached and process.exitcode == 0 and not store.check([RUN_DONE]) and not store.check([RUN_STOP]):
+            self._refused.append(rank)
         store.queue_push(INBOX, RankExit(rank, self.config.node_rank, process.exitcode, exited_at).to_json())
         # INFO: a failed rank's exit reaches the terminal as the controller's failure line.
         log.info("node %d: rank %d (pid %d) exited: %s", self.config.node_rank, rank, process.pid,

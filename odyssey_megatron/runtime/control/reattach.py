@@ -12,8 +12,10 @@ as before, and every survivor is refused: a refused survivor must exit (it is fe
 never be left running beside ranks that load the checkpoint.
 
 A survivor is refused by itself when it followed a different controller start (a
-survivor of an earlier start), ran a different generation than the last plan, is not a
-participant of that plan, or announced itself twice from two processes.
+survivor of an earlier start), ran a different generation than the last plan, holds
+blocks though not a participant of that plan (or none though one), or announced itself
+twice from two processes. A survivor idle in that plan, holding nothing, is taken back as
+a joiner where the others are: the run offers it back like any returning worker.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class Reattachment:
     """Rank -> why it is refused; each must exit."""
     why: str = ""
     """Where the run resumes from disk, why; else empty."""
+    joiners: tuple[int, ...] = ()
+    """Ranks idle in the lost plan, holding nothing, taken back beside ``accepted`` to be
+    offered back to the decision center as returning workers."""
 
     @property
     def from_memory(self) -> bool:
@@ -59,25 +64,32 @@ def judge_reattachments(reports: Iterable[RankReattached], *, plan: ExecutionPla
     participants = set(plan.participants)
     refused: dict[int, str] = {}
     accepted: dict[int, RankReattached] = {}
+    joiners: list[int] = []
     for rank, seen in sorted(by_rank.items()):
         pids = sorted({report.pid for report in seen})
         report = seen[-1]
+        participant = 0 <= rank < cluster.world_size and cluster.worker_of(rank) in participants
         if len(pids) > 1:
             refused[rank] = f"announced by two processes (pids {', '.join(map(str, pids))})"
         elif report.epoch != epoch:
             refused[rank] = f"followed controller start {report.epoch}, not the lost one ({epoch})"
-        elif not 0 <= rank < cluster.world_size or cluster.worker_of(rank) not in participants:
-            refused[rank] = f"not in generation {plan.generation}'s plan"
+        elif not 0 <= rank < cluster.world_size:
+            refused[rank] = f"not a rank of this run ({cluster.world_size} ranks)"
         elif report.generation != plan.generation:
             refused[rank] = f"ran generation {report.generation}, not the last plan's ({plan.generation})"
-        else:
+        elif participant != (report.committed_step is not None):
+            refused[rank] = (f"holds no block of generation {plan.generation}'s plan, which it is in" if participant
+                             else f"holds blocks, though not in generation {plan.generation}'s plan")
+        elif participant:
             accepted[rank] = report
+        else:
+            joiners.append(rank)
     fallback = _why_not_from_memory(accepted, plan=plan, cluster=cluster, model=model)
     if fallback is not None:
-        refused.update({rank: f"the run resumes from disk: {fallback}" for rank in accepted})
+        refused.update({rank: f"the run resumes from disk: {fallback}" for rank in (*accepted, *joiners)})
         return Reattachment(step=None, accepted=(), refused=refused, why=fallback)
     step = next(iter(accepted.values())).committed_step
-    return Reattachment(step=step, accepted=tuple(sorted(accepted)), refused=refused)
+    return Reattachment(step=step, accepted=tuple(sorted(accepted)), refused=refused, joiners=tuple(joiners))
 
 
 def _why_not_from_memory(accepted: dict[int, RankReattached], *, plan: ExecutionPlan, cluster: ClusterState,

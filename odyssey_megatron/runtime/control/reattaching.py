@@ -26,6 +26,7 @@ from odyssey_megatron.config import ModelConfig, RecipeConfig
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.run_dir import read_jsonl
+from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.console import CONSOLE
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.detector import Cause, Failure
@@ -47,6 +48,9 @@ class Continuation:
 
     plan: ExecutionPlan
     lost: Optional[Failure]
+    saved: bool = False
+    """A complete checkpoint of the step taken back is on disk (the survivors saved what
+    they held before they waited): a rollback to the run's start reads it."""
 
 
 @dataclass(frozen=True)
@@ -105,16 +109,18 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
         time.sleep(timeouts.poll_interval)
     reattachment = judge_reattachments(controller.survivors.close(), plan=lost.plan, epoch=lost.epoch,
                                        cluster=cluster, model=model)
-    for rank in reattachment.accepted:
-        controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, True, ""))
+    for rank in (*reattachment.accepted, *reattachment.joiners):
+        controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, True, "",
+                                                                      reattachment.step))
     for rank, why in sorted(reattachment.refused.items()):
         controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, False, why))
     controller.record.event("reattachment", lost_epoch=lost.epoch, generation=lost.plan.generation,
                             step=reattachment.step, accepted=list(reattachment.accepted),
-                            refused={str(r): why for r, why in reattachment.refused.items()}, why=reattachment.why)
+                            joiners=list(reattachment.joiners), refused={str(r): why for r, why in reattachment.refused.items()}, why=reattachment.why)
     if reattachment.from_memory:
-        console.info("took back %d survivors of controller start %d: training goes on from their memory at step %d",
-                     len(reattachment.accepted), lost.epoch, reattachment.step)
+        console.info("took back %d survivors of controller start %d: training goes on from their memory at step %d%s",
+                     len(reattachment.accepted), lost.epoch, reattachment.step,
+                     f" ({len(reattachment.joiners)} idle ones to join)" if reattachment.joiners else "")
     else:
         console.warning("took back no survivor of controller start %d (%s): resuming from disk", lost.epoch,
                         reattachment.why)
@@ -131,40 +137,47 @@ def refuse_all(controller: Controller, *, why: str) -> list[int]:
 
 
 def continuation(lost: LostStart, reattachment: Reattachment, center: DecisionCenter, *, node: int,
-                 here: Iterable[int]) -> Continuation:
+                 here: Iterable[int], saved: bool = False) -> Continuation:
     """What the run trains on from after ``reattachment`` took survivors back: ``center``
     continues from the lost plan (``DecisionCenter.continue_from``), with every rank outside
-    it failed until it returns; that plan's ranks that did not come back fail together,
-    as node ``node``'s loss where they are all ``here`` (its ranks, lost with its process)."""
+    it failed until it returns (the idle survivors taken back too: ``Reattachment.joiners``,
+    offered back at once as they are alive); that plan's ranks that did not come back fail
+    together, as node ``node``'s loss where they are all ``here`` (its ranks, lost with its
+    process).
+    ``saved``: the step taken back is in a complete checkpoint (``Continuation.saved``)."""
     cluster, plan, back, here = center.cluster, lost.plan, set(reattachment.accepted), set(here)
     used = set(cluster.ranks_of(plan.workers))
     center.continue_from(plan, away=set(range(cluster.world_size)) - used - back)
     missing = tuple(sorted(used - back))
     if not missing:
-        return Continuation(plan, None)
+        return Continuation(plan, None, saved)
     if set(missing) <= here:
         failure = Failure(Cause.NODE, missing, node, lost.last_record_at, time.time(),
                           "lost with the controller's process", node_ranks=tuple(sorted(here)))
     else:
         failure = Failure(Cause.HEARTBEAT, missing, None, lost.last_record_at, time.time(),
                           "not taken back by the restarted controller")
-    return Continuation(plan, failure)
+    return Continuation(plan, failure, saved)
 
 
 def resumed_at(controller: Controller, center: DecisionCenter, config: RecipeConfig, run_dir: Path, *,
-               checkpoint: tuple[int, Path], node: int, here: Iterable[int]) -> tuple[int, Optional[Continuation]]:
+               checkpoint: tuple[int, Path], node: int,
+               here: Iterable[int]) -> tuple[int, tuple[int, Path], Optional[Continuation]]:
     """Where ``odyssey train --resume`` on node ``node`` (running ranks ``here``) goes on:
-    from the memory of the lost controller's survivors where it takes them back (the step
-    they hold, and what to train on from), else from ``checkpoint``'s step, every survivor
-    refused."""
+    (the step, the checkpoint its ranks rebuild from, what to train on from). From the
+    memory of the lost controller's survivors where it takes them back (the step they
+    hold); else from the disk, every survivor refused. The checkpoint is read again after
+    the wait: the newest complete one, which the survivors' save may be, else ``checkpoint``."""
     lost = lost_start(run_dir, epoch=controller.epoch)
     window_s = config.odyssey.controller_reattach_s
     if lost is None or window_s == 0:
         refuse_all(controller, why="the run resumes from disk" if lost is None else
                    "odyssey.controller_reattach_s is 0 for this start: the run resumes from disk")
-        return checkpoint[0], None
+        return checkpoint[0], checkpoint, None
     reattachment = take_back(controller, lost, cluster=center.cluster, model=config.model, window_s=window_s,
                              gone=here)
+    checkpoint = latest_checkpoint(run_dir) or checkpoint  # the survivors save before they announce themselves
     if not reattachment.from_memory:
-        return checkpoint[0], None
-    return reattachment.step, continuation(lost, reattachment, center, node=node, here=here)
+        return checkpoint[0], checkpoint, None
+    return reattachment.step, checkpoint, continuation(lost, reattachment, center, node=node, here=here,
+                                                       saved=checkpoint[0] == reattachment.step)

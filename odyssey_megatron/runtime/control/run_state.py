@@ -70,11 +70,15 @@ class RunState:
     is recorded."""
 
     def __init__(self, *, config: RecipeConfig, controller: Controller, center: DecisionCenter, run_dir: Path,
-                 start_step: int = 0, in_memory: bool = False):
+                 start_step: int = 0, in_memory: bool = False, start_rebuildable: bool = True):
         """``in_memory``: the ranks hold the trained state of ``start_step`` in memory (the
-        survivors a restarted controller took back), not the seed's or a checkpoint's."""
+        survivors a restarted controller took back), not the seed's or a checkpoint's.
+        ``start_rebuildable``: every rank can rebuild that state (from the seed, the
+        checkpoint resumed from, or the survivors' own save of it), so a rollback to the
+        run's start can go back to it."""
         self.config, self.controller, self.center = config, controller, center
         self.in_memory_at_start = in_memory
+        self.start_rebuildable = start_rebuildable
         self.store = controller.store.clone()
         self.run_dir = Path(run_dir)
         self.timeouts = controller.timeouts

@@ -6,7 +6,8 @@ When no survivor holds some block, the decision rolls back to the last complete 
 (``snapshot.restore``): ``samples.jsonl`` forgets the steps after it, and they are trained
 again on the same global batches. Before the first snapshot (or with snapshots off) it
 rolls back to the run's start instead, which every rank can rebuild (the seed's initial
-state, drawn deterministically, or the checkpoint the run resumed from), unless a disk
+state, drawn deterministically, the checkpoint the run resumed from, or the save the
+survivors a restarted controller took back wrote of the step they held), unless a disk
 checkpoint newer than that start holds more of the run: then, as when two losses in one
 parity group leave nothing to roll back to, the run fails, for ``--resume`` from it.
 
@@ -104,11 +105,11 @@ class SnapshotFollowing:
         """Where no snapshot can restore a lost block (``source`` is None): the steps a
         rollback to the run's start trains again, rolling back from ``committed_before``;
         None where a disk checkpoint newer than the start holds more (``--resume`` from
-        it loses fewer steps), or where the run started from the memory of survivors a
-        restarted controller took back (their start is in no seed or checkpoint they load)."""
+        it loses fewer steps), or where no rank can rebuild the start (the memory of
+        survivors a restarted controller took back, where their save of it is incomplete)."""
         run = self.run
         checkpoint = latest_checkpoint(run.run_dir)
-        if run.in_memory_at_start or (checkpoint is not None and checkpoint[0] > run.first_step):
+        if not run.start_rebuildable or (checkpoint is not None and checkpoint[0] > run.first_step):
             return None
         return committed_before - run.first_step
 
@@ -118,8 +119,11 @@ class SnapshotFollowing:
 
     def roll_back_to_start(self) -> None:
         """The run goes back to its start (``DecisionCenter.on_failure``'s ``from_start``):
-        the steps since are trained again, from the seed or the checkpoint it resumed from."""
+        the steps since are trained again, from the seed or the checkpoint it resumed from
+        (survivors taken back from memory: their own save of the step they held), which
+        the next plan has every rank load (``PlanPublished.fresh``)."""
         run = self.run
+        run.in_memory_at_start = False
         self._back_to(run.first_step, generation=None, what=f"the run's start (step {run.first_step})")
 
     def _back_to(self, step: int, *, generation: Optional[int], what: str) -> None:

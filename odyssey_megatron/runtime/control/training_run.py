@@ -58,7 +58,8 @@ class TrainingRun(RunState):
         if center.settles_at_once:
             raise ValueError("the live run's decision center settles plans when told (settles_at_once=False)")
         super().__init__(config=config, controller=controller, center=center, run_dir=run_dir,
-                         start_step=start_step, in_memory=continuing is not None)
+                         start_step=start_step, in_memory=continuing is not None,
+                         start_rebuildable=continuing is None or continuing.saved)
         self.continuing = continuing
         self.online = OnlineProfile(center.profile) if config.odyssey.online_profile else None
         """Measured op times folded into the decision center's profile."""

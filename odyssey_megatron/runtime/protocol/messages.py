@@ -180,9 +180,10 @@ class RankReattached(Message):
     """The controller start it last followed (0: the run's first): a survivor of an earlier
     start is told apart from the lost controller's."""
     generation: int
-    """The last plan generation it ran."""
-    committed_step: int
-    """The steps its blocks have taken, all committed."""
+    """The last plan generation it ran (or sat out, idle)."""
+    committed_step: Optional[int]
+    """The steps its blocks have taken, all committed; None: it holds no block (idle in
+    that generation)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,8 @@ class ReattachVerdict(Message):
     accepted: bool
     why: str
     """Why it is refused; empty where it is taken back."""
+    step: Optional[int] = None
+    """Where it is taken back: the committed step the run goes on from."""
 
 
 @dataclass(frozen=True)

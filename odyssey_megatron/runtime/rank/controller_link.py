@@ -162,13 +162,14 @@ class ControllerLink:
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
                                                       self.launch.node).to_json())
 
-    def reattach(self, *, epoch: int, generation: int, committed_step: int) -> Optional[ReattachVerdict]:
+    def reattach(self, *, epoch: int, generation: int, committed_step: Optional[int]) -> Optional[ReattachVerdict]:
         """After the controller's loss, the held blocks saved: wait (to the end of the
         window) for the launcher to relay a restarted controller's beat, connect to its
         store (same address, same secret), register again, announce where this worker
         stands, and wait for the restarted controller's verdict (it judges every survivor
-        together: ``runtime.control.reattaching``). None where no controller came back in
-        time, or none answered within the recovery timeout after the window."""
+        together: ``runtime.control.reattaching``). ``committed_step``: the steps its blocks
+        hold; None where it holds none (idle). None where no controller came back in time,
+        or none answered within the recovery timeout after the window."""
         lost_at, lost_wall = self._lost_at
         deadline = lost_at + self._window()
         while time.monotonic() < deadline:
@@ -184,8 +185,9 @@ class ControllerLink:
                     log.warning("rank %d: could not reattach: %s", self.launch.rank, str(exc).splitlines()[0])
                     time.sleep(self.launch.timeouts.poll_interval)
                     continue
-                log.warning("rank %d: announced itself to the restarted controller (generation %d, step %d)",
-                            self.launch.rank, generation, committed_step)
+                log.warning("rank %d: announced itself to the restarted controller (generation %d, %s)",
+                            self.launch.rank, generation,
+                            "idle" if committed_step is None else f"step {committed_step}")
                 self._lost_at = None  # the restarted controller is watched from now on
                 return self._verdict(wait_s=deadline - time.monotonic() + self.launch.timeouts.recovery_timeout)
             time.sleep(self.launch.timeouts.poll_interval)

@@ -167,25 +167,25 @@ class Worker:
     def _reattach(self) -> Optional[int]:
         """With the controller lost and the held blocks saved: reattach to a restarted
         controller within the window (``Timeouts.controller_reattach_s``), announcing the
-        last generation the worker ran and the committed step its blocks hold. None where
-        it took the worker back (it trains on from memory, under the restarted controller's
-        start), else the exit status: 0 where it refused the worker (the run resumes from
-        disk, the worker's part of it saved), ``EXIT_CONTROLLER_LOST`` where none came
-        back. Blocks at different steps cannot go on from memory: the worker exits after
-        its save."""
+        last generation the worker ran and the committed step its blocks hold (none: idle
+        in it). None where it took the worker back (it trains on from memory, or waits to
+        join where it was idle, under the restarted controller's start), else the exit
+        status: 0 where it refused the worker (the run resumes from disk, the worker's part
+        of it saved), ``EXIT_CONTROLLER_LOST`` where none came back. Blocks at different
+        steps cannot go on from memory: the worker exits after its save."""
         process = self.process
         steps = {process.state.blocks[block].step for block in process.state.held()} if process.state else set()
-        if process.timeouts.controller_reattach_s == 0 or len(steps) != 1 or self.generation < 0:
+        if process.timeouts.controller_reattach_s == 0 or len(steps) > 1 or self.generation < 0:
             return EXIT_CONTROLLER_LOST
         verdict = process.link.reattach(epoch=process.spec.epoch, generation=self.generation,
-                                        committed_step=steps.pop())
+                                        committed_step=steps.pop() if steps else None)
         if verdict is None:
             return EXIT_CONTROLLER_LOST
         if not verdict.accepted:
             log.warning("rank %d: the restarted controller refused it (%s); its blocks are saved, exiting",
                         process.launch.rank, verdict.why)
             return 0
-        process.reconnected(epoch=verdict.epoch)
+        process.reconnected(epoch=verdict.epoch, step=verdict.step)
         return None
 
     def _wait_controller_lost(self) -> bool:

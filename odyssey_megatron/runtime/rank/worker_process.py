@@ -26,6 +26,7 @@ from odyssey_megatron.hooks.stage_optimizer import optimizer_config
 from odyssey_megatron.hooks.survivor_groups import KeptWorld
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
+from odyssey_megatron.runtime.checkpoint_index import checkpoint_directory
 from odyssey_megatron.runtime.protocol.auth import SignedStore, connect_signed
 from odyssey_megatron.runtime.protocol.keys import RUN_SPEC
 from odyssey_megatron.runtime.protocol.launch import WorkerLaunch
@@ -195,14 +196,15 @@ class WorkerProcess:
         self.snapshot_store = self.store_for_steps()
         self.rendezvous = RendezvousStore(store.unsigned.clone(), guard=self.guard)
 
-    def reconnected(self, *, epoch: int) -> None:
-        """After the restarted controller of start ``epoch`` took this worker back
-        (``ControllerLink.reattach``): every connection to the run's store anew, to the
-        restarted one (the fault injector's and the checkpoint writer's too), and its start
-        named from now on (should it be lost too)."""
-        self.spec = replace(self.spec, epoch=epoch)
+    def reconnected(self, *, epoch: int, step: int) -> None:
+        """After the restarted controller of start ``epoch`` took this worker back at the
+        committed ``step`` (``ControllerLink.reattach``): every connection to the run's store
+        anew, to the restarted one (the fault injector's and the checkpoint writer's too),
+        its start named from now on (should it be lost too), and the run's start now the
+        step it holds: a rollback to it loads the survivors' save of that step."""
+        self.spec = replace(self.spec, epoch=epoch, resume=str(checkpoint_directory(self.run_dir, step)))
         self._connect(self.link.store)
-        self.injector.store = self.store
+        self.injector.follow(self.store)
         self.checkpoints.store = self.store.clone()
         self.controller_lost = None
 
