@@ -24,9 +24,10 @@ from odyssey_megatron.estimator.memory import held_profile, owner_memory
 from odyssey_megatron.optimizer_shards import fullest_share, owned_ranges
 from odyssey_megatron.planner import reroute_plan
 from odyssey_megatron.planner.initial import initial_plan
+from odyssey_megatron.planner.reparallelize import Layout, place_layout
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.profile_file import analytic_recipe_profile, recipe_profile
-from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.restorer import live_holdings, with_sync
 from odyssey_megatron.settings import PLAIN, Pricing
 from odyssey_megatron.units import GIB
 
@@ -83,6 +84,22 @@ def test_holder_counts_of_a_layout_are_those_of_its_plan_a_tied_embedding_held_b
     assert profile.pipeline_holder_counts([1, 3, 3]) == {EMBEDDING: 5, 0: 3, 1: 3, 2: 3, 3: 3, OUTPUT: 3}
     plan = symmetric_plan(dp=3, pp=2, num_layers=4, micro_batches_per_pipeline=1)
     assert profile.pipeline_holder_counts([2, 2, 2]) == plan.holder_counts(profile)
+
+
+def test_a_block_moved_to_a_new_holder_carries_the_share_it_keeps_there():
+    """Two pipelines of one stage on workers 0 and 1 become four, workers 2 and 3 joining:
+    each receives both layers, 100 weight bytes and, of 4 holders, half of the 120
+    optimizer bytes each; a full copy without the distributed optimizer."""
+    profile = worked_profile()
+    current = with_sync(symmetric_plan(dp=2, pp=1, num_layers=2, micro_batches_per_pipeline=2), profile)
+    cluster = ClusterState(world_size=4)
+    holdings = live_holdings(current, cluster=cluster, profile=profile)
+    layout = Layout(splits=((2,),) * 4, micro_batches=(1,) * 4, est_step_time_s=0.0)
+    for pricing, layer_bytes in ((SHARDED, 100 + 60), (PLAIN, 100 + 120)):
+        plan = place_layout(layout, current=current, holdings=holdings, cluster=cluster, profile=profile,
+                            pricing=pricing)
+        moved = sorted((t.dst, t.layer, t.bytes) for t in plan.transfers if t.bytes)
+        assert moved == [(2, 0, layer_bytes), (2, 1, layer_bytes), (3, 0, layer_bytes), (3, 1, layer_bytes)]
 
 
 @settings(max_examples=60, deadline=None)

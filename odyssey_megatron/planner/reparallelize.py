@@ -322,16 +322,20 @@ def place_layout(
     holdings: Mapping[int, Sequence[Block]],
     cluster: ClusterState,
     profile: ModelProfile,
+    pricing: Pricing = PLAIN,
 ) -> ExecutionPlan:
     """Put ``layout`` on the survivors with the least weight movement (Kuhn-Munkres) from
-    ``holdings``, what each live worker holds under ``current`` (``live_holdings``)."""
+    ``holdings``, what each live worker holds under ``current`` (``live_holdings``). A
+    block moved carries its weights and optimizer state, under the distributed optimizer
+    (``pricing``) the share its new holder keeps in the layout (``layout_profile``)."""
     slots, ranges = [], []
     for split in layout.splits:
         stage_layers = stage_ranges(split)
         ranges.append(stage_layers)
         for si, (start, end) in enumerate(stage_layers):
             slots.append(profile.stage_blocks(start, end, first=si == 0, last=si == len(split) - 1))
-    transfer = plan_weight_transfer(holdings=holdings, slots=slots, profile=profile, cluster=cluster)
+    held = layout_profile(profile, [len(split) for split in layout.splits], pricing=pricing)
+    transfer = plan_weight_transfer(holdings=holdings, slots=slots, profile=held, cluster=cluster)
     workers = iter(transfer.assignment)
     pipelines = tuple(
         PipelinePlan(tuple(StagePlan(next(workers), layers) for layers in stage_layers), ids)
