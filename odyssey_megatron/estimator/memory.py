@@ -43,6 +43,13 @@ def layout_profile(profile: ModelProfile, lengths: Sequence[int], *, pricing: Pr
     return profile.held(profile.pipeline_holder_counts(lengths)) if pricing.distributed_optimizer else profile
 
 
+def optimizer_state_per_rank(plan: ExecutionPlan, profile: ModelProfile, *, pricing: Pricing) -> dict[int, int]:
+    """Bytes of optimizer state each live stage owner of ``plan`` keeps: its blocks' whole
+    state, or under the distributed optimizer their fullest holder's share in ``plan``."""
+    held = held_profile(plan, profile, pricing=pricing)
+    return {worker: sum(held.block(b).optimizer_bytes for b in blocks) for worker, blocks in plan.holdings(profile).items()}
+
+
 def max_in_flight(kinds: np.ndarray) -> int:
     """Most micro-batches holding activations at once on a worker running ops of
     ``kinds`` (codes of ``replay.KINDS``) in order. A forward allocates them; a backward
