@@ -189,10 +189,11 @@ def test_bridges_7b_on_one_node_after_a_failure_is_priced_with_the_share_its_thr
     more = sum(fullest_share(whole.block(b).optimizer_bytes, 3) - fullest_share(whole.block(b).optimizer_bytes, 4)
                for b in blocks)
     assert round(more / GIB, 2) == 6.28
-    assert {p for stages in initial["est_peak_memory_bytes"] for p in stages} == {initial["est_peak_memory_bytes"][0][0]}
-    assert round(initial["est_peak_memory_bytes"][0][0] / GIB, 1) == 48.0
+    peak = initial["est_peak_memory_bytes"][0][0]
+    assert {p for stages in initial["est_peak_memory_bytes"] for p in stages} == {peak}
+    assert round(peak / GIB, 1) == 48.0
     assert after["policy"] == "reparallelize" and len(after["pipelines"]) == 3
-    assert [stages for stages in after["est_peak_memory_bytes"]] == [[initial["est_peak_memory_bytes"][0][0] + more]] * 3
+    assert after["est_peak_memory_bytes"] == [[peak + more]] * 3
     assert max(p for stages in after["est_peak_memory_bytes"] for p in stages) <= after["memory_budget_bytes"]
     assert initial["est_optimizer_state_bytes"] + more == after["est_optimizer_state_bytes"]
 
@@ -200,7 +201,8 @@ def test_bridges_7b_on_one_node_after_a_failure_is_priced_with_the_share_its_thr
 def test_plan_prints_the_optimizer_state_a_rank_keeps_at_the_plans_own_holders(capsys):
     lines = {}
     for failed in ([], ["--failed", "3"]):
-        assert main(["plan", "--config", str(FLAT), "cluster.num_nodes=1", "odyssey.memory_budget_gib=60", *failed]) == 0
+        code = main(["plan", "--config", str(FLAT), "cluster.num_nodes=1", "odyssey.memory_budget_gib=60", *failed])
+        assert code == 0
         lines[len(failed)] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  optimizer")]
     assert lines[0] == ["  optimizer   18.8 GiB per rank of the 37.7 GiB a full copy holds (distributed optimizer: "
                         "every part on 2 of each block's 4 holders)"]

@@ -47,7 +47,8 @@ def optimizer_state_per_rank(plan: ExecutionPlan, profile: ModelProfile, *, pric
     """Bytes of optimizer state each live stage owner of ``plan`` keeps: its blocks' whole
     state, or under the distributed optimizer their fullest holder's share in ``plan``."""
     held = held_profile(plan, profile, pricing=pricing)
-    return {worker: sum(held.block(b).optimizer_bytes for b in blocks) for worker, blocks in plan.holdings(profile).items()}
+    return {worker: sum(held.block(b).optimizer_bytes for b in blocks)
+            for worker, blocks in plan.holdings(profile).items()}
 
 
 def max_in_flight(kinds: np.ndarray) -> int:
