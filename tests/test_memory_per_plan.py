@@ -108,6 +108,7 @@ def test_no_rank_keeps_more_optimizer_state_than_it_is_priced_for_and_the_fulles
     """Brute force: every block's ranges cut over its actual holders (``owned_ranges``), in
     a failure-free layout or after any failures it can be rerouted around."""
     plan, _, profile = case
+    assert profile.pipeline_holder_counts([p.num_stages for p in plan.pipelines]) == plan.holder_counts(profile)
     sizes = st.integers(0, 5000)
     profile = replace(profile, layers=tuple(replace(c, optimizer_bytes=data.draw(sizes)) for c in profile.layers),
                       embedding=replace(profile.embedding, optimizer_bytes=data.draw(sizes)),
