@@ -32,13 +32,18 @@ from odyssey_megatron import limits
 from odyssey_megatron.config import BatchOnFailure, DType, RecipeConfig, config_yaml, load_config, load_recipe
 from odyssey_megatron.profile_file import emulated_profile, optimizer_bytes_per_rank
 from odyssey_megatron.errors import ConfigError
+from odyssey_megatron.estimator.memory import optimizer_state_per_rank
+from odyssey_megatron.optimizer_shards import REPLICAS
 from odyssey_megatron.planner import Candidate, Decision, UnrecoverableFailure
 from odyssey_megatron.plotting import pyplot
 from odyssey_megatron.runtime.control.launch_config import LAUNCH_FLAGS, SLURM_VARIABLES, LaunchConfig
+from odyssey_megatron.settings import PLAIN, Pricing
 from odyssey_megatron.units import GIB, SECONDS_PER_HOUR
 
 if TYPE_CHECKING:
     from odyssey_megatron.decision_center import DecisionCenter
+    from odyssey_megatron.plan import ExecutionPlan
+    from odyssey_megatron.profile import ModelProfile
     from odyssey_megatron.estimator.host_memory import HostMemory
 
 EXIT_USAGE = 2
@@ -222,7 +227,21 @@ def decision_json(decision: Decision, published: dict) -> dict:
     }
 
 
-def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str, host: list[str]) -> str:
+def _optimizer_line(plan: ExecutionPlan, profile: ModelProfile, pricing: Pricing) -> str:
+    """The most optimizer state a rank of ``plan`` keeps, beside a full copy's: under the
+    distributed optimizer at each block's holder count in this plan, which a failure lowers."""
+    kept = max(optimizer_state_per_rank(plan, profile, pricing=pricing).values(), default=0)
+    if not pricing.distributed_optimizer:
+        return f"  optimizer   {kept / GIB:.1f} GiB per rank (a full copy of its stage's state)"
+    full = max(optimizer_state_per_rank(plan, profile, pricing=PLAIN).values(), default=0)
+    counts = sorted(set(plan.holder_counts(profile).values()))
+    holders = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (f"  optimizer   {kept / GIB:.1f} GiB per rank of the {full / GIB:.1f} GiB a full copy holds "
+            f"(distributed optimizer: every part on {REPLICAS} of each block's {holders} holders)")
+
+
+def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str, host: list[str],
+              optimizer: str) -> str:
     c = decision.chosen
     plan, est = c.plan, c.estimate
     moved = sum(t.bytes for t in plan.transfers)
@@ -251,6 +270,7 @@ def _describe(decision: Decision, failed: str, snapshots: str, checkpoints: str,
     for r in plan.reroutes:
         lines.append(f"    reroute p{r.pipeline} stage {r.stage}: {len(r.micro_batches)} mb -> worker {r.worker}")
     lines.append(f"  memory budget {est.memory_budget_bytes / GIB:.1f} GiB per device")
+    lines.append(optimizer)
     lines.append(f"  snapshots   {snapshots}")
     lines.append(f"  checkpoints {checkpoints}")
     lines.extend(host)
@@ -299,7 +319,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     decision = center.on_failure(ranks=failed, nodes=failed_nodes)
     per_node = _checked_host_memory(config, center)
     if args.json:
+        kept = optimizer_state_per_rank(decision.chosen.plan, center.profile, pricing=config.odyssey.pricing)
         print(dumps({**decision_json(decision, center.published()),
+                     "est_optimizer_state_bytes": max(kept.values(), default=0),
                      "host_memory_bytes": {str(node): {**held.parts(), "total": held.total}
                                            for node, held in per_node.items()},
                      "host_memory_budget_gib": config.cluster.host_memory_gib}))
@@ -308,7 +330,8 @@ def _plan_command(args: argparse.Namespace) -> int:
             f"ranks {failed}" if failed else "",
             f"nodes {failed_nodes}" if failed_nodes else "",
         ])) or "nothing"
-        print(_describe(decision, what, snapshots, checkpoints, _host_memory_lines(config, per_node)))
+        print(_describe(decision, what, snapshots, checkpoints, _host_memory_lines(config, per_node),
+                        _optimizer_line(decision.chosen.plan, center.profile, config.odyssey.pricing)))
     return 0
 
 

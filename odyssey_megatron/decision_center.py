@@ -130,6 +130,7 @@ class DecisionCenter:
             num_micro_batches=config.training.num_micro_batches,
             profile=profile,
             max_layer_splits=config.odyssey.max_layer_splits,
+            pricing=config.odyssey.pricing,
         )
         cluster = ClusterState(
             world_size=par.num_ranks,

@@ -44,6 +44,7 @@ Replicas it is.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 __all__ = ["REPLICAS", "first_owned_range", "fullest_share", "owned_ranges", "owned_share"]
@@ -77,9 +78,11 @@ def owned_ranges(numel: int, holders: Sequence[int]) -> dict[int, tuple[tuple[in
             for i, worker in enumerate(workers)}
 
 
+@lru_cache(maxsize=4096)
 def fullest_share(numel: int, holders: int) -> int:
     """Of a block's ``numel`` elements of optimizer state, how many the fullest of its
-    ``holders`` keeps (``owned_ranges``): what its memory must hold."""
+    ``holders`` keeps (``owned_ranges``): what its memory must hold. Remembered: every
+    plan priced asks it again for the same few blocks and holder counts."""
     return max(sum(end - start for start, end in kept) for kept in owned_ranges(numel, range(holders)).values())
 
 

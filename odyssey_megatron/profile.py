@@ -10,6 +10,7 @@ and time are one tensor-parallel shard's.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
@@ -164,15 +165,36 @@ class ModelProfile:
         return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
                        output=block(self.output))
 
-    def optimizer_sharded(self, holders: int) -> "ModelProfile":
+    def held(self, holders: Mapping[Block, int]) -> "ModelProfile":
         """This profile with each block's optimizer state cut to what the fullest of its
-        ``holders`` DP peers keeps under the distributed optimizer
-        (``optimizer_shards.fullest_share``), so every memory check counts the sharded state."""
-        def block(cost: BlockCost) -> BlockCost:
-            return replace(cost, optimizer_bytes=fullest_share(cost.optimizer_bytes, holders))
+        ``holders[block]`` DP holders keeps under the distributed optimizer
+        (``optimizer_shards.fullest_share``); a block no one holds keeps all of it. The
+        counts are a plan's (``ExecutionPlan.holder_counts``) or a layout's
+        (``pipeline_holder_counts``), never the recipe's DP size: a plan that lost a holder
+        of a block needs a larger share on each of the others."""
+        cut: dict[tuple[BlockCost, int], BlockCost] = {}  # alike layers stay one object, cheap to compare
 
-        return replace(self, layers=tuple(block(b) for b in self.layers), embedding=block(self.embedding),
-                       output=block(self.output))
+        def block(b: Block, cost: BlockCost) -> BlockCost:
+            key = cost, holders.get(b, 1)
+            if key not in cut:
+                cut[key] = replace(cost, optimizer_bytes=fullest_share(cost.optimizer_bytes, key[1]))
+            return cut[key]
+
+        return replace(self, layers=tuple(block(i, cost) for i, cost in enumerate(self.layers)),
+                       embedding=block(EMBEDDING, self.embedding), output=block(OUTPUT, self.output))
+
+    def pipeline_holder_counts(self, lengths: Iterable[int]) -> dict[Block, int]:
+        """How many stages hold each block in whole pipelines of ``lengths`` stages, as
+        ``ExecutionPlan.holder_counts`` counts a plan of them: where the layers are split
+        does not change it (every pipeline holds each block once, a tied embedding on its
+        first and last stages)."""
+        counts: dict[Block, int] = {}
+        for length, pipelines in Counter(lengths).items():
+            for s in range(length):
+                layers = (s * self.num_layers // length, (s + 1) * self.num_layers // length)
+                for b in self.stage_blocks(*layers, first=s == 0, last=s == length - 1):
+                    counts[b] = counts.get(b, 0) + pipelines
+        return counts
 
     def optimizer_s(self, blocks: Iterable[Block], holders: Mapping[Block, int] | None = None) -> float:
         """Seconds of an optimizer step over ``blocks`` (the blocks a rank holds). With

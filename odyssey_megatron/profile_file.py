@@ -166,15 +166,13 @@ def recipe_profile_file(path: str | Path, config: RecipeConfig, *, key: str) -> 
 def recipe_profile(config: RecipeConfig) -> ModelProfile:
     """The profile the recipe's plans are priced with: the file ``odyssey.profile`` names
     (``profile_file``; ConfigError if it is bad or measured for another model), else the
-    analytic profile of its model on ``cluster.device``; with ``odyssey.distributed_optimizer``
-    each rank's optimizer state is what it keeps at the recipe's DP size."""
+    analytic profile of its model on ``cluster.device``. Each block's optimizer state is
+    all of it: with ``odyssey.distributed_optimizer`` the estimator takes each plan's share
+    at that plan's holder counts (``estimator.memory.held_profile``), not at the recipe's
+    DP size, which a plan after a failure no longer has."""
     if config.odyssey.profile is not None:
-        profile = recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
-    else:
-        profile = analytic_recipe_profile(config, device=config.cluster.device)
-    if config.odyssey.distributed_optimizer:
-        return profile.optimizer_sharded(config.parallel.data_parallel_size)
-    return profile
+        return recipe_profile_file(config.odyssey.profile, config, key="odyssey.profile")
+    return analytic_recipe_profile(config, device=config.cluster.device)
 
 
 def analytic_recipe_profile(config: RecipeConfig, *, device: str) -> ModelProfile:

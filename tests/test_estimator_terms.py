@@ -78,7 +78,7 @@ def test_the_distributed_optimizer_keeps_its_share_of_the_state_and_all_gathers_
     # 200 parameter bytes over 4 ranks: each receives 3/4 of them, after 3 latencies
     assert param_gather_time(plan, profile) == pytest.approx(3 * 0.5 + 150 / 100)
     full = estimate_plan(plan, profile)
-    sharded = estimate_plan(plan, profile.optimizer_sharded(4), pricing=Pricing(distributed_optimizer=True))
+    sharded = estimate_plan(plan, profile, pricing=Pricing(distributed_optimizer=True))
     assert sharded.param_gather_time_s == pytest.approx(3 * 0.5 + 150 / 100) and full.param_gather_time_s == 0
     assert sharded.step_time_s == pytest.approx(full.step_time_s + sharded.param_gather_time_s)
     # two layers of 120 optimizer bytes, each of the 4 ranks keeping half: 120 fewer bytes a rank

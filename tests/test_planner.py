@@ -547,7 +547,7 @@ def test_batch_moves_from_the_long_pipeline_to_the_short_one():
     search = ReparallelizeSearch(profile, max_layer_splits=64)
     layout = search._layout((4, 3), 16)
     assert layout.micro_batches == (9, 7)
-    times, _ = search._price((4, 3), [10, 6])
+    times, _ = search._price((4, 3), [10, 6], search.splits)
     assert max(times) > layout.est_step_time_s
 
 
@@ -561,7 +561,7 @@ def test_balanced_batches_never_lose_to_proportional_shares(lengths, extra):
     total = len(strategy) + extra
     search = ReparallelizeSearch(profile, max_layer_splits=64)
     layout = search._layout(strategy, total)
-    proportional = search._price(strategy, distribute_batch(total, strategy))
+    proportional = search._price(strategy, distribute_batch(total, strategy), search.splits)
     assert sum(layout.micro_batches) == total and min(layout.micro_batches) >= 1
     assert layout.est_step_time_s - search._sync_time(layout.splits) <= max(proportional[0]) + 1e-9
 

@@ -4,7 +4,8 @@ Step time = pipeline time from the op-list programme (Eq. 10-11; with staggered 
 steps its steady-state period) + DP gradient sync in coloured rounds + the optimizer
 phase (the global norm's all-reduce and Adam, ``estimator.optimizer``) + with the
 distributed optimizer the weight all-gather after it. Peak memory per
-stage follows Eq. 14 on the real op lists. The closed forms (Eq. 9, 12-14) live in
+stage follows Eq. 14 on the real op lists, with the distributed optimizer's share of the
+state at the plan's own holder counts (``memory.held_profile``). The closed forms (Eq. 9, 12-14) live in
 ``closed_form`` for textbook checks.
 """
 
@@ -16,7 +17,7 @@ from typing import Mapping, Optional
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import param_gather_time, sync_time
 from odyssey_megatron.estimator.distinct import distinct_pipelines
-from odyssey_megatron.estimator.memory import peak_memory
+from odyssey_megatron.estimator.memory import held_profile, peak_memory
 from odyssey_megatron.estimator.optimizer import optimizer_time
 from odyssey_megatron.estimator.replay import ScheduleDeadlock
 from odyssey_megatron.estimator.step_schedule import timed_step_schedule
@@ -79,11 +80,13 @@ def estimate_plan(
     that time alike are simulated once (``estimator.distinct``). ``slowdowns``: workers
     whose forwards and backwards take that many times their profiled seconds (a straggler
     at the slowdown ``runtime.control.stragglers`` measured over those ops); their op
-    lists are chosen for that speed too."""
+    lists are chosen for that speed too. ``profile`` holds each block's whole optimizer
+    state; its per-rank memory is taken at ``plan``'s holder counts (``held_profile``)."""
+    held = held_profile(plan, profile, pricing=pricing)
     distinct, stands_for = distinct_pipelines(plan, cluster, slowdowns=slowdowns)
-    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, pricing=pricing, memo=memo,
+    timing, pipeline_s = timed_step_schedule(distinct, held, cluster, pricing=pricing, memo=memo,
                                              slowdowns=slowdowns)
-    peaks = peak_memory(distinct, profile, timing.schedule)
+    peaks = peak_memory(distinct, held, timing.schedule)
     return PlanEstimate(
         pipeline_time_s=pipeline_s,
         sync_time_s=sync_time(plan, profile, cluster),

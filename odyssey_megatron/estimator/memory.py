@@ -6,6 +6,12 @@ backwards are split, weight gradient) has not:
 1F1B keeps N_pp - i of them on stage i, a rerouting peer may keep more. Counting
 in-flight micro-batches on the op list gives Eq. 14 for plain pipelines and the right
 answer for rerouted ones.
+
+Under the distributed optimizer a rank keeps only its share of each block's optimizer
+state, and that share is set by how many workers hold the block in the plan at hand
+(``held_profile``), not by the recipe's DP size: after a failure a reroute leaves a failed
+stage's blocks one holder fewer, and a reparallelization may give a block fewer holders
+than the recipe did, so each survivor keeps more.
 """
 
 from __future__ import annotations
@@ -18,6 +24,31 @@ from odyssey_megatron.estimator.replay import KINDS, op_kinds
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.schedules.ops import FORWARD, WEIGHT_GRAD, Op
+from odyssey_megatron.settings import Pricing
+
+
+def held_profile(plan: ExecutionPlan, profile: ModelProfile, *, pricing: Pricing) -> ModelProfile:
+    """The profile ``plan``'s memory is priced with: ``profile`` (each block's whole
+    optimizer state) or, with ``pricing.distributed_optimizer``, each block's state cut
+    to what its fullest holder keeps at its holder count in ``plan``
+    (``ExecutionPlan.holder_counts``). Take it from the whole plan before pricing a part of
+    it (``estimator.distinct``'s pipelines, a reroute's touched ones), which holds fewer."""
+    return profile.held(plan.holder_counts(profile)) if pricing.distributed_optimizer else profile
+
+
+def layout_profile(profile: ModelProfile, lengths: Sequence[int], *, pricing: Pricing) -> ModelProfile:
+    """``held_profile`` of any plan of whole pipelines of ``lengths`` stages, known before
+    its layer splits and workers are chosen (``ModelProfile.pipeline_holder_counts``):
+    what the planner's memory checks of a layout read."""
+    return profile.held(profile.pipeline_holder_counts(lengths)) if pricing.distributed_optimizer else profile
+
+
+def optimizer_state_per_rank(plan: ExecutionPlan, profile: ModelProfile, *, pricing: Pricing) -> dict[int, int]:
+    """Bytes of optimizer state each live stage owner of ``plan`` keeps: its blocks' whole
+    state, or under the distributed optimizer their fullest holder's share in ``plan``."""
+    held = held_profile(plan, profile, pricing=pricing)
+    return {worker: sum(held.block(b).optimizer_bytes for b in blocks)
+            for worker, blocks in plan.holdings(profile).items()}
 
 
 def max_in_flight(kinds: np.ndarray) -> int:

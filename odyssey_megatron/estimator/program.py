@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.distinct import distinct_pipelines
+from odyssey_megatron.estimator.memory import held_profile
 from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.profile import ModelProfile
@@ -31,7 +32,8 @@ def step_program(
     pay) and whether optimizer steps are staggered (where ``pricing.staggered`` lets them
     pay: the priced step is the staggered period, shorter than the makespan)."""
     distinct, stands_for = distinct_pipelines(plan, cluster)
-    timing, pipeline_s = timed_step_schedule(distinct, profile, cluster, pricing=pricing, memo=memo)
+    timing, pipeline_s = timed_step_schedule(distinct, held_profile(plan, profile, pricing=pricing), cluster,
+                                             pricing=pricing, memo=memo)
     kept = {}
     for pi, rep in enumerate(stands_for):
         kept.setdefault(rep, pi)  # the pipeline of ``plan`` each of ``distinct``'s is

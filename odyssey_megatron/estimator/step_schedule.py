@@ -62,7 +62,9 @@ def timed_step_schedule(
     slowdowns: Mapping[int, float] | None = None,
 ) -> tuple[PipelineTiming, float]:
     """``step_schedule`` and its ``step_time``, which the choice may already have computed.
-    A ``memo`` kept for one decision (one profile and cluster) remembers each choice.
+    A ``memo`` kept for one decision (one cluster) remembers each choice, by plan and
+    profile: the profile's memory is the whole plan's (``memory.held_profile``), which
+    differs between plans whose priced parts look alike.
     ``slowdowns``: workers whose ops take that many times their profiled seconds
     (``replay.op_graph``): a straggler priced at its measured speed."""
     staggered = pricing.staggered
@@ -130,7 +132,8 @@ def rerouted_makespan(
     the touched workers' op lists exceed the memory budget. Comparing reroutes of one
     layout needs only this (a small share of a large plan), and a reroute whose touched
     pipelines beat the untouched ones gains nothing by beating them further.
-    ``pricing`` and ``memo`` as in ``timed_step_schedule``."""
+    ``pricing`` and ``memo`` as in ``timed_step_schedule``; ``profile``'s memory is the
+    whole rerouted plan's (``memory.held_profile``) where ``plan`` is a cut of it."""
     staggered = pricing.staggered
     touched_ids = touched_pipelines(plan)
     touched = sub_plan(plan, touched_ids)  # without sync or transfers: equal reroutes, equal memo keys
@@ -160,7 +163,7 @@ def _untouched_step(
     if not untouched:
         return 0.0
     classes = distinct_pipelines(sub_plan(replace(plan, reroutes=()), untouched), cluster)[0]
-    key = ("untouched", classes, pricing)
+    key = ("untouched", classes, pricing, profile)
     if memo is None or key not in memo:
         step_s = timed_step_schedule(classes, profile, cluster, pricing=pricing)[1]
         if memo is None:
@@ -180,7 +183,7 @@ def _split_if_faster(
     # keyed without what the choice never reads, so a plan priced bare (``rerouted_makespan``)
     # and again with its sync and transfers (``estimate_plan``) is chosen once
     key = (replace(plan, sync_units=(), comm_rounds=(), transfers=()), staggered,
-           frozenset((slowdowns or {}).items()))
+           frozenset((slowdowns or {}).items()), profile)
     if key not in memo:
         memo[key] = _choose_split(plan, profile, cluster, staggered, slowdowns)
     return memo[key]

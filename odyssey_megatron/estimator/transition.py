@@ -1,12 +1,15 @@
 """Transition time t(S_i -> S_i+1): plan search + weight transfer + restart (paper 001, IV-C).
 
 Only the restorer's whole-block transfers are priced. Under the distributed optimizer a
-transition would also re-shard: the next plan's holders of a block keep the ranges
-``optimizer_shards.owned_ranges`` gives for the new holder list, each copied from a
-surviving owner of that range (about 2/n of a block's state per survivor on a shrink
-from n holders), and only ranges whose two owners both failed come from the snapshot or
-the disk. Nothing runs that move yet (the live run keeps a full copy,
-``runtime.train.as_trained``), so it is not priced.
+block moved to a new holder carries its weights and the share of its optimizer state that
+holder keeps in the next plan (the planner builds those transfers from
+``estimator.memory.held_profile``). A transition would also re-shard: the next plan's
+holders of a block keep the ranges ``optimizer_shards.owned_ranges`` gives for the new
+holder list, each copied from a surviving owner of that range (about 2/n of a block's
+state per survivor on a shrink from n holders), and only ranges whose two owners both
+failed come from the snapshot or the disk. Nothing runs that move yet (the live run keeps
+a full copy, ``runtime.train.as_trained``), so the re-shard among holders that stay is not
+priced.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import PlanEstimate, ScheduleDeadlock, estimate_plan, transfer_time
+from odyssey_megatron.estimator.memory import held_profile
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.planner.normalize import normalize_failures, refill_failed_stages
 from odyssey_megatron.planner.policy import fatal_share, policy_score, sole_holders
@@ -200,11 +201,16 @@ class _Pricer:
         self.checkpoint()
         return self._reroute_cost(plan)
 
+    def held(self, plan: ExecutionPlan) -> ModelProfile:
+        """The profile of what each rank of ``plan`` keeps (``held_profile``): what a block
+        moved to a new holder carries, its weights and its share of the optimizer state."""
+        return held_profile(plan, self.profile, pricing=self.settings.pricing)
+
     def reroute(self, plan: ExecutionPlan) -> Draft | None:
         """A rerouted plan priced, with the stage copies its swapped-in or idle workers need;
         None (and a note) where it deadlocks or exceeds the memory budget."""
         self.checkpoint()
-        plan = with_sync(replace(plan, transfers=plan_transfers(plan, holdings=self.holdings, profile=self.profile,
+        plan = with_sync(replace(plan, transfers=plan_transfers(plan, holdings=self.holdings, profile=self.held(plan),
                                                                 cluster=self.cluster)), self.profile)
         try:
             estimate = self.estimate(plan)
@@ -285,7 +291,7 @@ def draft_candidates(
         raise UnrecoverableFailure("; ".join(pricer.notes) or "no candidate plan")
     for draft in drafts:
         if draft.plan is not current:
-            check_transfers(draft.plan, holdings=pricer.holdings, profile=profile, cluster=cluster)
+            check_transfers(draft.plan, holdings=pricer.holdings, profile=pricer.held(draft.plan), cluster=cluster)
     return Drafts(current, tuple(drafts), pricer.considered, tuple(pricer.notes), affected=affected,
                   unchanged=False, alive_workers=len(cluster.alive_workers), pricing_s=time.perf_counter() - started,
                   target_micro_batches=target.micro_batches)
@@ -361,7 +367,7 @@ def _reformed(pricer: _Pricer, search: ReparallelizeSearch | None, shrunk: Draft
     pricer.considered += 1
     pricer.checkpoint()
     plan = place_layout(layouts[0], current=pricer.current, holdings=pricer.holdings, cluster=cluster,
-                        profile=pricer.profile)
+                        profile=pricer.profile, pricing=pricer.settings.pricing)
     plan = replace(plan, policy="shrink")
     return _draft("shrink", plan, pricer.estimate(plan), pricer.moving_s(plan),
                   pricer.settings.reparallelize_restart_s, profile=pricer.profile)
@@ -422,7 +428,8 @@ def _reparallelized(pricer: _Pricer, search: ReparallelizeSearch | None, *, swee
     drafts = []
     for layout in placed:
         pricer.checkpoint()
-        plan = place_layout(layout, current=current, holdings=pricer.holdings, cluster=cluster, profile=profile)
+        plan = place_layout(layout, current=current, holdings=pricer.holdings, cluster=cluster, profile=profile,
+                            pricing=settings.pricing)
         moving = pricer.moving_s(plan)
         drafts.append(_draft("reparallelize", plan, pricer.estimate(plan), moving, settings.reparallelize_restart_s,
                              profile=profile))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from odyssey_megatron.estimator.memory import layout_profile
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
 from odyssey_megatron.profile import ModelProfile
 from odyssey_megatron.restorer import with_sync
+from odyssey_megatron.settings import PLAIN, Pricing
 from odyssey_megatron.units import GIB
 
 
@@ -21,13 +23,16 @@ def initial_plan(
     num_micro_batches: int,
     profile: ModelProfile,
     max_layer_splits: int,
+    pricing: Pricing = PLAIN,
 ) -> ExecutionPlan:
     """Stage s of pipeline d runs on worker s * DP + d (Megatron's tp-dp-pp rank order);
-    raises ValueError if no layer split fits the memory budget."""
+    raises ValueError if no layer split fits the memory budget, each rank keeping its
+    share of the optimizer state at DP holders where ``pricing.distributed_optimizer``."""
     per_pipeline, rest = divmod(num_micro_batches, data_parallel_size)
     if rest:
         raise ValueError(f"{num_micro_batches} micro-batches do not split over {data_parallel_size} pipelines")
-    best = SplitSearch(profile, limit=max_layer_splits).best(pipeline_parallel_size, per_pipeline)
+    held = layout_profile(profile, [pipeline_parallel_size] * data_parallel_size, pricing=pricing)
+    best = SplitSearch(held, limit=max_layer_splits).best(pipeline_parallel_size, per_pipeline)
     if best is None:
         raise ValueError(
             f"no split of {profile.num_layers} layers over {pipeline_parallel_size} stages fits "

@@ -10,6 +10,10 @@ a layout's layer splits are chosen on plain 1F1B (cheap, thousands per decision)
 step is priced as the runtime runs it, split backwards and staggered optimizer steps
 included, which moves a long pipeline's bubble into weight-gradient work and can reorder
 the layouts by 20 %. Only the layouts that can still reach the fastest few are priced so.
+
+Under the distributed optimizer a layout's memory is checked at its own holder counts
+(``estimator.memory.layout_profile``): a layout of fewer pipelines keeps a larger share
+of each block's optimizer state on each rank, so its layer splits are chosen against that.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from odyssey_megatron.blocks import Block
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.communication import allreduce_time
+from odyssey_megatron.estimator.memory import layout_profile
 from odyssey_megatron.estimator.optimizer import optimizer_time
 from odyssey_megatron.estimator.step_schedule import timed_step_schedule
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
@@ -58,9 +63,14 @@ class ReparallelizeSearch:
     def __init__(self, profile: ModelProfile, *, max_layer_splits: int):
         self.profile = profile
         self.splits = SplitSearch(profile, limit=max_layer_splits)
+        """Splits by the whole optimizer state on every rank; their times are every layout's."""
+        self._limit = max_layer_splits
+        self._held_splits: dict[frozenset, SplitSearch] = {}
+        """Under the distributed optimizer, a split search per set of holder counts."""
         self._sync_cache: dict[tuple, float] = {}
         self._priced: dict[tuple, float] = {}
-        """Priced pipeline and optimizer seconds per set of (split, micro-batches) classes and pricing."""
+        """Priced pipeline and optimizer seconds per set of (split, micro-batches) classes and
+        pricing (and pipeline lengths, which set the memory, under the distributed optimizer)."""
         self._found: dict[tuple, list[Layout]] = {}
         """``layouts`` per window: every failure of one worker leaves the same number of
         survivors, so the decisions prepared for them share one search."""
@@ -92,19 +102,21 @@ class ReparallelizeSearch:
         if key not in self._found:
             self._found[key] = self._ranked(
                 self._search(num_workers=num_workers, num_micro_batches=num_micro_batches, current_dp=current_dp,
-                             alive_dp=alive_dp, dp_radius=dp_radius, pp_radius=pp_radius, sweep=sweep, checkpoint=checkpoint),
+                             alive_dp=alive_dp, dp_radius=dp_radius, pp_radius=pp_radius, sweep=sweep,
+                             pricing=pricing, checkpoint=checkpoint),
                 fastest=fastest, pricing=pricing, checkpoint=checkpoint)
         return list(self._found[key])
 
     def _search(self, *, num_workers: int, num_micro_batches: int, current_dp: int, alive_dp: int | None,
-                dp_radius: int, pp_radius: int, sweep: bool, checkpoint: Callable[[], None]) -> list[Layout]:
+                dp_radius: int, pp_radius: int, sweep: bool, pricing: Pricing,
+                checkpoint: Callable[[], None]) -> list[Layout]:
         """The candidate layouts, priced on plain 1F1B (``_layout``)."""
         centres = dict.fromkeys([current_dp] + ([alive_dp] if alive_dp is not None else []))
         found: dict[tuple[int, ...], Layout] = {}
         if sweep:
             coarse = pipeline_length_sweep(num_workers=num_workers, max_stages=self.profile.num_layers,
                                            max_idle=self.profile.num_layers - 1)
-            found.update(self._layouts(coarse, num_micro_batches, checkpoint))
+            found.update(self._layouts(coarse, num_micro_batches, pricing, checkpoint))
             if found:
                 centres[len(min(found.values(), key=_speed).splits)] = None
         for centre in centres:
@@ -118,7 +130,8 @@ class ReparallelizeSearch:
                 # window alone (a decision on the critical path), fewer than its centre's length
                 max_idle=self.profile.num_layers - 1 if sweep else max(0, num_workers // max(centre, 1) - 1),
             )
-            found.update(self._layouts([s for s in strategies if s not in found], num_micro_batches, checkpoint))
+            found.update(self._layouts([s for s in strategies if s not in found], num_micro_batches, pricing,
+                                       checkpoint))
         return list(found.values())
 
     def _ranked(self, layouts: list[Layout], *, fastest: int, pricing: Pricing,
@@ -167,7 +180,8 @@ class ReparallelizeSearch:
         ``estimator.distinct``) on adjacent workers, its DP sync and optimizer step, less the
         global norm's all-reduce, alike for every layout."""
         classes = self._classes(layout)
-        key = classes, pricing
+        lengths = tuple(sorted(len(split) for split in layout.splits))
+        key = classes, pricing, lengths if pricing.distributed_optimizer else None  # its memory: ``layout_profile``
         if key not in self._priced:
             pipelines, worker = [], 0
             for (split, _), ids in zip(classes, assign_micro_batch_ids([share for _, share in classes])):
@@ -177,29 +191,31 @@ class ReparallelizeSearch:
                     worker += 1
                 pipelines.append(PipelinePlan(tuple(stages), ids))
             sample = ExecutionPlan(0, "reparallelize", self.profile.num_layers, 1, tuple(pipelines))
-            _, pipeline_s = timed_step_schedule(sample, self.profile, pricing=pricing)
+            held = layout_profile(self.profile, lengths, pricing=pricing)
+            _, pipeline_s = timed_step_schedule(sample, held, pricing=pricing)
             self._priced[key] = pipeline_s + optimizer_time(sample, self.profile, None, staggered=True)
         return self._priced[key] + self._sync_time(layout.splits)
 
-    def _layouts(self, strategies: list[tuple[int, ...]], num_micro_batches: int,
+    def _layouts(self, strategies: list[tuple[int, ...]], num_micro_batches: int, pricing: Pricing,
                  checkpoint: Callable[[], None]) -> dict[tuple[int, ...], Layout]:
         layouts = {}
         for strategy in strategies:
             if len(strategy) > num_micro_batches:
                 continue
             checkpoint()
-            layout = self._layout(strategy, num_micro_batches)
+            layout = self._layout(strategy, num_micro_batches, pricing)
             if layout is not None:
                 layouts[strategy] = layout
         return layouts
 
-    def _layout(self, strategy: tuple[int, ...], num_micro_batches: int) -> Layout | None:
+    def _layout(self, strategy: tuple[int, ...], num_micro_batches: int, pricing: Pricing = PLAIN) -> Layout | None:
         """Paper IV-A hands out micro-batches in proportion to pipeline sizes. A short
         pipeline has a smaller bubble, so proportional shares leave it idle while a long
         one finishes; from there, one micro-batch at a time moves off the slowest pipeline
         to the pipeline where it lowers the step most, while that helps."""
         shares = distribute_batch(num_micro_batches, strategy)
-        priced = self._price(strategy, shares)
+        search = self.split_search(strategy, pricing=pricing)
+        priced = self._price(strategy, shares, search)
         while priced is not None and len(set(strategy)) > 1:  # equal pipelines are balanced already
             times, _ = priced
             slowest = max(range(len(shares)), key=times.__getitem__)
@@ -213,7 +229,7 @@ class ReparallelizeSearch:
                 moved = list(shares)
                 moved[slowest] -= 1
                 moved[k] += 1
-                candidate = self._price(strategy, moved)
+                candidate = self._price(strategy, moved, search)
                 if candidate is not None and max(candidate[0]) < max(times) - 1e-9 and (
                         best is None or max(candidate[0]) < max(best[1][0])):
                     best = (moved, candidate)
@@ -225,20 +241,34 @@ class ReparallelizeSearch:
         times, splits = priced
         return Layout(splits, tuple(shares), max(times) + self._sync_time(splits))
 
-    def _price(self, strategy: tuple[int, ...], shares: Sequence[int]) -> tuple[list[float], tuple] | None:
+    def split_search(self, lengths: Sequence[int], *, pricing: Pricing) -> SplitSearch:
+        """The split search whose memory checks are those of a layout of pipelines of
+        ``lengths`` stages (``layout_profile``): the one search, but under the distributed
+        optimizer one per set of holder counts."""
+        if not pricing.distributed_optimizer:
+            return self.splits
+        key = frozenset(self.profile.pipeline_holder_counts(lengths).items())
+        if key not in self._held_splits:
+            self._held_splits[key] = SplitSearch(layout_profile(self.profile, lengths, pricing=pricing),
+                                                 limit=self._limit)
+        return self._held_splits[key]
+
+    def _price(self, strategy: tuple[int, ...], shares: Sequence[int],
+               search: SplitSearch) -> tuple[list[float], tuple] | None:
         """(pipeline time per pipeline, layer split per pipeline): each pipeline length gets
-        the best split for its busiest share; None when that fits no memory budget."""
+        the best split (of ``search``, the strategy's) for its busiest share; None when that
+        fits no memory budget."""
         busiest = Counter()
         for length, share in zip(strategy, shares):
             busiest[length] = max(busiest[length], share)
         split_of = {}
         for length, share in busiest.items():
-            best = self.splits.best(length, share)
+            best = search.best(length, share)
             if best is None:
                 return None
             split_of[length] = best[0]
         splits = tuple(split_of[length] for length in strategy)
-        return [self.splits.pipeline_cost(split, share)[0] for split, share in zip(splits, shares)], splits
+        return [search.pipeline_cost(split, share)[0] for split, share in zip(splits, shares)], splits
 
     def _sync_time(self, splits: tuple[tuple[int, ...], ...]) -> float:
         """DP sync of a layout, from one representative pipeline per distinct split (two when
@@ -292,16 +322,20 @@ def place_layout(
     holdings: Mapping[int, Sequence[Block]],
     cluster: ClusterState,
     profile: ModelProfile,
+    pricing: Pricing = PLAIN,
 ) -> ExecutionPlan:
     """Put ``layout`` on the survivors with the least weight movement (Kuhn-Munkres) from
-    ``holdings``, what each live worker holds under ``current`` (``live_holdings``)."""
+    ``holdings``, what each live worker holds under ``current`` (``live_holdings``). A
+    block moved carries its weights and optimizer state, under the distributed optimizer
+    (``pricing``) the share its new holder keeps in the layout (``layout_profile``)."""
     slots, ranges = [], []
     for split in layout.splits:
         stage_layers = stage_ranges(split)
         ranges.append(stage_layers)
         for si, (start, end) in enumerate(stage_layers):
             slots.append(profile.stage_blocks(start, end, first=si == 0, last=si == len(split) - 1))
-    transfer = plan_weight_transfer(holdings=holdings, slots=slots, profile=profile, cluster=cluster)
+    held = layout_profile(profile, [len(split) for split in layout.splits], pricing=pricing)
+    transfer = plan_weight_transfer(holdings=holdings, slots=slots, profile=held, cluster=cluster)
     workers = iter(transfer.assignment)
     pipelines = tuple(
         PipelinePlan(tuple(StagePlan(next(workers), layers) for layers in stage_layers), ids)

@@ -25,6 +25,7 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator.distinct import sub_plan, touched_pipelines
+from odyssey_megatron.estimator.memory import held_profile
 from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, Reroute
 from odyssey_megatron.profile import ModelProfile
@@ -74,10 +75,11 @@ class RerouteCost:
         self._priced: dict[tuple, float | None] = {}
 
     def __call__(self, plan: ExecutionPlan) -> float | None:
+        held = held_profile(plan, self.profile, pricing=self.pricing)  # the whole plan's holders, not the cut's
         cut, key = alike_components(plan, self.cluster)
+        key = key, held
         if key not in self._priced:
-            self._priced[key] = rerouted_makespan(cut, self.profile, self.cluster, pricing=self.pricing,
-                                                  memo=self.memo)
+            self._priced[key] = rerouted_makespan(cut, held, self.cluster, pricing=self.pricing, memo=self.memo)
         return self._priced[key]
 
 

@@ -27,6 +27,7 @@ from typing import AbstractSet
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan, transfer_time
+from odyssey_megatron.estimator.memory import held_profile
 from odyssey_megatron.estimator.step_schedule import rerouted_makespan
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.planner import reroute_plan
@@ -94,7 +95,8 @@ class ReCycleSystem:
         holdings = live_holdings(self.base, cluster=cluster, profile=self.context.profile)  # before any swap
         normalized = normalize_failures(
             self.base, new_failures=failed, cluster=cluster, profile=self.context.profile,
-            cost=lambda plan: rerouted_makespan(plan, self.context.profile, cluster, pricing=self.pricing, memo=memo),
+            cost=lambda plan: rerouted_makespan(plan, held_profile(plan, self.context.profile, pricing=self.pricing),
+                                                cluster, pricing=self.pricing, memo=memo),
         )
         copies = self._copies(normalized, holdings, cluster) if normalized is not self.base else ()
         self.base = normalized

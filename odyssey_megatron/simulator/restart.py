@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.estimator import estimate_plan
+from odyssey_megatron.estimator.memory import layout_profile
 from odyssey_megatron.plan import ExecutionPlan, PipelinePlan, StagePlan
 from odyssey_megatron.planner.batch import assign_micro_batch_ids, distribute_batch
 from odyssey_megatron.planner.layers import SplitSearch, stage_ranges
@@ -51,9 +52,14 @@ def best_symmetric_layout(context: SimulationContext, num_workers: int) -> Symme
 
 
 @lru_cache(maxsize=None)
-def split_search(context: SimulationContext) -> SplitSearch:
-    """One memoised split search per simulated job."""
-    return SplitSearch(context.profile, limit=256)
+def split_search(context: SimulationContext, dp: int | None = None, pp: int | None = None) -> SplitSearch:
+    """One memoised split search per simulated job and DP x PP layout (default: the job's
+    own), whose memory is that layout's (``layout_profile``: under the distributed
+    optimizer each rank keeps its share at DP holders). Oobleck's templates, reused at every
+    DP degree, are checked at the job's."""
+    dp = context.data_parallel_size if dp is None else dp
+    pp = context.pipeline_parallel_size if pp is None else pp
+    return SplitSearch(layout_profile(context.profile, [pp] * dp, pricing=context.pricing), limit=256)
 
 
 def restart_data_parallel_size(context: SimulationContext, fitting: int) -> int:
@@ -87,7 +93,7 @@ def _symmetric_rate(context: SimulationContext, dp: int, pp: int) -> float | Non
     beyond those workers' nodes; after a failure only the pipeline lengths whose DP degree
     changed are priced again."""
     busiest = -(-context.num_micro_batches // dp)
-    found = split_search(context).best(pp, busiest)
+    found = split_search(context, dp, pp).best(pp, busiest)
     if found is None:
         return None
     packed = ClusterState(world_size=dp * pp * context.tensor_parallel_size,
@@ -109,7 +115,8 @@ def restart_plan(context: SimulationContext, cluster: ClusterState) -> Execution
     if layout is None:
         return None
     busiest = -(-context.num_micro_batches // layout.data_parallel_size)
-    split = split_search(context).best(layout.pipeline_parallel_size, busiest)[0]
+    dp, pp = layout.data_parallel_size, layout.pipeline_parallel_size
+    split = split_search(context, dp, pp).best(pp, busiest)[0]
     plan = symmetric_plan_on(workers, dp=layout.data_parallel_size, split=split,
                              num_micro_batches=context.num_micro_batches,
                              tensor_parallel_size=context.tensor_parallel_size)

@@ -127,6 +127,7 @@ def initial_layout(context: SimulationContext, *, max_layer_splits: int = 256) -
         num_micro_batches=context.num_micro_batches,
         profile=context.profile,
         max_layer_splits=max_layer_splits,
+        pricing=context.pricing,
     )
 
 
