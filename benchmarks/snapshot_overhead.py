@@ -51,6 +51,11 @@ copies into real keeper memory).
    device's ``host_bandwidth`` and the parity across nodes), the host memory a rank's
    keeper slot holds, and Young's interval
    for the recipe's estimated step and failure rate.
+3. The parity encode alone (``parity.encode``, nothing else running): one protection group
+   of 2 and one of 4 gloo ranks, a random share of ``--encode-mb`` MiB each (256 by
+   default, so a group of 4 fits beside the other sessions' memory), into a parity buffer
+   written before; the share over the slowest member's time, median of ``ENCODE_REPEATS``
+   after one untimed encode: the "GB/s per rank" the issue's 1 GB/s target is about.
 
 Measured 2026-11-27 (shared 2-core CPU, 23 GB; another session's tests running beside it
 at times, load average 2.2-4.9; default options: ``--hidden 2048``, ``--rounds 4
@@ -112,7 +117,7 @@ looks like scheduling); section 2: encode 1.75 s (0.35 GB/s), ``restore_snapshot
 
 Prints the figures, then a last line of JSON with the headline ones.
 Run: .venv/bin/python benchmarks/snapshot_overhead.py [--rounds 4 --steps-per-round 3] [--hidden 2048 | --small]
-     [--interval 1] [--mtbf-s 1125] [--only-rebuild]
+     [--interval 1] [--mtbf-s 1125] [--only-rebuild | --only-encode] [--encode-mb 256]
 Absolute times on a shared 2-core machine are noise; read the ratios.
 """
 
@@ -159,6 +164,9 @@ REBUILD_WORLD = 4
 """Section 2: one rank per emulated node, one protection group of 4 nodes."""
 REBUILD_REPEATS = 3
 RECIPES = ("gpu_h100_8", "ascend_910b_32", "gpu_a100_32")
+ENCODE_GROUPS = (2, 4)
+"""Section 3's protection group sizes: a pair (``snapshot_parity_nodes`` 2) and a group of 4."""
+ENCODE_REPEATS = 3
 
 
 def benchmark_plan(num_layers: int) -> ExecutionPlan:
@@ -633,6 +641,48 @@ def print_rebuild(overrides: list[str]) -> dict:
             "recipes": figures}
 
 
+# -- section 3: the parity encode alone, in groups of 2 and 4 ---------------------------------
+
+
+def encode_world(rank: int, world: int, share_bytes: int, repeats: int) -> list[float]:
+    """One protection group of ``world`` members, one a rank, each with a random share of
+    ``share_bytes``: ``parity.encode`` into a parity buffer written once before (as a
+    keeper's is after the first snapshot), once untimed, then ``repeats`` times barrier to
+    end; this rank's seconds for each."""
+    import torch.distributed as dist
+
+    from odyssey_megatron.snapshot.parity import StripeLayout, encode
+
+    layout = StripeLayout((share_bytes,) * world)
+    payload = torch.randint(0, 256, (share_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
+    out = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
+    group = dist.group.WORLD
+    seconds = []
+    for _ in range(1 + repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        encode(payload, member=rank, layout=layout, group=group, out=out)
+        seconds.append(time.perf_counter() - started)
+    return seconds[1:]
+
+
+def print_encode(share_mb: int) -> dict:
+    """The encode's rate per rank, the share over the slowest member's time, median of
+    ``ENCODE_REPEATS``, for each size in ``ENCODE_GROUPS`` (every member on this machine's cores)."""
+    share = share_mb * 2**20
+    print(f"== 3. The parity encode alone (gloo ranks on this machine, one protection group; a {share / GB:.3f} GB "
+          f"share each, slowest member, median of {ENCODE_REPEATS}) ==")
+    figures = {}
+    for members in ENCODE_GROUPS:
+        ranks = run_world(encode_world, members, share, ENCODE_REPEATS, timeout=600)
+        slowest = [max(seconds[i] for seconds in ranks) for i in range(ENCODE_REPEATS)]
+        rates = sorted(share / s / GB for s in slowest)
+        figures[members] = statistics.median(rates)
+        print(f"  group of {members}: {figures[members]:.2f} GB/s per rank ({', '.join(f'{r:.2f}' for r in rates)})")
+    return {"encode_share_gb": round(share / GB, 3),
+            "encode_gb_s_per_rank": {str(members): round(rate, 3) for members, rate in figures.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4, help="section 1's rounds (each builds both sides)")
@@ -644,6 +694,8 @@ def main() -> None:
                         help="the failure interval Young's rule takes (default: the ascend_910b_32 recipe's, the "
                              "shortest of the three)")
     parser.add_argument("--only-rebuild", action="store_true", help="run section 2 only")
+    parser.add_argument("--only-encode", action="store_true", help="run section 3 only")
+    parser.add_argument("--encode-mb", type=int, default=256, help="section 3's share per member, in MiB")
     parser.add_argument("--hidden", type=int, default=2048,
                         help="the layer's hidden size (Llama-2 7B's: 4096, more memory than this machine has "
                              "with the snapshot buffers; FFN and heads scale with it)")
@@ -653,12 +705,15 @@ def main() -> None:
                              "step")
     args = parser.parse_args()
     if args.smoke:
-        args.hidden, args.rounds, args.steps_per_round = SMOKE_HIDDEN, 1, 1
+        args.hidden, args.rounds, args.steps_per_round, args.encode_mb = SMOKE_HIDDEN, 1, 1, 4
     overrides = layer_overrides(1024 if args.small else args.hidden)
     headline: dict = {}
-    if not args.only_rebuild:
+    if not (args.only_rebuild or args.only_encode):
         headline.update(print_overhead(args.rounds, args.steps_per_round, overrides, args.interval, args.mtbf_s))
-    headline.update(print_rebuild(overrides))
+    if not args.only_encode:
+        headline.update(print_rebuild(overrides))
+    if not args.only_rebuild:
+        headline.update(print_encode(args.encode_mb))
     print(json.dumps(headline))
 
 
