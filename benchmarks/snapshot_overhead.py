@@ -20,7 +20,7 @@ copies into real keeper memory).
    overhead is the median of the paired ratios (as section 4). The snapshot's own time is
    measured inside its thread in the rank processes, the package unchanged: the whole
    ``_write`` (a ``SnapshotTaker`` subclass), ``pack`` (the copy into keeper memory, where
-   ``snapshot.keeper_copy`` calls it) and ``encode`` (the parity: the ring of sends and
+   ``snapshot.keeper_copy`` calls it) and ``encode`` (the parity: the sends and
    receives, where ``runtime.rank.snapshots`` calls it) wrapped, the count-in timed on the
    store it gets; with ``--interval`` above 1, the overhead's mean over whole intervals is the
    snapshot's cost a step at that interval, and the cost at Young's interval follows from it;
