@@ -122,23 +122,23 @@ def test_odyssey_plan_prints_host_memory_per_node(capsys):
 
 
 def test_odyssey_plan_refuses_a_plan_over_the_budget_in_one_line(capsys):
-    assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=52.3"]) == 2
+    assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=52.2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("odyssey: error: cluster.host_memory_gib: node 3 needs 71.97 GiB of host memory "
-                          "(keepers 52.16 + parity temporaries 0.25 + checkpoint staging 19.56 GiB), more than the "
-                          "52.3 GiB given: the keepers fit, the parity temporaries and checkpoint staging on top do not")
+    assert err.startswith("odyssey: error: cluster.host_memory_gib: node 3 needs 71.84 GiB of host memory "
+                          "(keepers 52.16 + parity temporaries 0.12 + checkpoint staging 19.56 GiB), more than the "
+                          "52.2 GiB given: the keepers fit, the parity temporaries and checkpoint staging on top do not")
     assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=60"]) == 2
     assert "the keepers and parity temporaries fit, the checkpoint staging on top does not" in capsys.readouterr().err
 
 
 def test_odyssey_plan_checks_the_recovery_plan_it_prints(capsys):
-    """100 GiB hold the starting plan's 71.97 GiB a node; once node 1 is lost, the
+    """100 GiB hold the starting plan's 71.84 GiB a node; once node 1 is lost, the
     survivors' larger shares do not fit."""
     assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=100"]) == 0
     capsys.readouterr()
     assert main(["plan", "--config", NPU_32, "--failed-nodes", "1", "cluster.host_memory_gib=100"]) == 2
-    assert "cluster.host_memory_gib: node 0 needs 105.63 GiB" in capsys.readouterr().err
+    assert "cluster.host_memory_gib: node 0 needs 105.50 GiB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, problem", [("0", "must be > 0"), ("2e6", "must be <= 1,048,576 (a PiB per node)")])

@@ -87,9 +87,13 @@ while it is still in cache and while the next ones arrive. On this 2-core machin
 of 4 with 256 MiB shares in one interleaved run: 0.83, 0.90, 0.86, 0.76, 0.59 and 0.38 GB/s
 a rank at 1, 2, 4, 8, 16 and 64 MiB pieces."""
 
-ENCODE_WINDOW = 8
+ENCODE_WINDOW = 4
 """Pieces an encode receives into spares ahead of its XOR, at most: what it holds beside
-the keeper's buffers, whatever the share (32 MiB at 4 MiB pieces)."""
+the keeper's buffers, whatever the share (16 MiB at 4 MiB pieces). Windows of 2, 4, 8 and
+16 pieces of 4 MiB ran a group of 4 at 0.71, 0.80, 0.61 and 0.66 GB/s a rank in one
+interleaved run here, within this machine's noise (32 pieces: slower in every run), so
+the smaller memory; 16 MiB in flight is far above a cluster link's bandwidth-delay
+product (25 GB/s x 10 us is 250 KB)."""
 
 
 def encode_temporary_bytes(sizes: Sequence[int], *, piece_bytes: int = ENCODE_PIECE_BYTES) -> int:
@@ -97,9 +101,9 @@ def encode_temporary_bytes(sizes: Sequence[int], *, piece_bytes: int = ENCODE_PI
     buffer, in a group whose payloads are ``sizes`` bytes: none in a pair (its parity is its
     partner's chunk, received straight into the buffer); in a larger group the spare pieces
     the other senders' pieces arrive in before they are XORed in, ``ENCODE_WINDOW`` of them
-    or as many as those senders send, each at most a chunk. gloo's sends and receives use
-    the tensors' own memory. Whoever changes ``encode``'s buffers or transport keeps this
-    equal to what it allocates."""
+    or as many as those senders send, each at most a chunk, kept from one encode to the
+    next. gloo's sends and receives use the tensors' own memory. Whoever changes
+    ``encode``'s buffers or transport keeps this equal to what it allocates."""
     members = len(sizes)
     if members == 2:
         return 0
