@@ -55,7 +55,8 @@ copies into real keeper memory).
    of 2 and one of 4 gloo ranks, a random share of ``--encode-mb`` MiB each (256 by
    default, so a group of 4 fits beside the other sessions' memory), into a parity buffer
    written before; the share over the slowest member's time, median of ``ENCODE_REPEATS``
-   after one untimed encode: the "GB/s per rank" the issue's 1 GB/s target is about.
+   after one untimed encode: the "GB/s per rank" the issue's 1 GB/s target is about. In
+   turn with it, the transport alone (plain gloo sends and receives of the same bytes).
 
 Measured 2026-11-27 (shared 2-core CPU, 23 GB; another session's tests running beside it
 at times, load average 2.2-4.9; default options: ``--hidden 2048``, ``--rounds 4
@@ -114,6 +115,19 @@ cost is inside noise far wider than the 1 % target, which this machine cannot re
 thread waited 0 ms in ``wait_copied`` and 4-13 ms in ``take`` (the 0.2 s of the busier run
 looks like scheduling); section 2: encode 1.75 s (0.35 GB/s), ``restore_snapshot`` 1.66 s
 (0.37 GB/s), the chain 0.78 s.
+
+Measured 2026-12-03, section 3 (``--only-encode``, 256 MiB shares; other sessions' tests
+beside it, load average 1-5, so the runs one after the other are noise: the ring of main
+ran 0.41-0.92 GB/s a rank in a group of 4 and the new encode 0.41-0.90, either ahead).
+Where the time goes, by ``getrusage`` over the 4 ranks of a group of 4: the kernel's TCP
+copies (system time 0.33-0.81 s an encode) against 0.01-0.11 s of user time (the XOR), and
+the ring's fresh spare chunk faulted 87k pages an encode. In one interleaved run at load
+0.9-1.5 (9 encodes of each in turn, medians): a group of 4 0.87 GB/s a rank with the ring,
+1.10 with the encode in pieces, 1.58 for the transport alone; a pair 2.20, 2.26 and 2.14.
+In the same interleaving at load 4-5: 0.36 against 0.57 (the transport 0.70). So on this
+machine the encode runs at 70-82 % of what gloo's TCP carries between 4 processes on 2
+cores (about all of it in a pair), and the 1 GB/s a rank of a group of 4 is reached only
+when the cores are free.
 
 Prints the figures, then a last line of JSON with the headline ones.
 Run: .venv/bin/python benchmarks/snapshot_overhead.py [--rounds 4 --steps-per-round 3] [--hidden 2048 | --small]
@@ -644,11 +658,13 @@ def print_rebuild(overrides: list[str]) -> dict:
 # -- section 3: the parity encode alone, in groups of 2 and 4 ---------------------------------
 
 
-def encode_world(rank: int, world: int, share_bytes: int, repeats: int) -> list[float]:
+def encode_world(rank: int, world: int, share_bytes: int, repeats: int) -> dict[str, list[float]]:
     """One protection group of ``world`` members, one a rank, each with a random share of
     ``share_bytes``: ``parity.encode`` into a parity buffer written once before (as a
-    keeper's is after the first snapshot), once untimed, then ``repeats`` times barrier to
-    end; this rank's seconds for each."""
+    keeper's is after the first snapshot), and, in turn with it, the transport alone (a
+    ring of plain sends and receives of whole chunks, warm buffers, no XOR: the same bytes
+    in and out of each rank); each once untimed, then ``repeats`` times barrier to end;
+    this rank's seconds for each."""
     import torch.distributed as dist
 
     from odyssey_megatron.snapshot.parity import StripeLayout, encode
@@ -657,30 +673,46 @@ def encode_world(rank: int, world: int, share_bytes: int, repeats: int) -> list[
     payload = torch.randint(0, 256, (share_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
     out = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
     group = dist.group.WORLD
-    seconds = []
+    arriving = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
+    after, before = (rank + 1) % world, (rank - 1) % world
+
+    def transport() -> None:
+        for _ in range(world - 1):
+            works = [dist.isend(payload[:layout.chunk_bytes], after), dist.irecv(arriving, before)]
+            for work in works:
+                work.wait()
+
+    runs = {"encode": lambda: encode(payload, member=rank, layout=layout, group=group, out=out),
+            "transport": transport}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(1 + repeats):
-        dist.barrier()
-        started = time.perf_counter()
-        encode(payload, member=rank, layout=layout, group=group, out=out)
-        seconds.append(time.perf_counter() - started)
-    return seconds[1:]
+        for name, run in runs.items():
+            dist.barrier()
+            started = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: times[1:] for name, times in seconds.items()}
 
 
 def print_encode(share_mb: int) -> dict:
     """The encode's rate per rank, the share over the slowest member's time, median of
-    ``ENCODE_REPEATS``, for each size in ``ENCODE_GROUPS`` (every member on this machine's cores)."""
+    ``ENCODE_REPEATS``, for each size in ``ENCODE_GROUPS`` (every member on this machine's
+    cores), beside the transport's alone, measured in turn with it."""
     share = share_mb * 2**20
     print(f"== 3. The parity encode alone (gloo ranks on this machine, one protection group; a {share / GB:.3f} GB "
-          f"share each, slowest member, median of {ENCODE_REPEATS}) ==")
-    figures = {}
+          f"share each, slowest member, median of {ENCODE_REPEATS}, in turn with the transport alone) ==")
+    figures: dict[int, dict[str, float]] = {}
     for members in ENCODE_GROUPS:
         ranks = run_world(encode_world, members, share, ENCODE_REPEATS, timeout=600)
-        slowest = [max(seconds[i] for seconds in ranks) for i in range(ENCODE_REPEATS)]
-        rates = sorted(share / s / GB for s in slowest)
-        figures[members] = statistics.median(rates)
-        print(f"  group of {members}: {figures[members]:.2f} GB/s per rank ({', '.join(f'{r:.2f}' for r in rates)})")
+        rates = {name: sorted(share / max(r[name][i] for r in ranks) / GB for i in range(ENCODE_REPEATS))
+                 for name in ranks[0]}
+        figures[members] = {name: statistics.median(values) for name, values in rates.items()}
+        print(f"  group of {members}: encode {figures[members]['encode']:.2f} GB/s per rank "
+              f"({', '.join(f'{r:.2f}' for r in rates['encode'])}); the transport alone "
+              f"{figures[members]['transport']:.2f} ({', '.join(f'{r:.2f}' for r in rates['transport'])})")
     return {"encode_share_gb": round(share / GB, 3),
-            "encode_gb_s_per_rank": {str(members): round(rate, 3) for members, rate in figures.items()}}
+            "encode_gb_s_per_rank": {str(members): round(f["encode"], 3) for members, f in figures.items()},
+            "transport_gb_s_per_rank": {str(members): round(f["transport"], 3) for members, f in figures.items()}}
 
 
 def main() -> None:
