@@ -97,7 +97,7 @@ def encode(payload: torch.Tensor, *, member: int, layout: StripeLayout, group: d
     while the next ones arrive, so the XOR hides behind the transfer. It replaced a ring
     reduce-scatter of whole chunks, whose rounds waited on each other's XOR and which
     allocated a fresh chunk each call (87k page faults an encode in a group of 4 at 256 MiB
-    shares, against 1k-33k now); that ring ran about 5x gloo's BXOR
+    shares, against 44-509 now, its spares kept); that ring ran about 5x gloo's BXOR
     ``reduce_scatter_tensor``. A pair, which XORs nothing, sends its chunk as one message.
     Beside the payload and ``out`` it holds at most ``ENCODE_WINDOW`` pieces
     (``encode_temporary_bytes``); sends read the payload in place.
