@@ -20,7 +20,7 @@ copies into real keeper memory).
    overhead is the median of the paired ratios (as section 4). The snapshot's own time is
    measured inside its thread in the rank processes, the package unchanged: the whole
    ``_write`` (a ``SnapshotTaker`` subclass), ``pack`` (the copy into keeper memory, where
-   ``snapshot.keeper_copy`` calls it) and ``encode`` (the parity: the ring of sends and
+   ``snapshot.keeper_copy`` calls it) and ``encode`` (the parity: the sends and
    receives, where ``runtime.rank.snapshots`` calls it) wrapped, the count-in timed on the
    store it gets; with ``--interval`` above 1, the overhead's mean over whole intervals is the
    snapshot's cost a step at that interval, and the cost at Young's interval follows from it;
@@ -51,6 +51,12 @@ copies into real keeper memory).
    device's ``host_bandwidth`` and the parity across nodes), the host memory a rank's
    keeper slot holds, and Young's interval
    for the recipe's estimated step and failure rate.
+3. The parity encode alone (``parity.encode``, nothing else running): one protection group
+   of 2 and one of 4 gloo ranks, a random share of ``--encode-mb`` MiB each (256 by
+   default, so a group of 4 fits beside the other sessions' memory), into a parity buffer
+   written before; the share over the slowest member's time, median of ``ENCODE_REPEATS``
+   after one untimed encode: the "GB/s per rank" the issue's 1 GB/s target is about. In
+   turn with it, the transport alone (plain gloo sends and receives of the same bytes).
 
 Measured 2026-11-27 (shared 2-core CPU, 23 GB; another session's tests running beside it
 at times, load average 2.2-4.9; default options: ``--hidden 2048``, ``--rounds 4
@@ -110,9 +116,22 @@ thread waited 0 ms in ``wait_copied`` and 4-13 ms in ``take`` (the 0.2 s of the 
 looks like scheduling); section 2: encode 1.75 s (0.35 GB/s), ``restore_snapshot`` 1.66 s
 (0.37 GB/s), the chain 0.78 s.
 
+Measured 2026-12-03, section 3 (``--only-encode``, 256 MiB shares; other sessions' tests
+beside it, load average 1-5, so the runs one after the other are noise: the ring of main
+ran 0.41-0.92 GB/s a rank in a group of 4 and the new encode 0.41-0.90, either ahead).
+Where the time goes, by ``getrusage`` over the 4 ranks of a group of 4: the kernel's TCP
+copies (system time 0.33-0.81 s an encode) against 0.01-0.11 s of user time (the XOR), and
+the ring's fresh spare chunk faulted 87k pages an encode. In one interleaved run at load
+0.9-1.5 (9 encodes of each in turn, medians): a group of 4 0.87 GB/s a rank with the ring,
+1.10 with the encode in pieces, 1.58 for the transport alone; a pair 2.20, 2.26 and 2.14.
+In the same interleaving at load 4-5: 0.36 against 0.57 (the transport 0.70). So on this
+machine the encode runs at 70-82 % of what gloo's TCP carries between 4 processes on 2
+cores (about all of it in a pair), and the 1 GB/s a rank of a group of 4 is reached only
+when the cores are free.
+
 Prints the figures, then a last line of JSON with the headline ones.
 Run: .venv/bin/python benchmarks/snapshot_overhead.py [--rounds 4 --steps-per-round 3] [--hidden 2048 | --small]
-     [--interval 1] [--mtbf-s 1125] [--only-rebuild]
+     [--interval 1] [--mtbf-s 1125] [--only-rebuild | --only-encode] [--encode-mb 256]
 Absolute times on a shared 2-core machine are noise; read the ratios.
 """
 
@@ -159,6 +178,9 @@ REBUILD_WORLD = 4
 """Section 2: one rank per emulated node, one protection group of 4 nodes."""
 REBUILD_REPEATS = 3
 RECIPES = ("gpu_h100_8", "ascend_910b_32", "gpu_a100_32")
+ENCODE_GROUPS = (2, 4)
+"""Section 3's protection group sizes: a pair (``snapshot_parity_nodes`` 2) and a group of 4."""
+ENCODE_REPEATS = 3
 
 
 def benchmark_plan(num_layers: int) -> ExecutionPlan:
@@ -633,6 +655,66 @@ def print_rebuild(overrides: list[str]) -> dict:
             "recipes": figures}
 
 
+# -- section 3: the parity encode alone, in groups of 2 and 4 ---------------------------------
+
+
+def encode_world(rank: int, world: int, share_bytes: int, repeats: int) -> dict[str, list[float]]:
+    """One protection group of ``world`` members, one a rank, each with a random share of
+    ``share_bytes``: ``parity.encode`` into a parity buffer written once before (as a
+    keeper's is after the first snapshot), and, in turn with it, the transport alone (a
+    ring of plain sends and receives of whole chunks, warm buffers, no XOR: the same bytes
+    in and out of each rank); each once untimed, then ``repeats`` times barrier to end;
+    this rank's seconds for each."""
+    import torch.distributed as dist
+
+    from odyssey_megatron.snapshot.parity import StripeLayout, encode
+
+    layout = StripeLayout((share_bytes,) * world)
+    payload = torch.randint(0, 256, (share_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
+    out = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
+    group = dist.group.WORLD
+    arriving = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
+    after, before = (rank + 1) % world, (rank - 1) % world
+
+    def transport() -> None:
+        for _ in range(world - 1):
+            works = [dist.isend(payload[:layout.chunk_bytes], after), dist.irecv(arriving, before)]
+            for work in works:
+                work.wait()
+
+    runs = {"encode": lambda: encode(payload, member=rank, layout=layout, group=group, out=out),
+            "transport": transport}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(1 + repeats):
+        for name, run in runs.items():
+            dist.barrier()
+            started = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: times[1:] for name, times in seconds.items()}
+
+
+def print_encode(share_mb: int) -> dict:
+    """The encode's rate per rank, the share over the slowest member's time, median of
+    ``ENCODE_REPEATS``, for each size in ``ENCODE_GROUPS`` (every member on this machine's
+    cores), beside the transport's alone, measured in turn with it."""
+    share = share_mb * 2**20
+    print(f"== 3. The parity encode alone (gloo ranks on this machine, one protection group; a {share / GB:.3f} GB "
+          f"share each, slowest member, median of {ENCODE_REPEATS}, in turn with the transport alone) ==")
+    figures: dict[int, dict[str, float]] = {}
+    for members in ENCODE_GROUPS:
+        ranks = run_world(encode_world, members, share, ENCODE_REPEATS, timeout=600)
+        rates = {name: sorted(share / max(r[name][i] for r in ranks) / GB for i in range(ENCODE_REPEATS))
+                 for name in ranks[0]}
+        figures[members] = {name: statistics.median(values) for name, values in rates.items()}
+        print(f"  group of {members}: encode {figures[members]['encode']:.2f} GB/s per rank "
+              f"({', '.join(f'{r:.2f}' for r in rates['encode'])}); the transport alone "
+              f"{figures[members]['transport']:.2f} ({', '.join(f'{r:.2f}' for r in rates['transport'])})")
+    return {"encode_share_gb": round(share / GB, 3),
+            "encode_gb_s_per_rank": {str(members): round(f["encode"], 3) for members, f in figures.items()},
+            "transport_gb_s_per_rank": {str(members): round(f["transport"], 3) for members, f in figures.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4, help="section 1's rounds (each builds both sides)")
@@ -644,6 +726,8 @@ def main() -> None:
                         help="the failure interval Young's rule takes (default: the ascend_910b_32 recipe's, the "
                              "shortest of the three)")
     parser.add_argument("--only-rebuild", action="store_true", help="run section 2 only")
+    parser.add_argument("--only-encode", action="store_true", help="run section 3 only")
+    parser.add_argument("--encode-mb", type=int, default=256, help="section 3's share per member, in MiB")
     parser.add_argument("--hidden", type=int, default=2048,
                         help="the layer's hidden size (Llama-2 7B's: 4096, more memory than this machine has "
                              "with the snapshot buffers; FFN and heads scale with it)")
@@ -653,12 +737,15 @@ def main() -> None:
                              "step")
     args = parser.parse_args()
     if args.smoke:
-        args.hidden, args.rounds, args.steps_per_round = SMOKE_HIDDEN, 1, 1
+        args.hidden, args.rounds, args.steps_per_round, args.encode_mb = SMOKE_HIDDEN, 1, 1, 4
     overrides = layer_overrides(1024 if args.small else args.hidden)
     headline: dict = {}
-    if not args.only_rebuild:
+    if not (args.only_rebuild or args.only_encode):
         headline.update(print_overhead(args.rounds, args.steps_per_round, overrides, args.interval, args.mtbf_s))
-    headline.update(print_rebuild(overrides))
+    if not args.only_encode:
+        headline.update(print_rebuild(overrides))
+    if not args.only_rebuild:
+        headline.update(print_encode(args.encode_mb))
     print(json.dumps(headline))
 
 

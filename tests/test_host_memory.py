@@ -15,7 +15,7 @@ from odyssey_megatron.config import load_config
 from odyssey_megatron.decision_center import DecisionCenter
 from odyssey_megatron.estimator.host_memory import HostMemory, host_memory, over_budget
 from odyssey_megatron.snapshot.parity import StripeLayout
-from odyssey_megatron.snapshot.protection import encode_temporary_bytes
+from odyssey_megatron.snapshot.protection import ENCODE_PIECE_BYTES, ENCODE_WINDOW, encode_temporary_bytes
 from odyssey_megatron.units import GIB
 
 TINY = "recipes/llama2_7b/tiny_cpu.yaml"
@@ -42,7 +42,7 @@ def test_a_small_plan_needs_the_bytes_counted_by_hand():
     7,880 / 7,880 / 6,256 B. One protection group of the 3 nodes (parity groups of 4):
     chunk ceil(7,880 / 2) = 3,940 B. Per node (one rank each):
       keepers             2 * (share + 3,940): 23,640 / 23,640 / 20,392
-      parity temporaries  one chunk, 3,940 (the partial parity forwarded round the ring)
+      parity temporaries  a spare for the one sender after the first, its whole chunk (under a piece): 3,940
       staging             the share: 7,880 / 7,880 / 6,256"""
     center = _small_center()
     per_node = host_memory(center.plan, center.model, center.cluster, nodes_per_group=4, snapshots=True,
@@ -95,9 +95,10 @@ def test_a_budget_is_filled_keepers_first_and_names_what_does_not_fit():
         0, ["parity_temporaries", "staging"])
 
 
-def test_the_encode_temporaries_are_one_chunk_in_a_group_of_three_or_more_and_none_in_a_pair():
+def test_the_encode_temporaries_are_a_window_of_pieces_in_a_group_of_three_or_more_and_none_in_a_pair():
     assert encode_temporary_bytes(StripeLayout((10, 3, 4)).sizes) == StripeLayout((10, 3, 4)).chunk_bytes == 5
     assert encode_temporary_bytes((10, 3)) == 0
+    assert encode_temporary_bytes((4 * 2**30,) * 4) == ENCODE_WINDOW * ENCODE_PIECE_BYTES  # not a 1.33 GiB chunk
 
 
 def test_odyssey_plan_prints_host_memory_per_node(capsys):
@@ -121,23 +122,23 @@ def test_odyssey_plan_prints_host_memory_per_node(capsys):
 
 
 def test_odyssey_plan_refuses_a_plan_over_the_budget_in_one_line(capsys):
-    assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=55"]) == 2
+    assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=52.2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("odyssey: error: cluster.host_memory_gib: node 3 needs 78.24 GiB of host memory "
-                          "(keepers 52.16 + parity temporaries 6.52 + checkpoint staging 19.56 GiB), more than the "
-                          "55 GiB given: the keepers fit, the parity temporaries and checkpoint staging on top do not")
+    assert err.startswith("odyssey: error: cluster.host_memory_gib: node 3 needs 71.84 GiB of host memory "
+                          "(keepers 52.16 + parity temporaries 0.12 + checkpoint staging 19.56 GiB), more than the "
+                          "52.2 GiB given: the keepers fit, the parity temporaries and checkpoint staging on top do not")
     assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=60"]) == 2
     assert "the keepers and parity temporaries fit, the checkpoint staging on top does not" in capsys.readouterr().err
 
 
 def test_odyssey_plan_checks_the_recovery_plan_it_prints(capsys):
-    """100 GiB hold the starting plan's 78.24 GiB a node; once node 1 is lost, the
+    """100 GiB hold the starting plan's 71.84 GiB a node; once node 1 is lost, the
     survivors' larger shares do not fit."""
     assert main(["plan", "--config", NPU_32, "cluster.host_memory_gib=100"]) == 0
     capsys.readouterr()
     assert main(["plan", "--config", NPU_32, "--failed-nodes", "1", "cluster.host_memory_gib=100"]) == 2
-    assert "cluster.host_memory_gib: node 0 needs 118.55 GiB" in capsys.readouterr().err
+    assert "cluster.host_memory_gib: node 0 needs 105.50 GiB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, problem", [("0", "must be > 0"), ("2e6", "must be <= 1,048,576 (a PiB per node)")])
@@ -181,7 +182,7 @@ def test_the_estimate_is_what_the_ranks_allocate_but_the_payloads_alignment():
         for rank in group:
             held = allocated.setdefault(cluster.node_of_rank(rank), [0, 0, 0])
             held[0] += 2 * (payload[rank] + layout.chunk_bytes)
-            held[1] += 0 if layout.members == 2 else layout.chunk_bytes  # the partial parity the ring forwards
+            held[1] += encode_temporary_bytes(layout.sizes)  # what encode allocates (test_snapshot_parity counts it)
             held[2] += tensors[rank]
     estimate = host_memory(plan, model, cluster, nodes_per_group=4, snapshots=True, checkpoints=True)
     assert sorted(estimate) == sorted(allocated) == [0, 1, 2, 3]

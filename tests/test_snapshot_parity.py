@@ -18,9 +18,10 @@ import torch.distributed as dist
 from spawned_ranks import run_three_ranks
 
 from odyssey_megatron.snapshot import parity as parity_module
-from odyssey_megatron.snapshot.parity import (StripeLayout, encode, encode_temporary_bytes, parity_of,
-                                               protection_groups, rebuild, rebuild_temporary_bytes, rebuilt_from,
-                                               unprotected, xor_into)
+from odyssey_megatron.snapshot.parity import (ENCODE_PIECE_BYTES, ENCODE_WINDOW, StripeLayout, encode,
+                                               encode_temporary_bytes, parity_of, protection_groups, rebuild,
+                                               rebuild_temporary_bytes, rebuilt_from, unprotected, xor_into)
+from odyssey_megatron.testing.local_world import run_world
 
 # -- protection groups ---------------------------------------------------------------------
 
@@ -200,9 +201,13 @@ def test_xor_into_cut_across_threads_xors_every_byte_of_aligned_and_unaligned_vi
     assert torch.equal(target, expected)
 
 
-def test_an_encode_holds_no_temporary_in_a_pair_and_one_chunk_in_a_larger_group():
+def test_an_encode_holds_no_temporary_in_a_pair_and_a_window_of_pieces_in_a_larger_group():
     assert encode_temporary_bytes((600, 400)) == 0
-    assert encode_temporary_bytes((600, 400, 10, 0)) == 200
+    # chunks of 200 B, smaller than a piece: a spare a chunk for each sender but the first
+    assert encode_temporary_bytes((600, 400, 10, 0)) == 2 * 200
+    # a 6 GB share in a group of 4: ENCODE_WINDOW pieces, not a 2 GB chunk
+    assert encode_temporary_bytes((6 * 10**9,) * 4) == ENCODE_WINDOW * ENCODE_PIECE_BYTES
+    assert encode_temporary_bytes((40, 40, 40), piece_bytes=7) == 3 * 7  # 20 B chunks: as many pieces as one sender sends
     assert rebuild_temporary_bytes((600, 400, 10, 0), lost=0) == 600  # the lost payload, at dst
     assert rebuild_temporary_bytes((6, 4), lost=1) == 2 * 6
 
@@ -264,3 +269,78 @@ def test_encode_and_rebuild_over_gloo_agree_with_the_collective_free_math():
                     expected = payloads[lost].tolist() if survivors[dst] == rank else None
                     assert rebuilt[("survivors", lost, dst)] == expected, (rank, lost, dst)
             assert rebuilt[("newcomer", lost)] == (payloads[lost].tolist() if rank == lost else None), (rank, lost)
+
+
+GROUP_SIZES = {
+    2: [(23, 17), (0, 9)],
+    3: [(40, 0, 13), (31, 31, 31)],
+    4: [(64, 1, 50, 17), (5, 5, 5, 0)],
+    5: [(101, 64, 7, 0, 88)],
+}
+"""Uneven payloads per group size: chunks of several 3-byte pieces, chunks shorter than
+others', an empty payload, lengths no multiple of a word."""
+TINY_PIECE = 3
+"""Pieces of 3 bytes: a chunk goes in many pieces, more than ``ENCODE_WINDOW`` arrive in
+spares in the larger groups, so each spare is reused."""
+
+
+def _groups_member(rank: int, world: int) -> dict:
+    """Every rank builds a group of the first ``members`` ranks for each size (all ranks, in
+    one order); its members encode each of the size's payload sets in tiny pieces twice,
+    into buffers of different garbage, counting torch's allocations in each, then rebuild
+    each lost member in turn at that member, which takes part as a newcomer."""
+    groups = {members: dist.new_group(list(range(members))) for members in GROUP_SIZES}
+    got = {}
+    for members, size_sets in GROUP_SIZES.items():
+        if rank >= members:
+            continue
+        for sizes in size_sets:
+            layout = StripeLayout(sizes)
+            payload = _payloads(sizes, seed=sum(sizes))[rank]
+            allocated = []
+            empty = torch.empty
+
+            def counted(*args, **kwargs):
+                tensor = empty(*args, **kwargs)
+                allocated.append(tensor.numel() * tensor.element_size())
+                return tensor
+
+            parity_module._SPARES = parity_module._SpareMemory()  # as in a fresh process: nothing kept yet
+            torch.empty = counted
+            try:
+                parity = encode(payload, member=rank, layout=layout, group=groups[members],
+                                out=torch.full((layout.chunk_bytes,), 0xEE, dtype=torch.uint8), piece_bytes=TINY_PIECE)
+                first = sum(allocated)
+                again = encode(payload, member=rank, layout=layout, group=groups[members],
+                               out=torch.full((layout.chunk_bytes,), 0x11, dtype=torch.uint8), piece_bytes=TINY_PIECE)
+            finally:
+                torch.empty = empty
+            allocated = (first, sum(allocated) - first, torch.equal(again, parity))
+            rebuilt = {}
+            for lost in range(members):
+                newcomer = rank == lost
+                result = rebuild(lost=lost, member=None if newcomer else rank, payload=None if newcomer else payload,
+                                 parity=None if newcomer else parity, layout=layout, group=groups[members], dst=lost)
+                rebuilt[lost] = None if result is None else result.tolist()
+            got[sizes] = (parity.tolist(), allocated, rebuilt)
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_every_member_is_rebuilt_bit_exact_after_an_encode_in_pieces_in_groups_of_two_to_five():
+    """The encode over gloo, in pieces, gives each member the parity the collective-free
+    math does, allocating exactly ``encode_temporary_bytes`` once per layout; from those
+    parities the gloo rebuild returns any one lost member's payload bit for bit."""
+    ranks = run_world(_groups_member, max(GROUP_SIZES), timeout=100)
+    for members, size_sets in GROUP_SIZES.items():
+        for sizes in size_sets:
+            layout = StripeLayout(sizes)
+            payloads = _payloads(sizes, seed=sum(sizes))
+            expected = parity_of(payloads, layout)
+            for member in range(members):
+                parity, allocated, rebuilt = ranks[member][sizes]
+                assert parity == expected[member].tolist(), (sizes, member)
+                # the first encode of a layout allocates its spares, the next one reuses them
+                assert allocated == (encode_temporary_bytes(sizes, piece_bytes=TINY_PIECE), 0, True), (sizes, member)
+                assert rebuilt[member] == payloads[member].tolist(), (sizes, member)
+                assert all(rebuilt[lost] is None for lost in range(members) if lost != member), (sizes, member)

@@ -17,6 +17,7 @@ from odyssey_megatron.estimator.snapshot import (
     snapshot_time_s,
     young_interval_steps,
 )
+from odyssey_megatron.snapshot.protection import ENCODE_PIECE_BYTES, parity_chunk_bytes
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "llama2_7b"
 
@@ -37,14 +38,18 @@ def test_shares_cover_the_model_once_and_split_each_stage_among_its_replicas(rec
         assert max(shares[w] for w in replicas) <= stage / len(replicas) + largest  # greedy: within one block
     copy_s = max(shares.values()) / profile.host_bandwidth
     assert snapshot_time_s(plan, profile, model=model, nodes_per_group=4, nodes=1) == copy_s  # one node: no parity
-    # four nodes: parity.encode's ring sends and receives one share across nodes (an analytic profile
+    # four nodes: parity.encode sends and receives one share across nodes (an analytic profile
     # takes its XOR as free)
+    largest = max(shares.values())
     assert snapshot_time_s(plan, profile, model=model, nodes_per_group=4, nodes=4) == pytest.approx(
-        copy_s + max(shares.values()) / profile.inter_node_bandwidth)
-    # a measured profile prices the copy into the keeper and the XOR (two rounds of three) at their rates
-    measured = replace(profile, snapshot_copy_bandwidth=2e9, parity_xor_bandwidth=5e9)
-    assert snapshot_time_s(plan, measured, model=model, nodes_per_group=4, nodes=4) == pytest.approx(
-        max(shares.values()) * (1 / 2e9 + 1 / profile.inter_node_bandwidth + 2 / 3 / 5e9))
+        copy_s + largest / profile.inter_node_bandwidth)
+    # a measured profile prices the copy into the keeper at its rate; the XOR of two chunks of three
+    # runs beside the transfer, only its last piece after it, or the transfer beside a slower XOR
+    for xor_rate in (100 * profile.inter_node_bandwidth, 0.1 * profile.inter_node_bandwidth):
+        measured = replace(profile, snapshot_copy_bandwidth=2e9, parity_xor_bandwidth=xor_rate)
+        overlapped = max(largest / profile.inter_node_bandwidth, largest * 2 / 3 / xor_rate)
+        assert snapshot_time_s(plan, measured, model=model, nodes_per_group=4, nodes=4) == pytest.approx(
+            largest / 2e9 + overlapped + min(ENCODE_PIECE_BYTES, parity_chunk_bytes([largest] * 4)) / xor_rate)
 
 
 def test_host_memory_is_two_buffers_of_the_share_and_of_its_parity_chunk():

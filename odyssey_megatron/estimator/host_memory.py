@@ -10,8 +10,9 @@ cluster alone, by the byte counts the runtime allocates by:
   for a rank alone in its group). The launcher owns it, so it stays while workers come
   and go.
 - **parity temporaries**: what each rank's parity encode holds while it runs
-  (``protection.encode_temporary_bytes``: one parity chunk, none in a pair). Every rank of a node snapshots at the same step,
-  so the node holds all of them at once.
+  (``protection.encode_temporary_bytes``: spare pieces, at most ``ENCODE_WINDOW`` of
+  ``ENCODE_PIECE_BYTES``, none in a pair). Every rank of a node snapshots at the same
+  step, so the node holds all of them at once.
 - **staging**: the background checkpoint writer's host buffers
   (``runtime.rank.checkpoint_writer``): one copy of the blocks the rank writes, which are
   its snapshot share (both shared out by ``snapshot.shards.owners``), kept from one

@@ -6,10 +6,11 @@ decision center adds the steps it trains again).
 A rank copies its share (the blocks ``snapshot.shards.owners`` gives it to write: the
 snapshots' own choice of writers, priced as written) into keeper memory at the rate
 ``odyssey profile`` measured (``snapshot_copy_bandwidth``; ``host_bandwidth`` in an analytic
-profile) and computes its parity chunk across nodes (one share sent and received in a ring,
-XORed at the measured ``parity_xor_bandwidth``, free in an analytic profile) while its next
-steps compute, so only what outlasts them would show on the step time; the interval follows Young's rule, sqrt(2 x snapshot
-time x mean time between failures), the snapshot's whole time standing for its cost
+profile) and computes its parity chunk across nodes (one share sent and received, XORed
+piece by piece beside the transfer at the measured ``parity_xor_bandwidth``, free in an
+analytic profile) while its next steps compute, so only what outlasts them would show on
+the step time; the interval follows Young's rule, sqrt(2 x snapshot time x mean time
+between failures), the snapshot's whole time standing for its cost
 (what it costs the step depends on how much of it the step hides). A node keeps two
 buffers per rank (the last complete snapshot and the one being written) of its share and
 of its parity chunk (1/(group nodes - 1) of the largest share of its group, RAID-5 style).
@@ -29,7 +30,7 @@ from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.estimator.transition import transfer_time
 from odyssey_megatron.plan import ExecutionPlan, Transfer
 from odyssey_megatron.profile import ModelProfile
-from odyssey_megatron.snapshot.protection import parity_chunk_bytes
+from odyssey_megatron.snapshot.protection import ENCODE_PIECE_BYTES, parity_chunk_bytes
 from odyssey_megatron.snapshot.restore import Restore
 from odyssey_megatron.snapshot.shards import owners
 
@@ -51,14 +52,17 @@ def _group_members(nodes_per_group: int, nodes: int) -> int:
 def snapshot_time_s(plan: ExecutionPlan, profile: ModelProfile, *, model: ModelConfig, nodes_per_group: int,
                     nodes: int) -> float:
     """Seconds the largest share takes to snapshot: its copy into keeper memory, then its
-    parity (``parity.encode``'s ring: each member sends and receives one share across nodes
-    and XORs a chunk into what it received in every round but the last; nothing on a single
-    node)."""
+    parity (``parity.encode``: each member sends and receives one share across nodes, in
+    pieces, and XORs each piece from all senders but one as it arrives, so the XOR runs
+    beside the transfer and only its last piece outlasts it; nothing on a single node)."""
     largest = max(snapshot_shares(plan, model).values(), default=0)
     members = _group_members(nodes_per_group, nodes)
     parity_s = 0.0
     if members > 1:
-        parity_s = largest / profile.inter_node_bandwidth + _xor_s(largest * (members - 2) / (members - 1), profile)
+        transfer_s = largest / profile.inter_node_bandwidth
+        xor_s = _xor_s(largest * (members - 2) / (members - 1), profile)
+        last_piece = min(ENCODE_PIECE_BYTES, parity_chunk_bytes([largest] * members)) if members > 2 else 0
+        parity_s = max(transfer_s, xor_s) + _xor_s(last_piece, profile)
     return largest / (profile.snapshot_copy_bandwidth or profile.host_bandwidth) + parity_s
 
 
