@@ -667,9 +667,10 @@ def encode_world(rank: int, world: int, share_bytes: int, repeats: int) -> dict[
     this rank's seconds for each."""
     import torch.distributed as dist
 
-    from odyssey_megatron.snapshot.parity import StripeLayout, encode
+    from odyssey_megatron.snapshot.parity import EncodeSpares, StripeLayout, encode
 
     layout = StripeLayout((share_bytes,) * world)
+    spares = EncodeSpares()  # kept from one encode to the next, as a snapshot taker keeps them
     payload = torch.randint(0, 256, (share_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
     out = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
     group = dist.group.WORLD
@@ -682,7 +683,7 @@ def encode_world(rank: int, world: int, share_bytes: int, repeats: int) -> dict[
             for work in works:
                 work.wait()
 
-    runs = {"encode": lambda: encode(payload, member=rank, layout=layout, group=group, out=out),
+    runs = {"encode": lambda: encode(payload, member=rank, layout=layout, group=group, out=out, spares=spares),
             "transport": transport}
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(1 + repeats):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from spawned_ranks import run_three_ranks
 
 from odyssey_megatron.snapshot import parity as parity_module
-from odyssey_megatron.snapshot.parity import (ENCODE_PIECE_BYTES, ENCODE_WINDOW, StripeLayout, encode,
+from odyssey_megatron.snapshot.parity import (ENCODE_PIECE_BYTES, ENCODE_WINDOW, EncodeSpares, StripeLayout, encode,
                                                encode_temporary_bytes, parity_of, protection_groups, rebuild,
                                                rebuild_temporary_bytes, rebuilt_from, unprotected, xor_into)
 from odyssey_megatron.testing.local_world import run_world
@@ -207,7 +207,8 @@ def test_an_encode_holds_no_temporary_in_a_pair_and_a_window_of_pieces_in_a_larg
     assert encode_temporary_bytes((600, 400, 10, 0)) == 2 * 200
     # a 6 GB share in a group of 4: ENCODE_WINDOW pieces, not a 2 GB chunk
     assert encode_temporary_bytes((6 * 10**9,) * 4) == ENCODE_WINDOW * ENCODE_PIECE_BYTES
-    assert encode_temporary_bytes((40, 40, 40), piece_bytes=7) == 3 * 7  # 20 B chunks: as many pieces as one sender sends
+    # 20 B chunks: as many pieces as one sender sends
+    assert encode_temporary_bytes((40, 40, 40), piece_bytes=7) == 3 * 7
     assert rebuild_temporary_bytes((600, 400, 10, 0), lost=0) == 600  # the lost payload, at dst
     assert rebuild_temporary_bytes((6, 4), lost=1) == 2 * 6
 
@@ -305,14 +306,16 @@ def _groups_member(rank: int, world: int) -> dict:
                 allocated.append(tensor.numel() * tensor.element_size())
                 return tensor
 
-            parity_module._SPARES = parity_module._SpareMemory()  # as in a fresh process: nothing kept yet
+            spares = EncodeSpares()  # a snapshot taker's, new: nothing kept yet
             torch.empty = counted
             try:
                 parity = encode(payload, member=rank, layout=layout, group=groups[members],
-                                out=torch.full((layout.chunk_bytes,), 0xEE, dtype=torch.uint8), piece_bytes=TINY_PIECE)
+                                out=torch.full((layout.chunk_bytes,), 0xEE, dtype=torch.uint8), piece_bytes=TINY_PIECE,
+                                spares=spares)
                 first = sum(allocated)
                 again = encode(payload, member=rank, layout=layout, group=groups[members],
-                               out=torch.full((layout.chunk_bytes,), 0x11, dtype=torch.uint8), piece_bytes=TINY_PIECE)
+                               out=torch.full((layout.chunk_bytes,), 0x11, dtype=torch.uint8), piece_bytes=TINY_PIECE,
+                               spares=spares)
             finally:
                 torch.empty = empty
             allocated = (first, sum(allocated) - first, torch.equal(again, parity))

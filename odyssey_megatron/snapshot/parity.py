@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,9 @@ import torch.distributed as dist
 from odyssey_megatron.snapshot.protection import (ENCODE_PIECE_BYTES, ENCODE_WINDOW, encode_temporary_bytes,
                                                   parity_chunk_bytes, protection_groups, unprotected)
 
-__all__ = ["ENCODE_PIECE_BYTES", "ENCODE_WINDOW", "StripeLayout", "encode", "encode_temporary_bytes", "parity_of",
-           "protection_groups", "rebuild", "rebuild_temporary_bytes", "rebuilt_from", "unprotected", "xor_into"]
+__all__ = ["ENCODE_PIECE_BYTES", "ENCODE_WINDOW", "EncodeSpares", "StripeLayout", "encode", "encode_temporary_bytes",
+           "parity_of", "protection_groups", "rebuild", "rebuild_temporary_bytes", "rebuilt_from", "unprotected",
+           "xor_into"]
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,15 @@ def rebuild_temporary_bytes(sizes: Sequence[int], lost: int) -> int:
 
 
 def encode(payload: torch.Tensor, *, member: int, layout: StripeLayout, group: dist.ProcessGroup,
-           out: torch.Tensor | None = None, piece_bytes: int = ENCODE_PIECE_BYTES) -> torch.Tensor:
+           out: torch.Tensor | None = None, piece_bytes: int = ENCODE_PIECE_BYTES,
+           spares: Optional[EncodeSpares] = None) -> torch.Tensor:
     """``member``'s parity chunk: the XOR of the other members' chunks in stripe ``member``.
 
     A collective: every process of ``group`` (group rank i is member i) calls it with its
     own payload. ``out`` (uint8, ``chunk_bytes``, contiguous), where given, receives the
     parity, e.g. a view into the snapshot's host buffer; it is returned either way.
+    ``spares``: the caller's spare pieces, kept from one encode to the next (a snapshot
+    taker's); None: fresh ones for this call.
 
     Each member sends each of its chunks straight to the member that keeps the parity of
     its stripe, and receives the others' chunks of its own stripe, in pieces of
@@ -124,7 +128,8 @@ def encode(payload: torch.Tensor, *, member: int, layout: StripeLayout, group: d
             piece = _chunk_of(layout, member, keeper, payload)[start:start + piece_bytes]
             if piece.numel():
                 sends.append(dist.isend(piece, dist.get_global_rank(group, keeper), group=group, tag=index))
-    _receive_pieces(out, member=member, layout=layout, group=group, piece_bytes=piece_bytes)
+    _receive_pieces(out, member=member, layout=layout, group=group, piece_bytes=piece_bytes,
+                    spares=EncodeSpares() if spares is None else spares)
     _wait_all(sends)
     return out
 
@@ -136,7 +141,7 @@ def _others(member: int, members: int) -> list[int]:
 
 
 def _receive_pieces(out: torch.Tensor, *, member: int, layout: StripeLayout, group: dist.ProcessGroup,
-                    piece_bytes: int) -> None:
+                    piece_bytes: int, spares: EncodeSpares) -> None:
     """Receive the other members' chunks of stripe ``member`` and XOR them into ``out``.
 
     The first sender's pieces arrive straight in ``out`` (past its chunk's end ``out`` is
@@ -152,7 +157,7 @@ def _receive_pieces(out: torch.Tensor, *, member: int, layout: StripeLayout, gro
               for index, start in enumerate(range(0, layout.chunk_bytes, piece_bytes))
               for sender in (first, *rest) if start < expected[sender]]
     spare_bytes = min(piece_bytes, layout.chunk_bytes)
-    memory = _SPARES.take(encode_temporary_bytes(layout.sizes, piece_bytes=piece_bytes))
+    memory = spares.take(encode_temporary_bytes(layout.sizes, piece_bytes=piece_bytes))
     free = list(memory.split(spare_bytes)) if memory.numel() else []
     posted: collections.deque = collections.deque()
     upcoming = iter(wanted)
@@ -170,7 +175,7 @@ def _receive_pieces(out: torch.Tensor, *, member: int, layout: StripeLayout, gro
         if spare is not None:
             xor_into(out[start:start + nbytes], spare[:nbytes])
             free.append(spare)
-    _SPARES.keep(memory)  # only after every receive ended: a failed one may still write into it
+    spares.keep(memory)  # only after every receive ended: a failed one may still write into it
 
 
 def rebuild(*, lost: int, member: int | None, payload: torch.Tensor | None, parity: torch.Tensor | None,
@@ -226,12 +231,13 @@ def rebuild(*, lost: int, member: int | None, payload: torch.Tensor | None, pari
     return result
 
 
-class _SpareMemory:
-    """The encode's spare pieces, kept from one encode to the next: fresh pages cost a page
-    fault each on first touch, which made a group of 4 encode about a fifth slower here
-    (0.69 against 0.89 GB/s a rank, one interleaved run, 256 MiB shares). It holds what
-    ``encode_temporary_bytes`` counts, between encodes too. An encode takes the memory and
-    puts it back once it succeeded, so two at once in one process would each get their own."""
+class EncodeSpares:
+    """An encoder's spare pieces, kept from one encode to the next (its owner: the rank's
+    ``SnapshotTaker``): fresh pages cost a page fault each on first touch, which made a group
+    of 4 encode about a fifth slower here (0.69 against 0.89 GB/s a rank, one interleaved
+    run, 256 MiB shares). It holds what ``encode_temporary_bytes`` counts, between encodes
+    too. An encode takes the memory and puts it back once it succeeded, so two at once
+    would each get their own."""
 
     def __init__(self):
         self._kept: torch.Tensor | None = None
@@ -243,8 +249,6 @@ class _SpareMemory:
     def keep(self, memory: torch.Tensor) -> None:
         self._kept = memory
 
-
-_SPARES = _SpareMemory()
 
 
 PIECE_BYTES = 64 * 1024 * 1024

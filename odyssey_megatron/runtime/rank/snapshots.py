@@ -47,7 +47,7 @@ from odyssey_megatron.runtime.protocol.keys import snapshot_done_key, snapshot_p
 from odyssey_megatron.runtime.protocol.plan_frame import PlanPublished
 from odyssey_megatron.snapshot.keeper import KeeperBuffer, payload_layout, unpack
 from odyssey_megatron.snapshot.keeper_copy import KeeperCopier, KeeperCopy
-from odyssey_megatron.snapshot.parity import StripeLayout, encode, rebuild
+from odyssey_megatron.snapshot.parity import EncodeSpares, StripeLayout, encode, rebuild
 from odyssey_megatron.snapshot.restore import Restore, block_from_key
 from odyssey_megatron.snapshot.shards import owners, shard_blocks, shard_entries, snapshot_groups
 
@@ -142,6 +142,8 @@ class SnapshotTaker:
                                               for m in members))
         self.slot = _Slot(slot)
         self.copier = KeeperCopier()
+        self.spares = EncodeSpares()
+        """The parity encode's spare pieces, kept from one snapshot to the next."""
         self._copy: Optional[KeeperCopy] = None
         """The copy of the snapshot in flight, until the optimizer step waited for it."""
         self._thread: Optional[threading.Thread] = None
@@ -218,7 +220,8 @@ class SnapshotTaker:
             meta = {"step": step, "generation": self.generation, "rank": self.rank}
             if self.group is not None:
                 parity = self.slot.parity[index].begin(self.stripes.chunk_bytes)
-                encode(payload, member=self.member, layout=self.stripes, group=self.group, out=parity)
+                encode(payload, member=self.member, layout=self.stripes, group=self.group, out=parity,
+                       spares=self.spares)
                 del parity
                 self.slot.parity[index].seal({**meta, "member": self.member})
             del payload
