@@ -711,7 +711,7 @@ def _interrupted_while_waiting_for_survivors(run_dir: Path) -> tuple[int, str]:
 
 def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the_other_node_fills_in(
         tmp_path, data_cache, reference):
-    """Two nodes of 4 ranks (DP 8), node 0 hosting the controller, the survivors waiting 300 s
+    """Two nodes of 4 ranks (DP 8), node 0 hosting the controller, the survivors waiting 60 s
     for a restarted one (``odyssey.controller_reattach_s``). Node 0's whole process group is
     SIGKILLed once step 2 committed, its four workers with it, though the plan chose them to
     write half the blocks. Node 1's workers save their share, find no claim of the dead
@@ -724,10 +724,8 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
               "cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02),
               "--nnodes", "2", "--master-port", str(port)]
-    # A window the two restarts fit in under CI's load (they took 26 s and 40 s to start there,
-    # past a 60 s window); the survivors are refused long before it ends.
-    node0 = train(run_dir, data_cache, *common, "odyssey.controller_reattach_s=300", node_rank=0)
-    node1 = train(run_dir, data_cache, *common, "odyssey.controller_reattach_s=300", node_rank=1)
+    node0 = train(run_dir, data_cache, *common, "odyssey.controller_reattach_s=60", node_rank=0)
+    node1 = train(run_dir, data_cache, *common, "odyssey.controller_reattach_s=60", node_rank=1)
     ended1: list[tuple[int, str, str]] = []  # read from the start: a full pipe would stall node 1's launcher
     reader = threading.Thread(target=lambda: ended1.append(finish(node1)), daemon=True)
     reader.start()
