@@ -751,8 +751,7 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
         assert node1.poll() is None  # its survivors still wait
         resumed = subprocess.Popen(
             [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir), "--nnodes", "2",
-             "--master-port", str(port), "--node-rank", "0", "odyssey.controller_reattach_s=0",
-             "cluster.emulate_device=null"],  # at full speed on both nodes: nothing is to land in it
+             "--master-port", str(port), "--node-rank", "0", "odyssey.controller_reattach_s=0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
         processes.append(resumed)
         status, _, err = finish(resumed)
