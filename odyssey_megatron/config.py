@@ -677,15 +677,13 @@ class OdysseyConfig:
     """Seconds a recovery (decision, group rebuild, transfers, replay) may take before it is
     abandoned; longer than collective_timeout, so a collective stuck inside a recovery
     fails within it and the decision restarts with the new survivors."""
-    controller_reattach_s: float = 120.0
+    controller_reattach_s: float = 0.0
     """Seconds the survivors of a lost controller (every other node's launcher and
     workers, their held blocks saved) keep their memory and wait for a restarted one:
     ``odyssey train --resume`` on the controller's node within this window takes them
     back and trains on from their memory with no committed step lost, where they hold
     every block at one committed step (``runtime.control.reattaching``); else it refuses
-    them and resumes from disk, their launchers starting them afresh to load it. They
-    save before they wait, so the window costs nothing but the wait: a lost controller is
-    a pause, not an end. 0: they exit after their save."""
+    them (they exit) and resumes from disk. 0: they exit after their save."""
     profile: Optional[str] = None
     """A profile JSON file (``odyssey profile`` writes one, ``profile_file`` describes it)
     the decision center prices plans with, instead of the analytic profile of

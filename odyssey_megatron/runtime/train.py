@@ -135,8 +135,7 @@ def _control_run(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     signals.install()
     try:
         outcome = _owned_to_the_end(config, launch, controller, run_dir=run_dir, resume=resume)
-    except StopAtOnce as stop:  # this node's workers are killed; the others end, not wait for a restart
-        controller.end_run(RUN_DONE, "1")
+    except StopAtOnce as stop:  # this node's workers are killed; the others go with the controller
         checkpoint = latest_checkpoint(run_dir)
         outcome = TrainOutcome(stop.status, f"{stop}: nothing saved past {_resume_hint(run_dir, checkpoint)}")
     except BaseException:
