@@ -487,19 +487,17 @@ def test_each_start_of_a_run_s_controller_counts_one_epoch_more(tmp_path):
 def test_a_survivor_announcing_itself_after_the_judgement_is_refused_at_once(tmp_path):
     """Survivors are judged together (``SurvivorInbox.close``): one whose announcement
     comes later is refused by the polling thread, with the reason in its verdict, and is
-    not among those judged; where the start resumes from disk, to be started afresh by its
-    launcher (``ReattachVerdict.restart``)."""
+    not among those judged."""
     controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)  # polled here
     store = controller.store.clone()
     store.queue_push(INBOX, RankReattached(4, 100, 0, 3, 7).to_json())
     controller._poll(store)
-    assert [r.rank for r in controller.survivors.close(restart=True)] == [4]
+    assert [r.rank for r in controller.survivors.close()] == [4]
     assert not store.check([reattach_verdict_key(4)])  # the judgement answers it
     store.queue_push(INBOX, RankReattached(5, 101, 0, 3, 7).to_json())
     controller._poll(store)
     verdict = ReattachVerdict.from_json(store.get(reattach_verdict_key(5)))
-    assert (verdict.accepted, verdict.epoch, verdict.why, verdict.restart) == (
-        False, 0, "announced itself after the survivors were judged", True)
+    assert (verdict.accepted, verdict.epoch, verdict.why) == (False, 0, "announced itself after the survivors were judged")
     assert [r.rank for r in controller.survivors.reports()] == [4]
 
 

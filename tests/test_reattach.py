@@ -150,19 +150,6 @@ def test_the_lost_start_is_the_last_before_this_one_with_its_last_plan_and_last_
     assert lost_start(tmp_path, epoch=0) is None  # a first start follows nobody
 
 
-def test_a_restart_that_trained_nothing_does_not_hide_the_lost_start(tmp_path):
-    """Start 1 was stopped while it waited for the survivors (it published no plan): the
-    survivors of start 0 still wait, and start 2 takes them back as start 1 would have."""
-    _lost_run(tmp_path)
-    with (tmp_path / "events.jsonl").open("a") as events:
-        for event in ({"event": "reattachment", "time": 21.0, "step": None, "why": "stopped"},
-                      {"event": "run_end", "time": 21.5, "status": 130},
-                      {"event": "controller_started", "time": 30.0, "epoch": 2}):
-            events.write(json.dumps(event) + "\n")
-    lost = lost_start(tmp_path, epoch=2)
-    assert (lost.epoch, lost.plan, lost.last_record_at) == (0, PLAN, 9.0)
-
-
 def test_a_start_that_ended_or_left_no_plan_on_disk_was_not_lost(tmp_path):
     _lost_run(tmp_path, ended=True)
     assert lost_start(tmp_path, epoch=1) is None

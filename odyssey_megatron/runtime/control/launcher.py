@@ -29,11 +29,9 @@ gone, the launcher tells its workers, which save what they hold
 ``Timeouts.controller_reattach_s``, it keeps them and the node's keeper (the in-memory
 snapshots) and looks for a controller restarted at the same address: found, it takes the
 node's launcher key, registers the node again and beats to it, and its workers reattach
-(``RankReattached``). Where the restarted controller resumes from disk instead, it
-refuses them to be started afresh (``ReattachVerdict.restart``): the launcher starts each
-again, to load the checkpoint with the others. Where it refuses them otherwise (it was
-stopped) and all are gone, the launcher exits once they have (``EXIT_CONTROLLER_LOST``: the
-node's command must be started again). Past the window, it kills the workers left and exits. Its
+(``RankReattached``); where all of them are refused, it exits once they have
+(``EXIT_CONTROLLER_LOST``: the run resumes from disk, and the node's command must be
+started again). Past the window, it kills the workers left and exits. Its
 workers die with it when it is killed (see ``runtime.rank.controller_link``), so a lost
 node leaves no orphans either.
 
@@ -73,7 +71,6 @@ from odyssey_megatron.runtime.protocol.keys import (
     fenced,
     launcher_key,
     launcher_name,
-    reattach_verdict_key,
 )
 from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, EXIT_REPLACED, WorkerLaunch
 from odyssey_megatron.runtime.protocol.messages import (
@@ -83,7 +80,6 @@ from odyssey_megatron.runtime.protocol.messages import (
     NodeRegistration,
     ProtocolError,
     RankExit,
-    ReattachVerdict,
     StopRequested,
 )
 from odyssey_megatron.snapshot.keeper import NodeKeeper
@@ -322,28 +318,15 @@ class NodeLauncher:
         process = self._workers.pop(rank)
         process.join()
         exited_at = time.time()
+        if self._reattached and process.exitcode == 0 and not store.check([RUN_DONE]) and not store.check([RUN_STOP]):
+            self._refused.append(rank)
         store.queue_push(INBOX, RankExit(rank, self.config.node_rank, process.exitcode, exited_at).to_json())
         # INFO: a failed rank's exit reaches the terminal as the controller's failure line.
         log.info("node %d: rank %d (pid %d) exited: %s", self.config.node_rank, rank, process.pid,
                  describe_exit(process.exitcode))
-        if self._reattached and process.exitcode == 0 and not store.check([RUN_DONE]) and not store.check([RUN_STOP]):
-            if not self._restart_refused(store, rank):
-                self._refused.append(rank)
-        elif restart and self._restartable(store, rank, process.exitcode):
+        if restart and self._restartable(store, rank, process.exitcode):
             self._restarts[rank] = self._restarts.get(rank, 0) + 1
             self._start_worker(self.config.ranks.index(rank), rank, joining=True)
-
-    def _restart_refused(self, store: SignedStore, rank: int) -> bool:
-        """Start ``rank`` afresh where the restarted controller refused it because the run
-        resumes from disk (``ReattachVerdict.restart``): the new worker loads the checkpoint
-        with the others, so this node's command need not be started again. Whether it did."""
-        key = reattach_verdict_key(rank)
-        if not store.check([key]) or not ReattachVerdict.from_json(store.get(key)).restart:
-            return False
-        log.warning("node %d: the restarted controller resumes from disk; starting rank %d afresh to load the "
-                    "checkpoint", self.config.node_rank, rank)
-        self._start_worker(self.config.ranks.index(rank), rank, joining=False)
-        return True
 
     def _restartable(self, store: SignedStore, rank: int, exitcode: int) -> bool:
         """Whether a worker that exited with ``exitcode`` starts again: it died (not a clean

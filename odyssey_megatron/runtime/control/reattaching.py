@@ -65,32 +65,26 @@ class LostStart:
 
 
 def lost_start(run_dir: Path, *, epoch: int) -> Optional[LostStart]:
-    """The last start before ``epoch`` (this controller's) that published a plan, where it
-    was lost: it ended neither by finishing nor by failing (``run_end``); else None. Starts
-    between that published none (a restart stopped while it waited for the survivors, or
-    lost before its first plan): they trained nothing, and the survivors still wait."""
+    """The start before ``epoch`` (this controller's) where it was lost: it published a
+    plan, and ended neither by finishing nor by failing (``run_end``); else None."""
     path = run_dir / "events.jsonl"
     if epoch == 0 or not path.is_file():
         return None
     events = read_jsonl(path, key="--resume")
     starts = [i for i, e in enumerate(events) if e.get("event") == "controller_started"]
-    bounds = {events[i].get("epoch"): (i, next((j for j in starts if j > i), len(events))) for i in starts}
-    for earlier in range(epoch - 1, -1, -1):
-        if earlier not in bounds:
-            return None
-        segment = events[slice(*bounds[earlier])]
-        plans = [e["generation"] for e in segment if e.get("event") == "plan"]
-        if plans:
-            break
-    else:
+    previous = [i for i in starts if events[i].get("epoch") == epoch - 1]
+    if not previous:
         return None
-    if any(e.get("event") == "run_end" for e in segment):
+    later = [i for i in starts if i > previous[-1]]
+    segment = events[previous[-1]:later[0] if later else len(events)]
+    plans = [e["generation"] for e in segment if e.get("event") == "plan"]
+    if not plans or any(e.get("event") == "run_end" for e in segment):
         return None
     plan_path = run_dir / f"plan-{plans[-1]}.json"
     if not plan_path.is_file():  # lost before it wrote its last plan down: the survivors ran one not on disk
         return None
     plan, _ = read_published(json.loads(plan_path.read_text()))
-    return LostStart(earlier, plan, segment[-1]["time"])
+    return LostStart(epoch - 1, plan, segment[-1]["time"])
 
 
 def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState, model: ModelConfig,
@@ -107,20 +101,19 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
     while time.time() < deadline and not expected <= {r.rank for r in controller.survivors.reports()}:
         if controller.stop_request is not None:  # a stop signal: this start ends before it trains
             why = f"the restarted controller was stopped ({controller.stop_request[0]})"
-            refused = refuse_all(controller, why=why, restart=False)
+            refused = refuse_all(controller, why=why)
             controller.record.event("reattachment", lost_epoch=lost.epoch, generation=lost.plan.generation,
                                     step=None, accepted=[], refused={str(r): why for r in refused}, why=why)
             console.warning("took back no survivor of controller start %d: %s", lost.epoch, why)
             return Reattachment(None, (), why=why)
         time.sleep(timeouts.poll_interval)
-    reports = controller.survivors.close(restart=True)  # a later one: this start goes on from disk, or it is a stray
-    reattachment = judge_reattachments(reports, plan=lost.plan, epoch=lost.epoch, cluster=cluster, model=model)
+    reattachment = judge_reattachments(controller.survivors.close(), plan=lost.plan, epoch=lost.epoch,
+                                       cluster=cluster, model=model)
     for rank in (*reattachment.accepted, *reattachment.joiners):
         controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, True, "",
                                                                       reattachment.step))
-    for rank, why in sorted(reattachment.refused.items()):  # from disk, each is started afresh to load it
-        controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, False, why,
-                                                                      restart=not reattachment.from_memory))
+    for rank, why in sorted(reattachment.refused.items()):
+        controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, False, why))
     controller.record.event("reattachment", lost_epoch=lost.epoch, generation=lost.plan.generation,
                             step=reattachment.step, accepted=list(reattachment.accepted),
                             joiners=list(reattachment.joiners), refused={str(r): why for r, why in reattachment.refused.items()}, why=reattachment.why)
@@ -134,14 +127,12 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
     return reattachment
 
 
-def refuse_all(controller: Controller, *, why: str, restart: bool) -> list[int]:
-    """Take no survivor back: refuse each that announced itself so far, and every later
-    one (``SurvivorInbox.close``), each to be started afresh by its launcher where
-    ``restart`` (this start resumes from disk), else to exit (it ends). The ranks refused."""
-    refused = [report.rank for report in controller.survivors.close(restart=restart)]
+def refuse_all(controller: Controller, *, why: str) -> list[int]:
+    """Take no survivor back (this start resumes from disk, or ends): refuse each that
+    announced itself so far, and every later one (``SurvivorInbox.close``). The ranks refused."""
+    refused = [report.rank for report in controller.survivors.close()]
     for rank in refused:
-        controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, False, why,
-                                                                      restart=restart))
+        controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, False, why))
     return refused
 
 
@@ -181,7 +172,7 @@ def resumed_at(controller: Controller, center: DecisionCenter, config: RecipeCon
     window_s = config.odyssey.controller_reattach_s
     if lost is None or window_s == 0:
         refuse_all(controller, why="the run resumes from disk" if lost is None else
-                   "odyssey.controller_reattach_s is 0 for this start: the run resumes from disk", restart=True)
+                   "odyssey.controller_reattach_s is 0 for this start: the run resumes from disk")
         return checkpoint[0], checkpoint, None
     reattachment = take_back(controller, lost, cluster=center.cluster, model=config.model, window_s=window_s,
                              gone=here)

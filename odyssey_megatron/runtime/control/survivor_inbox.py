@@ -22,8 +22,6 @@ class SurvivorInbox:
         self._reports: list[RankReattached] = []
         self._closed = False
         """Judged (``close``): a later announcement is refused."""
-        self._restart = False
-        """A later announcement is refused to be started afresh (the run resumes from disk)."""
         self._lock = threading.Lock()
         """The polling thread adds, the owner judges."""
 
@@ -32,27 +30,25 @@ class SurvivorInbox:
         self.record.event("rank_reattached", rank=report.rank, pid=report.pid, epoch=report.epoch,
                           generation=report.generation, committed_step=report.committed_step)
         with self._lock:
-            late, restart = self._closed, self._restart
+            late = self._closed
             if not late:
                 self._reports.append(report)
         if late:
             self.answer(store, ReattachVerdict(report.rank, self.epoch, False,
-                                               "announced itself after the survivors were judged", restart=restart))
+                                               "announced itself after the survivors were judged"))
 
     def reports(self) -> list[RankReattached]:
         """The announcements so far, in arrival order."""
         with self._lock:
             return list(self._reports)
 
-    def close(self, *, restart: bool = False) -> list[RankReattached]:
-        """``reports``, once and for all: every later one is refused, to be started afresh
-        where ``restart`` (the run resumes from disk)."""
+    def close(self) -> list[RankReattached]:
+        """``reports``, once and for all: every later one is refused."""
         with self._lock:
-            self._closed, self._restart = True, restart
+            self._closed = True
             return list(self._reports)
 
     def answer(self, store: SignedStore, verdict: ReattachVerdict) -> None:
         """Tell a survivor whether it is taken back."""
         store.set(reattach_verdict_key(verdict.rank), verdict.to_json())
-        self.record.event("reattach_verdict", rank=verdict.rank, accepted=verdict.accepted, why=verdict.why,
-                          restart=verdict.restart)
+        self.record.event("reattach_verdict", rank=verdict.rank, accepted=verdict.accepted, why=verdict.why)

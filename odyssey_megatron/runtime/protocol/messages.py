@@ -190,7 +190,7 @@ class RankReattached(Message):
 class ReattachVerdict(Message):
     """A restarted controller's answer to a ``RankReattached`` (``reattach_verdict_key``):
     the survivor trains on from its memory under this controller start, or is refused and
-    exits (its held blocks are saved), started afresh where the run resumes from disk."""
+    exits (its held blocks are saved: the run resumes from disk)."""
 
     KIND = "reattach_verdict"
     rank: int
@@ -201,9 +201,6 @@ class ReattachVerdict(Message):
     """Why it is refused; empty where it is taken back."""
     step: Optional[int] = None
     """Where it is taken back: the committed step the run goes on from."""
-    restart: bool = False
-    """Refused because the run resumes from disk: its node's launcher starts the rank
-    afresh, to load the checkpoint with the others (else it just exits)."""
 
 
 @dataclass(frozen=True)
