@@ -169,7 +169,8 @@ def _owned_to_the_end(config: RecipeConfig, launch: LaunchConfig, controller: Co
     if controller.stop_request is not None:  # asked before anything trained: nothing new to save
         reason, status = controller.stop_request
         checkpoint = latest_checkpoint(run_dir)
-        return TrainOutcome(status, f"stopped ({reason}) before this start trained; {_resume_hint(run_dir, checkpoint)}",
+        return TrainOutcome(status, f"stopped ({reason}) before this start trained; "
+                                    f"{_resume_hint(run_dir, checkpoint)}",
                             resume=_resume_command(run_dir) if checkpoint else None)
     if resume is not None:
         forget_steps_from(run_dir / SAMPLES, start_step)

@@ -98,17 +98,16 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
     deadline = lost.last_record_at + timeouts.collective_timeout + window_s
     console.info("controller start %d lost at generation %d: waiting up to %.0f s for its %d survivors to reattach",
                  lost.epoch, lost.plan.generation, max(0.0, deadline - time.time()), len(expected))
-    while time.time() < deadline and not expected <= {r.rank for r in controller.survivors.reports()}:
-        if controller.stop_request is not None:  # a stop signal: this start ends before it trains
-            why = f"the restarted controller was stopped ({controller.stop_request[0]})"
-            refused = refuse_all(controller, why=why)
-            controller.record.event("reattachment", lost_epoch=lost.epoch, generation=lost.plan.generation,
-                                    step=None, accepted=[], refused={str(r): why for r in refused}, why=why)
-            console.warning("took back no survivor of controller start %d: %s", lost.epoch, why)
-            return Reattachment(None, (), why=why)
+    while (time.time() < deadline and controller.stop_request is None
+           and not expected <= {r.rank for r in controller.survivors.reports()}):
         time.sleep(timeouts.poll_interval)
-    reattachment = judge_reattachments(controller.survivors.close(), plan=lost.plan, epoch=lost.epoch,
-                                       cluster=cluster, model=model)
+    reports = controller.survivors.close()
+    stopped = controller.stop_request is not None  # a stop signal: this start ends before it trains
+    if stopped:
+        why = f"the restarted controller was stopped ({controller.stop_request[0]})"
+        reattachment = Reattachment(None, (), refused=dict.fromkeys(sorted(r.rank for r in reports), why), why=why)
+    else:
+        reattachment = judge_reattachments(reports, plan=lost.plan, epoch=lost.epoch, cluster=cluster, model=model)
     for rank in (*reattachment.accepted, *reattachment.joiners):
         controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, True, "",
                                                                       reattachment.step))
@@ -116,11 +115,14 @@ def take_back(controller: Controller, lost: LostStart, *, cluster: ClusterState,
         controller.survivors.answer(controller.store, ReattachVerdict(rank, controller.epoch, False, why))
     controller.record.event("reattachment", lost_epoch=lost.epoch, generation=lost.plan.generation,
                             step=reattachment.step, accepted=list(reattachment.accepted),
-                            joiners=list(reattachment.joiners), refused={str(r): why for r, why in reattachment.refused.items()}, why=reattachment.why)
+                            joiners=list(reattachment.joiners),
+                            refused={str(r): why for r, why in reattachment.refused.items()}, why=reattachment.why)
     if reattachment.from_memory:
         console.info("took back %d survivors of controller start %d: training goes on from their memory at step %d%s",
                      len(reattachment.accepted), lost.epoch, reattachment.step,
                      f" ({len(reattachment.joiners)} idle ones to join)" if reattachment.joiners else "")
+    elif stopped:
+        console.warning("took back no survivor of controller start %d: %s", lost.epoch, reattachment.why)
     else:
         console.warning("took back no survivor of controller start %d (%s): resuming from disk", lost.epoch,
                         reattachment.why)
