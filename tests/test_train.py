@@ -688,35 +688,6 @@ def test_a_controller_restarted_within_the_window_takes_the_survivors_back_and_l
     assert committed == list(range(taken["step"], GROWING_STEPS))
 
 
-def _node_0_killed_after_step_2(tmp_path: Path, data_cache: Path, *args: str) -> Path:
-    """Two nodes of 4 ranks (DP 8), node 0 hosting the controller, its whole process group
-    SIGKILLed once step 2 committed: node 1's launcher must exit 75 (the controller lost,
-    what its workers hold saved). The run directory."""
-    run_dir, port = tmp_path / "run", _free_port()
-    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
-              "cluster.devices_per_node=4", "odyssey.online_profile=false", slow_device(tmp_path, forward_s=0.02),
-              "--nnodes", "2", "--master-port", str(port), *args]
-    node0 = train(run_dir, data_cache, *common, node_rank=0)
-    node1 = train(run_dir, data_cache, *common, node_rank=1)
-    try:
-        wait_for_step(run_dir, 2, nodes=(node0, node1))
-        os.killpg(node0.pid, signal.SIGKILL)
-        status1, _, err1 = finish(node1)
-    finally:
-        finish(node0)
-    assert status1 == 75, err1[-4000:]
-    return run_dir
-
-
-def _resume_on_one_node(run_dir: Path) -> None:
-    """``odyssey train --resume`` of ``run_dir`` on one node of 8, at full speed (nothing
-    is to land in it), to the end."""
-    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir),
-               "cluster.devices_per_node=8", "cluster.emulate_device=null"]
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-
-
 def _interrupted_while_waiting_for_survivors(run_dir: Path) -> tuple[int, str]:
     """``odyssey train --resume`` on node 0 of 2, survivors awaited for 60 s, sent SIGINT
     once it says it waits for them: its (status, terminal output)."""
@@ -740,27 +711,68 @@ def _interrupted_while_waiting_for_survivors(run_dir: Path) -> tuple[int, str]:
 
 def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the_other_node_fills_in(
         tmp_path, data_cache, reference):
-    """Two nodes of 4 ranks (DP 8), node 0 hosting the controller: node 0's whole process
-    group is SIGKILLed once step 2 committed, its four workers with it, though the plan
-    chose them to write half the blocks. Node 1's workers save their share, find no claim
-    of the dead writers' blocks, fill them in, and exit 75: the step they took is a whole
-    checkpoint. A restart within a window, Ctrl-C'd while it waits for survivors that do not
-    come, ends untrained with one line; ``--resume`` then goes on from the checkpoint (not
-    from the start) to the failure-free model."""
-    run_dir = _node_0_killed_after_step_2(tmp_path, data_cache)
-    [directory] = sorted(run_dir.glob("checkpoint/step-*"))
-    step = int(directory.name.removeprefix("step-"))
-    parts = {p.name: json.loads(p.read_text())["blocks"] for p in directory.glob("rank-*.json")}
-    assert {name for name in parts if "fill" not in name} == {f"rank-{r}.json" for r in range(4, 8)}, parts
-    assert any("fill" in name for name in parts), parts  # the dead writers' share, written by node 1
-    assert len({b for blocks in parts.values() for b in blocks}) == 10, parts  # every block
-    status, err = _interrupted_while_waiting_for_survivors(run_dir)
-    assert status == 130 and "Traceback" not in err, err[-4000:]
-    assert (f"stopped (SIGINT on node 0) before this start trained; resume from the checkpoint of step {step}"
-            in err), err[-4000:]
-    assert events(run_dir, "reattachment")[-1]["why"] == "the restarted controller was stopped (SIGINT on node 0)"
-    _resume_on_one_node(run_dir)
-    assert events(run_dir, "plan")[-1]["start_step"] == step >= 2
+    """Two nodes of 4 ranks (DP 8), node 0 hosting the controller, survivors waiting for a
+    restarted controller (``odyssey.controller_reattach_s``): node 0's whole process group
+    is SIGKILLed once step 2 committed, its four workers with it, though the plan chose
+    them to write half the blocks. Node 1's workers save their share, find no claim of the
+    dead writers' blocks, fill them in, and wait: the step they took is a whole checkpoint.
+    A restart Ctrl-C'd while it waits for survivors that do not come (on another port) ends
+    untrained with one line. A restart with no window refuses node 1's survivors: its
+    launcher exits 75, node 1's command started again takes part as a member of the
+    resumed run's first generation (not as a joiner, which that generation would wait for
+    in vain), and the run goes on from the checkpoint (not from the start) to the
+    failure-free model."""
+    run_dir, port = tmp_path / "run", _free_port()
+    common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
+              "cluster.devices_per_node=4", "odyssey.online_profile=false", "odyssey.controller_reattach_s=120",
+              "--nnodes", "2", "--master-port", str(port)]
+    node0 = train(run_dir, data_cache, *common, slow_device(tmp_path, forward_s=0.02), node_rank=0)
+    node1 = train(run_dir, data_cache, *common, slow_device(tmp_path, forward_s=0.02), node_rank=1)
+    ended1: list[tuple[int, str, str]] = []  # read from the start: a full pipe would stall node 1's launcher
+    reader = threading.Thread(target=lambda: ended1.append(finish(node1)), daemon=True)
+    reader.start()
+    resumed = again1 = None
+    try:
+        wait_for_step(run_dir, 2, nodes=(node0, node1))
+        os.killpg(node0.pid, signal.SIGKILL)
+        finish(node0)
+        deadline = time.monotonic() + 60
+        while latest_checkpoint(run_dir) is None:  # node 1's save
+            assert time.monotonic() < deadline and node1.poll() is None, run_logs(run_dir)
+            time.sleep(0.1)
+        [directory] = sorted(run_dir.glob("checkpoint/step-*"))
+        step = int(directory.name.removeprefix("step-"))
+        parts = {p.name: json.loads(p.read_text())["blocks"] for p in directory.glob("rank-*.json")}
+        assert {name for name in parts if "fill" not in name} == {f"rank-{r}.json" for r in range(4, 8)}, parts
+        assert any("fill" in name for name in parts), parts  # the dead writers' share, written by node 1
+        assert len({b for blocks in parts.values() for b in blocks}) == 10, parts  # every block
+        status, err = _interrupted_while_waiting_for_survivors(run_dir)
+        assert status == 130 and "Traceback" not in err, err[-4000:]
+        assert (f"stopped (SIGINT on node 0) before this start trained; resume from the checkpoint of step {step}"
+                in err), err[-4000:]
+        assert events(run_dir, "reattachment")[-1]["why"] == "the restarted controller was stopped (SIGINT on node 0)"
+        assert node1.poll() is None, run_logs(run_dir)  # still waiting: that restart was on another port
+        # At full speed from here (the run's spec, which both nodes' workers read): nothing is to land in it.
+        resumed = subprocess.Popen(
+            [sys.executable, "-m", "odyssey_megatron.cli", "train", "--resume", str(run_dir), "--nnodes", "2",
+             "--master-port", str(port), "--node-rank", "0", "odyssey.controller_reattach_s=0",
+             "cluster.emulate_device=null"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+        reader.join(RUN_TIMEOUT_S)
+        [(status1, _, err1)] = ended1
+        assert status1 == 75 and "refused its workers" in err1, err1[-4000:] + run_logs(run_dir)
+        again1 = train(run_dir, data_cache, *common, node_rank=1)
+        status, _, err = finish(resumed)
+        status_again, _, err_again = finish(again1)
+    finally:
+        for process in (node0, node1, resumed, again1):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    assert status == 0, err[-4000:] + run_logs(run_dir)
+    assert status_again == 0, err_again[-4000:]
+    resumed_plans = [e for e in events(run_dir, "plan") if e["time"] > events(run_dir, "reattachment")[-1]["time"]]
+    assert resumed_plans[0]["start_step"] == step >= 2 and resumed_plans[0]["workers"] == list(range(8))
+    assert not recoveries(run_dir), recoveries(run_dir)  # node 1's new workers entered the first generation
     assert_same_training(run_dir, reference, controller_killed=True)
 
 
@@ -972,7 +984,7 @@ def test_a_replacement_node_joins_the_run_through_a_failure_elsewhere_during_its
     assert interrupted["workers"] == [4, 5, 6, 7] and interrupted["failed_ranks"] == [2], (
         f"{interrupted}; failures {failures}" + run_logs(run_dir))
     plans = events(run_dir, "plan")
-    assert sorted(plans[-1]["workers"]) == list(range(8))
+    assert sorted(plans[-1]["workers"]) == list(range(8)), f"failures {failures}" + run_logs(run_dir)
     joined = [w for p in plans for w in p["joined"]]
     assert sorted(set(joined)) == [2, 4, 5, 6, 7]
     node_joins = events(run_dir, "node_joined")

@@ -183,6 +183,7 @@ class NodeLauncher:
             self._keeper.close()
         store.queue_push(INBOX, NodeLeft(node, time.time()).to_json())
         if self._refused and not store.check([RUN_DONE]):
+            self._give_up_the_node(store)
             log.error("node %d: the restarted controller refused its workers (their blocks are saved) and resumes "
                       "from disk: start this node's command again to take part", node)
             return EXIT_CONTROLLER_LOST
@@ -213,6 +214,15 @@ class NodeLauncher:
         self._reattached = True
         log.warning("node %d: reattached to the restarted controller", node)
         return store
+
+    def _give_up_the_node(self, store: SignedStore) -> None:
+        """Leaving a run that resumes from disk without this launcher's workers: free the
+        node's launcher key, so that the node's command started again finds the node free
+        and starts its workers into the resumed run's first generation, not as joiners of a
+        run under way (which that generation would wait for in vain)."""
+        key = launcher_key(self.config.node_rank)
+        if store.check([key]) and store.multi_get([key]) == [self._name.encode()]:
+            store.delete_key(key)
 
     def _restarted_store(self, lost_wall: float) -> Optional[SignedStore]:
         """The restarted controller's store, once it beats there (a beat sent after the
