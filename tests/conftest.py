@@ -26,25 +26,19 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-SERIAL_FILES = (
-    "test_train.py", "test_control.py",  # live runs: controllers, launchers, workers
-    "test_block_transfer.py", "test_collective_guard.py", "test_emulation.py", "test_fault_injection.py",
-    "test_missed_beat.py", "test_profiler.py", "test_rendezvous_store.py", "test_runtime_equivalence.py",
-    "test_snapshot_keeper.py", "test_store_server.py",  # processes judged by timeouts or measured against the clock
-)
-"""Files whose tests start processes and judge them by the clock: they run one after
-another on one pytest-xdist worker (the README's test command runs two), so no two of
-them load the machine at once; the other worker runs the rest, which only computes."""
+LONG_FILES = ("test_train.py", "test_control.py", "test_benchmarks.py")
+"""Files whose tests take half a minute to three minutes each (live runs: controllers,
+launchers, workers; the benchmarks' smoke runs), where the others take seconds. The
+README's test command runs two pytest-xdist workers, each taking the next test as it frees
+up; these go first, so that the suite ends on short tests on both workers, not on one
+worker idle while the other finishes a long run. Live runs thus go on two at a time, or
+beside computing tests: their timeouts are sized for that load."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under ``--dist loadgroup``: the serial files form one group, every other file a
-    group of its own (its module fixtures are built once)."""
-    for item in items:
-        group = "serial" if item.path.name in SERIAL_FILES else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.path.name not in LONG_FILES)  # stable: each file's own order stays
 
 
-_misnamed = [name for name in SERIAL_FILES if not (Path(__file__).parent / name).is_file()]
-if _misnamed:  # a typo would let a clock-judged file run beside the live runs
-    raise RuntimeError(f"tests/conftest.py SERIAL_FILES names no such file: {_misnamed}")
+_misnamed = [name for name in LONG_FILES if not (Path(__file__).parent / name).is_file()]
+if _misnamed:  # a typo would silently send those tests last
+    raise RuntimeError(f"tests/conftest.py LONG_FILES names no such file: {_misnamed}")

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from once import built_once
 from PIL import Image
 from wandb_records import history, wandb_records
 
@@ -107,19 +108,22 @@ def slow_device(directory: Path, *, forward_s: float) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_cache) -> Path:
-    run_dir = tmp_path_factory.mktemp("runs") / "failure-free"
-    status, _, err = finish(train(run_dir, data_cache))
-    assert status == 0, err[-4000:]
-    return run_dir
+    """The failure-free run of ``STEPS`` steps (built once for every xdist worker)."""
+    def run(directory: Path) -> str:
+        status, _, err = finish(train(directory / "failure-free", data_cache))
+        assert status == 0, err[-4000:]
+        return str(directory / "failure-free")
+    return Path(built_once(tmp_path_factory, "failure-free", run))
 
 
 @pytest.fixture(scope="module")
 def long_reference(tmp_path_factory, data_cache) -> Path:
     """The failure-free run of ``GROWING_STEPS`` steps: long enough to lose workers and grow back."""
-    run_dir = tmp_path_factory.mktemp("runs") / "failure-free-long"
-    status, _, err = finish(train(run_dir, data_cache, steps=GROWING_STEPS))
-    assert status == 0, err[-4000:]
-    return run_dir
+    def run(directory: Path) -> str:
+        status, _, err = finish(train(directory / "failure-free-long", data_cache, steps=GROWING_STEPS))
+        assert status == 0, err[-4000:]
+        return str(directory / "failure-free-long")
+    return Path(built_once(tmp_path_factory, "failure-free-long", run))
 
 
 def assert_same_training(run_dir: Path, reference: Path, *, controller_killed: bool = False) -> None:
@@ -295,20 +299,23 @@ def reparallelized(tmp_path_factory, data_cache) -> tuple[Path, str]:
     every block ranks 0 and 3 hold lives on rank 1 or 7 too, and rank 6's layers on rank 7,
     so every recovery goes on from what the survivors hold. Ranks 0 and 7 would leave rank 6
     the last copy of layers 6-7, and its kill a rollback to the start."""
-    run_dir = tmp_path_factory.mktemp("runs") / "reparallelized"
-    # The rate fixed at the recipe's prior: five kills seconds apart would make the rate from
-    # evidence expect a failure every few seconds, and Eq. 8 then picks plans that move
-    # nothing, where this test is about transfers cut short.
-    status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reparallelize",
-                                  "odyssey.learn_failure_rate=false", faults(
-        "{rank: 5, step: 1, phase: backward, action: kill}",
-        "{rank: 2, step: 1, phase: mid_transfer, action: kill}",
-        "{rank: 4, step: 2, phase: grad_sync, action: kill}",
-        "{rank: 0, step: 3, phase: optimizer, action: kill, with_ranks: [3]}",
-        "{rank: 6, step: 4, phase: group_setup, action: kill}")))
-    if status != 0:
-        pytest.fail(f"odyssey train exited {status}:\n{err[-4000:]}")
-    return run_dir, rank_log_lines(run_dir)
+    def run(directory: Path) -> tuple[str, str]:
+        run_dir = directory / "reparallelized"
+        # The rate fixed at the recipe's prior: five kills seconds apart would make the rate
+        # from evidence expect a failure every few seconds, and Eq. 8 then picks plans that
+        # move nothing, where this test is about transfers cut short.
+        status, _, err = finish(train(run_dir, data_cache, "odyssey.policy=reparallelize",
+                                      "odyssey.learn_failure_rate=false", faults(
+            "{rank: 5, step: 1, phase: backward, action: kill}",
+            "{rank: 2, step: 1, phase: mid_transfer, action: kill}",
+            "{rank: 4, step: 2, phase: grad_sync, action: kill}",
+            "{rank: 0, step: 3, phase: optimizer, action: kill, with_ranks: [3]}",
+            "{rank: 6, step: 4, phase: group_setup, action: kill}")))
+        if status != 0:
+            pytest.fail(f"odyssey train exited {status}:\n{err[-4000:]}")
+        return str(run_dir), rank_log_lines(run_dir)
+    run_dir, lines = built_once(tmp_path_factory, "reparallelized", run)
+    return Path(run_dir), lines
 
 
 def rank_log_lines(run_dir: Path) -> str:
@@ -997,14 +1004,17 @@ def bridge_run(tmp_path_factory, data_cache) -> tuple[Path, str, str]:
     """``bridge_tiny.yaml``, Megatron-Bridge's ConfigContainer layout of the tiny recipe
     with an ``odyssey:`` section added, run with Bridge's names on the command line
     through one kill: its run directory, stdout and stderr."""
-    run_dir = tmp_path_factory.mktemp("runs") / "bridge"
-    command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config",
-               str(ROOT / "recipes" / "llama2_7b" / "bridge_tiny.yaml"), "--run-dir", str(run_dir),
-               f"train.train_iters={STEPS}", f"dataset.path_to_cache={data_cache}",
-               faults("{rank: 5, step: 2, phase: backward, action: kill}")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return run_dir, done.stdout, done.stderr
+    def run(directory: Path) -> tuple[str, str, str]:
+        run_dir = directory / "bridge"
+        command = [sys.executable, "-m", "odyssey_megatron.cli", "train", "--config",
+                   str(ROOT / "recipes" / "llama2_7b" / "bridge_tiny.yaml"), "--run-dir", str(run_dir),
+                   f"train.train_iters={STEPS}", f"dataset.path_to_cache={data_cache}",
+                   faults("{rank: 5, step: 2, phase: backward, action: kill}")]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return str(run_dir), done.stdout, done.stderr
+    run_dir, out, err = built_once(tmp_path_factory, "bridge", run)
+    return Path(run_dir), out, err
 
 
 def test_a_megatron_bridge_recipe_trains_as_it_is(bridge_run, reference):
