@@ -870,6 +870,36 @@ def test_a_restarted_workers_start_up_grace_holds_whatever_its_predecessors_last
     assert detector.workers()[1]["generation"] is None
 
 
+def test_a_first_generation_awaits_every_rank_of_this_start_and_none_that_failed():
+    """``Detector.awaited``: a start's first generation waits for ranks not registered yet
+    and for those registered only as a lost controller's survivors (refused: their node's
+    command started again brings fresh processes), not for a rank that failed or exited
+    (that is a failure like any other)."""
+    detector = Detector(T, initial_heartbeat_timeout=10 * T)
+    detector.node_joined(NodeRegistration(0, 10, "h", (0, 1, 2)), now=0.0, wall=1000.0)
+    assert detector.awaited(range(6)) == (0, 1, 2, 3, 4, 5)  # 3-5: a node not registered yet
+    detector.rank_joined(RankRegistration(0, 20, "h", 0), now=0.0)
+    detector.rank_joined(RankRegistration(1, 21, "h", 0), now=0.0)
+    detector.rank_exited(RankExit(1, 0, -9, 1000.5), wall=1000.5)
+    assert detector.awaited(range(3)) == (2,)
+    detector.node_joined(NodeRegistration(1, 11, "h", (3, 4, 5)), now=1.0, wall=1001.0)  # a survivors' launcher
+    for rank in (3, 4, 5):
+        detector.rank_joined(RankRegistration(rank, 30 + rank, "h", 1, survivor=True), now=1.0)
+    detector.rank_exited(RankExit(3, 1, 0, 1001.5), wall=1001.5)  # refused: it exits
+    assert detector.awaited(range(6)) == (2, 3, 4, 5)
+    for rank in (4, 5):
+        detector.rank_exited(RankExit(rank, 1, 0, 1001.5), wall=1001.5)
+    detector.node_left(NodeLeft(1, 1001.6))
+    assert detector.awaited(range(6)) == (2, 3, 4, 5)
+    assert detector.node_joined(NodeRegistration(1, 12, "h", (3, 4, 5)), now=2.0, wall=1002.0) is None  # started again
+    detector.rank_joined(RankRegistration(2, 22, "h", 0), now=2.0)
+    for rank in (3, 4):
+        detector.rank_joined(RankRegistration(rank, 40 + rank, "h", 1), now=2.0)
+    assert detector.awaited(range(6)) == (5,)
+    detector.rank_joined(RankRegistration(5, 45, "h", 1), now=2.0)
+    assert detector.awaited(range(6)) == ()
+
+
 def _polled(detector: Detector, beats: dict[str, NodeHeartbeat], now: float) -> list:
     """One controller poll: the look, what it read, the verdicts."""
     detector.looked(now)

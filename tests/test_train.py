@@ -599,6 +599,22 @@ def test_a_slurm_launch_of_two_nodes_survives_losing_a_node_before_the_first_com
     assert_same_training(run_dir, reference)
 
 
+def test_a_node_whose_command_never_starts_ends_the_start_in_one_line_after_the_recovery_timeout(tmp_path,
+                                                                                              data_cache):
+    """Two nodes of 4 ranks, only node 0's command started: the first generation waits for
+    ranks 4-7 to register up to the recovery timeout, then the run ends in one line naming
+    them. Before, the generation was published at once: node 0's ranks gave up on the others
+    after the collective timeout and then waited for a plan that nothing failed them into."""
+    run_dir = tmp_path / "run"
+    status, _, err = finish(train(run_dir, data_cache, "cluster.devices_per_node=4", "odyssey.collective_timeout=4",
+                                  "odyssey.recovery_timeout=8", "--nnodes", "2", "--master-port", str(_free_port()),
+                                  node_rank=0))
+    assert status != 0 and "Traceback" not in err, err[-4000:]
+    assert "ranks 4, 5, 6, 7 did not register within the recovery timeout (8.0 s): are their nodes' commands " \
+           "started?" in err, err[-4000:]
+    assert not events(run_dir, "plan")
+
+
 def test_ctrl_c_then_sigterm_stop_at_a_step_boundary_and_resume_loses_and_repeats_nothing(tmp_path, data_cache,
                                                                                           reference):
     """A terminal's Ctrl-C (SIGINT to the whole process group) once a step is recorded: the
@@ -725,10 +741,10 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
     dead writers' blocks, fill them in, and wait: the step they took is a whole checkpoint.
     A restart Ctrl-C'd while it waits for survivors that do not come (on another port) ends
     untrained with one line. A restart with no window refuses node 1's survivors: its
-    launcher exits 75, node 1's command started again takes part as a member of the
-    resumed run's first generation (not as a joiner, which that generation would wait for
-    in vain), and the run goes on from the checkpoint (not from the start) to the
-    failure-free model."""
+    launcher exits 75, and node 1's command, started again over a collective timeout later,
+    takes part as a member of the resumed run's first generation, which waits for its ranks
+    (not as a joiner, which that generation would wait for in vain), and the run goes on
+    from the checkpoint (not from the start) to the failure-free model with no failure."""
     run_dir, port = tmp_path / "run", _free_port()
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
               "cluster.devices_per_node=4", "odyssey.online_profile=false", "odyssey.controller_reattach_s=120",
@@ -768,6 +784,10 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
         reader.join(RUN_TIMEOUT_S)
         [(status1, _, err1)] = ended1
         assert status1 == 75 and "refused its workers" in err1, err1[-4000:] + run_logs(run_dir)
+        # Started again a while later, as a person would: past the collective timeout in which
+        # the first generation's ranks wait for each other (published before node 1 came, that
+        # generation ended under node 0's ranks, and node 1's then stalled alone).
+        time.sleep(load_config(RECIPE).odyssey.timeouts.collective_timeout + 5)
         again1 = train(run_dir, data_cache, *common, node_rank=1)
         status, _, err = finish(resumed)
         status_again, _, err_again = finish(again1)
@@ -779,7 +799,11 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
     assert status_again == 0, err_again[-4000:]
     resumed_plans = [e for e in events(run_dir, "plan") if e["time"] > events(run_dir, "reattachment")[-1]["time"]]
     assert resumed_plans[0]["start_step"] == step >= 2 and resumed_plans[0]["workers"] == list(range(8))
-    assert not recoveries(run_dir), recoveries(run_dir)  # node 1's new workers entered the first generation
+    node_1_again = [e for e in events(run_dir, "node_joined") if e["node"] == 1][-1]
+    assert resumed_plans[0]["time"] > node_1_again["time"]  # the first generation waited for node 1's command
+    failures = [(f["cause"], f["ranks"], f["detail"]) for f in events(run_dir, "failure")]
+    # Node 1's new workers entered the first generation: nothing failed, nothing recovered.
+    assert not recoveries(run_dir), f"failures {failures}" + run_logs(run_dir)
     assert_same_training(run_dir, reference, controller_killed=True)
 
 

@@ -222,6 +222,12 @@ class Controller:
         self.store.set(key, value)
         self.store.compare_set(successor_key(self.published_generation), "", key)
 
+    def awaited(self, ranks: list[int]) -> tuple[int, ...]:
+        """On the owner's thread: the ranks of ``ranks`` a start's first generation still
+        waits for (``Detector.awaited``)."""
+        with self._judging:
+            return self.detector.awaited(ranks)
+
     def fail_late(self, ranks: list[int], generation: int) -> bool:
         """On the owner's thread: fail the ranks of ``ranks`` that beat but have not entered
         ``generation`` within the recovery timeout (``Detector.ranks_late``), as any failure

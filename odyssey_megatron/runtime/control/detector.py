@@ -133,6 +133,8 @@ class _Rank:
     watch: Optional[HeartbeatWatch] = None
     position: Optional[Position] = None
     """Where its last beat placed it in ``generation`` (``Heartbeat.position``)."""
+    survivor: bool = False
+    """Its process is a lost controller's survivor (``RankRegistration.survivor``)."""
 
 
 @dataclass
@@ -206,8 +208,17 @@ class Detector:
         node = self.nodes.get(rank.node)
         failed_node = node is not None and node.state == _State.FAILED
         rank.state, rank.pid, rank.host = _State.FAILED if failed_node else _State.ALIVE, msg.pid, msg.host
+        rank.survivor = msg.survivor
         rank.watch = HeartbeatWatch(self.initial_heartbeat_timeout, now)
         self._started(rank.node)
+
+    def awaited(self, ranks: Iterable[int]) -> tuple[int, ...]:
+        """Of ``ranks``, those a start's first generation waits for: no process registered
+        yet, or only a lost controller's survivor (refused where that generation is
+        entered: its node's command started again brings a fresh one). A rank that failed
+        or exited is not awaited: the generation goes on without it as from any failure."""
+        return tuple(r for r in sorted(ranks) if r not in self.ranks or self.ranks[r].state == _State.STARTING
+                     or self.ranks[r].survivor)
 
     def rank_exited(self, msg: RankExit, wall: float) -> Optional[Failure]:
         rank = self.ranks.setdefault(msg.rank, _Rank(node=msg.node))

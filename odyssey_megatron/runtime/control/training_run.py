@@ -89,6 +89,7 @@ class TrainingRun(RunState):
 
     def _train(self) -> Path:
         if self.continuing is None:
+            self._await_first_ranks()
             self.publish(self.center.plan, self.center.estimate.step_time_s, snapshot=self.snapshots.kept,
                          snapshot_interval=self.snapshots.interval)
         else:
@@ -108,6 +109,26 @@ class TrainingRun(RunState):
 
         return merge_final_parts(self.run_dir, ranks=self.training_ranks(self.plan),
                                  tied=self.config.model.tie_embeddings)
+
+    def _await_first_ranks(self) -> None:
+        """Before the first generation: until every rank of its plan has registered from a
+        process of this start, or failed (then recovered from as in any generation), up to
+        the recovery timeout. Published at once, a generation whose ranks come later than the
+        collective timeout (a node's command started again after its survivors were
+        refused, measured 40 s later) ends under the ranks that came first, which wait then
+        for a plan that nothing fails them into, and those that come later stall alone."""
+        cluster, generation = self.center.cluster, self.center.plan.generation
+        ranks = sorted(r for w in self.center.plan.workers for r in cluster.worker_ranks(w))
+        deadline = time.monotonic() + self.timeouts.recovery_timeout
+        awaited = self.controller.awaited(ranks)
+        if awaited:
+            log.info("run: generation %d waits for ranks %s to register", generation, list(awaited))
+        while awaited and self.controller.stop_request is None:
+            if time.monotonic() > deadline:
+                raise RunFailed(f"ranks {', '.join(map(str, awaited))} did not register within the recovery timeout "
+                                f"({self.timeouts.recovery_timeout} s): are their nodes' commands started?")
+            time.sleep(self.timeouts.poll_interval)
+            awaited = self.controller.awaited(ranks)
 
     def _continue(self, continuing: Continuation) -> None:
         """The first generation after the lost controller's last: that plan again, where every

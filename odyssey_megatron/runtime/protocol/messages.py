@@ -166,6 +166,9 @@ class RankRegistration(Message):
     pid: int
     host: str
     node: int
+    survivor: bool = False
+    """A survivor of a lost controller registering with a restarted one (it announces
+    itself next: ``RankReattached``), not a process this start began."""
 
 
 @dataclass(frozen=True)

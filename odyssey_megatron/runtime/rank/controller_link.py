@@ -158,9 +158,9 @@ class ControllerLink:
         self._register()
         self._thread.start()
 
-    def _register(self) -> None:
+    def _register(self, *, survivor: bool = False) -> None:
         self.store.queue_push(INBOX, RankRegistration(self.launch.rank, os.getpid(), socket.gethostname(),
-                                                      self.launch.node).to_json())
+                                                      self.launch.node, survivor).to_json())
 
     def reattach(self, *, epoch: int, generation: int, committed_step: Optional[int]) -> Optional[ReattachVerdict]:
         """After the controller's loss, the held blocks saved: wait (to the end of the
@@ -178,7 +178,7 @@ class ControllerLink:
                 try:
                     self.store = connect_signed(self.launch.store_host, self.launch.store_port, signer=self.signer,
                                                 timeout=datetime.timedelta(seconds=self.launch.timeouts.recovery_timeout))
-                    self._register()
+                    self._register(survivor=True)
                     self.store.queue_push(INBOX, RankReattached(self.launch.rank, os.getpid(), epoch, generation,
                                                                 committed_step).to_json())
                 except dist.DistError as exc:  # it went again: wait on while the window lasts
