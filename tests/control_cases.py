@@ -42,12 +42,14 @@ def _log_to_stderr(name: str) -> None:
 
 
 def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None, aborts: Path | None = None,
-                reattaching: bool = False) -> None:
+                reattaching: bool = False, giving_up: tuple[int, ...] = ()) -> None:
     """Register, heartbeat, adopt plan generation 0, then wait; ``reporting_rank`` reports
     an error of its own instead and hangs. When the controller aborts generation 0, the
     worker writes the time it heard of it to ``aborts/<rank>``. ``reattaching``: once the
     controller is lost, it reattaches to a restarted one (as having committed step 0) and
-    waits again where the verdict takes it back, else it exits as the real worker does."""
+    waits again where the verdict takes it back, else it exits as the real worker does; a
+    rank in ``giving_up`` exits at once instead (``EXIT_CONTROLLER_LOST``), as a real worker
+    whose blocks are at different steps does."""
     _log_to_stderr(f"rank {launch.rank}")
     link = ControllerLink(launch)
     if aborts is not None:
@@ -62,6 +64,8 @@ def idle_worker(launch: WorkerLaunch, *, reporting_rank: int | None = None, abor
     deadline = time.monotonic() + LIFETIME_S
     while lost.wait(max(0.0, deadline - time.monotonic())):
         lost.clear()
+        if launch.rank in giving_up:
+            os._exit(EXIT_CONTROLLER_LOST)
         verdict = link.reattach(epoch=0, generation=link.generation, committed_step=0)
         if verdict is None:
             os._exit(EXIT_CONTROLLER_LOST)
@@ -136,11 +140,12 @@ class LocalCluster:
 
     def __init__(self, run_dir: Path, *, nodes: int, per_node: int, timeouts: Timeouts,
                  reporting_rank: int | None = None, restart_workers: int = 0, aborts: Path | None = None,
-                 reattaching: bool = False):
+                 reattaching: bool = False, giving_up: tuple[int, ...] = ()):
         self.run_dir, self.nodes, self.per_node, self.timeouts = run_dir, nodes, per_node, timeouts
         self.restart_workers = restart_workers
         self.port: int | None = None
-        self.target = partial(idle_worker, reporting_rank=reporting_rank, aborts=aborts, reattaching=reattaching)
+        self.target = partial(idle_worker, reporting_rank=reporting_rank, aborts=aborts, reattaching=reattaching,
+                              giving_up=giving_up)
         self.controller: multiprocessing.Process | None = None
         self.launchers: list[multiprocessing.Process] = []
 

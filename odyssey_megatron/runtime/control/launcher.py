@@ -31,7 +31,9 @@ snapshots) and looks for a controller restarted at the same address: found, it t
 node's launcher key, registers the node again and beats to it, and its workers reattach
 (``RankReattached``); where all of them are refused, it exits once they have
 (``EXIT_CONTROLLER_LOST``: the run resumes from disk, and the node's command must be
-started again). Past the window, it kills the workers left and exits. Its
+started again). Where one is taken back, the workers that gave up on the lost controller
+meanwhile (their blocks at different steps, or their own wait over) start again as
+joiners. Past the window, it kills the workers left and exits. Its
 workers die with it when it is killed (see ``runtime.rank.controller_link``), so a lost
 node leaves no orphans either.
 
@@ -71,6 +73,7 @@ from odyssey_megatron.runtime.protocol.keys import (
     fenced,
     launcher_key,
     launcher_name,
+    reattach_verdict_key,
 )
 from odyssey_megatron.runtime.protocol.launch import EXIT_CONTROLLER_LOST, EXIT_REPLACED, WorkerLaunch
 from odyssey_megatron.runtime.protocol.messages import (
@@ -80,6 +83,7 @@ from odyssey_megatron.runtime.protocol.messages import (
     NodeRegistration,
     ProtocolError,
     RankExit,
+    ReattachVerdict,
     StopRequested,
 )
 from odyssey_megatron.snapshot.keeper import NodeKeeper
@@ -133,6 +137,11 @@ class NodeLauncher:
         self._refused: list[int] = []
         """Ranks of this node that exited 0 after the reattach while the run went on: the
         restarted controller refused them."""
+        self._gave_up: set[int] = set()
+        """Ranks of this node whose worker exited for the lost controller
+        (``EXIT_CONTROLLER_LOST``: its blocks at different steps, or its own wait over) while
+        this launcher outlived it: started again as joiners once the restarted controller
+        takes the node's other workers back (``_start_the_gave_up_again``)."""
         self._context = None
         self._workers: dict[int, multiprocessing.Process] = {}
         self._node_store = StoreServer("127.0.0.1", 0, timeout=timeouts.heartbeat_timeout)
@@ -291,6 +300,8 @@ class NodeLauncher:
                 self._stop_signal = None
             while self._tie.kill_orders:
                 self._kill(self._tie.kill_orders.popleft())
+            if self._reattached and self._gave_up:
+                self._start_the_gave_up_again(store)
 
     def _check_controller(self, now: float) -> None:
         """_ControllerLost if the heartbeat thread found the controller gone or silent."""
@@ -334,9 +345,28 @@ class NodeLauncher:
         # INFO: a failed rank's exit reaches the terminal as the controller's failure line.
         log.info("node %d: rank %d (pid %d) exited: %s", self.config.node_rank, rank, process.pid,
                  describe_exit(process.exitcode))
-        if restart and self._restartable(store, rank, process.exitcode):
+        if self._reattached and process.exitcode == EXIT_CONTROLLER_LOST:
+            self._gave_up.add(rank)  # its wait for the verdict ran out
+        elif restart and self._restartable(store, rank, process.exitcode):
             self._restarts[rank] = self._restarts.get(rank, 0) + 1
             self._start_worker(self.config.ranks.index(rank), rank, joining=True)
+
+    def _start_the_gave_up_again(self, store: SignedStore) -> None:
+        """Once the restarted controller has taken one of this node's workers back (the run
+        goes on from memory), start the ranks that gave up on the lost controller again, as
+        joiners: the run takes them back as any returning worker. Not while it judges, nor
+        where it refuses them all: the run then resumes from disk, and the node's command is
+        started again."""
+        if store.check([RUN_DONE]) or store.check([RUN_STOP]):
+            return
+        if not any(store.check([reattach_verdict_key(r)])
+                   and ReattachVerdict.from_json(store.get(reattach_verdict_key(r))).accepted for r in self._workers):
+            return
+        for rank in sorted(self._gave_up):
+            log.warning("node %d: rank %d gave up on the lost controller; starting it again to join the run the "
+                        "restarted one took back", self.config.node_rank, rank)
+            self._start_worker(self.config.ranks.index(rank), rank, joining=True)
+        self._gave_up.clear()
 
     def _restartable(self, store: SignedStore, rank: int, exitcode: int) -> bool:
         """Whether a worker that exited with ``exitcode`` starts again: it died (not a clean
@@ -362,8 +392,11 @@ class NodeLauncher:
         """Forget the workers that exit within ``timeout`` seconds (no controller to tell)."""
         by_sentinel = {p.sentinel: rank for rank, p in self._workers.items()}
         for sentinel in multiprocessing.connection.wait(list(by_sentinel), timeout=max(0.0, timeout)):
-            process = self._workers.pop(by_sentinel[sentinel])
+            rank = by_sentinel[sentinel]
+            process = self._workers.pop(rank)
             process.join()
+            if process.exitcode == EXIT_CONTROLLER_LOST:
+                self._gave_up.add(rank)
 
     def _kill_all(self) -> None:
         for process in self._workers.values():
