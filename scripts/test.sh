@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -n 2 --dist load --durations=30 "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist load --maxschedchunk 1 --durations=30 "$@"

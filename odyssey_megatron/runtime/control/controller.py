@@ -36,6 +36,7 @@ from odyssey_megatron.run_dir import read_jsonl
 from odyssey_megatron.runtime.control.blame import WaitGraph
 from odyssey_megatron.runtime.control.console import CONSOLE, failure_line
 from odyssey_megatron.runtime.control.detector import Cause, Detector, Failure, describe_exit
+from odyssey_megatron.runtime.control.heartbeat_reader import HeartbeatReader
 from odyssey_megatron.runtime.control.run_record import RunRecord
 from odyssey_megatron.runtime.control.store_server import StoreServer
 from odyssey_megatron.runtime.control.survivor_inbox import SurvivorInbox
@@ -59,7 +60,6 @@ from odyssey_megatron.runtime.protocol.messages import (
     ControllerHeartbeat,
     KillOrder,
     Message,
-    NodeHeartbeat,
     NodeLeft,
     NodeRegistration,
     parse_inbox,
@@ -127,8 +127,7 @@ class Controller:
         self._aborted: tuple[int, ...] = ()
         self._kill_orders: dict[int, int] = {}
         """Node -> kill orders queued for it so far (``ControllerHeartbeat.kill_orders``)."""
-        self._beats_seen: dict[str, bytes] = {}
-        """Heartbeat key -> the node heartbeat last parsed under it (the polling thread's)."""
+        self._heartbeats = HeartbeatReader()  # the polling thread's
         self._beat(self.store)  # before anyone can read it: a client's first look finds a controller
         self.detector = Detector(timeouts.heartbeat_timeout, timeouts.initial_heartbeat_timeout,
                                  controller_process=(socket.gethostname(), os.getpid()))
@@ -286,7 +285,7 @@ class Controller:
                     continue  # refused (logged once): never acted on
                 except ProtocolError as exc:
                     log.warning("controller: dropped a malformed inbox message: %s", exc)
-            beats = self._node_beats(store)
+            beats = self._heartbeats.read(store, self.detector.heartbeat_keys())
             now = time.monotonic()  # after the read: a stall before it only makes the beats fresher
             late = self.detector.looked(now)
             if late:
@@ -352,23 +351,6 @@ class Controller:
         if published is not None and (self._waits is None or self._waits.plan is not published[0]):
             self._waits = WaitGraph(*published)
         return self._waits
-
-    def _node_beats(self, store: SignedStore) -> dict[str, NodeHeartbeat]:
-        """Every live node's heartbeat that is new since the last read, in one request."""
-        keys = self.detector.heartbeat_keys()
-        unseen = [key for key in keys if key not in self._beats_seen]
-        if unseen and not store.check(unseen):  # a sender that broke protocol (or a forger): multi_get would wait
-            keys = [key for key in keys if key in self._beats_seen or store.check([key])]
-        beats = {}
-        for key, raw in zip(keys, store.multi_get(keys) if keys else []):
-            if raw is None or raw == DOORBELL or raw == self._beats_seen.get(key):
-                continue  # forged (refused, logged), rung since its last beat, or no beat since the last read
-            self._beats_seen[key] = raw
-            try:
-                beats[key] = NodeHeartbeat.from_json(raw)
-            except ProtocolError as exc:
-                log.warning("controller: malformed heartbeat under %s: %s", key, exc)
-        return beats
 
     def _report(self, store: SignedStore, failure: Failure) -> None:
         """Record a failure, order the kill of failed ranks that may still run, fence a lost

@@ -213,7 +213,9 @@ class NodeLauncher:
         lost_wall = time.time()
         deadline = time.monotonic() + timeouts.collective_timeout + timeouts.controller_reattach_s
         while self._workers and time.monotonic() < deadline:
-            if timeouts.controller_reattach_s > 0 and (store := self._restarted_store(lost_wall)) is not None:
+            store = _restarted_store(self.config, self._signer, timeouts, lost_wall) \
+                if timeouts.controller_reattach_s > 0 else None
+            if store is not None:
                 break
             self._reap_exited(timeout=timeouts.heartbeat_interval)
         else:
@@ -232,22 +234,6 @@ class NodeLauncher:
         key = launcher_key(self.config.node_rank)
         if store.check([key]) and store.multi_get([key]) == [self._name.encode()]:
             store.delete_key(key)
-
-    def _restarted_store(self, lost_wall: float) -> Optional[SignedStore]:
-        """The restarted controller's store, once it beats there (a beat sent after the
-        loss); else None."""
-        try:
-            store = connect_signed(self.config.master_addr, self.config.master_port, signer=self._signer,
-                                   timeout=datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
-            store.set_timeout(datetime.timedelta(seconds=self.timeouts.heartbeat_timeout))
-            if not store.check([CONTROLLER_HEARTBEAT]):
-                return None
-            beat = store.get(CONTROLLER_HEARTBEAT)
-        except (dist.DistError, ProtocolError):
-            return None
-        if beat is None or ControllerHeartbeat.from_json(beat).sent_at <= lost_wall:
-            return None  # forged (refused, logged), or the lost controller's last beat
-        return store
 
     def request_stop(self, signal_name: str) -> None:
         """Ask the controller to stop the run (from the main thread's signal handler; the
@@ -404,3 +390,21 @@ class NodeLauncher:
         for process in self._workers.values():
             process.join()
         self._workers.clear()
+
+
+def _restarted_store(config: LaunchConfig, signer: Signer, timeouts: Timeouts,
+                     lost_wall: float) -> Optional[SignedStore]:
+    """The restarted controller's store at the lost one's address, once it beats there (a
+    beat sent after the loss at ``lost_wall``); else None."""
+    try:
+        store = connect_signed(config.master_addr, config.master_port, signer=signer,
+                               timeout=datetime.timedelta(seconds=timeouts.heartbeat_timeout))
+        store.set_timeout(datetime.timedelta(seconds=timeouts.heartbeat_timeout))
+        if not store.check([CONTROLLER_HEARTBEAT]):
+            return None
+        beat = store.get(CONTROLLER_HEARTBEAT)
+    except (dist.DistError, ProtocolError):
+        return None
+    if beat is None or ControllerHeartbeat.from_json(beat).sent_at <= lost_wall:
+        return None  # forged (refused, logged), or the lost controller's last beat
+    return store
