@@ -348,7 +348,7 @@ class NodeLauncher:
         if not any(store.check([reattach_verdict_key(r)])
                    and ReattachVerdict.from_json(store.get(reattach_verdict_key(r))).accepted for r in self._workers):
             return
-        for rank in sorted(self._gave_up):
+        for rank in sorted(self._gave_up - set(self._workers)):  # not one started afresh since (fenced)
             log.warning("node %d: rank %d gave up on the lost controller; starting it again to join the run the "
                         "restarted one took back", self.config.node_rank, rank)
             self._start_worker(self.config.ranks.index(rank), rank, joining=True)
