@@ -895,8 +895,10 @@ def test_a_first_generation_awaits_every_rank_of_this_start_and_none_that_failed
         detector.rank_joined(RankRegistration(rank, 30 + rank, "h", 1, survivor=True), now=1.0)
     detector.rank_exited(RankExit(3, 1, 0, 1001.5), wall=1001.5)  # refused: it exits
     assert detector.awaited(range(6)) == (2, 3, 4, 5)
+    detector.node_joined(NodeRegistration(1, 11, "h", (3, 4, 5)), now=1.1, wall=1001.1)  # after its survivors
     for rank in (4, 5):
         detector.rank_exited(RankExit(rank, 1, 0, 1001.5), wall=1001.5)
+    assert detector.awaited(range(6)) == (2, 3, 4, 5)
     detector.node_left(NodeLeft(1, 1001.6))
     assert detector.awaited(range(6)) == (2, 3, 4, 5)
     assert detector.node_joined(NodeRegistration(1, 12, "h", (3, 4, 5)), now=2.0, wall=1002.0) is None  # started again

@@ -199,8 +199,8 @@ class Detector:
             replaced = self._fail_node(msg.node, wall, f"launcher pid {old.pid} on {old.host} replaced by pid "
                                                        f"{msg.pid} on {msg.host}")
         self.nodes[msg.node] = _Node(msg.ranks, msg.pid, msg.host, wall, HeartbeatWatch(timeout, now))
-        for rank in msg.ranks:
-            self.ranks[rank] = _Rank(node=msg.node)
+        for rank in msg.ranks:  # a reattaching launcher may register after its survivors did: they stay survivors
+            self.ranks[rank] = _Rank(node=msg.node, survivor=rank in self.ranks and self.ranks[rank].survivor)
         return replaced
 
     def rank_joined(self, msg: RankRegistration, now: float) -> None:
