@@ -106,24 +106,24 @@ def slow_device(directory: Path, *, forward_s: float) -> str:
     return f"cluster.emulate_device={path}"
 
 
+def _failure_free(tmp_path_factory, data_cache: Path, name: str, steps: int) -> Path:
+    """The failure-free run of ``steps`` steps, built once for every xdist worker."""
+    def run(directory: Path) -> str:
+        status, _, err = finish(train(directory / name, data_cache, steps=steps))
+        assert status == 0, err[-4000:]
+        return str(directory / name)
+    return Path(built_once(tmp_path_factory, name, run))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_cache) -> Path:
-    """The failure-free run of ``STEPS`` steps (built once for every xdist worker)."""
-    def run(directory: Path) -> str:
-        status, _, err = finish(train(directory / "failure-free", data_cache))
-        assert status == 0, err[-4000:]
-        return str(directory / "failure-free")
-    return Path(built_once(tmp_path_factory, "failure-free", run))
+    return _failure_free(tmp_path_factory, data_cache, "failure-free", STEPS)
 
 
 @pytest.fixture(scope="module")
 def long_reference(tmp_path_factory, data_cache) -> Path:
     """The failure-free run of ``GROWING_STEPS`` steps: long enough to lose workers and grow back."""
-    def run(directory: Path) -> str:
-        status, _, err = finish(train(directory / "failure-free-long", data_cache, steps=GROWING_STEPS))
-        assert status == 0, err[-4000:]
-        return str(directory / "failure-free-long")
-    return Path(built_once(tmp_path_factory, "failure-free-long", run))
+    return _failure_free(tmp_path_factory, data_cache, "failure-free-long", GROWING_STEPS)
 
 
 def assert_same_training(run_dir: Path, reference: Path, *, controller_killed: bool = False) -> None:
@@ -749,8 +749,9 @@ def test_a_node_lost_with_the_controller_and_its_writers_leaves_a_checkpoint_the
     common = ["parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=8",
               "cluster.devices_per_node=4", "odyssey.online_profile=false", "odyssey.controller_reattach_s=120",
               "--nnodes", "2", "--master-port", str(port)]
-    node0 = train(run_dir, data_cache, *common, slow_device(tmp_path, forward_s=0.02), node_rank=0)
-    node1 = train(run_dir, data_cache, *common, slow_device(tmp_path, forward_s=0.02), node_rank=1)
+    slow = slow_device(tmp_path, forward_s=0.02)
+    node0 = train(run_dir, data_cache, *common, slow, node_rank=0)
+    node1 = train(run_dir, data_cache, *common, slow, node_rank=1)
     ended1: list[tuple[int, str, str]] = []  # read from the start: a full pipe would stall node 1's launcher
     reader = threading.Thread(target=lambda: ended1.append(finish(node1)), daemon=True)
     reader.start()

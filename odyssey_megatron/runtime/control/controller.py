@@ -123,7 +123,7 @@ class Controller:
         self._beating = threading.Lock()
         """The polling thread and the owner (an abort) both beat."""
         self._judging = threading.Lock()
-        """The polling thread and the owner (``fail_late``) both pass verdicts on ranks."""
+        """The polling thread and the owner (``fail_late``, ``awaited``) both pass verdicts on ranks."""
         self._aborted: tuple[int, ...] = ()
         self._kill_orders: dict[int, int] = {}
         """Node -> kill orders queued for it so far (``ControllerHeartbeat.kill_orders``)."""

@@ -117,8 +117,7 @@ class TrainingRun(RunState):
         collective timeout (a node's command started again after its survivors were
         refused, measured 40 s later) ends under the ranks that came first, which wait then
         for a plan that nothing fails them into, and those that come later stall alone."""
-        cluster, generation = self.center.cluster, self.center.plan.generation
-        ranks = sorted(r for w in self.center.plan.workers for r in cluster.worker_ranks(w))
+        generation, ranks = self.center.plan.generation, self.training_ranks(self.center.plan)
         deadline = time.monotonic() + self.timeouts.recovery_timeout
         awaited = self.controller.awaited(ranks)
         if awaited:
