@@ -11,7 +11,8 @@ from megatron.core.optimizer import OptimizerConfig
 from odyssey_megatron.config import ModelConfig, TrainingConfig
 from odyssey_megatron.data import SyntheticTokens
 from odyssey_megatron.blocks import StageSpec
-from odyssey_megatron.hooks.model import build_stage_model, global_name
+from odyssey_megatron.hooks.global_weights import global_name
+from odyssey_megatron.hooks.model import build_stage_model
 from odyssey_megatron.hooks.process_groups import RankMap
 from odyssey_megatron.schedules.program import read_published
 

@@ -56,7 +56,8 @@ def round_trip(rank: int, world_size: int, cases: list[tuple[str, str, str, bool
     """Per case (name, plan JSON, params dtype, tied embeddings): train ``steps`` steps,
     export every block, import the copies into a fresh state, build a second runner from
     it, and take one more step on both runners. Reports what differs bitwise."""
-    from odyssey_megatron.hooks.model import build_stage_model, global_name
+    from odyssey_megatron.hooks.global_weights import global_name
+    from odyssey_megatron.hooks.model import build_stage_model
     from odyssey_megatron.runtime.rank.plan_runner import initial_state
 
     results = {}

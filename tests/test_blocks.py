@@ -100,7 +100,8 @@ def _megatron_stages(rank: int, world_size: int, fields: dict) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from odyssey_megatron.hooks.grad_sync import parameters_by_block
-    from odyssey_megatron.hooks.model import build_stage_model, global_name, is_tied
+    from odyssey_megatron.hooks.global_weights import global_name
+    from odyssey_megatron.hooks.model import build_stage_model, is_tied
 
     singles = [dist.new_group([r]) for r in range(world_size)]
     pair = dist.new_group(list(range(world_size)))

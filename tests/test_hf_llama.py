@@ -27,7 +27,7 @@ from odyssey_megatron.hooks.hf_llama import (
     save_hf_checkpoint,
 )
 from odyssey_megatron.blocks import StageSpec
-from odyssey_megatron.hooks.model import StageShard, merge_stage_state_dicts, stage_state_dict
+from odyssey_megatron.hooks.global_weights import StageShard, merge_stage_state_dicts, stage_state_dict
 from odyssey_megatron.testing.local_world import run_world
 from odyssey_megatron.specs import MODEL_SPECS
 

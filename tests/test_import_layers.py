@@ -41,8 +41,8 @@ FLOORS: list[tuple[str, str]] = [
      "the one stateful door to planning, and the seeded local worlds and fault plans of the tests"),
     ("runtime.rank runtime.control simulator",
      "inside a worker, what outlives the workers, and the simulator: each drives the floors below"),
-    ("runtime.train",
-     "odyssey train: where the two sides of the runtime meet"),
+    ("runtime.train runtime.data_preparation",
+     "odyssey train: where the two sides of the runtime meet, and node 0's data, prepared apart from its controller"),
     ("cli report device_check",
      "the commands and what they print, and the check a first GPU machine runs"),
 ]

@@ -13,7 +13,7 @@ from helpers import asymmetric_plan, symmetric_plan
 from odyssey_megatron.blocks import EMBEDDING, OUTPUT, StageSpec
 from odyssey_megatron.cluster import ClusterState
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.model import StageShard, merge_stage_state_dicts
+from odyssey_megatron.hooks.global_weights import StageShard, merge_stage_state_dicts
 from odyssey_megatron.hooks.training_state import BlockState, TrainingState
 from odyssey_megatron.profile import uniform_profile
 from odyssey_megatron.restorer import check_transfers, live_holdings, plan_transfers, with_sync

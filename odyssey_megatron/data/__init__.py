@@ -8,7 +8,7 @@ micro-batch source ``IndexedTokens``); ``synthetic`` (random tokens, for tests t
 need shapes and determinism).
 """
 
-from odyssey_megatron.data.indexed import IndexedTokens, PreparedData, prepare_data
+from odyssey_megatron.data.indexed import IndexedTokens, PreparedData, prepare_data, sample_ids
 from odyssey_megatron.data.synthetic import SyntheticTokens
 
-__all__ = ["IndexedTokens", "PreparedData", "SyntheticTokens", "prepare_data"]
+__all__ = ["IndexedTokens", "PreparedData", "SyntheticTokens", "prepare_data", "sample_ids"]

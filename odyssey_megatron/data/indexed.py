@@ -1,10 +1,10 @@
 """The corpus tokenized into Megatron-Core's IndexedDataset and packed by its GPTDataset.
 
-``prepare_data`` runs once, before any worker starts (the launcher; a test's parent): it
-tokenizes every document, appends the end-of-document token, writes the ``.bin``/``.idx``
-pair with ``IndexedDatasetBuilder`` and has ``GPTDataset`` build and cache its document,
-sample and shuffle indices (its C++ helpers ship compiled in the megatron-core wheel).
-Everything is cached under keys of its inputs, so a rerun reuses it. GPTDataset loads its
+``prepare_data`` runs once, before any worker starts (on node 0, in a process of its own:
+``runtime.data_preparation``; a test's parent): it tokenizes every document, appends the
+end-of-document token, writes the ``.bin``/``.idx`` pair with ``IndexedDatasetBuilder``
+and has ``GPTDataset`` build and cache its document, sample and shuffle indices (its C++
+helpers ship compiled in the megatron-core wheel). Everything is cached under keys of its inputs, so a rerun reuses it. GPTDataset loads its
 cached indices with ``numpy.load(allow_pickle=True)`` (a pickle if the file is not
 ``.npy``) and cannot be told otherwise, so ``prepare_data`` opens a cache that only you
 could have written (``file_trust``; a new cache directory is made for its owner alone).
@@ -32,7 +32,7 @@ from odyssey_megatron.data.corpus import corpus_files, load_corpus
 from odyssey_megatron.data.tokenizer import load_megatron_tokenizer, load_tokenizer, prepare_tokenizer
 from odyssey_megatron.file_trust import check_private
 
-__all__ = ["IndexedTokens", "PreparedData", "open_dataset", "prepare_data"]
+__all__ = ["IndexedTokens", "PreparedData", "open_dataset", "prepare_data", "sample_ids"]
 
 _BATCH_DOCUMENTS = 1000
 
@@ -150,6 +150,22 @@ def open_dataset(prepared: PreparedData):
     return GPTDataset(indexed, prepared.prefix, documents, prepared.num_samples, Split.train, config)
 
 
+def sample_ids(prepared: PreparedData, step: int, micro_batch: int, *, micro_batch_size: int,
+               num_micro_batches: int) -> list[int]:
+    """The global samples of micro-batch ``micro_batch`` of step ``step`` (``IndexedTokens``'
+    order), from the numbers alone: the controller's process records them without opening
+    the dataset."""
+    if not 0 <= micro_batch < num_micro_batches:
+        raise IndexError(f"micro-batch {micro_batch} outside 0..{num_micro_batches - 1}")
+    first = (step * num_micro_batches + micro_batch) * micro_batch_size
+    ids = list(range(first, first + micro_batch_size))
+    if step < 0 or ids[-1] >= prepared.num_samples:
+        raise IndexError(f"step {step} needs samples up to {ids[-1]}; the data was prepared for "
+                         f"{prepared.num_samples} ({prepared.num_samples // (num_micro_batches * micro_batch_size)} "
+                         "steps)")
+    return ids
+
+
 class IndexedTokens:
     """Micro-batches of the prepared corpus, addressed like ``SyntheticTokens``: micro-batch
     ``m`` of step ``s`` holds global samples ``(s * num_micro_batches + m) * micro_batch_size``
@@ -167,14 +183,8 @@ class IndexedTokens:
         return self.prepared.num_samples // (self.num_micro_batches * self.micro_batch_size)
 
     def sample_ids(self, step: int, micro_batch: int) -> list[int]:
-        if not 0 <= micro_batch < self.num_micro_batches:
-            raise IndexError(f"micro-batch {micro_batch} outside 0..{self.num_micro_batches - 1}")
-        first = (step * self.num_micro_batches + micro_batch) * self.micro_batch_size
-        ids = list(range(first, first + self.micro_batch_size))
-        if step < 0 or ids[-1] >= self.prepared.num_samples:
-            raise IndexError(f"step {step} needs samples up to {ids[-1]}; "
-                             f"the data was prepared for {self.prepared.num_samples} ({self.num_steps} steps)")
-        return ids
+        return sample_ids(self.prepared, step, micro_batch, micro_batch_size=self.micro_batch_size,
+                          num_micro_batches=self.num_micro_batches)
 
     def micro_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
         """``tokens``, ``labels``, ``loss_mask``, ``position_ids`` [micro_batch_size, seq_length]

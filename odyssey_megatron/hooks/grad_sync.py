@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from odyssey_megatron.blocks import Block, StageSpec, block_of_parameter
 from odyssey_megatron.hooks.accelerator import required_device
-from odyssey_megatron.hooks.model import global_name, is_tied
+from odyssey_megatron.hooks.global_weights import global_name
+from odyssey_megatron.hooks.model import is_tied
 from odyssey_megatron.hooks.op_clock import OpClock
 from odyssey_megatron.plan import ExecutionPlan
 

@@ -32,7 +32,7 @@ import torch
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.blocks import EMBEDDING_WEIGHT, FINAL_NORM
-from odyssey_megatron.hooks.model import TIED_OUTPUT
+from odyssey_megatron.blocks import OUTPUT_WEIGHT as TIED_OUTPUT
 from odyssey_megatron.specs.hf_config import HF_NAMES, read_model_fields
 
 __all__ = ["hf_state_dict", "llama_config", "load_hf_checkpoint", "megatron_state_dict", "save_hf_checkpoint"]

@@ -10,9 +10,8 @@ source: every tensor of the *full* model is drawn from a generator seeded by the
 seed and the tensor's global name, and each rank keeps its slice (its layers, its TP
 shard). The same layer is therefore identical on every pipeline and equal to a
 single-process model's. The source can also be a whole-model state dict in global names
-(an imported Hugging Face checkpoint, a run's final weights): ``stage_state_dict`` slices
-it for a stage and TP rank, and ``merge_stage_state_dicts`` puts the stages' slices back
-together.
+(an imported Hugging Face checkpoint, a run's final weights), sliced for a stage and TP
+rank by ``hooks.global_weights``, which also puts the slices back together.
 
 Tied embeddings: a last stage that is not also the first keeps its own copy of the word
 embeddings as ``output_layer.weight``, drawn from the embedding's source; the copies
@@ -22,10 +21,7 @@ them equal.
 
 from __future__ import annotations
 
-import re
-import zlib
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -40,13 +36,11 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer import TransformerConfig
 
-from odyssey_megatron.blocks import EMBEDDING_WEIGHT, StageSpec, tensor_parallel_dim
-from odyssey_megatron.blocks import OUTPUT_WEIGHT as TIED_OUTPUT
+from odyssey_megatron.blocks import StageSpec
 from odyssey_megatron.config import ModelConfig
+from odyssey_megatron.hooks.global_weights import global_name, initial_shard, stage_state_dict
 
-INIT_STD = 0.02
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def transformer_config(model: ModelConfig, *, num_layers: int, tensor_parallel_size: int) -> TransformerConfig:
@@ -149,53 +143,11 @@ def is_tied(gpt: torch.nn.Module) -> bool:
     return bool(getattr(gpt, "share_embeddings_and_output_weights", False))
 
 
-def global_name(local_name: str, layer_offset: int, *, tied: bool = False) -> str:
-    """``decoder.layers.3.x`` of a stage starting at layer 8 is ``decoder.layers.11.x``;
-    with tied embeddings the last stage's output weight is the embedding."""
-    if tied and local_name == TIED_OUTPUT:
-        return EMBEDDING_WEIGHT
-    return _LAYER_KEY.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
-
-
 def _full_shape(param: torch.nn.Parameter, tp_size: int) -> list[int]:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp_size
     return shape
-
-
-def _shard(full: torch.Tensor, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
-    dim = tensor_parallel_dim(name)
-    if dim is None or tp_size == 1:
-        return full
-    if name.endswith("linear_fc1.weight"):
-        # SwiGLU: the full weight is [gate; up]; each rank holds [gate shard; up shard].
-        gate, up = full.chunk(2, dim=dim)
-        return torch.cat([gate.chunk(tp_size, dim=dim)[tp_rank], up.chunk(tp_size, dim=dim)[tp_rank]], dim=dim)
-    return full.chunk(tp_size, dim=dim)[tp_rank]
-
-
-def _unshard(shards: list[torch.Tensor], name: str) -> torch.Tensor:
-    """The inverse of ``_shard`` over every TP rank's shard, in TP rank order."""
-    dim = tensor_parallel_dim(name)
-    if dim is None or len(shards) == 1:
-        return shards[0]
-    if name.endswith("linear_fc1.weight"):
-        halves = [shard.chunk(2, dim=dim) for shard in shards]
-        return torch.cat([torch.cat([g for g, _ in halves], dim=dim), torch.cat([u for _, u in halves], dim=dim)], dim=dim)
-    return torch.cat(shards, dim=dim)
-
-
-def initial_shard(full_name: str, full_shape: Sequence[int], *, seed: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The one source's initial value of a parameter, in fp32, sliced to a TP rank's shard:
-    norm weights 1; every other tensor N(0, INIT_STD) drawn for the full model from a
-    generator seeded by (seed, global name)."""
-    if "norm" in full_name and len(full_shape) == 1:
-        return torch.ones(tuple(full_shape), dtype=torch.float32)
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{full_name}".encode()))
-    full = torch.empty(tuple(full_shape), dtype=torch.float32)
-    full.normal_(0.0, INIT_STD, generator=generator)
-    return _shard(full, full_name, tp_rank, tp_size)
 
 
 def init_stage_parameters(gpt: torch.nn.Module, *, stage: StageSpec, seed: int, tp_rank: int, tp_size: int) -> None:
@@ -207,35 +159,6 @@ def init_stage_parameters(gpt: torch.nn.Module, *, stage: StageSpec, seed: int, 
             full_name = global_name(name, stage.layers[0], tied=is_tied(gpt))
             param.copy_(initial_shard(full_name, _full_shape(param, tp_size), seed=seed, tp_rank=tp_rank,
                                       tp_size=tp_size).to(param.dtype))
-
-
-def _local_name(full_name: str, stage: StageSpec) -> Optional[str]:
-    """The stage's own name for a global parameter, or None if the stage does not hold it."""
-    layer = _LAYER_KEY.match(full_name)
-    if layer is not None:
-        index = int(layer.group(1))
-        if not stage.layers[0] <= index < stage.layers[1]:
-            return None
-        return _LAYER_KEY.sub(f"decoder.layers.{index - stage.layers[0]}.", full_name)
-    if full_name.startswith("embedding."):
-        return full_name if stage.first else None
-    return full_name if stage.last else None
-
-
-def stage_state_dict(
-    full: Mapping[str, torch.Tensor], *, stage: StageSpec, tp_rank: int, tp_size: int, tied: bool
-) -> dict[str, torch.Tensor]:
-    """``stage``'s parameters (its names, this TP rank's shards) out of a whole-model state
-    dict in global names. With tied embeddings a last stage that is not the first gets the
-    embedding as its ``output_layer.weight``."""
-    local = {}
-    for full_name, tensor in full.items():
-        name = _local_name(full_name, stage)
-        if name is not None:
-            local[name] = _shard(tensor, name, tp_rank, tp_size)
-    if tied and stage.last and not stage.first:
-        local[TIED_OUTPUT] = _shard(full[EMBEDDING_WEIGHT], TIED_OUTPUT, tp_rank, tp_size)
-    return local
 
 
 def load_stage_parameters(
@@ -252,35 +175,3 @@ def load_stage_parameters(
             if state[name].shape != param.shape:
                 raise ValueError(f"weights: {name} has shape {tuple(state[name].shape)}, the stage needs {tuple(param.shape)}")
             param.copy_(state[name])
-
-
-@dataclass(frozen=True)
-class StageShard:
-    """One rank's parameters: its stage, its TP rank, and its state dict in the stage's own names."""
-
-    stage: StageSpec
-    tp_rank: int
-    tp_size: int
-    state: Mapping[str, torch.Tensor]
-
-
-def merge_stage_state_dicts(shards: Iterable[StageShard], *, tied: bool) -> dict[str, torch.Tensor]:
-    """The whole-model state dict in global names from every stage's shards (the inverse of
-    ``stage_state_dict``). Replicas (DP peers, a tied output copy) hold equal tensors; the
-    first one seen is kept. Raises ValueError if a tensor lacks a TP rank's shard."""
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    sizes: dict[str, int] = {}
-    for shard in shards:
-        for name, tensor in shard.state.items():
-            full_name = global_name(name, shard.stage.layers[0], tied=tied)
-            pieces.setdefault(full_name, {}).setdefault(shard.tp_rank, tensor)
-            sizes[full_name] = shard.tp_size if tensor_parallel_dim(full_name) is not None else 1
-    full = {}
-    for name, by_rank in pieces.items():
-        if sizes[name] == 1:
-            full[name] = by_rank[min(by_rank)]
-            continue
-        if sorted(by_rank) != list(range(sizes[name])):
-            raise ValueError(f"{name}: shards of TP ranks {sorted(by_rank)}, need 0..{sizes[name] - 1}")
-        full[name] = _unshard([by_rank[r] for r in range(sizes[name])], name)
-    return full

@@ -44,7 +44,8 @@ from odyssey_megatron.blocks import Block, StageSpec, block_sort_key
 from odyssey_megatron.config import DType, TrainingConfig
 from odyssey_megatron.hooks.grad_sync import block_of, clip_scale
 from odyssey_megatron.hooks.lr_schedule import LrSchedule, StepScheduler
-from odyssey_megatron.hooks.model import global_name, is_tied
+from odyssey_megatron.hooks.global_weights import global_name
+from odyssey_megatron.hooks.model import is_tied
 from odyssey_megatron.hooks.training_state import BlockState, TrainingState
 from odyssey_megatron.optimizer_shards import REPLICAS, first_owned_range, owned_ranges
 

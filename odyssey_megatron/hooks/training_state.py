@@ -49,7 +49,7 @@ from odyssey_megatron.blocks import (
     state_entries,
 )
 from odyssey_megatron.config import ModelConfig
-from odyssey_megatron.hooks.model import initial_shard
+from odyssey_megatron.hooks.global_weights import initial_shard
 
 __all__ = ["BlockState", "TrainingState", "empty_block"]
 

@@ -18,7 +18,7 @@ import torch
 
 from odyssey_megatron.config import ModelConfig
 from odyssey_megatron.blocks import StageSpec, stage_blocks
-from odyssey_megatron.hooks.model import StageShard, merge_stage_state_dicts
+from odyssey_megatron.hooks.global_weights import StageShard, merge_stage_state_dicts
 from odyssey_megatron.hooks.training_state import TrainingState
 from odyssey_megatron.plan import ExecutionPlan
 from odyssey_megatron.run_dir import write_atomically

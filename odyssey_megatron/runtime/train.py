@@ -3,7 +3,8 @@ its launcher; every other node runs its launcher alone. This is where the two si
 the runtime meet: the control side's launcher starts the rank side's worker.
 
 Node 0 first locks the run directory (``run_lock``: one controller per run), then
-prepares the data (tokenized, indexed and cached once, before any worker starts), writes
+prepares the data (tokenized, indexed and cached once, before any worker starts, in a
+process apart: ``runtime.data_preparation``), writes
 the resolved recipe to the run directory and publishes the ``RunSpec`` every worker
 reads. The launcher runs in the main thread (it starts the workers, whose
 parent-death signal follows that thread); the controller's polling and the run's owner
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 from odyssey_megatron.config import RecipeConfig, config_yaml
+from odyssey_megatron.data import sample_ids
 from odyssey_megatron.decision_center import DecisionCenter, checkpoint_interval
-from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.planner import UnrecoverableFailure
 from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl, write_json, write_text
 from odyssey_megatron.run_lock import RunDirLock
@@ -41,9 +42,11 @@ from odyssey_megatron.runtime.control.training_run import (
     forget_steps_from,
 )
 from odyssey_megatron.runtime.control.wandb_trace import WandbTrace
+from odyssey_megatron.runtime.data_preparation import prepare_apart
 from odyssey_megatron.runtime.protocol.auth import launcher_secret
 from odyssey_megatron.runtime.protocol.keys import RUN_DONE, RUN_SPEC
 from odyssey_megatron.runtime.protocol.messages import RunSpec
+from odyssey_megatron.runtime.rank.entry import train_worker
 from odyssey_megatron.timeouts import Timeouts
 
 __all__ = ["TrainOutcome", "as_trained", "train_node"]
@@ -70,8 +73,6 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
     """Run this node's part of the training run; on node 0, the whole run's outcome.
     ``resume``: (committed steps, checkpoint directory) to continue from."""
     if launch.node_rank != 0:
-        from odyssey_megatron.runtime.rank.worker import train_worker
-
         timeouts = config.odyssey.timeouts
         # As long as the launcher would wait for node 0's store: node 0 makes the secret first.
         secret = launcher_secret(run_dir, os.environ, wait_s=timeouts.recovery_timeout)
@@ -157,10 +158,9 @@ def _owned_to_the_end(config: RecipeConfig, launch: LaunchConfig, controller: Co
                       resume: Optional[tuple[int, Path]]) -> TrainOutcome:
     """Node 0 from its started controller to the run's outcome: the data prepared, where a
     resume goes on from, the run's owner in its thread and this node's launcher."""
-    from odyssey_megatron.runtime.rank.worker import train_worker
-
     timeouts = config.odyssey.timeouts
-    prepared = _prepare_data(config)
+    prepared = prepare_apart(config, run_dir=run_dir, stopped=lambda: controller.stop_request is not None,
+                             poll_s=timeouts.poll_interval)
     center = DecisionCenter.from_recipe(config, settles_at_once=False)
     start_step, continuing = 0, None
     if resume is not None:
@@ -279,13 +279,12 @@ def _record_steps_the_controller_missed(samples: Path, upto: int, prepared, conf
     resumed checkpoint holds them; a rank applies committed steps only) after the controller
     last recorded one, when it died. Their samples follow from the step; their loss was
     never reported (null)."""
-    from odyssey_megatron.data import IndexedTokens
-
     recorded = {record["step"] for record in read_jsonl(samples, key="--resume")} if samples.is_file() else set()
     train = config.training
-    tokens = IndexedTokens(prepared, micro_batch_size=train.micro_batch_size, num_micro_batches=train.num_micro_batches)
     for step in (step for step in range(upto) if step not in recorded):
-        ids = [i for m in range(train.num_micro_batches) for i in tokens.sample_ids(step, m)]
+        ids = [i for m in range(train.num_micro_batches)
+               for i in sample_ids(prepared, step, m, micro_batch_size=train.micro_batch_size,
+                                   num_micro_batches=train.num_micro_batches)]
         append_jsonl(samples, {"step": step, "generation": None, "samples": ids, "loss": None, "recovered": True})
 
 
@@ -304,21 +303,3 @@ def _log_to_run_dir_of(spec: bytes, node: int) -> None:
     ``RunSpec`` names (its own ``--run-dir`` may differ, and writing there before node 0
     has made it would make node 0 refuse it); until node 0 published it, to the terminal only."""
     log_node_to(Path(RunSpec.from_json(spec).run_dir), node)
-
-
-def _prepare_data(config: RecipeConfig):
-    import datasets
-
-    from odyssey_megatron.data import prepare_data
-
-    datasets.disable_progress_bars()  # the terminal shows training progress; preparing data is logged
-
-    model, train, data = config.model, config.training, config.data
-    try:
-        return prepare_data(corpus=data.corpus, tokenizer=data.tokenizer, vocab_size=model.vocab_size,
-                            seq_length=model.seq_length, num_samples=train.train_iters * train.global_batch_size,
-                            seed=train.seed, cache_dir=data.cache_dir)
-    except ConfigError:
-        raise  # already names its key (an untrusted cache file: file_trust)
-    except ValueError as exc:
-        raise ConfigError("data.corpus", str(exc)) from None
