@@ -489,7 +489,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
     from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
     from odyssey_megatron.runtime.control.console import log_to_terminal
-    from odyssey_megatron.runtime.control.fork_server import start_fork_server
+    from odyssey_megatron.runtime.control.fork_server import WORKER_PRELOAD, start_fork_server
 
     no_checkpoint = ConfigError("--resume", f"{args.resume} holds no complete checkpoint of an odyssey train run "
                                             "(odyssey.checkpoint_interval was 0, or the run ended before one was due)")
@@ -524,7 +524,7 @@ def _train_command(args: argparse.Namespace) -> int:
         from odyssey_megatron.decision_center import DecisionCenter
 
         _checked_host_memory(config, DecisionCenter.from_recipe(config))
-    start_fork_server()  # its import of the workers' module overlaps with this process's own below
+    start_fork_server(WORKER_PRELOAD)  # its import of the workers' modules overlaps with this process's own below
     from odyssey_megatron.runtime.train import train_node
 
     pyplot()  # the report drawn at the end

@@ -151,7 +151,7 @@ def test_a_bad_host_memory_budget_is_one_line_naming_the_key(value, problem, cap
 def test_odyssey_train_refuses_before_any_rank_starts(tmp_path, capsys, monkeypatch):
     import odyssey_megatron.runtime.control.fork_server as fork_server
 
-    monkeypatch.setattr(fork_server, "start_fork_server", lambda: pytest.fail("a worker was about to start"))
+    monkeypatch.setattr(fork_server, "start_fork_server", lambda preload: pytest.fail("a worker was about to start"))
     run_dir = tmp_path / "run"
     assert main(["train", "--config", TINY, "--run-dir", str(run_dir), "cluster.host_memory_gib=0.0001"]) == 2
     err = capsys.readouterr().err

@@ -22,8 +22,7 @@ from odyssey_megatron.config import RecipeConfig
 from odyssey_megatron.data import PreparedData
 from odyssey_megatron.errors import ConfigError
 from odyssey_megatron.runtime.control.console import log_node_to, log_to_terminal
-from odyssey_megatron.runtime.control.fork_server import start_fork_server
-from odyssey_megatron.runtime.rank.entry import train_worker
+from odyssey_megatron.runtime.control.fork_server import WORKER_PRELOAD, start_fork_server
 
 __all__ = ["prepare_apart"]
 
@@ -37,7 +36,7 @@ def prepare_apart(config: RecipeConfig, *, run_dir: Path, stopped: Callable[[], 
     tokenized). A user error (a missing corpus, a tokenizer too large, an untrusted cache
     file) is the ConfigError the child met; a child that dies without an answer is a
     RuntimeError that says how it ended."""
-    context = start_fork_server(train_worker.__module__)
+    context = start_fork_server(WORKER_PRELOAD)
     answers, answer_end = context.Pipe(duplex=False)
     child = context.Process(target=_prepare_and_answer, args=(config, run_dir, answer_end), name="odyssey-data")
     child.start()

@@ -29,6 +29,7 @@ from odyssey_megatron.run_dir import append_jsonl, private_directory, read_jsonl
 from odyssey_megatron.run_lock import RunDirLock
 from odyssey_megatron.runtime.checkpoint_index import latest_checkpoint
 from odyssey_megatron.runtime.control.console import CONSOLE, log_node_to
+from odyssey_megatron.runtime.control.fork_server import WORKER_PRELOAD
 from odyssey_megatron.runtime.control.controller import Controller
 from odyssey_megatron.runtime.control.launch_config import LaunchConfig
 from odyssey_megatron.runtime.control.launcher import NodeLauncher
@@ -76,8 +77,8 @@ def train_node(config: RecipeConfig, launch: LaunchConfig, *, run_dir: Path,
         timeouts = config.odyssey.timeouts
         # As long as the launcher would wait for node 0's store: node 0 makes the secret first.
         secret = launcher_secret(run_dir, os.environ, wait_s=timeouts.recovery_timeout)
-        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker, secret=secret,
-                                restart_workers=config.odyssey.restart_workers,
+        launcher = NodeLauncher(launch, timeouts=timeouts, target=train_worker, preload=WORKER_PRELOAD,
+                                secret=secret, restart_workers=config.odyssey.restart_workers,
                                 on_run_spec=lambda spec: _log_to_run_dir_of(spec, launch.node_rank))
         signals = StopSignals(lambda name, status: launcher.request_stop(name))
         signals.install()
@@ -187,8 +188,8 @@ def _owned_to_the_end(config: RecipeConfig, launch: LaunchConfig, controller: Co
     if continuing is not None:  # this node's workers join the survivors' run, once it is under way
         _wait_published(controller, continuing.plan.generation + 1, owner)
     # A dedicated controller's node has no workers: it only owns the run.
-    status = NodeLauncher(launch, timeouts=timeouts, target=train_worker, secret=controller.secret,
-                          restart_workers=config.odyssey.restart_workers,
+    status = NodeLauncher(launch, timeouts=timeouts, target=train_worker, preload=WORKER_PRELOAD,
+                          secret=controller.secret, restart_workers=config.odyssey.restart_workers,
                           joining=continuing is not None).run() if launch.ranks else 0
     while owner.is_alive():  # node 0's workers may all be gone while other nodes train on
         owner.join(timeout=timeouts.heartbeat_interval)

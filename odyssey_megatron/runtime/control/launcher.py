@@ -54,7 +54,7 @@ import multiprocessing.connection
 import os
 import socket
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -113,10 +113,12 @@ class NodeLauncher:
 
     def __init__(self, config: LaunchConfig, *, timeouts: Timeouts, target: Callable[[WorkerLaunch], None],
                  secret: bytes, restart_workers: int = 0, on_run_spec: Optional[Callable[[bytes], None]] = None,
-                 joining: bool = False):
-        """``joining``: the run is under way (node 0 of a run a restarted controller goes on
-        with from its survivors' memory); a launcher that finds the node's launcher key
-        taken knows it by itself."""
+                 joining: bool = False, preload: Sequence[str] = ()):
+        """``preload``: what the fork server imports for the workers beside ``target``'s own
+        module (``odyssey train``: ``fork_server.WORKER_PRELOAD``; a test's idle workers
+        need nothing more). ``joining``: the run is under way (node 0 of a run a restarted
+        controller goes on with from its survivors' memory); a launcher that finds the
+        node's launcher key taken knows it by itself."""
         self.config, self.timeouts, self.target = config, timeouts, target
         self._secret = secret  # the run's (``protocol.auth``): for every store value, and for its workers
         self._signer = Signer(secret)
@@ -132,6 +134,7 @@ class NodeLauncher:
         """What this launcher writes under the node's launcher key."""
         self._joining = joining
         """The run was under way when this launcher started: its workers join it."""
+        self._preload = (getattr(target, "func", target).__module__, *preload)  # a partial's: its function's
         self._reattached = False
         """It reattached to a restarted controller (``runtime.control.reattaching``)."""
         self._refused: list[int] = []
@@ -245,7 +248,7 @@ class NodeLauncher:
                                                  tuple(self.config.ranks)).to_json())
 
     def _start_workers(self) -> None:
-        self._context = start_fork_server(self.target.__module__)
+        self._context = start_fork_server(self._preload)
         for local_rank, rank in enumerate(self.config.ranks):
             self._start_worker(local_rank, rank, joining=self._joining)
 
