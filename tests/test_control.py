@@ -690,6 +690,29 @@ def test_a_launcher_waits_for_the_run_spec_past_the_recovery_timeout_while_the_c
         controller.stop()
 
 
+def test_a_first_generation_stops_waiting_for_its_ranks_once_the_polling_thread_died(tmp_path, monkeypatch):
+    """A start's first generation waits for registrations the polling thread takes in
+    (``TrainingRun._await_first_ranks``): once that thread died, ``awaited`` raises at once
+    instead of answering the same ranks until the recovery timeout (two minutes by default)."""
+    controller = Controller(host="127.0.0.1", port=0, timeouts=TIMEOUTS, run_dir=tmp_path)
+    assert controller.awaited([0, 1]) == (0, 1)
+
+    def broken(store: SignedStore) -> None:
+        raise OSError("injected: the store connection broke")
+
+    monkeypatch.setattr(controller, "_poll", broken)
+    controller.start()
+    try:
+        deadline = time.monotonic() + 10
+        with pytest.raises(RuntimeError, match="the controller's polling thread died"):
+            while time.monotonic() < deadline:
+                controller.awaited([0, 1])
+                time.sleep(0.01)
+    finally:
+        monkeypatch.undo()  # stop() polls once more, on this thread
+        controller.stop()
+
+
 def test_the_controller_reads_node_beats_on_every_poll_and_checks_a_key_only_until_it_read_it(tmp_path):
     """Each poll reads every live node's beat (one ``multi_get``) before it judges silence,
     so no verdict rests on a beat older than the poll; and a key it read is never missing."""

@@ -170,9 +170,13 @@ class Controller:
         try:
             return self._failures.get(timeout=timeout)
         except queue.Empty:
-            if self._crash is not None:
-                raise RuntimeError("the controller's polling thread died") from self._crash
+            self._raise_if_polling_died()
             return None
+
+    def _raise_if_polling_died(self) -> None:
+        """Nothing the polling thread reads (failures, registrations) comes in once it died."""
+        if self._crash is not None:
+            raise RuntimeError("the controller's polling thread died") from self._crash
 
     def request_stop(self, reason: str, *, status: int) -> None:
         """Ask the run to stop at its next step boundary (the first request counts);
@@ -223,7 +227,9 @@ class Controller:
 
     def awaited(self, ranks: list[int]) -> tuple[int, ...]:
         """On the owner's thread: the ranks of ``ranks`` a start's first generation still
-        waits for (``Detector.awaited``)."""
+        waits for (``Detector.awaited``). Raises if the polling thread died: no rank would
+        be seen to register again, and the wait would last its whole timeout for nothing."""
+        self._raise_if_polling_died()
         with self._judging:
             return self.detector.awaited(ranks)
 
