@@ -4,11 +4,12 @@
 ``runtime.data_preparation``; a test's parent): it tokenizes every document, appends the
 end-of-document token, writes the ``.bin``/``.idx`` pair with ``IndexedDatasetBuilder``
 and has ``GPTDataset`` build and cache its document, sample and shuffle indices (its C++
-helpers ship compiled in the megatron-core wheel). Everything is cached under keys of its inputs, so a rerun reuses it. GPTDataset loads its
-cached indices with ``numpy.load(allow_pickle=True)`` (a pickle if the file is not
-``.npy``) and cannot be told otherwise, so ``prepare_data`` opens a cache that only you
-could have written (``file_trust``; a new cache directory is made for its owner alone).
-The workers open it after that check: no one else can change it in between.
+helpers ship compiled in the megatron-core wheel). Everything is cached under keys of its
+inputs, so a rerun reuses it. GPTDataset loads its cached indices with
+``numpy.load(allow_pickle=True)`` (a pickle if the file is not ``.npy``) and cannot be
+told otherwise, so ``prepare_data`` opens a cache that only you could have written
+(``file_trust``; a new cache directory is made for its owner alone). The workers open it
+after that check: no one else can change it in between.
 
 ``IndexedTokens`` is what a rank reads from: global sample ``i`` is ``GPTDataset[i]``,
 ``seq_length + 1`` packed tokens chosen by the seeded shuffle, the same on every rank and
@@ -160,10 +161,14 @@ def sample_ids(prepared: PreparedData, step: int, micro_batch: int, *, micro_bat
     first = (step * num_micro_batches + micro_batch) * micro_batch_size
     ids = list(range(first, first + micro_batch_size))
     if step < 0 or ids[-1] >= prepared.num_samples:
+        steps = _whole_steps(prepared, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches)
         raise IndexError(f"step {step} needs samples up to {ids[-1]}; the data was prepared for "
-                         f"{prepared.num_samples} ({prepared.num_samples // (num_micro_batches * micro_batch_size)} "
-                         "steps)")
+                         f"{prepared.num_samples} ({steps} steps)")
     return ids
+
+
+def _whole_steps(prepared: PreparedData, *, micro_batch_size: int, num_micro_batches: int) -> int:
+    return prepared.num_samples // (num_micro_batches * micro_batch_size)
 
 
 class IndexedTokens:
@@ -180,7 +185,8 @@ class IndexedTokens:
     @property
     def num_steps(self) -> int:
         """Whole steps the prepared samples cover."""
-        return self.prepared.num_samples // (self.num_micro_batches * self.micro_batch_size)
+        return _whole_steps(self.prepared, micro_batch_size=self.micro_batch_size,
+                            num_micro_batches=self.num_micro_batches)
 
     def sample_ids(self, step: int, micro_batch: int) -> list[int]:
         return sample_ids(self.prepared, step, micro_batch, micro_batch_size=self.micro_batch_size,

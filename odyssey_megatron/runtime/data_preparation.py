@@ -67,8 +67,8 @@ def prepare_apart(config: RecipeConfig, *, run_dir: Path, stopped: Callable[[], 
 def _prepare_and_answer(config: RecipeConfig, run_dir: Path, answer: Connection) -> None:
     """In the child: prepare, then send ("prepared", PreparedData), ("config_error", key,
     problem) or ("failed", traceback). It logs as node 0's process does: warnings on the
-    terminal, everything in node 0's log. Ctrl-C reaches every process of the terminal's group: the child leaves stopping
-    to its parent, which kills it."""
+    terminal, everything in node 0's log. Ctrl-C reaches every process of the terminal's
+    group: the child leaves stopping to its parent, which kills it."""
     import datasets
 
     from odyssey_megatron.data import prepare_data

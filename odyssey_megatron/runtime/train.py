@@ -4,11 +4,11 @@ the runtime meet: the control side's launcher starts the rank side's worker.
 
 Node 0 first locks the run directory (``run_lock``: one controller per run), then
 prepares the data (tokenized, indexed and cached once, before any worker starts, in a
-process apart: ``runtime.data_preparation``), writes
-the resolved recipe to the run directory and publishes the ``RunSpec`` every worker
-reads. The launcher runs in the main thread (it starts the workers, whose
-parent-death signal follows that thread); the controller's polling and the run's owner
-(``TrainingRun``: commits, decisions, plans) run in threads beside it.
+process apart: ``runtime.data_preparation``), writes the resolved recipe to the run
+directory and publishes the ``RunSpec`` every worker reads. The launcher runs in the main
+thread (it starts the workers, whose parent-death signal follows that thread); the
+controller's polling and the run's owner (``TrainingRun``: commits, decisions, plans) run
+in threads beside it.
 """
 
 from __future__ import annotations
